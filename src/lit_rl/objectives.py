@@ -1,0 +1,645 @@
+"""Policy-gradient objectives, advantage estimators and loss reductions.
+
+Pure tensor functions: no module state, no config objects.
+
+Conventions:
+    N: number of completions in the batch.
+    T: padded response length.
+    ``mask``: bool (or 0/1 float) tensor [N, T] of valid response tokens (no prompt, no padding).
+        Any nonzero entry counts as valid; masked positions may hold any finite or non-finite value,
+        the masked reductions never read them.
+    Every per-token "loss" returned here is the quantity to MINIMISE, i.e. the negative of the
+    surrogate objective ℓ that the papers maximise.
+
+Sources:
+    PPO: Schulman et al. 2017, "Proximal Policy Optimization Algorithms".
+    GAE: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation".
+    GRPO: Shao et al. 2024, "DeepSeekMath".
+    DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale".
+    Dr.GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
+    GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization".
+    CISPO: MiniMax 2025, "MiniMax-M1".
+    RLOO: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+        from Human Feedback in LLMs".
+    KL estimators: Schulman 2020, "Approximating KL Divergence" (blog post).
+"""
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+REDUCTION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+BASELINES = ("none", "batch_mean", "rloo")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Masked reductions
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Sum of ``x`` over the positions where ``mask`` is set.
+
+    Args:
+        x: float tensor of any shape.
+        mask: bool or 0/1 float tensor, same shape as ``x``. Nonzero entries are valid.
+        dim: dimension to reduce; ``None`` reduces over all elements.
+
+    Returns:
+        Float tensor: a scalar if ``dim`` is None, else ``x`` with ``dim`` removed.
+        Masked-out positions contribute exactly 0 (and 0 gradient) whatever value they hold,
+        including inf/NaN.
+
+    Raises:
+        ValueError: if ``mask`` and ``x`` have different shapes.
+    """
+    _check_same_shape(x, mask, "x", "mask")
+    values = torch.where(mask.bool(), x, torch.zeros_like(x))
+    if dim is None:
+        return values.sum()
+    return values.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is set; 0 (not NaN) where the mask is empty.
+
+    Args:
+        x: float tensor of any shape.
+        mask: bool or 0/1 float tensor, same shape as ``x``. Nonzero entries are valid.
+        dim: dimension to reduce; ``None`` reduces over all elements.
+
+    Returns:
+        Float tensor: a scalar if ``dim`` is None, else ``x`` with ``dim`` removed.
+
+    Raises:
+        ValueError: if ``mask`` and ``x`` have different shapes.
+    """
+    total = masked_sum(x, mask, dim)
+    mask = mask.bool()
+    count = (mask.sum() if dim is None else mask.sum(dim)).to(total.dtype)
+    # `total` is 0 where `count` is 0, so dividing by 1 there gives 0.
+    return total / count.clamp(min=1)
+
+
+def reduce_loss(
+    token_loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: Optional[Union[float, Tensor]] = None,
+    num_seqs: Optional[Union[float, Tensor]] = None,
+    max_response_length: Optional[int] = None,
+) -> Tensor:
+    """Reduce a per-token loss [N, T] to a scalar.
+
+    Modes (T_i = valid tokens of row i):
+        ``"token_mean"`` (DAPO): Σ_i Σ_t loss / num_tokens.
+        ``"seq_mean_token_mean"`` (GRPO): Σ_i (Σ_t loss / T_i) / num_seqs.
+        ``"seq_mean_token_sum"``: Σ_i Σ_t loss / num_seqs.
+        ``"constant"`` (Dr.GRPO): Σ_i Σ_t loss / (num_seqs · max_response_length).
+
+    ``num_tokens`` and ``num_seqs`` should be the totals of the WHOLE optimizer step (all
+    micro-batches, all ranks), so that summing this function's result over micro-batches gives the
+    loss of the whole batch at once. If None, this call's own totals are used: ``mask.sum()`` and
+    the number of rows with T_i > 0. Rows with T_i = 0 contribute 0 (no NaN). A zero denominator
+    (an entirely empty step) gives 0.
+
+    Args:
+        token_loss: float [N, T], the per-token loss to minimise.
+        mask: bool or 0/1 float [N, T].
+        mode: one of ``REDUCTION_MODES``.
+        num_tokens: total valid tokens of the step (used by ``"token_mean"``).
+        num_seqs: total sequences of the step (used by the other modes).
+        max_response_length: L_max, required by ``"constant"``.
+
+    Returns:
+        Scalar float tensor.
+
+    Raises:
+        ValueError: unknown ``mode``; ``"constant"`` without ``max_response_length``;
+            ``token_loss`` not 2-D or a shape mismatch with ``mask``.
+    """
+    if mode not in REDUCTION_MODES:
+        raise ValueError(f"Unknown loss reduction mode {mode!r}; expected one of {REDUCTION_MODES}")
+    if token_loss.dim() != 2:
+        raise ValueError(f"token_loss must be [N, T], got shape {tuple(token_loss.shape)}")
+    _check_same_shape(token_loss, mask, "token_loss", "mask")
+
+    lengths = mask.bool().sum(-1)
+    if num_tokens is None:
+        num_tokens = lengths.sum()
+    if num_seqs is None:
+        num_seqs = (lengths > 0).sum()
+
+    if mode == "token_mean":
+        return _safe_div(masked_sum(token_loss, mask), num_tokens)
+    if mode == "seq_mean_token_mean":
+        per_seq = masked_mean(token_loss, mask, dim=-1)
+        return _safe_div(per_seq.sum(), num_seqs)
+    if mode == "seq_mean_token_sum":
+        return _safe_div(masked_sum(token_loss, mask), num_seqs)
+    # "constant"
+    if max_response_length is None:
+        raise ValueError("reduce_loss mode 'constant' (Dr.GRPO) needs max_response_length")
+    num_seqs = torch.as_tensor(num_seqs, dtype=token_loss.dtype, device=token_loss.device)
+    return _safe_div(masked_sum(token_loss, mask), num_seqs * max_response_length)
+
+
+def sequence_loss_mean(seq_loss: Tensor, seq_mask: Tensor) -> Tensor:
+    """Average a sequence-level loss over valid sequences, without re-weighting by length.
+
+    Example: per-sequence losses [1, 0] with lengths [2, 4] give 0.5 (a token-weighted mean would
+    give 1/3).
+
+    Args:
+        seq_loss: float [N], one loss per sequence.
+        seq_mask: bool or 0/1 float, either [N] (valid sequences) or the token mask [N, T]
+            (a row is valid when it has at least one valid token).
+
+    Returns:
+        Scalar float tensor; 0 if no sequence is valid.
+
+    Raises:
+        ValueError: if ``seq_mask`` is neither [N] nor [N, T] with the same N.
+    """
+    if seq_mask.dim() == seq_loss.dim() + 1:
+        seq_mask = seq_mask.bool().any(-1)
+    return masked_mean(seq_loss, seq_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    alpha: float = 1.0,
+    eps: float = 1e-6,
+    valid: Optional[Tensor] = None,
+) -> Tensor:
+    """Group-relative advantages A_i = (R_i − mean_g R) / (std_g R + eps)^alpha.
+
+    GRPO (Shao et al. 2024) is ``alpha=1``; Dr.GRPO (Liu et al. 2025) is ``alpha=0`` (no std
+    division). The std is the POPULATION std (``unbiased=False``) over the group. Groups are
+    identified by ``group_ids`` (the prompt id), never by position, so any layout works (e.g.
+    interleaved [p1, p2, p1, p2]).
+
+    Invalid completions (e.g. zero generated tokens) are excluded from their group's mean and std
+    and get advantage 0. A group whose valid rewards are all equal (or that has no valid member)
+    gets exactly 0 advantages.
+
+    Args:
+        rewards: float [N].
+        group_ids: integer [N], the group (prompt) of each completion.
+        alpha: std-normalisation exponent in [0, 1].
+        eps: added to the std before the power.
+        valid: bool [N]; None means every completion is valid.
+
+    Returns:
+        Float [N] advantages (same dtype as ``rewards``, float32 if ``rewards`` is not floating).
+
+    Raises:
+        ValueError: ``alpha`` outside [0, 1]; ``rewards`` not 1-D; shape mismatch of
+            ``group_ids`` or ``valid`` with ``rewards``.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    rewards = _as_float(rewards)
+    _check_1d(rewards, "rewards")
+    _check_same_shape(rewards, group_ids, "rewards", "group_ids")
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    _check_same_shape(rewards, valid, "rewards", "valid")
+    valid = valid.bool()
+
+    inverse, num_groups = _group_index(group_ids)
+    zeros = rewards.new_zeros(num_groups)
+    valid_rewards = torch.where(valid, rewards, torch.zeros_like(rewards))
+
+    count = zeros.index_add(0, inverse, valid.to(rewards.dtype)).clamp(min=1)
+    mean = zeros.index_add(0, inverse, valid_rewards) / count
+    centered = rewards - mean[inverse]
+    squared = torch.where(valid, centered**2, torch.zeros_like(centered))
+    std = (zeros.index_add(0, inverse, squared) / count).sqrt()
+
+    advantages = centered / (std[inverse] + eps) ** alpha
+    # Exactly 0 for groups without reward variance, whatever the rounding of the mean.
+    has_variance = _group_has_variance(rewards, valid, inverse, num_groups)
+    keep = valid & has_variance[inverse]
+    return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def baseline_advantages(rewards: Tensor, group_ids: Tensor, baseline: str) -> Tensor:
+    """REINFORCE advantages A = R − b with a baseline b that does not depend on the sampled y_i.
+
+    Baselines:
+        ``"none"``: A_i = R_i.
+        ``"batch_mean"``: A_i = R_i − mean over the whole batch.
+        ``"rloo"`` (Ahmadian et al. 2024): leave-one-out group mean,
+            A_i = R_i − mean_{j in g(i), j != i} R_j.
+
+    Args:
+        rewards: float [N].
+        group_ids: integer [N], the group (prompt) of each completion.
+        baseline: one of ``BASELINES``.
+
+    Returns:
+        Float [N].
+
+    Raises:
+        ValueError: unknown ``baseline``; a group of size 1 with ``"rloo"``; ``rewards`` not 1-D
+            or a shape mismatch with ``group_ids``.
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"Unknown baseline {baseline!r}; expected one of {BASELINES}")
+    rewards = _as_float(rewards)
+    _check_1d(rewards, "rewards")
+    _check_same_shape(rewards, group_ids, "rewards", "group_ids")
+
+    if baseline == "none":
+        return rewards.clone()
+    if baseline == "batch_mean":
+        return rewards - rewards.mean()
+    # "rloo"
+    inverse, num_groups = _group_index(group_ids)
+    zeros = rewards.new_zeros(num_groups)
+    count = zeros.index_add(0, inverse, torch.ones_like(rewards))
+    if bool((count < 2).any()):
+        raise ValueError("The 'rloo' baseline needs at least 2 completions in every group")
+    total = zeros.index_add(0, inverse, rewards)
+    leave_one_out_mean = (total[inverse] - rewards) / (count[inverse] - 1)
+    return rewards - leave_one_out_mean
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016) over response tokens.
+
+    δ_t = r_t + γ V_{t+1} − V_t and A_t = δ_t + γλ A_{t+1}, where t+1 is the next VALID token
+    (masked positions are skipped) and V = A = 0 after the last valid token (bootstrap 0).
+
+    Args:
+        rewards: float [N, T] token-level rewards (typically the sequence reward on the last valid
+            token, minus an optional per-token KL penalty).
+        values: float [N, T] value estimates V(h_t).
+        mask: bool or 0/1 float [N, T].
+        gamma: discount γ.
+        lam: GAE λ.
+
+    Returns:
+        (advantages [N, T], returns [N, T]) with returns = advantages + values; both are 0 outside
+        ``mask`` and carry no gradient.
+
+    Raises:
+        ValueError: if the three tensors do not share one [N, T] shape.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, T], got shape {tuple(rewards.shape)}")
+    _check_same_shape(rewards, values, "rewards", "values")
+    _check_same_shape(rewards, mask, "rewards", "mask")
+    mask = mask.bool()
+    rewards = rewards.detach()
+    values = values.detach()
+
+    advantages = torch.zeros_like(values)
+    next_value = values.new_zeros(values.shape[0])
+    next_advantage = values.new_zeros(values.shape[0])
+    for t in reversed(range(values.shape[1])):
+        valid = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_value = torch.where(valid, values[:, t], next_value)
+        next_advantage = torch.where(valid, advantage, next_advantage)
+        advantages[:, t] = torch.where(valid, advantage, torch.zeros_like(advantage))
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+# ----------------------------------------------------------------------------------------------
+# Policy losses
+# ----------------------------------------------------------------------------------------------
+
+
+def ppo_clip_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO clipped surrogate loss (Schulman et al. 2017), with DAPO clip-higher.
+
+    r = exp(logprobs − old_logprobs), loss = −min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A).
+    ``eps_low = eps_high`` is PPO/GRPO; DAPO (Yu et al. 2025) uses 0.2 / 0.28.
+
+    Args:
+        logprobs: float [N, T], current policy log-probs (with gradient).
+        old_logprobs: float [N, T], log-probs of the denominator policy (π_old, or the rollout
+            engine's); treat as constants, pass them detached.
+        advantages: float [N] (broadcast over tokens) or [N, T].
+        eps_low: lower clip range ε_low.
+        eps_high: upper clip range ε_high.
+
+    Returns:
+        (loss [N, T], clipped_low [N, T] bool, clipped_high [N, T] bool). ``clipped_*`` mark the
+        tokens where the clip binds (the clipped branch is the min and differs from the unclipped
+        one, so the token has no gradient): clipped_high where A > 0 and r > 1 + eps_high,
+        clipped_low where A < 0 and r < 1 − eps_low. Padding is not masked: reduce with a mask.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(logprobs, old_logprobs, "logprobs", "old_logprobs")
+    advantages = _broadcast_advantages(advantages, logprobs)
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    ratio = ratio.detach()
+    clipped_high = (advantages > 0) & (ratio > 1.0 + eps_high)
+    clipped_low = (advantages < 0) & (ratio < 1.0 - eps_low)
+    return loss, clipped_low, clipped_high
+
+
+def gspo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO loss (Zheng et al. 2025) with one clipped ratio per sequence, in per-token form.
+
+    Sequence ratio s_i = exp(mean over valid tokens of (logprobs − old_logprobs)), the geometric
+    mean of the token ratios; padding values never enter it.
+
+    To return a per-token loss this uses the paper's GSPO-token form:
+    s_{i,t} = sg(s_i) · exp(logprobs_t − sg(logprobs_t)). Its value equals s_i (so the clip
+    decision is per sequence), and its gradient is s_i ∇log π_t. Every valid token carries
+    −min(s_i A_i, clip(s_i, 1 − eps_low, 1 + eps_high) A_i). Reduced with
+    ``reduce_loss(..., "seq_mean_token_mean")`` the gradient is exactly that of the
+    sequence-level GSPO objective (1/N) Σ_i min(s_i A_i, clip(s_i) A_i); a clipped sequence
+    gets zero gradient.
+
+    Args:
+        logprobs: float [N, T], current policy log-probs (with gradient).
+        old_logprobs: float [N, T], denominator log-probs (constants).
+        advantages: float [N], one advantage per sequence.
+        mask: bool or 0/1 float [N, T].
+        eps_low: lower clip range (sequence level; the paper uses small values such as 3e-4).
+        eps_high: upper clip range (sequence level, e.g. 4e-4).
+
+    Returns:
+        (loss [N, T] (0 outside ``mask``), clipped_low [N] bool, clipped_high [N] bool), where
+        clipped_high marks sequences with A > 0 and s > 1 + eps_high, clipped_low sequences with
+        A < 0 and s < 1 − eps_low.
+
+    Raises:
+        ValueError: on shape mismatch or if ``advantages`` is not [N].
+    """
+    _check_same_shape(logprobs, old_logprobs, "logprobs", "old_logprobs")
+    _check_same_shape(logprobs, mask, "logprobs", "mask")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"gspo_loss needs one advantage per sequence [N], got shape {tuple(advantages.shape)}"
+        )
+    mask = mask.bool()
+    # Replace padding before any arithmetic so that no padding value (even inf) reaches the
+    # forward or the backward pass.
+    valid_logprobs = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    valid_old = torch.where(mask, old_logprobs, torch.zeros_like(old_logprobs))
+
+    seq_ratio = torch.exp(masked_mean(valid_logprobs - valid_old, mask, dim=-1)).detach()
+    token_ratio = seq_ratio.unsqueeze(-1) * torch.exp(valid_logprobs - valid_logprobs.detach())
+    adv = advantages.unsqueeze(-1)
+    clipped_ratio = token_ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.minimum(token_ratio * adv, clipped_ratio * adv)
+    loss = torch.where(mask, loss, torch.zeros_like(loss))
+
+    clipped_high = (advantages > 0) & (seq_ratio > 1.0 + eps_high)
+    clipped_low = (advantages < 0) & (seq_ratio < 1.0 - eps_low)
+    return loss, clipped_low, clipped_high
+
+
+def cispo_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+) -> Tensor:
+    """CISPO per-token loss (MiniMax-M1, 2025): clip the importance weight, not the update.
+
+    loss_t = −sg(clip(r_t, 1 − eps_low, 1 + eps_high)) · A · logprobs_t, r_t = exp(logprobs_t −
+    old_logprobs_t). The weight carries no gradient, so no token loses its gradient: the gradient
+    is −clip(r_t) · A · ∇log π_t. Use with token-level reduction (``"token_mean"``).
+
+    Args:
+        logprobs: float [N, T], current policy log-probs (with gradient).
+        old_logprobs: float [N, T], denominator log-probs (constants).
+        advantages: float [N] (broadcast over tokens) or [N, T].
+        eps_low: lower clip range of the weight (the paper effectively disables it with a large value).
+        eps_high: upper clip range of the weight.
+
+    Returns:
+        loss [N, T]; padding is not masked, reduce with a mask.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(logprobs, old_logprobs, "logprobs", "old_logprobs")
+    advantages = _broadcast_advantages(advantages, logprobs)
+    ratio = torch.exp(logprobs.detach() - old_logprobs.detach())
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return -weight * advantages * logprobs
+
+
+# ----------------------------------------------------------------------------------------------
+# Critic, entropy, KL
+# ----------------------------------------------------------------------------------------------
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float) -> Tensor:
+    """Per-token clipped value loss (PPO, Schulman et al. 2017; as in OpenAI baselines).
+
+    loss = 0.5 · max((V − R)², (clip(V, V_old − clip, V_old + clip) − R)²).
+
+    Args:
+        values: float [N, T], current value estimates (with gradient).
+        old_values: float [N, T], value estimates at rollout time.
+        returns: float [N, T], targets (e.g. from ``gae``).
+        clip: value clip range.
+
+    Returns:
+        float [N, T]; padding is not masked, reduce with a mask.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(values, old_values, "values", "old_values")
+    _check_same_shape(values, returns, "values", "returns")
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped_values - returns) ** 2)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy H = −Σ_v p_v log p_v of the softmax distribution over the last dimension.
+
+    Computed stably from ``log_softmax`` (logits − logsumexp); vocabulary entries with p = 0
+    (including logits of −inf) contribute 0. Half-precision logits are upcast to float32.
+
+    Args:
+        logits: float [..., V].
+
+    Returns:
+        float [...] (float32 for half-precision input, else the input dtype).
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    probs = log_probs.exp()
+    log_probs = torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))
+    return -(probs * log_probs).sum(-1)
+
+
+def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimators of KL(π_θ || π_ref) from samples of π_θ (Schulman, "Approximating KL").
+
+    With d = logprobs − ref_logprobs:
+        ``"k1"``: d (unbiased, can be negative).
+        ``"k2"``: 0.5 · d² (biased, low variance).
+        ``"k3"``: exp(−d) + d − 1 (unbiased, always ≥ 0, 0 when equal).
+
+    Args:
+        logprobs: float [N, T].
+        ref_logprobs: float [N, T].
+        kind: one of ``KL_KINDS``.
+
+    Returns:
+        float [N, T].
+
+    Raises:
+        ValueError: unknown ``kind`` or shape mismatch.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"Unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+    _check_same_shape(logprobs, ref_logprobs, "logprobs", "ref_logprobs")
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(-log_ratio) + log_ratio - 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# DAPO helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def overlong_penalty(response_length: Tensor, max_response_length: int, buffer_length: int) -> Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2025), added to the task reward.
+
+    With L_max = ``max_response_length``, L_buf = ``buffer_length``:
+    0 for T ≤ L_max − L_buf; −(T − (L_max − L_buf)) / L_buf inside the buffer; −1 for T ≥ L_max.
+    ``buffer_length = 0`` gives a hard penalty: −1 for T ≥ L_max, else 0.
+
+    Args:
+        response_length: integer or float [N], generated tokens per completion.
+        max_response_length: L_max.
+        buffer_length: L_buf, with 0 ≤ L_buf ≤ L_max.
+
+    Returns:
+        float32 [N] (or the input's floating dtype) in [−1, 0].
+
+    Raises:
+        ValueError: if ``buffer_length`` is outside [0, max_response_length].
+    """
+    if not 0 <= buffer_length <= max_response_length:
+        raise ValueError(
+            f"buffer_length must be in [0, max_response_length={max_response_length}], got {buffer_length}"
+        )
+    length = _as_float(response_length)
+    if buffer_length == 0:
+        return -(length >= max_response_length).to(length.dtype)
+    start = max_response_length - buffer_length
+    return -((length - start) / buffer_length).clamp(0.0, 1.0)
+
+
+def useful_group_probability(p: float, group_size: int) -> float:
+    """Probability that a group of ``group_size`` Bernoulli(p) rewards is mixed: 1 − p^G − (1 − p)^G.
+
+    Only mixed groups carry a GRPO/DAPO gradient (an all-equal group has zero advantages).
+
+    Raises:
+        ValueError: ``p`` outside [0, 1] or ``group_size`` < 1.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return 1.0 - p**group_size - (1.0 - p) ** group_size
+
+
+def useful_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """Which completions belong to a group with non-identical rewards (DAPO dynamic sampling keeps these).
+
+    Args:
+        rewards: float [N].
+        group_ids: integer [N], the group (prompt) of each completion.
+
+    Returns:
+        bool [N]: True where the completion's group has at least two different rewards.
+
+    Raises:
+        ValueError: ``rewards`` not 1-D or a shape mismatch with ``group_ids``.
+    """
+    rewards = _as_float(rewards)
+    _check_1d(rewards, "rewards")
+    _check_same_shape(rewards, group_ids, "rewards", "group_ids")
+    inverse, num_groups = _group_index(group_ids)
+    valid = torch.ones_like(rewards, dtype=torch.bool)
+    return _group_has_variance(rewards, valid, inverse, num_groups)[inverse]
+
+
+# ----------------------------------------------------------------------------------------------
+# Internal helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Map arbitrary group ids [N] to contiguous indices in [0, num_groups)."""
+    unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, unique_ids.numel()
+
+
+def _group_has_variance(rewards: Tensor, valid: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """bool [num_groups]: True where the group's valid rewards are not all equal."""
+    inf = torch.full_like(rewards, float("inf"))
+    high = rewards.new_full((num_groups,), -float("inf"))
+    low = rewards.new_full((num_groups,), float("inf"))
+    high = high.scatter_reduce(0, inverse, torch.where(valid, rewards, -inf), reduce="amax")
+    low = low.scatter_reduce(0, inverse, torch.where(valid, rewards, inf), reduce="amin")
+    return high > low
+
+
+def _broadcast_advantages(advantages: Tensor, logprobs: Tensor) -> Tensor:
+    """[N] -> [N, 1]; [N, T] unchanged."""
+    if advantages.dim() == 1 and advantages.shape[0] == logprobs.shape[0]:
+        return advantages.unsqueeze(-1)
+    if advantages.shape == logprobs.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be [N] or [N, T] for logprobs of shape {tuple(logprobs.shape)},"
+        f" got {tuple(advantages.shape)}"
+    )
+
+
+def _safe_div(numerator: Tensor, denominator: Union[float, Tensor]) -> Tensor:
+    """numerator / denominator, with a zero denominator read as 1 (the numerator is then 0)."""
+    denominator = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)
+    return numerator / torch.where(denominator != 0, denominator, torch.ones_like(denominator))
+
+
+def _as_float(x: Tensor) -> Tensor:
+    return x if x.is_floating_point() else x.float()
+
+
+def _check_1d(x: Tensor, name: str) -> None:
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [N], got shape {tuple(x.shape)}")
+
+
+def _check_same_shape(a: Tensor, b: Tensor, name_a: str, name_b: str) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{name_a} and {name_b} must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
