@@ -1,0 +1,60 @@
+"""Prompt sources with verifiable rewards.
+
+``build_task("arithmetic", digits=2)`` or ``build_task({"name": "gsm8k", "path": ...})`` makes a
+``Task``; ``task.messages(ex)`` gives chat messages and ``task.reward(completion, ex)`` gives 1.0
+or 0.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lit_rl.tasks.arithmetic import ArithmeticTask
+from lit_rl.tasks.base import Example, Task
+from lit_rl.tasks.gsm8k import Gsm8kTask
+from lit_rl.tasks.rewards import ANSWER_MODES, answers_match, extract_answer, math_reward
+
+__all__ = [
+    "ANSWER_MODES",
+    "ArithmeticTask",
+    "Example",
+    "Gsm8kTask",
+    "TASKS",
+    "Task",
+    "answers_match",
+    "build_task",
+    "extract_answer",
+    "math_reward",
+]
+
+TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "gsm8k": Gsm8kTask}
+
+
+def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:
+    """Build a task by name.
+
+    Args:
+        name: ``"arithmetic"`` or ``"gsm8k"``; or a mapping (a dict or an OmegaConf
+            ``DictConfig``) with a ``name`` key and the constructor arguments as other keys.
+        **kwargs: constructor arguments; they override keys of the mapping.
+
+    Returns:
+        The task instance.
+
+    Raises:
+        ValueError: unknown task name (the message lists the choices) or a mapping without
+            ``name``.
+        TypeError: an argument the task's constructor does not take.
+    """
+    if isinstance(name, Mapping):
+        cfg = dict(name)
+        if "name" not in cfg:
+            raise ValueError(
+                f"task config needs a 'name' key, one of {sorted(TASKS)}; got keys {sorted(cfg)}"
+            )
+        name = cfg.pop("name")
+        kwargs = {**cfg, **kwargs}
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choices: {sorted(TASKS)}")
+    return TASKS[name](**kwargs)

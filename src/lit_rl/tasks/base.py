@@ -1,0 +1,77 @@
+"""The task interface: where prompts come from and how a completion is scored."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lit_rl.tasks.rewards import ANSWER_MODES, math_reward
+
+__all__ = ["Example", "Task"]
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt with its verifiable answer.
+
+    Attributes:
+        id: stable index within its split (0-based).
+        question: the user message content (instruction included).
+        answer: gold final answer as a string, e.g. "42", "-3", "1234", "3/4".
+    """
+
+    id: int
+    question: str
+    answer: str
+
+
+class Task:
+    """Base class for a source of prompts with a verifiable reward.
+
+    Subclasses set ``name``, ``system_prompt`` and ``answer_format`` and implement
+    ``train_examples`` and ``eval_examples``. The default ``reward`` is ``math_reward`` on the
+    example's gold answer.
+    """
+
+    name: str = "task"
+    system_prompt: str | None = None
+    answer_format: str = "flexible"
+
+    def train_examples(self) -> Sequence[Example]:
+        """Return the training split (same order every call)."""
+        raise NotImplementedError
+
+    def eval_examples(self) -> Sequence[Example]:
+        """Return the evaluation split (same order every call)."""
+        raise NotImplementedError
+
+    def messages(self, ex: Example) -> list[dict[str, str]]:
+        """Return chat messages for ``ex``: an optional system message, then the user message.
+
+        The list is ready for ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``.
+        """
+        msgs: list[dict[str, str]] = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": ex.question})
+        return msgs
+
+    def reward(self, completion: str, ex: Example) -> float:
+        """Return 1.0 if ``completion`` answers ``ex`` correctly, else 0.0.
+
+        Never raises for any completion text (or a non-string completion).
+        """
+        try:
+            return math_reward(completion, ex.answer, self.answer_format)
+        except Exception:  # noqa: BLE001 - a reward must never crash training
+            return 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, answer_format={self.answer_format!r})"
+
+
+def check_answer_format(answer_format: str) -> str:
+    """Return ``answer_format`` if it is one of ``ANSWER_MODES``; raise ValueError otherwise."""
+    if answer_format not in ANSWER_MODES:
+        raise ValueError(f"answer_format must be one of {ANSWER_MODES}, got {answer_format!r}")
+    return answer_format

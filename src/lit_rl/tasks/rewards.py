@@ -1,0 +1,206 @@
+"""Verifiable rewards for math answers: pull the final answer out of a completion and compare it.
+
+Extraction (``extract_answer``), in this order:
+
+1. ``#### N`` (GSM8K style): the number right after the LAST ``####``; any text after that
+   number is ignored.
+2. ``\\boxed{...}``: the content of the last ``\\boxed{}`` (nested braces are fine).
+3. Only in ``"flexible"`` mode: the last number anywhere in the text.
+
+``"strict"`` mode accepts only ``#### N``: a boxed answer or a bare number scores 0.
+
+Comparison (``answers_match``): a numeric fast path first (commas, ``$``, ``%``, a leading
+``+`` and a trailing period are dropped; decimals and fractions are compared exactly as
+rationals, so "2.50" == "2.5" and "3/4" == "0.75"), then ``math_verify`` as a fallback for
+LaTeX forms such as ``\\frac{3}{4}``. Model text is never evaluated as code: the only parser
+that sees it is math_verify's, and only the short extracted answer is passed to it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from fractions import Fraction
+
+__all__ = ["ANSWER_MODES", "extract_answer", "answers_match", "math_reward"]
+
+ANSWER_MODES = ("flexible", "strict")
+
+# Longest extracted answer we hand to math_verify / Fraction; anything longer is not an answer.
+_MAX_ANSWER_CHARS = 200
+# math_verify's own timeout (seconds); it works by SIGALRM, so only in the main thread.
+_MATH_VERIFY_TIMEOUT_S = 5
+
+# A number as models and GSM8K write it: optional sign, digits with optional thousands commas,
+# optional decimal part, optional "/denominator". A minus sign directly after a word character
+# or ")" is read as subtraction ("5-3"), not as part of the number.
+_NUMBER = (
+    r"(?:(?<![\w)\]}])[-+])?"
+    r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
+    r"(?:\.\d+)?"
+    r"(?:/\d+(?:\.\d+)?)?"
+)
+_NUMBER_RE = re.compile(_NUMBER)
+# What may sit between "####" and the number: spaces, markdown bold, a dollar sign.
+_AFTER_HASHES_RE = re.compile(r"[\s*$]*(?:\\\$)?\s*(" + _NUMBER + r")")
+# Shapes the numeric fast path accepts once the answer is cleaned up.
+_PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)?")
+
+
+def _extract_hashes(text: str) -> str | None:
+    """Return the number right after the last ``####`` in ``text``, or None."""
+    pos = text.rfind("####")
+    if pos < 0:
+        return None
+    m = _AFTER_HASHES_RE.match(text, pos + 4)
+    return m.group(1) if m else None
+
+
+def _extract_boxed(text: str) -> str | None:
+    """Return the content of the last ``\\boxed{...}`` in ``text`` (braces matched), or None."""
+    pos = text.rfind("\\boxed{")
+    if pos < 0:
+        return None
+    start = pos + len("\\boxed{")
+    depth = 1
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                content = text[start:i].strip()
+                return content or None
+    return None  # unbalanced braces: no usable answer
+
+
+def _extract_last_number(text: str) -> str | None:
+    """Return the last number in ``text``, or None if it contains no digits."""
+    last = None
+    for m in _NUMBER_RE.finditer(text):
+        last = m.group(0)
+    return last
+
+
+def extract_answer(text: str, mode: str = "flexible") -> str | None:
+    """Extract the final answer from a model completion.
+
+    Args:
+        text: the completion text.
+        mode: ``"flexible"`` (``#### N``, then the last ``\\boxed{}``, then the last number in
+            the text) or ``"strict"`` (``#### N`` only).
+
+    Returns:
+        The answer as it appears in the text (e.g. ``"1,234"``, ``"\\frac{3}{4}"``), or None
+        when nothing answer-like is found or ``text`` is not a string.
+
+    Raises:
+        ValueError: ``mode`` is not one of ``ANSWER_MODES``.
+    """
+    if mode not in ANSWER_MODES:
+        raise ValueError(f"answer mode must be one of {ANSWER_MODES}, got {mode!r}")
+    if not isinstance(text, str):
+        return None
+    answer = _extract_hashes(text)
+    if answer is not None or mode == "strict":
+        return answer
+    answer = _extract_boxed(text)
+    if answer is not None:
+        return answer
+    return _extract_last_number(text)
+
+
+def _to_fraction(answer: str) -> Fraction | None:
+    """Parse a plain numeric answer ("1,234", "$2.50", "-3", "3/4", "50%") exactly, else None."""
+    s = answer.strip()
+    if len(s) > _MAX_ANSWER_CHARS:
+        return None
+    for junk in ("\\$", "\\%", "{,}", "\\!", "$", ",", "%", " "):
+        s = s.replace(junk, "")
+    s = s.rstrip(".")
+    if s.startswith("+"):
+        s = s[1:]
+    if not _PLAIN_NUMBER_RE.fullmatch(s):
+        return None
+    numerator, _, denominator = s.partition("/")
+    value = Fraction(numerator)
+    if denominator:
+        den = Fraction(denominator)
+        if den == 0:
+            return None
+        value /= den
+    return value
+
+
+def _math_verify_match(pred: str, gold: str) -> bool:
+    """Compare two answers with math_verify (LaTeX aware); False when either cannot be parsed."""
+    if len(pred) > _MAX_ANSWER_CHARS or len(gold) > _MAX_ANSWER_CHARS:
+        return False
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if not in_main_thread and "^" in pred:
+        # Without the SIGALRM timeout a power tower like 9^{9^{9^9}} could stall sympy.
+        return False
+    timeout = _MATH_VERIFY_TIMEOUT_S if in_main_thread else None
+
+    from math_verify import parse, verify  # imported lazily: it pulls in sympy
+
+    def _parse(s: str) -> list:
+        # Wrapping in $...$ lets math_verify read bare LaTeX such as \dfrac{3}{4}.
+        parsed = parse(f"${s}$", parsing_timeout=timeout)
+        return parsed if parsed else parse(s, parsing_timeout=timeout)
+
+    gold_parsed = _parse(gold)
+    pred_parsed = _parse(pred)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    """Whether an extracted answer equals the gold answer.
+
+    Numeric comparison first (exact, as rationals, after dropping commas, ``$``, ``%``, a
+    leading ``+`` and a trailing period); if either side is not a plain number, math_verify
+    decides (e.g. ``\\frac{3}{4}`` vs ``0.75``).
+
+    Returns:
+        True on a match; False otherwise, including when either argument is not a string or
+        comparison fails for any reason (never raises).
+    """
+    try:
+        if not isinstance(pred, str) or not isinstance(gold, str):
+            return False
+        p, g = _to_fraction(pred), _to_fraction(gold)
+        if p is not None and g is not None:
+            return p == g
+        return _math_verify_match(pred.strip(), gold.strip())
+    except Exception:  # noqa: BLE001 - a reward must never crash training
+        return False
+
+
+def math_reward(completion: str, gold: str, mode: str = "flexible") -> float:
+    """Binary reward for a math completion.
+
+    Args:
+        completion: the model's text.
+        gold: the gold final answer, e.g. ``"42"`` or ``"3/4"``.
+        mode: ``"flexible"`` or ``"strict"``, see ``extract_answer``.
+
+    Returns:
+        1.0 if the extracted answer matches ``gold``, else 0.0. Any exception during
+        extraction or comparison gives 0.0; nothing propagates.
+
+    Raises:
+        ValueError: ``mode`` is not one of ``ANSWER_MODES`` (checked before anything else,
+            since that is a configuration error, not a property of the completion).
+    """
+    if mode not in ANSWER_MODES:
+        raise ValueError(f"answer mode must be one of {ANSWER_MODES}, got {mode!r}")
+    try:
+        pred = extract_answer(completion, mode)
+        if pred is None:
+            return 0.0
+        return 1.0 if answers_match(pred, gold) else 0.0
+    except Exception:  # noqa: BLE001 - a reward must never crash training
+        return 0.0
