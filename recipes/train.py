@@ -1,0 +1,31 @@
+"""Train a policy with RL from verifiable rewards.
+
+    python recipes/train.py                                   # GRPO, SmolLM2-135M-Instruct, arithmetic
+    python recipes/train.py task=gsm8k task.path=<dir with train.jsonl/test.jsonl>
+    python recipes/train.py -m model=tiny advantage.alpha=0,1  # a Hydra multirun sweep
+    tensorboard --logdir outputs/
+
+The whole loop is in lit_rl.algorithms.base.RLAlgorithm.training_step; this file is only the front door.
+"""
+
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from lit_rl.config import ConfigError
+from lit_rl.train import run
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:  # a user's mistake: say what and where, no traceback
+        print(f"lit_rl: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The shared base of every algorithm: one RL step per Lightning training step.
+
+``training_step`` reads top to bottom as the loop in DESIGN.md:
+
+    prompts -> collect (engine + verifier) -> advantages -> RolloutBatch -> micro-batched update -> log
+
+The update uses manual optimisation so that the loss of every micro-batch is normalised by the totals of
+the whole optimizer step (tokens, sequences): the gradient does not depend on how the batch is cut.
+A subclass states only what differs: ``advantages`` (the baseline) and ``policy_loss`` (the objective).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from .. import objectives as obj
+from ..logprobs import response_logprobs
+from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
+from ..rollout.torch_engine import TorchEngine
+from ..rollout.types import RolloutBatch, SamplingParams, left_pad
+
+
+class MetricSums:
+    """Accumulates sums and counts so that a metric is a mean over all valid tokens of the step."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, values: Tensor, mask: Tensor) -> None:
+        """Add the masked sum of ``values`` (any shape) and the mask's count under ``name``."""
+        self.sums[name] += float(obj.masked_sum(values.detach().float(), mask))
+        self.counts[name] += float(mask.sum())
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}
+
+
+class RLAlgorithm(L.LightningModule):
+    """Base LightningModule: rollouts with the embedded engine, exact micro-batched policy-gradient update.
+
+    Args:
+        policy: a transformers causal LM (the engine samples with this same object).
+        tokenizer: its tokenizer (pad and stop ids).
+        sampling: ``SamplingParams`` fields for training rollouts.
+        eval_sampling: fields for evaluation (temperature 0 = greedy pass@1).
+        group_size: G; micro_batch_size: sequences per forward/backward in the update.
+        advantage: {"alpha": float in [0, 1], "eps": float}.
+        loss: {"reduction": one of objectives.REDUCTION_MODES}.
+        clip: {"eps_low": float, "eps_high": float} for the PPO-style ratio clip.
+        kl: {"beta": float >= 0, "estimator": "k1"|"k2"|"k3"} penalty to the frozen initial policy.
+        optim: {"lr", "weight_decay", "betas", "grad_clip", "warmup_steps"}.
+        logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
+    """
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
+                 group_size: int, micro_batch_size: int, advantage: dict, loss: dict, clip: dict,
+                 kl: dict, optim: dict, logprob_chunk_tokens: int = 1024):
+        super().__init__()
+        self.save_hyperparameters(ignore=["policy", "tokenizer"])
+        self.automatic_optimization = False
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.sampling = SamplingParams(**sampling)
+        self.eval_sampling = SamplingParams(**eval_sampling)
+        self.group_size, self.micro_batch_size = group_size, micro_batch_size
+        self.advantage_cfg, self.loss_cfg, self.clip_cfg = dict(advantage), dict(loss), dict(clip)
+        self.kl_cfg, self.optim_cfg = dict(kl), dict(optim)
+        self.chunk_tokens = logprob_chunk_tokens
+        stop_ids = [tokenizer.eos_token_id]
+        gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
+        stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        self.engine = TorchEngine(policy, tokenizer.pad_token_id, stop_ids)
+        self.ref_policy = None
+        if self.kl_cfg.get("beta", 0.0) > 0:
+            self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+
+    # -- pieces a subclass may replace ---------------------------------------------------------------
+    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
+        """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
+        valid = scored.rollouts.response_length > 0
+        return obj.group_advantages(rewards, scored.group_ids, alpha=self.advantage_cfg.get("alpha", 1.0),
+                                    eps=self.advantage_cfg.get("eps", 1e-6), valid=valid)
+
+    def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
+        """[N] rewards the advantages see. Default: the task reward as is."""
+        return scored.rewards
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch,
+                    stats: MetricSums) -> Tensor:
+        """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
+        loss, clip_low, clip_high = obj.ppo_clip_loss(logprobs, old_logprobs, mb.advantages,
+                                                     self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+        mask = mb.response_mask
+        stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
+        stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
+        stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
+        return loss
+
+    def collect(self, batch: PromptBatch):
+        """Generate and score the step's rollouts. Returns (ScoredRollouts, rollout metrics)."""
+        scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step)
+        return scored, {}
+
+    # -- the RL step ---------------------------------------------------------------------------------
+    @property
+    def datamodule(self) -> RolloutDataModule:
+        return self.trainer.datamodule
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        """Prompt batches hold text, not tensors: nothing to move."""
+        return batch
+
+    def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        t0 = time.perf_counter()
+        self.engine.sync_weights(self.global_step)
+        scored, metrics = self.collect(batch)
+        t_rollout = time.perf_counter() - t0
+        metrics.update(self.rollout_metrics(scored))
+
+        rb = self.build_batch(scored)
+        t1 = time.perf_counter()
+        metrics.update(self.update(rb))
+        t_train = time.perf_counter() - t1
+
+        metrics["time/rollout_s"] = t_rollout
+        metrics["time/train_s"] = t_train
+        metrics["time/step_s"] = time.perf_counter() - t0
+        tokens = int(scored.rollouts.response_mask.sum())
+        metrics["perf/rollout_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb))
+        self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=len(rb))
+        self.log("tok/s", metrics["perf/rollout_tokens_per_s"], prog_bar=True, logger=False, batch_size=len(rb))
+
+    def build_batch(self, scored: ScoredRollouts) -> RolloutBatch:
+        """Pad the scored rollouts into a ``RolloutBatch`` with advantages."""
+        r = scored.rollouts
+        rewards = self.shape_rewards(scored)
+        prompt_ids, prompt_mask = left_pad(r.prompt_ids, self.tokenizer.pad_token_id)
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=r.response_ids,
+            response_mask=r.response_mask, rollout_logprobs=r.rollout_logprobs, rewards=rewards,
+            advantages=self.advantages(scored, rewards), group_ids=scored.group_ids,
+            policy_version=r.policy_version, topk_ids=r.topk_ids, topk_logprobs=r.topk_logprobs,
+        ).to(self.device)
+
+    def micro_batches(self, rb: RolloutBatch) -> list[RolloutBatch]:
+        """Split into micro-batches of similar total length (less padding; results do not depend on it)."""
+        lengths = rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        return [rb.select(order[i:i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
+
+    def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """Trainer log-probs and entropies [n, T] of the micro-batch's responses, at the sampler's temperature."""
+        return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                 temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens)
+
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on the whole rollout batch, accumulated over micro-batches."""
+        opt = self.optimizers()
+        mask = rb.response_mask
+        num_tokens = mask.sum()
+        num_seqs = (mask.sum(-1) > 0).sum()
+        stats = MetricSums()
+        loss_total = 0.0
+        beta = self.kl_cfg.get("beta", 0.0)
+        for mb in self.micro_batches(rb):
+            m = mb.response_mask
+            logprobs, entropy = self.logprobs_of(self.policy, mb)
+            # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
+            old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+            token_loss = self.policy_loss(logprobs, old_logprobs, mb, stats)
+            if beta > 0:
+                with torch.no_grad():
+                    ref_logprobs, _ = self.logprobs_of(self.ref_policy, mb)
+                kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.get("estimator", "k3"))
+                token_loss = token_loss + beta * kl
+                stats.add("train/ref_kl", kl, m)
+            loss = obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
+                                   num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
+            self.manual_backward(loss)
+            loss_total += float(loss.detach())
+            stats.add("train/entropy", entropy, m)
+            stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
+            stats.add("train/logprob_abs_diff", (mb.rollout_logprobs - old_logprobs).abs(), m)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
+                                                   self.optim_cfg.get("grad_clip", 1.0) or float("inf"))
+        finite = math.isfinite(float(grad_norm))
+        if finite:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()
+        out = stats.means()
+        out["train/loss"] = loss_total
+        out["train/grad_norm"] = float(grad_norm)
+        out["train/lr"] = opt.param_groups[0]["lr"]
+        return out
+
+    def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
+        r = scored.rollouts
+        lengths = r.response_length.float()
+        groups = scored.group_ids.unique()
+        all_correct = sum(bool((scored.rewards[scored.group_ids == g] >= 1).all()) for g in groups)
+        all_wrong = sum(bool((scored.rewards[scored.group_ids == g] <= 0).all()) for g in groups)
+        return {
+            "rollout/reward_mean": float(scored.rewards.mean()),
+            "rollout/response_length_mean": float(lengths.mean()),
+            "rollout/truncation_rate": sum(f == "length" for f in r.finish_reason) / max(len(r.finish_reason), 1),
+            "rollout/groups_all_correct": float(all_correct),
+            "rollout/groups_all_wrong": float(all_wrong),
+            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean()),
+            "rollout/staleness_max": float((self.global_step - r.policy_version).max()),
+        }
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        scored = self.datamodule.collect(self.engine, batch.examples, self.eval_sampling, step=-1 - batch_idx,
+                                         group_size=1, split="eval")
+        self.log("eval/accuracy", float(scored.rewards.mean()), on_step=False, on_epoch=True,
+                 batch_size=len(batch.examples), prog_bar=True)
+
+    # -- optimisation --------------------------------------------------------------------------------
+    def configure_optimizers(self):
+        cfg = self.optim_cfg
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0),
+                                betas=tuple(cfg.get("betas", (0.9, 0.999))))
+        warmup = int(cfg.get("warmup_steps", 0))
+        if warmup <= 0:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        self.datamodule.set_start_step(lambda: self.global_step)
+
+    def state_dict(self, *args, **kwargs):
+        """The policy's weights only (the frozen reference copy is re-derivable and not saved)."""
+        sd = super().state_dict(*args, **kwargs)
+        return {k: v for k, v in sd.items() if not k.startswith("ref_policy.")}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return super().load_state_dict(state_dict, strict=strict and self.ref_policy is None, assign=assign)

@@ -1,0 +1,73 @@
+"""Start-up validation of the composed Hydra config: every bad value fails here, before any model loads.
+
+Each error names the field, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from .objectives import REDUCTION_MODES
+
+ALGORITHMS = ("grpo",)
+ENGINES = ("torch",)
+TASKS = ("arithmetic", "gsm8k")
+DTYPES = ("float32", "bfloat16")
+GROUP_BASELINE_ALGORITHMS = ("grpo",)
+
+
+class ConfigError(ValueError):
+    """A config field holds a value lit_rl cannot run with; the message says which and what is allowed."""
+
+
+def _check(ok: bool, field: str, value, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
+    _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
+    _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
+    _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
+    _check(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"choose one of {list(DTYPES)}")
+
+    clip = cfg.algo.clip
+    _check(clip.eps_low > 0, "algo.clip.eps_low", clip.eps_low, "must be > 0")
+    _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
+    _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
+    _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
+    _check(cfg.loss.reduction in REDUCTION_MODES, "loss.reduction", cfg.loss.reduction,
+           f"choose one of {list(REDUCTION_MODES)}")
+
+    ro = cfg.rollout
+    _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
+    if cfg.algo.name in GROUP_BASELINE_ALGORITHMS:
+        _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
+               f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
+    _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
+    devices = cfg.trainer.get("devices", 1)
+    if isinstance(devices, int) and devices > 1:
+        _check(ro.prompts_per_step % devices == 0, "rollout.prompts_per_step", ro.prompts_per_step,
+               f"must be divisible by trainer.devices={devices}")
+
+    s = cfg.sampling
+    _check(s.max_new_tokens > 0, "sampling.max_new_tokens", s.max_new_tokens, "must be > 0")
+    _check(s.temperature > 0, "sampling.temperature", s.temperature,
+           "must be > 0 for training rollouts (the trainer scores at this temperature)")
+    _check(0.0 < s.top_p <= 1.0, "sampling.top_p", s.top_p, "must lie in (0, 1]")
+    _check(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
+    _check(s.logprobs_top_k >= 0, "sampling.logprobs_top_k", s.logprobs_top_k, "must be >= 0")
+    _check(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", cfg.eval.max_new_tokens, "must be > 0")
+    _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
+    _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+
+    if cfg.task.name == "gsm8k" and cfg.task.get("path"):
+        path = Path(cfg.task.path).expanduser()
+        _check(path.is_dir(), "task.path", cfg.task.path, "must be a folder holding train.jsonl and test.jsonl")
+    name = cfg.model.name_or_path
+    if name != "tiny" and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        _check(Path(name).expanduser().is_dir(), "model.name_or_path", name,
+               "no such folder (give a local model folder or a hub id like org/name)")

@@ -1,0 +1,99 @@
+"""Per-token log-probs of responses under the trainer's policy, without materialising [N, T, V] logits.
+
+The backbone runs once on ``[prompt | response]``; the output projection, log-softmax and gather run in
+chunks of rows under activation checkpointing, so at most ``chunk_tokens x V`` float32 logits exist at
+a time, in the forward and in the backward pass alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """[N, L] bool/int mask -> [N, L] int64 positions: 0 at each row's first real token, counting up.
+
+    Left padding gets position 0 (it is masked out of attention anyway). The engine and the trainer both
+    use this, so the same token sits at the same rotary position in both.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Log-probs of the distribution a sampler with these settings draws from.
+
+    logits: [..., V] any float dtype; returns float32 [..., V] log-probs (nats), -inf outside the
+    top-k / top-p support. temperature must be > 0.
+    """
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return F.log_softmax(logits, dim=-1)
+
+
+def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                    with_entropy: bool) -> tuple[Tensor, Tensor]:
+    logits = F.linear(hidden, weight, bias).float() / temperature
+    logp = F.log_softmax(logits, dim=-1)
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+    else:
+        entropy = torch.zeros_like(token_logp)
+    return token_logp, entropy
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of each response token under ``model``, at the sampler's temperature.
+
+    prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded.
+    Returns (logprobs [N, T] float32 with gradient, entropy [N, T] float32 without gradient), both 0 on
+    padding. The distribution is softmax(logits / temperature) — the same object the sampler draws from
+    when top-k/top-p are off. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
+    """
+    n, p = prompt_ids.shape
+    t = response_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    position_ids = position_ids_from_mask(attention_mask)
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
+    hidden = hidden[:, p - 1: p + t - 1]  # position j predicts response token j
+    lm_head = model.get_output_embeddings()
+    flat_h = hidden.reshape(n * t, -1)
+    flat_y = response_ids.reshape(n * t)
+    flat_m = response_mask.reshape(n * t)
+    rows = flat_m.nonzero().squeeze(-1)  # only valid tokens pay for the projection
+    logp = hidden.new_zeros(n * t, dtype=torch.float32)
+    ent = hidden.new_zeros(n * t, dtype=torch.float32)
+    for start in range(0, rows.numel(), chunk_tokens):
+        idx = rows[start:start + chunk_tokens]
+        args = (flat_h[idx], lm_head.weight, lm_head.bias, flat_y[idx], temperature, with_entropy)
+        if torch.is_grad_enabled():
+            lp, en = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, en = _chunk_logprobs(*args)
+        logp = logp.index_put((idx,), lp)
+        ent = ent.index_put((idx,), en)
+    return logp.view(n, t), ent.view(n, t)

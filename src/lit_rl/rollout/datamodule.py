@@ -1,0 +1,158 @@
+"""RolloutDataModule: prompts -> engine -> rewards, as a LightningDataModule.
+
+The training DataLoader yields one ``PromptBatch`` per RL step. Which prompts a step gets is a pure
+function of (seed, step, round): each pass over the training split is a fresh seeded permutation. So a
+resumed run draws exactly the prompts an uninterrupted one would, with no sampler state to save.
+The LightningModule turns a ``PromptBatch`` into completions with ``collect`` and into a training batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ..tasks import Example, Task
+from .types import Rollouts, SamplingParams
+
+
+@dataclass
+class PromptBatch:
+    """The prompts of one RL step (``step``) or one eval batch (``step`` = -1)."""
+
+    step: int
+    examples: list[Example]
+
+
+@dataclass
+class ScoredRollouts:
+    """Rollouts of G completions for each of P prompts, with their rewards.
+
+    rollouts: the engine's output, N = P * G rows, the G completions of a prompt next to each other.
+    rewards: [N] float32 task reward (before any shaping); group_ids: [N] int64, the prompt's index in the
+    step (its id in the group statistics); examples: the P prompts; texts: N decoded completions.
+    """
+
+    rollouts: Rollouts
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    examples: list[Example]
+    texts: list[str]
+
+
+def sample_seed(*parts: int) -> int:
+    """A 63-bit seed that depends only on the integers given (deterministic across processes)."""
+    return hash(tuple(int(p) for p in parts)) & (2**63 - 1)
+
+
+class _StepStream(IterableDataset):
+    def __init__(self, dm: "RolloutDataModule", start_step: Callable[[], int]):
+        self.dm, self.start_step = dm, start_step
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        step = self.start_step()  # read when iteration starts, i.e. after a checkpoint was restored
+        while True:
+            yield PromptBatch(step, self.dm.prompts_for(step))
+            step += 1
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Owns the task, the tokenizer and the prompt schedule.
+
+    Args:
+        task: the prompt source and verifier.
+        tokenizer: a transformers tokenizer with a chat template.
+        prompts_per_step: P, prompts drawn per RL step; group_size: G completions per prompt.
+        seed: drives the prompt order and every sampling seed.
+        eval_examples: how many held-out examples each evaluation uses (0 = none).
+        eval_batch_size: prompts per eval generation call.
+    """
+
+    def __init__(self, task: Task, tokenizer, prompts_per_step: int, group_size: int, seed: int = 0,
+                 eval_examples: int = 64, eval_batch_size: int = 64):
+        super().__init__()
+        self.task, self.tokenizer = task, tokenizer
+        self.prompts_per_step, self.group_size, self.seed = prompts_per_step, group_size, seed
+        self.eval_examples, self.eval_batch_size = eval_examples, eval_batch_size
+        self._train = list(task.train_examples())
+        self._eval = list(task.eval_examples())[:eval_examples]
+        if not self._train:
+            raise ValueError(f"task {task.name!r} has no training examples")
+        self._encoded: dict[tuple[str, int], list[int]] = {}
+        self._start_step: Callable[[], int] = lambda: 0
+
+    # -- prompts -------------------------------------------------------------------------------------
+    def prompts_for(self, step: int, round: int = 0, count: int | None = None) -> list[Example]:
+        """The ``count`` (default P) training prompts of RL step ``step``, generation round ``round``.
+
+        Rounds > 0 (DAPO's extra sampling) continue the same deterministic stream past the step's slot.
+        """
+        count = self.prompts_per_step if count is None else count
+        n = len(self._train)
+        first = (step * 1000 + round) * count if round else step * count
+        out = []
+        for pos in range(first, first + count):
+            epoch, offset = divmod(pos, n)
+            out.append(self._train[self._permutation(epoch)[offset]])
+        return out
+
+    def _permutation(self, epoch: int) -> list[int]:
+        cached = getattr(self, "_perm_cache", None)
+        if cached is None or cached[0] != epoch:
+            order = list(range(len(self._train)))
+            random.Random(sample_seed(self.seed, epoch, 7)).shuffle(order)
+            self._perm_cache = (epoch, order)
+        return self._perm_cache[1]
+
+    def encode(self, example: Example, split: str = "train") -> list[int]:
+        """Chat-formatted prompt token ids for ``example`` (cached)."""
+        key = (split, example.id)
+        if key not in self._encoded:
+            ids = self.tokenizer.apply_chat_template(self.task.messages(example), add_generation_prompt=True,
+                                                     tokenize=True)
+            if not isinstance(ids, list):
+                ids = ids["input_ids"]
+            self._encoded[key] = list(ids)
+        return self._encoded[key]
+
+    # -- rollouts ------------------------------------------------------------------------------------
+    def collect(self, engine, examples: list[Example], params: SamplingParams, step: int, round: int = 0,
+                group_size: int | None = None, split: str = "train") -> ScoredRollouts:
+        """Generate G completions per example with ``engine`` and score them with the task's verifier.
+
+        Each completion has its own seed (from seed, step, round, prompt index and sample index), so the
+        same step of the same run produces the same completions whatever else is in the batch.
+        """
+        g = self.group_size if group_size is None else group_size
+        prompts, seeds, group_ids = [], [], []
+        for p, ex in enumerate(examples):
+            ids = self.encode(ex, split)
+            for j in range(g):
+                prompts.append(ids)
+                seeds.append(sample_seed(self.seed, step, round, p, j))
+                group_ids.append(p)
+        rollouts = engine.generate(prompts, params, seeds)
+        texts = self.tokenizer.batch_decode(
+            [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
+            skip_special_tokens=True,
+        )
+        rewards = torch.tensor([self.task.reward(text, examples[gid]) for text, gid in zip(texts, group_ids)],
+                               dtype=torch.float32)
+        return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts)
+
+    # -- Lightning hooks -----------------------------------------------------------------------------
+    def set_start_step(self, fn: Callable[[], int]) -> None:
+        """Tell the stream where to start (the module's global step, read after a restore)."""
+        self._start_step = fn
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_StepStream(self, lambda: self._start_step()), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        batches = [PromptBatch(-1, self._eval[i:i + self.eval_batch_size])
+                   for i in range(0, len(self._eval), self.eval_batch_size)]
+        return DataLoader(batches, batch_size=None, num_workers=0, collate_fn=lambda b: b)

@@ -1,0 +1,162 @@
+"""The embedded rollout engine: KV-cached batched sampling with the trainer's own ``nn.Module``.
+
+Because the engine calls the very module the optimizer updates (no copy, no weight sync), its gap to the
+trainer comes only from kernels (prefill/decode and batch-shape dependent reductions), never from stale
+or mis-synced weights.
+
+Per step the engine projects only the last position's hidden state to logits, samples each sequence with
+its own seeded generator (so a prompt's tokens do not depend on which other prompts share the batch), and
+drops finished sequences from the batch and the cache, so short answers stop costing compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from ..logprobs import position_ids_from_mask, process_logits
+from .types import Rollouts, SamplingParams, left_pad
+
+
+@dataclass
+class GenerationStats:
+    """Timing of the last ``generate`` call: seconds and generated tokens (valid ones only)."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def sample_rows(logp: Tensor, generators: list[torch.Generator]) -> Tensor:
+    """Draw one token per row of ``logp`` [B, V] (float32 log-probs) by inverse CDF.
+
+    Each row uses one uniform from its own generator, so a row's token depends only on its own
+    distribution and seed, not on the other rows in the batch. Returns [B] int64.
+    """
+    u = torch.stack([torch.rand((), generator=g, device=logp.device) for g in generators])
+    cdf = logp.exp().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    idx = idx.clamp(max=logp.shape[-1] - 1)
+    # a zero-probability token can only be hit on a float tie at a flat CDF step; step back to the
+    # nearest token inside the support
+    bad = torch.isinf(logp.gather(-1, idx[:, None]).squeeze(-1))
+    if bad.any():
+        for r in bad.nonzero().squeeze(-1).tolist():
+            support = torch.isfinite(logp[r]).nonzero().squeeze(-1)
+            idx[r] = support[torch.searchsorted(support, idx[r]).clamp(max=support.numel() - 1)]
+    return idx
+
+
+class TorchEngine:
+    """Samples from ``model`` (a transformers causal LM) with a KV cache.
+
+    Args:
+        model: the trainer's module (shared, not copied).
+        pad_token_id: id used for padding outputs.
+        stop_token_ids: ids that end a sequence (the tokenizer's EOS / chat end-of-turn).
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int]):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.version = 0
+        self.last = GenerationStats()
+
+    def sync_weights(self, version: int) -> None:
+        """Record the trainer's weight version; the shared module already holds those weights."""
+        self.version = version
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
+        """Sample one completion per prompt.
+
+        prompts: N token-id lists (already chat-formatted); seeds: N ints, one generator per sequence.
+        Returns ``Rollouts`` (see its docstring for shapes). temperature 0 means greedy decoding.
+        Raises ValueError if len(seeds) != len(prompts) or max_new_tokens <= 0.
+        """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
+        if params.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
+        start = time.perf_counter()
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            out = self._generate(prompts, params, seeds)
+        finally:
+            model.train(was_training)
+        self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()))
+        return out
+
+    def _generate(self, prompts, params: SamplingParams, seeds) -> Rollouts:
+        n, steps, k = len(prompts), params.max_new_tokens, params.logprobs_top_k
+        device = next(self.model.parameters()).device
+        generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        stop = torch.tensor(self.stop_token_ids, device=device)
+
+        tokens = torch.full((n, steps), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((n, steps), dtype=torch.float32)
+        mask = torch.zeros((n, steps), dtype=torch.bool)
+        topk_ids = torch.zeros((n, steps, k), dtype=torch.long) if k else None
+        topk_lp = torch.zeros((n, steps, k), dtype=torch.float32) if k else None
+        finished_by_stop = torch.zeros(n, dtype=torch.bool)
+
+        input_ids, attention_mask = left_pad(prompts, self.pad_token_id)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.long().to(device)
+        position_ids = position_ids_from_mask(attention_mask)
+        cache = DynamicCache()
+        active = torch.arange(n)  # original row of each live batch row
+        for step in range(steps):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=True, logits_to_keep=1)  # fills ``cache`` in place
+            logits = out.logits[:, -1]
+            if params.temperature > 0:
+                logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
+                next_tok = sample_rows(logp, [generators[int(row)] for row in active])
+            else:
+                logp = process_logits(logits, 1.0)
+                next_tok = logp.argmax(-1)
+            tokens[active, step] = next_tok.cpu()
+            logprobs[active, step] = logp.gather(-1, next_tok[:, None]).squeeze(-1).cpu()
+            mask[active, step] = True
+            if k:
+                top = torch.topk(logp, k, dim=-1)
+                topk_ids[active, step] = top.indices.cpu()
+                topk_lp[active, step] = top.values.cpu()
+            done = torch.isin(next_tok, stop)
+            finished_by_stop[active[done.cpu()]] = True
+            if step == steps - 1:
+                break
+            keep = (~done).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            if keep.numel() < active.numel():  # drop finished rows from the batch and the KV cache
+                cache.batch_select_indices(keep)
+                attention_mask = attention_mask[keep]
+                position_ids = position_ids[keep]
+                next_tok = next_tok[keep]
+                active = active[keep.cpu()]
+            input_ids = next_tok[:, None]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
+            position_ids = position_ids[:, -1:] + 1
+
+        width = int(mask.sum(-1).max()) if n else 0
+        return Rollouts(
+            prompt_ids=[list(p) for p in prompts],
+            response_ids=tokens[:, :width],
+            response_mask=mask[:, :width],
+            rollout_logprobs=logprobs[:, :width],
+            finish_reason=["stop" if s else "length" for s in finished_by_stop.tolist()],
+            policy_version=torch.full((n,), self.version, dtype=torch.long),
+            topk_ids=topk_ids[:, :width] if k else None,
+            topk_logprobs=topk_lp[:, :width] if k else None,
+        )

@@ -1,0 +1,129 @@
+"""The typed objects that travel around the RL loop (see DESIGN.md, "The loop, as data")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the engine samples.
+
+    temperature: > 0 samples from softmax(logits / temperature); 0 means greedy (eval only).
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
+    max_new_tokens: generation cap L_max (``max_response_length``).
+    logprobs_top_k: how many of the sampling distribution's top tokens to record per step (0 = none);
+        score centering uses them as the head H.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    logprobs_top_k: int = 0
+
+
+@dataclass
+class Rollouts:
+    """What an engine returns for N = len(prompts) sequences, T = longest response in the batch.
+
+    prompt_ids: list of N lists of token ids (no padding).
+    response_ids: [N, T] int64, right-padded with the tokenizer's pad id.
+    response_mask: [N, T] bool, True on generated tokens (the stop token included).
+    rollout_logprobs: [N, T] float32, log-prob (nats) of each sampled token under the distribution it was
+        actually sampled from (after temperature and any top-k/top-p truncation); 0 on padding.
+    topk_ids / topk_logprobs: [N, T, k] int64 / float32 of that same distribution, or None when k = 0.
+    finish_reason: N strings, "stop" (a stop token was sampled) or "length" (hit max_new_tokens).
+    policy_version: [N] int64, the weight version that generated each sequence.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    finish_reason: list[str]
+    policy_version: Tensor
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+
+    @property
+    def response_length(self) -> Tensor:
+        """[N] int64 number of generated tokens T_i."""
+        return self.response_mask.sum(-1)
+
+
+@dataclass
+class RolloutBatch:
+    """The training batch of one RL step: N completions of P prompts (G = N / P each).
+
+    Tensors, N rows (T = padded response length, P_max = longest prompt):
+    prompt_ids [N, P_max] int64 left-padded; prompt_mask [N, P_max] bool;
+    response_ids [N, T] int64 right-padded; response_mask [N, T] bool (valid response tokens: the loss,
+    and every statistic, is taken over these only); rollout_logprobs [N, T] float32;
+    rewards [N] float32; advantages [N] (or [N, T] for token-level critics) float32;
+    group_ids [N] int64 (the prompt id — groups are identified by it, never by row position);
+    policy_version [N] int64; old_logprobs [N, T] float32 or None (filled by the trainer);
+    topk_ids / topk_logprobs [N, T, k] or None.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    rewards: Tensor
+    advantages: Tensor
+    group_ids: Tensor
+    policy_version: Tensor
+    old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    topk_ids: Tensor | None = None
+    topk_logprobs: Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def to(self, device) -> "RolloutBatch":
+        """Every tensor moved to ``device``."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), Tensor)})
+
+    def select(self, index: Tensor | slice) -> "RolloutBatch":
+        """Rows ``index`` of every tensor, trimmed to the longest prompt and response they contain."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[index] if isinstance(value, Tensor) else value
+        part = RolloutBatch(**out)
+        return part.trimmed()
+
+    def trimmed(self) -> "RolloutBatch":
+        """Drop all-padding columns: left columns of the prompt, right columns of the response."""
+        keep_p = self.prompt_mask.any(0)
+        p0 = int(keep_p.nonzero()[0]) if keep_p.any() else self.prompt_mask.shape[1]
+        keep_r = self.response_mask.any(0)
+        t1 = int(keep_r.nonzero()[-1]) + 1 if keep_r.any() else 0
+        changes = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
+        for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+                     "topk_ids", "topk_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                changes[name] = value[:, :t1]
+        if self.advantages.dim() == 2:
+            changes["advantages"] = self.advantages[:, :t1]
+        return replace(self, **changes)
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists into ([N, L] int64 ids, [N, L] bool mask)."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for i, s in enumerate(sequences):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = True
+    return ids, mask

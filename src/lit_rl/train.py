@@ -1,0 +1,112 @@
+"""Build everything a config names and run Lightning's fit loop; ``recipes/train.py`` is its Hydra front.
+
+    run(cfg, out_dir) -> dict of the last logged metrics
+
+Order matters for users: the config is validated first (a bad value fails in a second, before any model
+loads), then the output folder is checked (a finished run is never overwritten), then the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from .algorithms import ALGORITHMS
+from .config import ConfigError, validate
+from .models import ModelSpec, load_policy
+from .rollout.datamodule import RolloutDataModule
+from .tasks import build_task
+
+log = logging.getLogger(__name__)
+
+FINISHED_MARKER = "finished.json"
+
+
+def build_module(cfg: DictConfig, policy, tokenizer):
+    """The algorithm's LightningModule for ``cfg`` around an already loaded policy."""
+    sampling = OmegaConf.to_container(cfg.sampling, resolve=True)
+    eval_sampling = dict(sampling, temperature=0.0, top_k=0, top_p=1.0, logprobs_top_k=0,
+                         max_new_tokens=cfg.eval.max_new_tokens)
+    cls = ALGORITHMS[cfg.algo.name]
+    return cls(
+        policy=policy, tokenizer=tokenizer, sampling=sampling, eval_sampling=eval_sampling,
+        group_size=cfg.rollout.group_size, micro_batch_size=cfg.rollout.micro_batch_size,
+        advantage=OmegaConf.to_container(cfg.advantage, resolve=True),
+        loss=OmegaConf.to_container(cfg.loss, resolve=True),
+        clip=OmegaConf.to_container(cfg.algo.clip, resolve=True),
+        kl=OmegaConf.to_container(cfg.kl, resolve=True),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+    )
+
+
+def build_task_from_cfg(cfg: DictConfig):
+    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
+    return build_task(task_cfg)
+
+
+def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
+    """``"last"`` -> <out_dir>/checkpoints/last.ckpt (must exist); a path must exist; None stays None."""
+    if ckpt_path in (None, "", "null"):
+        return None
+    path = out_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"ckpt_path={ckpt_path!r}: no checkpoint at {path}")
+    return str(path)
+
+
+def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
+    """Train with ``cfg`` writing TensorBoard logs, checkpoints and the final policy under ``out_dir``.
+
+    Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
+    """
+    validate(cfg)
+    out = Path(out_dir)
+    if (out / FINISHED_MARKER).exists():
+        raise ConfigError(f"output folder {out} already holds a finished run; choose another "
+                          f"(hydra.run.dir=...) — lit_rl never overwrites one")
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out)
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    task = build_task_from_cfg(cfg)
+    policy, tokenizer = load_policy(ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True)))
+    datamodule = RolloutDataModule(task, tokenizer, cfg.rollout.prompts_per_step, cfg.rollout.group_size,
+                                   seed=cfg.seed, eval_examples=cfg.eval.num_examples,
+                                   eval_batch_size=cfg.eval.batch_size)
+    module = build_module(cfg, policy, tokenizer)
+
+    logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
+    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps,
+                                  save_last=True, save_top_k=1)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
+    trainer = L.Trainer(
+        logger=logger,
+        callbacks=[checkpoints],
+        val_check_interval=eval_every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1.0 if eval_every else 0,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    export = out / "policy"
+    policy.save_pretrained(export, safe_serialization=True)
+    tokenizer.save_pretrained(export)
+    metrics = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
+                                                  indent=2))
+    return metrics
