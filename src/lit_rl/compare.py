@@ -1,0 +1,405 @@
+"""Compare finished (or running) lit_rl runs: one plot per TensorBoard tag and a markdown summary table.
+
+    python recipes/compare.py outputs/multirun/2026-11-29/10-00-00 --tags rollout/reward_mean,eval/accuracy
+
+A *run* is a folder that holds TensorBoard event files, directly or in a ``tensorboard/`` subfolder (what
+``recipes/train.py`` writes). A run's name is its path relative to the folder given on the command line
+(for a Hydra multirun: the override_dirname, e.g. ``algo=dapo,seed=1``). Runs whose names differ only by a
+``seed=N`` item form one *setting* (``algo=dapo``); each tag is shown per setting as the mean over its seeds
+with a min–max band across seeds.
+
+Rules (also written under the table in ``summary.md``):
+
+* final — mean over the setting's runs of each run's last logged value of the tag.
+* best — the maximum over steps of the seed-mean curve, or the minimum for tags that contain ``loss``,
+  ``kl``, ``time/`` or ``length`` (case-insensitive), where lower is better. Steps whose mean is not finite
+  (a NaN logged by some seed) are skipped.
+* The seed-mean at a step is the mean over the runs that logged that step, so the tail of a curve whose
+  seeds stopped at different steps averages fewer runs.
+* Smoothing is TensorBoard's own: a debiased exponential moving average over the points in order
+  (not over step distance), non-finite points passed through, a constant series left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+
+EVENT_FILE_PREFIX = "events.out.tfevents"
+TB_SUBDIR = "tensorboard"
+FINISHED_MARKER = "finished.json"
+LOWER_IS_BETTER = ("loss", "kl", "time/", "length")
+DEFAULT_SETTING = "(default)"  # the setting of runs named only by their seed, e.g. ``seed=0``
+_SEED_ITEM = re.compile(r"\+{0,2}seed=(-?\d+)")
+
+
+class CompareError(Exception):
+    """A user's mistake (missing folder, no runs, unknown tag): reported as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------------------------- finding
+def _has_event_files(folder: str) -> bool:
+    try:
+        return any(f.startswith(EVENT_FILE_PREFIX) for f in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def _event_dirs(run_dir: str) -> list[str]:
+    """The folders of one run that hold event files: the run folder itself and its ``tensorboard/``."""
+    return [d for d in (run_dir, os.path.join(run_dir, TB_SUBDIR)) if _has_event_files(d)]
+
+
+def _runs_under(folder: str) -> dict[str, str]:
+    """{name relative to ``folder``: run folder} for every run under ``folder`` (walked in sorted order)."""
+    runs: dict[str, str] = {}
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        if not any(f.startswith(EVENT_FILE_PREFIX) for f in files):
+            continue
+        run_dir = os.path.dirname(root) if os.path.basename(os.path.normpath(root)) == TB_SUBDIR else root
+        run_dir = os.path.normpath(run_dir)
+        name = os.path.relpath(run_dir, folder).replace(os.sep, "/")
+        if name == "." or name.startswith(".."):  # the folder given is the run (or its tensorboard/)
+            name = os.path.basename(os.path.abspath(run_dir))
+        runs.setdefault(name, run_dir)
+    return runs
+
+
+def find_runs(folders: list[str]) -> dict[str, str]:
+    """Every run under ``folders``: {run name: run folder}.
+
+    A run is a folder holding TensorBoard event files, directly or in a ``tensorboard/`` subfolder; its name
+    is its path relative to the folder given (``algo=dapo,seed=1``; the folder's own name when the folder
+    given is a single run). When two folders hold runs of the same name, every name is prefixed with its
+    folder's name (``10-00-00/algo=dapo,seed=1``), or with the folder's path as given when those clash too.
+    Raises CompareError for a folder that does not exist or holds no event files.
+    """
+    per_folder: list[tuple[str, dict[str, str]]] = []
+    seen: set[str] = set()
+    for folder in folders:
+        if not os.path.isdir(folder):
+            raise CompareError(f"no such folder: {folder}")
+        real = os.path.realpath(folder)
+        if real in seen:  # the same folder named twice
+            continue
+        seen.add(real)
+        runs = _runs_under(folder)
+        if not runs:
+            raise CompareError(f"no TensorBoard event files under {folder}")
+        per_folder.append((folder, runs))
+
+    names = [n for _, runs in per_folder for n in runs]
+    if len(names) == len(set(names)):
+        return {n: d for _, runs in per_folder for n, d in runs.items()}
+    labels = [os.path.basename(os.path.abspath(f)) for f, _ in per_folder]
+    if len(labels) != len(set(labels)):
+        labels = [os.path.normpath(f).replace(os.sep, "/") for f, _ in per_folder]
+    return {f"{label}/{n}": d for label, (_, runs) in zip(labels, per_folder) for n, d in runs.items()}
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...] sorted by step} of one run, read with TensorBoard's EventAccumulator.
+
+    Reads the event files in ``run_dir`` and in ``run_dir/tensorboard``: classic scalar summaries
+    (``SummaryWriter.add_scalar``, Lightning's TensorBoardLogger) and tensor summaries of the scalars plugin
+    (``tensorboard.summary.Writer``). When a step was logged more than once (a resumed run logs again from
+    its checkpoint) the last value written wins.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    merged: dict[str, dict[int, float]] = {}
+    for folder in _event_dirs(run_dir):
+        acc = EventAccumulator(folder, size_guidance={"scalars": 0, "tensors": 0})
+        acc.Reload()
+        tags = acc.Tags()
+        for tag in tags.get("scalars", []):
+            series = merged.setdefault(tag, {})
+            for ev in acc.Scalars(tag):
+                series[int(ev.step)] = float(ev.value)
+        for tag in tags.get("tensors", []):
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name != "scalars":
+                continue
+            series = merged.setdefault(tag, {})
+            for ev in acc.Tensors(tag):
+                arr = tensor_util.make_ndarray(ev.tensor_proto)
+                if arr.size == 1:
+                    series[int(ev.step)] = float(arr.reshape(()))
+    return {tag: sorted(series.items()) for tag, series in merged.items() if series}
+
+
+# ---------------------------------------------------------------------------------------------- grouping
+def setting_of(name: str) -> tuple[str, int | None]:
+    """(setting, seed) of a run name: the name without its ``seed=N`` item, and N (None when there is none).
+
+    Only the last path component is searched, its items split on ",": ``algo=dapo,seed=1`` ->
+    (``algo=dapo``, 1); ``sweep/seed=3`` -> (``sweep``, 3); ``seed=0`` -> (``(default)``, 0);
+    ``algo=grpo`` -> (``algo=grpo``, None). ``+seed=N`` and ``++seed=N`` count as seed items too.
+    """
+    head, _, last = name.rpartition("/")
+    seed: int | None = None
+    kept = []
+    for item in last.split(","):
+        m = _SEED_ITEM.fullmatch(item)
+        if m and seed is None:
+            seed = int(m.group(1))
+        else:
+            kept.append(item)
+    setting = ",".join(kept)
+    if head:
+        setting = f"{head}/{setting}" if setting else head
+    return (setting or DEFAULT_SETTING), seed
+
+
+def group_runs(names, group_by_seed: bool = True) -> dict[str, list[str]]:
+    """{setting: [run names]}, settings sorted by name; each run its own setting when not grouping by seed."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(names):
+        groups.setdefault(setting_of(name)[0] if group_by_seed else name, []).append(name)
+    return dict(sorted(groups.items()))
+
+
+@dataclass
+class Curve:
+    """One setting's curve of one tag: per step the mean, min and max over the runs that logged the step."""
+
+    steps: list[int] = field(default_factory=list)
+    mean: list[float] = field(default_factory=list)
+    lo: list[float] = field(default_factory=list)
+    hi: list[float] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    finals: list[float] = field(default_factory=list)  # each run's last value
+
+
+def seed_curve(series: list[list[tuple[int, float]]]) -> Curve:
+    """Mean and min–max band across runs per step, over the union of the runs' steps.
+
+    A non-finite value makes that step's mean, min and max NaN (a gap in the plot).
+    """
+    by_step: dict[int, list[float]] = {}
+    for s in series:
+        for step, value in s:
+            by_step.setdefault(step, []).append(value)
+    c = Curve(finals=[s[-1][1] for s in series if s])
+    for step in sorted(by_step):
+        vals = by_step[step]
+        finite = all(math.isfinite(v) for v in vals)
+        c.steps.append(step)
+        c.mean.append(sum(vals) / len(vals) if finite else math.nan)
+        c.lo.append(min(vals) if finite else math.nan)
+        c.hi.append(max(vals) if finite else math.nan)
+        c.count.append(len(vals))
+    return c
+
+
+def tb_smooth(values, weight: float = 0.6) -> list[float]:
+    """TensorBoard's scalar smoothing: a debiased exponential moving average with ``weight`` in [0, 1).
+
+    ``last = weight * last + (1 - weight) * v`` from ``last = 0``, each point divided by
+    ``1 - weight ** n`` (n = finite points so far); non-finite points pass through and do not update the
+    average; a constant series is returned unchanged (TensorBoard's classicSmoothing).
+    """
+    values = [float(v) for v in values]
+    if not values or all(v == values[0] for v in values):
+        return values
+    out, last, n = [], 0.0, 0
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        last = last * weight + (1.0 - weight) * v
+        n += 1
+        debias = 1.0 - weight ** n if weight != 1 else 1.0
+        out.append(last / debias)
+    return out
+
+
+def lower_is_better(tag: str) -> bool:
+    """Whether ``best`` is the minimum for ``tag``: it contains loss, kl, time/ or length (any case)."""
+    t = tag.lower()
+    return any(k in t for k in LOWER_IS_BETTER)
+
+
+def curves_for(groups: dict[str, list[str]], scalars: dict[str, dict], tag: str) -> dict[str, Curve]:
+    """{setting: Curve} of ``tag`` for the settings with at least one run that logged it."""
+    out = {}
+    for setting, names in groups.items():
+        series = [scalars[n][tag] for n in names if scalars[n].get(tag)]
+        if series:
+            out[setting] = seed_curve(series)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- summarizing
+def summarize(groups: dict[str, list[str]], scalars: dict[str, dict], tags: list[str]) -> list[dict]:
+    """One row per setting: ``{"setting", "seeds", "runs", tag: {"final", "best"} or None}``.
+
+    ``seeds`` counts the setting's runs. final = mean over its runs (those that logged the tag) of each
+    run's last value; best = max over steps of the seed-mean curve, min for tags where
+    :func:`lower_is_better`, ignoring non-finite means (NaN when none is finite). None: no run logged it.
+    """
+    rows = []
+    for setting, names in groups.items():
+        row: dict = {"setting": setting, "seeds": len(names), "runs": list(names)}
+        for tag in tags:
+            curve = curves_for({setting: names}, scalars, tag).get(setting)
+            if curve is None:
+                row[tag] = None
+                continue
+            finite = [m for m in curve.mean if math.isfinite(m)]
+            best = (min(finite) if lower_is_better(tag) else max(finite)) if finite else math.nan
+            row[tag] = {"final": sum(curve.finals) / len(curve.finals), "best": best}
+        rows.append(row)
+    return rows
+
+
+def fmt(value: float | None) -> str:
+    """A number with 4 significant digits (``n/a`` for None)."""
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def format_table(rows: list[dict], tags: list[str]) -> str:
+    """The markdown table of :func:`summarize`'s rows: setting, seeds, then final and best per tag."""
+    header = ["setting", "seeds"]
+    for tag in tags:
+        header += [f"{tag} final", f"{tag} best ({'min' if lower_is_better(tag) else 'max'})"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    for row in rows:
+        cells = [row["setting"].replace("|", "\\|"), str(row["seeds"])]
+        for tag in tags:
+            stats = row[tag]
+            cells += [fmt(stats and stats["final"]), fmt(stats and stats["best"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _notes(rows: list[dict], smoothing: float) -> str:
+    lines = [
+        "",
+        "- final: mean over the setting's runs of each run's last logged value.",
+        "- best: max over steps of the seed-mean curve; min for tags containing "
+        + ", ".join(f"`{k}`" for k in LOWER_IS_BETTER) + " (lower is better).",
+        f"- plots: solid = seed mean smoothed as TensorBoard does (weight {smoothing:g}), faint = raw seed mean, "
+        "shaded = min–max across seeds.",
+        "",
+        "Runs per setting:",
+        "",
+    ]
+    lines += [f"- {r['setting']}: " + ", ".join(r["runs"]) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------ plotting
+def setting_colors(settings) -> dict[str, tuple]:
+    """A fixed colour per setting (tab10, tab20 past 10 settings), the same in every plot."""
+    from matplotlib import colormaps
+
+    settings = list(settings)
+    cmap = colormaps["tab10" if len(settings) <= 10 else "tab20"]
+    return {s: cmap(i % cmap.N) for i, s in enumerate(settings)}
+
+
+def plot_tag(tag: str, curves: dict[str, Curve], path: str, smoothing: float = 0.6, colors=None) -> str:
+    """Write a PNG of ``tag`` to ``path``: per setting the smoothed seed mean (solid, labelled), the raw mean
+    (faint) and the min–max band across seeds (shaded); x = step. Uses the Agg canvas, not pyplot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    colors = colors or setting_colors(curves)
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for setting, c in curves.items():
+        color = colors[setting]
+        marker = "o" if len(c.steps) == 1 else None
+        if max(c.count) > 1:
+            ax.fill_between(c.steps, c.lo, c.hi, color=color, alpha=0.15, linewidth=0)
+        ax.plot(c.steps, c.mean, color=color, alpha=0.3, linewidth=1, marker=marker)
+        ax.plot(c.steps, tb_smooth(c.mean, smoothing), color=color, linewidth=2, marker=marker, label=setting)
+    ax.set_title(tag)
+    ax.set_xlabel("step")
+    ax.set_ylabel(tag)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.text(0.01, 0.01, f"solid: seed mean, TensorBoard smoothing {smoothing:g}; faint: raw seed mean; "
+             "shaded: min–max across seeds", fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, format="png")
+    return path
+
+
+def tag_filename(tag: str) -> str:
+    """``rollout/reward_mean`` -> ``rollout_reward_mean.png``."""
+    return tag.replace("/", "_") + ".png"
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of ``recipes/compare.py``."""
+    p = argparse.ArgumentParser(
+        prog="compare.py",
+        description="Plot and tabulate TensorBoard scalars of lit_rl runs, seeds of one setting grouped.")
+    p.add_argument("folders", nargs="+", help="run folders, or folders with runs under them (a multirun sweep)")
+    p.add_argument("--tags", required=True,
+                   help="comma-separated scalar tags, e.g. rollout/reward_mean,eval/accuracy")
+    p.add_argument("--out", default=None, help="output folder (default: <first folder>/compare)")
+    p.add_argument("--smoothing", type=float, default=0.6,
+                   help="TensorBoard smoothing weight in [0, 1) for the solid lines (default 0.6)")
+    p.add_argument("--group-by-seed", action=argparse.BooleanOptionalAction, default=True,
+                   help="group runs that differ only by seed=N into one setting (default: yes)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Run the comparison; returns the exit code (0, or 2 after a one-line error on stderr)."""
+    args = parse_args(argv)
+    try:
+        return _main(args)
+    except CompareError as err:
+        print(f"compare: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    tags = list(dict.fromkeys(t.strip() for t in args.tags.split(",") if t.strip()))
+    if not tags:
+        raise CompareError("--tags names no tag")
+    if not (0.0 <= args.smoothing < 1.0) or math.isnan(args.smoothing):
+        raise CompareError(f"--smoothing must be in [0, 1), got {args.smoothing}")
+
+    runs = find_runs(args.folders)
+    scalars = {name: read_scalars(d) for name, d in runs.items()}
+    known = sorted({t for s in scalars.values() for t in s})
+    missing = [t for t in tags if t not in known]
+    if missing:
+        raise CompareError(
+            f"tag{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing)} not logged by any run; "
+            f"tags that exist: {', '.join(known) if known else '(none)'}")
+    for name, d in runs.items():
+        if not os.path.exists(os.path.join(d, FINISHED_MARKER)):
+            print(f"compare: note: {name} has no {FINISHED_MARKER} (still running, or stopped early)",
+                  file=sys.stderr)
+
+    groups = group_runs(runs, group_by_seed=args.group_by_seed)
+    out = args.out or os.path.join(args.folders[0], "compare")
+    os.makedirs(out, exist_ok=True)
+    colors = setting_colors(groups)
+    for tag in tags:
+        path = plot_tag(tag, curves_for(groups, scalars, tag), os.path.join(out, tag_filename(tag)),
+                        args.smoothing, colors)
+        print(f"compare: wrote {path}", file=sys.stderr)
+
+    rows = summarize(groups, scalars, tags)
+    text = format_table(rows, tags)
+    summary = os.path.join(out, "summary.md")
+    with open(summary, "w") as f:
+        f.write(text + _notes(rows, args.smoothing))
+    sys.stdout.write(text)
+    print(f"compare: wrote {summary}", file=sys.stderr)
+    return 0

@@ -1,0 +1,260 @@
+"""recipes/compare.py and lit_rl.compare on fake runs written with real TensorBoard writers."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lit_rl import compare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "recipes", "compare.py")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# run name -> {tag: {step: value}}. Hand-computed below: the seed means per step, finals and bests.
+RUNS = {
+    "algo=grpo,seed=0": {
+        "rollout/reward_mean": {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4, 4: 0.5},
+        "train/loss": {0: 1.0, 1: 0.8, 2: 0.6, 3: 0.7, 4: 0.9},
+        "eval/accuracy": {2: 0.25, 4: 0.5},
+    },
+    "algo=grpo,seed=1": {
+        "rollout/reward_mean": {0: 0.3, 1: 0.2, 2: 0.5, 3: 0.6, 4: 0.3},
+        "train/loss": {0: 1.2, 1: 1.0, 2: 0.8, 3: 0.5, 4: 0.7},
+        "eval/accuracy": {2: 0.75, 4: 0.5},
+    },
+    "algo=dapo,seed=0": {
+        "rollout/reward_mean": {0: 0.0, 1: 0.4, 2: 0.6, 3: 0.8, 4: 0.7},
+        "train/loss": {0: 2.0, 1: 1.5, 2: 1.25, 3: 1.0, 4: 0.75},
+    },
+    "algo=dapo,seed=1": {
+        "rollout/reward_mean": {0: 0.2, 1: 0.4, 2: 0.4, 3: 0.6, 4: 0.5},
+        "train/loss": {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0},
+    },
+}
+# grpo reward mean per step: 0.2 0.2 0.4 0.5 0.4 -> final (0.5+0.3)/2 = 0.4, best (max) 0.5
+# dapo reward mean per step: 0.1 0.4 0.5 0.7 0.6 -> final (0.7+0.5)/2 = 0.6, best (max) 0.7
+# grpo loss mean per step:   1.1 0.9 0.7 0.6 0.8 -> final 0.8, best (min) 0.6
+# dapo loss mean per step:   1.5 1.25 1.125 1.0 0.875 -> final 0.875, best (min) 0.875
+# grpo eval/accuracy mean:   step 2: 0.5, step 4: 0.5 -> final 0.5, best 0.5; dapo never logged it
+EXPECTED = {
+    "algo=grpo": {"rollout/reward_mean": (0.4, 0.5), "train/loss": (0.8, 0.6), "eval/accuracy": (0.5, 0.5)},
+    "algo=dapo": {"rollout/reward_mean": (0.6, 0.7), "train/loss": (0.875, 0.875), "eval/accuracy": None},
+}
+TAGS = ["rollout/reward_mean", "train/loss", "eval/accuracy"]
+
+
+def write_run(run_dir, scalars, tensor_writer=False):
+    """A run folder as recipes/train.py leaves it: config.yaml, tensorboard/events..., finished.json."""
+    tb = os.path.join(run_dir, "tensorboard")
+    os.makedirs(tb)
+    if tensor_writer:  # tensorboard's own writer: tensor summaries of the scalars plugin
+        from tensorboard.summary import Writer
+
+        w = Writer(tb)
+        for tag, series in scalars.items():
+            for step, value in series.items():
+                w.add_scalar(tag, value, step)
+        w.close()
+    else:  # what Lightning's TensorBoardLogger writes: classic scalar summaries
+        from torch.utils.tensorboard import SummaryWriter
+
+        w = SummaryWriter(tb)
+        for tag, series in scalars.items():
+            for step, value in series.items():
+                w.add_scalar(tag, value, step)
+        w.close()
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write("seed: 0\n")
+    with open(os.path.join(run_dir, "finished.json"), "w") as f:
+        json.dump({"global_step": 5}, f)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A multirun sweep folder with 2 settings x 2 seeds; algo=dapo,seed=1 written as tensor summaries."""
+    root = tmp_path_factory.mktemp("multirun") / "10-00-00"
+    for name, scalars in RUNS.items():
+        write_run(str(root / name), scalars, tensor_writer=(name == "algo=dapo,seed=1"))
+    return root
+
+
+def cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def table_rows(text):
+    """{setting: [cells]} of the markdown table's body rows."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert set(lines[1].replace("|", "").replace("-", "").replace(":", "")) <= {""}  # the separator row
+    rows = {}
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert len(cells) == len(header)
+        assert cells[0] not in rows
+        rows[cells[0]] = dict(zip(header, cells))
+    return header, rows
+
+
+# ------------------------------------------------------------------------------------------------- finding
+def test_find_runs_and_grouping(sweep):
+    runs = compare.find_runs([str(sweep)])
+    assert sorted(runs) == sorted(RUNS)
+    for name, d in runs.items():
+        assert os.path.samefile(d, sweep / name)  # the run folder, not its tensorboard/ subfolder
+    groups = compare.group_runs(runs)
+    assert groups == {"algo=dapo": ["algo=dapo,seed=0", "algo=dapo,seed=1"],
+                      "algo=grpo": ["algo=grpo,seed=0", "algo=grpo,seed=1"]}
+    assert len(compare.group_runs(runs, group_by_seed=False)) == 4
+
+
+def test_read_scalars_both_writers(sweep):
+    for name in ("algo=grpo,seed=0", "algo=dapo,seed=1"):  # classic scalars; tensor summaries
+        got = compare.read_scalars(str(sweep / name))
+        assert sorted(got) == sorted(RUNS[name])
+        for tag, series in RUNS[name].items():
+            assert [s for s, _ in got[tag]] == sorted(series)
+            assert [v for _, v in got[tag]] == pytest.approx([series[s] for s in sorted(series)], rel=1e-6)
+
+
+def test_single_run_folder_named_after_itself(sweep):
+    run = sweep / "algo=grpo,seed=0"
+    assert compare.find_runs([str(run)]) == {"algo=grpo,seed=0": str(run)}
+    assert list(compare.find_runs([str(run / "tensorboard")])) == ["algo=grpo,seed=0"]
+
+
+def test_same_names_in_two_folders_are_prefixed(tmp_path):
+    for sweep in ("a", "b"):
+        write_run(str(tmp_path / sweep / "seed=0"), {"x": {0: 1.0}})
+    runs = compare.find_runs([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert sorted(runs) == ["a/seed=0", "b/seed=0"]
+    assert compare.group_runs(runs) == {"a": ["a/seed=0"], "b": ["b/seed=0"]}
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("algo=dapo,seed=1", ("algo=dapo", 1)),
+    ("seed=12,algo=grpo,model=tiny", ("algo=grpo,model=tiny", 12)),
+    ("algo=grpo", ("algo=grpo", None)),
+    ("seed=0", ("(default)", 0)),
+    ("sweepA/algo=grpo,+seed=3", ("sweepA/algo=grpo", 3)),
+    ("sweepA/seed=3", ("sweepA", 3)),
+    ("data.seed=3,algo=grpo", ("data.seed=3,algo=grpo", None)),  # only the top-level seed key
+    ("10-00-00", ("10-00-00", None)),
+])
+def test_setting_of(name, expected):
+    assert compare.setting_of(name) == expected
+
+
+# ----------------------------------------------------------------------------------------------- smoothing
+def test_tb_smooth_matches_hand_computed_debiased_ema():
+    # w = 0.5: last = 0.5, 1.25, 2.625; debias = 0.5, 0.75, 0.875 -> 1, 5/3, 3
+    assert compare.tb_smooth([1.0, 2.0, 4.0], 0.5) == pytest.approx([1.0, 5 / 3, 3.0])
+    # w = 0.6: last = 0.4*2 = 0.8, 0.48 + 0 = 0.48; debias 0.4, 0.64 -> 2, 0.75
+    assert compare.tb_smooth([2.0, 0.0], 0.6) == pytest.approx([2.0, 0.75])
+    assert compare.tb_smooth([3.0, 1.0, 2.0], 0.0) == [3.0, 1.0, 2.0]  # weight 0: no smoothing
+    assert compare.tb_smooth([0.7, 0.7, 0.7], 0.9) == [0.7, 0.7, 0.7]  # constant: left as it is
+    out = compare.tb_smooth([1.0, math.nan, 3.0], 0.5)  # NaN passes through, does not count
+    assert out[0] == 1.0 and math.isnan(out[1]) and out[2] == pytest.approx(1.75 / 0.75)
+    assert compare.tb_smooth([], 0.6) == []
+
+
+# ---------------------------------------------------------------------------------------------- summarizing
+def test_summarize_values(sweep):
+    runs = compare.find_runs([str(sweep)])
+    scalars = {n: compare.read_scalars(d) for n, d in runs.items()}
+    rows = compare.summarize(compare.group_runs(runs), scalars, TAGS)
+    assert [r["setting"] for r in rows] == ["algo=dapo", "algo=grpo"]
+    for row in rows:
+        assert row["seeds"] == 2
+        for tag in TAGS:
+            want = EXPECTED[row["setting"]][tag]
+            if want is None:
+                assert row[tag] is None
+            else:
+                assert (row[tag]["final"], row[tag]["best"]) == pytest.approx(want, rel=1e-6), (row["setting"], tag)
+
+
+def test_seed_curve_band():
+    c = compare.seed_curve([[(0, 1.0), (1, 3.0)], [(0, 3.0), (1, 5.0), (2, 7.0)]])
+    assert c.steps == [0, 1, 2]
+    assert c.mean == [2.0, 4.0, 7.0] and c.lo == [1.0, 3.0, 7.0] and c.hi == [3.0, 5.0, 7.0]
+    assert c.count == [2, 2, 1] and c.finals == [3.0, 7.0]
+
+
+def test_lower_is_better_rule():
+    for tag in ("train/loss", "train/value_loss", "train/ref_kl", "time/step_s", "rollout/response_length_mean"):
+        assert compare.lower_is_better(tag)
+    for tag in ("rollout/reward_mean", "eval/accuracy", "train/entropy"):
+        assert not compare.lower_is_better(tag)
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def test_cli_writes_pngs_and_summary(sweep, tmp_path):
+    out = tmp_path / "cmp"
+    res = cli(sweep, "--tags", ",".join(TAGS), "--out", out)
+    assert res.returncode == 0, res.stderr
+    header, rows = table_rows(res.stdout)
+    assert header == ["setting", "seeds",
+                      "rollout/reward_mean final", "rollout/reward_mean best (max)",
+                      "train/loss final", "train/loss best (min)",
+                      "eval/accuracy final", "eval/accuracy best (max)"]
+    assert rows == {
+        "algo=dapo": dict(zip(header, ["algo=dapo", "2", "0.6", "0.7", "0.875", "0.875", "n/a", "n/a"])),
+        "algo=grpo": dict(zip(header, ["algo=grpo", "2", "0.4", "0.5", "0.8", "0.6", "0.5", "0.5"])),
+    }
+    summary = (out / "summary.md").read_text()
+    assert table_rows(summary) == (header, rows)
+    for tag in TAGS:
+        png = out / (tag.replace("/", "_") + ".png")
+        data = png.read_bytes()
+        assert len(data) > 1000 and data[:8] == PNG_MAGIC
+        import matplotlib.image
+
+        assert matplotlib.image.imread(str(png)).ndim == 3  # decodes as an image
+
+
+def test_cli_default_out_and_no_grouping(sweep):
+    res = cli(sweep, "--tags", "rollout/reward_mean", "--no-group-by-seed", "--smoothing", "0.9")
+    assert res.returncode == 0, res.stderr
+    _, rows = table_rows(res.stdout)
+    assert sorted(rows) == sorted(RUNS)
+    assert rows["algo=dapo,seed=1"]["rollout/reward_mean final"] == "0.5"
+    assert rows["algo=dapo,seed=1"]["rollout/reward_mean best (max)"] == "0.6"
+    assert (sweep / "compare" / "rollout_reward_mean.png").read_bytes()[:8] == PNG_MAGIC
+    assert (sweep / "compare" / "summary.md").exists()
+
+
+def test_cli_empty_folder(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    res = cli(tmp_path / "empty", "--tags", "rollout/reward_mean")
+    assert res.returncode == 2
+    assert f"no TensorBoard event files under {tmp_path / 'empty'}" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_missing_folder(tmp_path):
+    res = cli(tmp_path / "nope", "--tags", "rollout/reward_mean")
+    assert res.returncode == 2
+    assert f"no such folder: {tmp_path / 'nope'}" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_unknown_tag(sweep, tmp_path):
+    res = cli(sweep, "--tags", "rollout/reward_mean,eval/acc", "--out", tmp_path / "o")
+    assert res.returncode == 2
+    assert "'eval/acc' not logged by any run" in res.stderr
+    for tag in TAGS:  # the tags that exist are listed
+        assert tag in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_cli_bad_smoothing(sweep):
+    res = cli(sweep, "--tags", "train/loss", "--smoothing", "1")
+    assert res.returncode == 2 and "--smoothing must be in [0, 1)" in res.stderr
