@@ -11,11 +11,11 @@ from omegaconf import DictConfig
 
 from .objectives import REDUCTION_MODES
 
-ALGORITHMS = ("grpo",)
+ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 ENGINES = ("torch",)
 TASKS = ("arithmetic", "gsm8k")
 DTYPES = ("float32", "bfloat16")
-GROUP_BASELINE_ALGORITHMS = ("grpo",)
+GROUP_BASELINE_ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
 
 class ConfigError(ValueError):
@@ -36,7 +36,8 @@ def validate(cfg: DictConfig) -> None:
 
     clip = cfg.algo.clip
     _check(clip.eps_low > 0, "algo.clip.eps_low", clip.eps_low, "must be > 0")
-    _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
+    if cfg.algo.name != "cispo":  # CISPO's paper turns the lower bound off with eps_low >= 1
+        _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
     _check(cfg.loss.reduction in REDUCTION_MODES, "loss.reduction", cfg.loss.reduction,
@@ -44,7 +45,9 @@ def validate(cfg: DictConfig) -> None:
 
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
-    if cfg.algo.name in GROUP_BASELINE_ALGORITHMS:
+    group_baseline = cfg.algo.name in GROUP_BASELINE_ALGORITHMS or (
+        cfg.algo.name == "reinforce" and cfg.algo.get("baseline") == "rloo")
+    if group_baseline:
         _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
                f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")

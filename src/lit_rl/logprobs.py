@@ -63,12 +63,14 @@ def response_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     with_entropy: bool = True,
-) -> tuple[Tensor, Tensor]:
+    return_hidden: bool = False,
+):
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
     prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded.
     Returns (logprobs [N, T] float32 with gradient, entropy [N, T] float32 without gradient), both 0 on
-    padding. The distribution is softmax(logits / temperature) — the same object the sampler draws from
+    padding; with ``return_hidden`` also the backbone's hidden states [N, T, H] at the positions that
+    predict each response token (the state a value head reads). The distribution is softmax(logits / temperature) — the same object the sampler draws from
     when top-k/top-p are off. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
     """
     n, p = prompt_ids.shape
@@ -96,4 +98,6 @@ def response_logprobs(
             lp, en = _chunk_logprobs(*args)
         logp = logp.index_put((idx,), lp)
         ent = ent.index_put((idx,), en)
+    if return_hidden:
+        return logp.view(n, t), ent.view(n, t), hidden
     return logp.view(n, t), ent.view(n, t)

@@ -41,7 +41,7 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         group_size=cfg.rollout.group_size, micro_batch_size=cfg.rollout.micro_batch_size,
         advantage=OmegaConf.to_container(cfg.advantage, resolve=True),
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
-        clip=OmegaConf.to_container(cfg.algo.clip, resolve=True),
+        algo=OmegaConf.to_container(cfg.algo, resolve=True),
         kl=OmegaConf.to_container(cfg.kl, resolve=True),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
@@ -88,9 +88,13 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     module = build_module(cfg, policy, tokenizer)
 
     logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
-    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps,
-                                  save_last=True, save_top_k=1)
+    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps * module.updates_per_step,
+                                  save_last="link", save_top_k=1)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # trainer.max_steps counts RL steps; Lightning counts optimizer steps (several per RL step for PPO)
+    k = module.updates_per_step
+    if trainer_kwargs.get("max_steps", -1) > 0:
+        trainer_kwargs["max_steps"] *= k
     eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
     trainer = L.Trainer(
         logger=logger,

@@ -1,8 +1,17 @@
-"""One LightningModule per algorithm, on the shared base ``RLAlgorithm``."""
+"""One LightningModule per algorithm, on the shared base ``RLAlgorithm``; each holds only what differs."""
 
 from .base import RLAlgorithm
+from .cispo import CISPO
+from .dapo import DAPO
+from .dr_grpo import DrGRPO
 from .grpo import GRPO
+from .gspo import GSPO
+from .ppo import PPO
+from .reinforce import Reinforce
 
-ALGORITHMS: dict[str, type[RLAlgorithm]] = {"grpo": GRPO}
+ALGORITHMS: dict[str, type[RLAlgorithm]] = {
+    "reinforce": Reinforce, "ppo": PPO, "grpo": GRPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO,
+    "cispo": CISPO,
+}
 
-__all__ = ["ALGORITHMS", "GRPO", "RLAlgorithm"]
+__all__ = ["ALGORITHMS", "CISPO", "DAPO", "DrGRPO", "GRPO", "GSPO", "PPO", "RLAlgorithm", "Reinforce"]

@@ -56,14 +56,14 @@ class RLAlgorithm(L.LightningModule):
         group_size: G; micro_batch_size: sequences per forward/backward in the update.
         advantage: {"alpha": float in [0, 1], "eps": float}.
         loss: {"reduction": one of objectives.REDUCTION_MODES}.
-        clip: {"eps_low": float, "eps_high": float} for the PPO-style ratio clip.
+        algo: the ``algo`` config group: ``name``, ``clip: {eps_low, eps_high}`` and what the algorithm adds.
         kl: {"beta": float >= 0, "estimator": "k1"|"k2"|"k3"} penalty to the frozen initial policy.
         optim: {"lr", "weight_decay", "betas", "grad_clip", "warmup_steps"}.
         logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
-                 group_size: int, micro_batch_size: int, advantage: dict, loss: dict, clip: dict,
+                 group_size: int, micro_batch_size: int, advantage: dict, loss: dict, algo: dict,
                  kl: dict, optim: dict, logprob_chunk_tokens: int = 1024):
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
@@ -73,7 +73,8 @@ class RLAlgorithm(L.LightningModule):
         self.sampling = SamplingParams(**sampling)
         self.eval_sampling = SamplingParams(**eval_sampling)
         self.group_size, self.micro_batch_size = group_size, micro_batch_size
-        self.advantage_cfg, self.loss_cfg, self.clip_cfg = dict(advantage), dict(loss), dict(clip)
+        self.advantage_cfg, self.loss_cfg, self.algo_cfg = dict(advantage), dict(loss), dict(algo)
+        self.clip_cfg = dict(self.algo_cfg.get("clip", {}))
         self.kl_cfg, self.optim_cfg = dict(kl), dict(optim)
         self.chunk_tokens = logprob_chunk_tokens
         stop_ids = [tokenizer.eos_token_id]
@@ -164,38 +165,59 @@ class RLAlgorithm(L.LightningModule):
         return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                  temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens)
 
-    def update(self, rb: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on the whole rollout batch, accumulated over micro-batches."""
-        opt = self.optimizers()
+    def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
+        """The scalar loss of one micro-batch, already divided by the whole step's totals."""
+        logprobs, entropy = self.logprobs_of(self.policy, mb)
+        # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
+        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        token_loss = self.policy_loss(logprobs, old_logprobs, mb, stats)
+        return self.finish_loss(token_loss, logprobs, old_logprobs, entropy, mb, stats, num_tokens, num_seqs)
+
+    def finish_loss(self, token_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor, entropy: Tensor,
+                    mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
+        """Add the reference-KL penalty, record the per-token diagnostics, and reduce to a scalar."""
+        m = mb.response_mask
+        beta = self.kl_cfg.get("beta", 0.0)
+        if beta > 0:
+            with torch.no_grad():
+                ref_logprobs, _ = self.logprobs_of(self.ref_policy, mb)
+            kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.get("estimator", "k3"))
+            token_loss = token_loss + beta * kl
+            stats.add("train/ref_kl", kl, m)
+        stats.add("train/entropy", entropy, m)
+        stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
+        stats.add("train/logprob_abs_diff", (mb.rollout_logprobs - old_logprobs).abs(), m)
+        return obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
+                               num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
+
+    def accumulate_gradients(self, rb: RolloutBatch) -> tuple[MetricSums, float]:
+        """Backward of the whole step's loss into ``.grad``, one micro-batch at a time.
+
+        Each micro-batch's loss is normalised by the totals of the whole batch (tokens, sequences), so the
+        accumulated gradient equals that of the whole batch at once, whatever ``micro_batch_size`` is.
+        Returns the token-weighted metric sums and the step's loss.
+        """
         mask = rb.response_mask
         num_tokens = mask.sum()
         num_seqs = (mask.sum(-1) > 0).sum()
         stats = MetricSums()
         loss_total = 0.0
-        beta = self.kl_cfg.get("beta", 0.0)
         for mb in self.micro_batches(rb):
-            m = mb.response_mask
-            logprobs, entropy = self.logprobs_of(self.policy, mb)
-            # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
-            old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-            token_loss = self.policy_loss(logprobs, old_logprobs, mb, stats)
-            if beta > 0:
-                with torch.no_grad():
-                    ref_logprobs, _ = self.logprobs_of(self.ref_policy, mb)
-                kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.get("estimator", "k3"))
-                token_loss = token_loss + beta * kl
-                stats.add("train/ref_kl", kl, m)
-            loss = obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
-                                   num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
-            self.manual_backward(loss)
+            loss = self.micro_batch_loss(mb, stats, num_tokens=num_tokens, num_seqs=num_seqs)
+            if self._trainer is not None:
+                self.manual_backward(loss)
+            else:
+                loss.backward()
             loss_total += float(loss.detach())
-            stats.add("train/entropy", entropy, m)
-            stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
-            stats.add("train/logprob_abs_diff", (mb.rollout_logprobs - old_logprobs).abs(), m)
+        return stats, loss_total
+
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on the whole rollout batch; returns the train/* metrics."""
+        opt = self.optimizers()
+        stats, loss_total = self.accumulate_gradients(rb)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                    self.optim_cfg.get("grad_clip", 1.0) or float("inf"))
-        finite = math.isfinite(float(grad_norm))
-        if finite:
+        if math.isfinite(float(grad_norm)):
             opt.step()
         opt.zero_grad(set_to_none=True)
         sched = self.lr_schedulers()
@@ -241,8 +263,11 @@ class RLAlgorithm(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    #: optimizer steps per RL step (PPO: epochs x minibatches); Lightning's global_step counts these.
+    updates_per_step: int = 1
+
     def on_fit_start(self) -> None:
-        self.datamodule.set_start_step(lambda: self.global_step)
+        self.datamodule.set_start_step(lambda: self.global_step // self.updates_per_step)
 
     def state_dict(self, *args, **kwargs):
         """The policy's weights only (the frozen reference copy is re-derivable and not saved)."""

@@ -44,6 +44,49 @@ class ScoredRollouts:
     texts: list[str]
 
 
+def _pad_cols(x: torch.Tensor | None, width: int, value=0) -> torch.Tensor | None:
+    if x is None or x.shape[1] == width:
+        return x
+    pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollouts:
+    """Stack several ``ScoredRollouts`` (e.g. DAPO's generation rounds) into one.
+
+    Group ids must already be distinct across parts. Responses are right-padded to the widest part.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.rollouts.response_ids.shape[1] for p in parts)
+    cat = lambda name, value=0: (None if getattr(parts[0].rollouts, name) is None else torch.cat(  # noqa: E731
+        [_pad_cols(getattr(p.rollouts, name), width, value) for p in parts]))
+    rollouts = Rollouts(
+        prompt_ids=[ids for p in parts for ids in p.rollouts.prompt_ids],
+        response_ids=cat("response_ids", pad_token_id), response_mask=cat("response_mask", False),
+        rollout_logprobs=cat("rollout_logprobs"), finish_reason=[f for p in parts for f in p.rollouts.finish_reason],
+        policy_version=torch.cat([p.rollouts.policy_version for p in parts]),
+        topk_ids=cat("topk_ids"), topk_logprobs=cat("topk_logprobs"),
+    )
+    return ScoredRollouts(rollouts, torch.cat([p.rewards for p in parts]), torch.cat([p.group_ids for p in parts]),
+                          [e for p in parts for e in p.examples], [t for p in parts for t in p.texts])
+
+
+def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
+    """The completions at ``rows`` ([K] int64 indices); examples are kept whole (looked up by group id)."""
+    r = scored.rollouts
+    idx = rows.tolist()
+    pick = lambda x: None if x is None else x[rows]  # noqa: E731
+    rollouts = Rollouts(
+        prompt_ids=[r.prompt_ids[i] for i in idx], response_ids=r.response_ids[rows],
+        response_mask=r.response_mask[rows], rollout_logprobs=r.rollout_logprobs[rows],
+        finish_reason=[r.finish_reason[i] for i in idx], policy_version=r.policy_version[rows],
+        topk_ids=pick(r.topk_ids), topk_logprobs=pick(r.topk_logprobs),
+    )
+    return ScoredRollouts(rollouts, scored.rewards[rows], scored.group_ids[rows], scored.examples,
+                          [scored.texts[i] for i in idx])
+
+
 def sample_seed(*parts: int) -> int:
     """A 63-bit seed that depends only on the integers given (deterministic across processes)."""
     return hash(tuple(int(p) for p in parts)) & (2**63 - 1)
@@ -121,7 +164,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     # -- rollouts ------------------------------------------------------------------------------------
     def collect(self, engine, examples: list[Example], params: SamplingParams, step: int, round: int = 0,
-                group_size: int | None = None, split: str = "train") -> ScoredRollouts:
+                group_size: int | None = None, split: str = "train", group_offset: int = 0) -> ScoredRollouts:
         """Generate G completions per example with ``engine`` and score them with the task's verifier.
 
         Each completion has its own seed (from seed, step, round, prompt index and sample index), so the
@@ -134,14 +177,14 @@ class RolloutDataModule(L.LightningDataModule):
             for j in range(g):
                 prompts.append(ids)
                 seeds.append(sample_seed(self.seed, step, round, p, j))
-                group_ids.append(p)
+                group_ids.append(group_offset + p)
         rollouts = engine.generate(prompts, params, seeds)
         texts = self.tokenizer.batch_decode(
             [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
             skip_special_tokens=True,
         )
-        rewards = torch.tensor([self.task.reward(text, examples[gid]) for text, gid in zip(texts, group_ids)],
-                               dtype=torch.float32)
+        rewards = torch.tensor([self.task.reward(text, examples[gid - group_offset])
+                                for text, gid in zip(texts, group_ids)], dtype=torch.float32)
         return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts)
 
     # -- Lightning hooks -----------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class TorchEngine:
         """Record the trainer's weight version; the shared module already holds those weights."""
         self.version = version
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers may edit the returned tensors in place
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
         """Sample one completion per prompt.
 

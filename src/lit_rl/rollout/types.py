@@ -66,7 +66,7 @@ class RolloutBatch:
     rewards [N] float32; advantages [N] (or [N, T] for token-level critics) float32;
     group_ids [N] int64 (the prompt id — groups are identified by it, never by row position);
     policy_version [N] int64; old_logprobs [N, T] float32 or None (filled by the trainer);
-    topk_ids / topk_logprobs [N, T, k] or None.
+    topk_ids / topk_logprobs [N, T, k] or None; old_values / returns [N, T] float32 or None (critic).
     """
 
     prompt_ids: Tensor
@@ -82,6 +82,8 @@ class RolloutBatch:
     ref_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
+    old_values: Tensor | None = None
+    returns: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -108,7 +110,7 @@ class RolloutBatch:
         t1 = int(keep_r.nonzero()[-1]) + 1 if keep_r.any() else 0
         changes = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
         for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
-                     "topk_ids", "topk_logprobs"):
+                     "topk_ids", "topk_logprobs", "old_values", "returns"):
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[:, :t1]

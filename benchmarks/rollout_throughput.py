@@ -1,0 +1,109 @@
+"""Rollout throughput: the embedded engine vs transformers' ``generate``, same work, one run.
+
+    python benchmarks/rollout_throughput.py            # SmolLM2-135M, 64 prompts x 64 new tokens
+
+Both sample at temperature 1 (no top-k/top-p) until the stop token or 64 new tokens; tokens/s counts the
+generated tokens (up to and including the stop token) per second of wall time. Each system runs once as
+warm-up and then ``--repeats`` times; the best time is reported. Ratios are engine / generate at the same
+precision: float32 weights, and bfloat16 (the engine under bf16 autocast, as training runs it with
+``trainer.precision=bf16-mixed``; generate with bf16 weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+
+from _common import ensure_quiet, machine  # noqa: E402
+from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
+from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
+from lit_rl.rollout.types import SamplingParams, left_pad  # noqa: E402
+from lit_rl.tasks import ArithmeticTask  # noqa: E402
+
+
+def prompts_for(tok, n):
+    task = ArithmeticTask(seed=0, digits=2)
+    out = []
+    for ex in list(task.train_examples())[:n]:
+        ids = tok.apply_chat_template(task.messages(ex), add_generation_prompt=True, tokenize=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+def time_engine(model, tok, prompts, new_tokens, autocast, repeats):
+    eng = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    best = None
+    for r in range(repeats + 1):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            t = time.perf_counter()
+            out = eng.generate(prompts, params, seeds=[1000 * r + i for i in range(len(prompts))])
+            dt = time.perf_counter() - t
+        if r and (best is None or dt < best[0]):
+            best = (dt, int(out.response_mask.sum()))
+    return best
+
+
+def time_generate(model, tok, prompts, new_tokens, repeats):
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    best = None
+    for r in range(repeats + 1):
+        torch.manual_seed(r)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id)
+        dt = time.perf_counter() - t
+        gen = out[:, ids.shape[1]:]
+        # valid tokens: up to and including the first stop token of each row
+        is_eos = gen == tok.eos_token_id
+        after = (is_eos.cumsum(-1) - is_eos.long()) > 0
+        tokens = int((~after).sum())
+        if r and (best is None or dt < best[0]):
+            best = (dt, tokens)
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=SMOLLM2_ID)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    args = ap.parse_args()
+    ensure_quiet(args.force)
+    model, tok = load_policy(ModelSpec(args.model))
+    model.eval()
+    prompts = prompts_for(tok, args.prompts)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    rows = [
+        ("embedded engine", "float32", time_engine(model, tok, prompts, args.new_tokens, False, args.repeats)),
+        ("transformers generate", "float32", time_generate(model, tok, prompts, args.new_tokens, args.repeats)),
+        ("embedded engine", "bf16 autocast", time_engine(model, tok, prompts, args.new_tokens, True, args.repeats)),
+        ("embedded engine", "bf16 weights", time_engine(bf16, tok, prompts, args.new_tokens, False, args.repeats)),
+        ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args.new_tokens, args.repeats)),
+    ]
+    print(f"# rollout throughput, {args.model}, {args.prompts} prompts x {args.new_tokens} new tokens")
+    print(f"# {machine()}")
+    print(f"| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
+    tps = {}
+    for name, prec, (dt, tokens) in rows:
+        tps[(name, prec)] = tokens / dt
+        print(f"| {name} | {prec} | {dt:.2f} | {tokens} | {tokens / dt:.1f} |")
+    g32, gbf = tps[("transformers generate", "float32")], tps[("transformers generate", "bf16 weights")]
+    print(f"\nratio engine/generate, float32: {tps[('embedded engine', 'float32')] / g32:.2f}x")
+    print(f"ratio engine (bf16 autocast)/generate (bf16 weights): {tps[('embedded engine', 'bf16 autocast')] / gbf:.2f}x")
+    print(f"ratio engine (bf16 weights)/generate (bf16 weights): {tps[('embedded engine', 'bf16 weights')] / gbf:.2f}x")
+    print(f"ratio engine (bf16 autocast)/generate (float32): {tps[('embedded engine', 'bf16 autocast')] / g32:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets up .venv if needed (scripts/setup.sh, idempotent), then runs the test suite.
+#   scripts/test.sh                 # the default suite (about 10 minutes on 2 cores)
+#   scripts/test.sh -m slow         # the heavier tests (real-model runs)
+#   scripts/test.sh tests/test_objectives.py -k grpo
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
+exec .venv/bin/python -m pytest -q "$@"

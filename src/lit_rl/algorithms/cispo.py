@@ -1,0 +1,24 @@
+"""CISPO (MiniMax-M1, 2025): clip the importance weight itself and stop its gradient.
+
+loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * log pi_theta(y_t), token-mean reduction; unlike
+PPO's clip no token loses its gradient (``objectives.cispo_loss``). The paper sets no lower bound
+(eps_low >= 1 means the weight is only capped above) and tunes eps_high.
+"""
+
+from torch import Tensor
+
+from .. import objectives as obj
+from ..rollout.types import RolloutBatch
+from .base import MetricSums, RLAlgorithm
+
+
+class CISPO(RLAlgorithm):
+    """Clipped, stop-gradient importance weights times the REINFORCE score, group advantages."""
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+        eps_low, eps_high = self.clip_cfg["eps_low"], self.clip_cfg["eps_high"]
+        ratio = (logprobs.detach() - old_logprobs).exp()
+        stats.add("train/pg_clipfrac_lower", (ratio < 1 - eps_low).float(), mb.response_mask)
+        stats.add("train/pg_clipfrac_upper", (ratio > 1 + eps_high).float(), mb.response_mask)
+        stats.add("train/pg_clipfrac", ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float(), mb.response_mask)
+        return obj.cispo_loss(logprobs, old_logprobs, mb.advantages, eps_low, eps_high)

@@ -1,0 +1,78 @@
+"""DAPO (Yu et al. 2025, "DAPO: an open-source LLM RL system at scale").
+
+What differs from GRPO, each in one place:
+- clip-higher: asymmetric clip, eps_low 0.2 / eps_high 0.28 (``conf/algo/dapo.yaml``);
+- token-level reduction sum_i sum_t l / sum_i T_i (``loss.reduction=token_mean``);
+- dynamic sampling (``collect``): groups whose rewards are all equal carry no gradient, so they are
+  dropped and more prompts are sampled until the step holds ``prompts_per_step`` useful groups, at most
+  ``algo.dynamic_sampling.max_rounds`` generation rounds; the dropped all-correct / all-wrong groups are
+  counted in rollout/groups_all_correct and rollout/groups_all_wrong;
+- overlong reward shaping (``shape_rewards``): ``objectives.overlong_penalty`` added to the task reward;
+- optionally, truncated completions masked out of the loss (``algo.mask_truncated``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import objectives as obj
+from ..rollout.datamodule import PromptBatch, ScoredRollouts, concat_scored, select_rows
+from .base import RLAlgorithm
+
+
+class DAPO(RLAlgorithm):
+    """GRPO with clip-higher, token-mean loss, dynamic sampling and overlong shaping."""
+
+    def collect(self, batch: PromptBatch):
+        ds = self.algo_cfg.get("dynamic_sampling", {}) or {}
+        if not ds.get("enabled", True):
+            return super().collect(batch)
+        target = len(batch.examples)
+        dm = self.datamodule
+        kept: list[ScoredRollouts] = []
+        n_kept = all_correct = all_wrong = rounds = 0
+        examples = batch.examples
+        while True:
+            scored = dm.collect(self.engine, examples, self.sampling, batch.step, round=rounds,
+                                group_offset=rounds * target)
+            for g in scored.group_ids.unique().tolist():
+                rows = (scored.group_ids == g).nonzero().squeeze(-1)
+                r = scored.rewards[rows]
+                if bool((r == r[0]).all()):  # no signal: dropped
+                    all_correct += int(r[0] >= 1)
+                    all_wrong += int(r[0] <= 0)
+                elif n_kept < target:
+                    kept.append(select_rows(scored, rows))
+                    n_kept += 1
+            rounds += 1
+            if n_kept >= target or rounds >= ds.get("max_rounds", 3):
+                break
+            examples = dm.prompts_for(batch.step, round=rounds, count=target)
+        if not kept:  # nothing useful in any round: train on the last round (its advantages are all 0)
+            kept = [scored]
+        out = concat_scored(kept, self.tokenizer.pad_token_id)
+        metrics = {"rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
+                   "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept)}
+        return out, metrics
+
+    def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
+        metrics = super().rollout_metrics(scored)
+        if (self.algo_cfg.get("dynamic_sampling", {}) or {}).get("enabled", True):
+            # the dropped-group counts come from ``collect``; the kept groups are useful by construction
+            del metrics["rollout/groups_all_correct"], metrics["rollout/groups_all_wrong"]
+        return metrics
+
+    def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
+        ol = self.algo_cfg.get("overlong", {}) or {}
+        if not ol.get("enabled", True):
+            return scored.rewards
+        penalty = obj.overlong_penalty(scored.rollouts.response_length, self.sampling.max_new_tokens,
+                                       ol.get("buffer_length", 16))
+        return scored.rewards + penalty * ol.get("penalty_factor", 1.0)
+
+    def build_batch(self, scored: ScoredRollouts):
+        if self.algo_cfg.get("mask_truncated", False):
+            truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason])
+            scored.rollouts.response_mask = scored.rollouts.response_mask & ~truncated[:, None]
+        return super().build_batch(scored)

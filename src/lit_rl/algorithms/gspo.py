@@ -1,0 +1,25 @@
+"""GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): one clipped ratio per completion.
+
+s_i = exp((1/T_i) sum_t log(pi_theta / pi_old)) — the geometric mean of the token ratios over the valid
+tokens — is clipped PPO-style at the sequence level; see ``objectives.gspo_loss``. The clip ranges are
+small (the paper's 3e-4 / 4e-4) because a sequence ratio moves much less than a token ratio.
+"""
+
+from torch import Tensor
+
+from .. import objectives as obj
+from ..rollout.types import RolloutBatch
+from .base import MetricSums, RLAlgorithm
+
+
+class GSPO(RLAlgorithm):
+    """Group-normalised advantages (as GRPO) with a sequence-level clipped ratio."""
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+        loss, clip_low, clip_high = obj.gspo_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask,
+                                                 self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+        seq = mb.response_mask.any(-1)
+        stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), seq)  # fraction of sequences
+        stats.add("train/pg_clipfrac_lower", clip_low.float(), seq)
+        stats.add("train/pg_clipfrac_upper", clip_high.float(), seq)
+        return loss

@@ -1,0 +1,135 @@
+"""PPO as actor-critic (Schulman et al. 2017), the RLHF way (Ouyang et al. 2022).
+
+- A value head V_phi reads the hidden state that predicts each response token: on the policy's own
+  backbone (``algo.value.model=shared``, one extra Linear) or on a separate copy of the backbone
+  initialised from the policy (``separate``).
+- The sequence reward sits on the last valid token; GAE(gamma, lambda) (Schulman et al. 2016) turns it
+  into per-token advantages and returns (``objectives.gae``); advantages are whitened over the batch's
+  valid tokens unless ``algo.whiten_advantages=false``.
+- ``algo.ppo_epochs`` passes over the rollout batch, each cut into ``algo.num_minibatches`` shuffled
+  minibatches, one optimizer step each. ``old_logprobs`` and ``old_values`` are computed once, from the
+  snapshot that started the cycle, and stay fixed.
+- Loss per token: PPO clipped surrogate + vf_coef * clipped value loss (``objectives.clipped_value_loss``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .. import objectives as obj
+from ..logprobs import position_ids_from_mask, response_logprobs
+from ..rollout.datamodule import ScoredRollouts
+from ..rollout.types import RolloutBatch
+from .base import MetricSums, RLAlgorithm
+
+
+class PPO(RLAlgorithm):
+    """Actor-critic PPO with GAE and several epochs of minibatch updates per rollout batch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        value_cfg = self.algo_cfg.get("value", {}) or {}
+        hidden = self.policy.config.hidden_size
+        self.value_mode = value_cfg.get("model", "shared")
+        if self.value_mode not in ("shared", "separate"):
+            raise ValueError(f"algo.value.model={self.value_mode!r}: choose 'shared' or 'separate'")
+        self.critic = copy.deepcopy(self.policy.get_decoder()) if self.value_mode == "separate" else None
+        self.value_head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        self.updates_per_step = int(self.algo_cfg.get("ppo_epochs", 2)) * int(self.algo_cfg.get("num_minibatches", 2))
+
+    def configure_optimizers(self):
+        cfg = self.optim_cfg
+        params = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("ref_policy.")]
+        return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0),
+                                 betas=tuple(cfg.get("betas", (0.9, 0.999))))
+
+    # -- critic --------------------------------------------------------------------------------------
+    def _forward(self, mb: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """(logprobs, entropy, values) [n, T] for a micro-batch; values are float32."""
+        logprobs, entropy, hidden = response_logprobs(
+            self.policy, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+            temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens, return_hidden=True)
+        if self.critic is not None:
+            p = mb.prompt_ids.shape[1]
+            ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)
+            att = torch.cat([mb.prompt_mask, mb.response_mask], 1).long()
+            h = self.critic(input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att),
+                            use_cache=False).last_hidden_state
+            hidden = h[:, p - 1: p - 1 + mb.response_ids.shape[1]]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return logprobs, entropy, values * mb.response_mask
+
+    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
+        """Placeholder [N] zeros: PPO's per-token advantages need the critic and are set in ``update``."""
+        return torch.zeros_like(rewards)
+
+    # -- the update ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _snapshot(self, rb: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """old_logprobs and old_values [N, T] of the whole batch under the current (snapshot) weights."""
+        n, t = rb.response_ids.shape
+        old_lp = torch.zeros(n, t)
+        old_v = torch.zeros(n, t)
+        for i in range(0, n, self.micro_batch_size):
+            mb = rb.select(slice(i, i + self.micro_batch_size))
+            lp, _, v = self._forward(mb)
+            w = lp.shape[1]
+            old_lp[i:i + len(mb), :w] = lp.float()
+            old_v[i:i + len(mb), :w] = v
+        return old_lp, old_v
+
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        opt = self.optimizers()
+        mask = rb.response_mask
+        old_lp, old_v = self._snapshot(rb)
+        lengths = mask.sum(-1)
+        token_rewards = torch.zeros_like(old_v)
+        last = (lengths - 1).clamp(min=0)
+        token_rewards[torch.arange(len(rb)), last] = rb.rewards * (lengths > 0)
+        gcfg = self.algo_cfg.get("gae", {}) or {}
+        adv, returns = obj.gae(token_rewards, old_v, mask, gcfg.get("gamma", 1.0), gcfg.get("lam", 0.95))
+        if self.algo_cfg.get("whiten_advantages", True) and mask.sum() > 1:
+            mean = obj.masked_mean(adv, mask)
+            std = obj.masked_mean((adv - mean) ** 2, mask).sqrt()
+            adv = torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
+        rb.advantages, rb.old_logprobs, rb.old_values, rb.returns = adv, old_lp, old_v, returns
+
+        stats = MetricSums()
+        loss_total, norms = 0.0, []
+        n_mb = int(self.algo_cfg.get("num_minibatches", 2))
+        gen = torch.Generator().manual_seed(int(self.global_step))
+        for _ in range(int(self.algo_cfg.get("ppo_epochs", 2))):
+            perm = torch.randperm(len(rb), generator=gen)
+            for chunk in perm.chunk(n_mb):
+                part_stats, part_loss = self.accumulate_gradients(rb.select(chunk))
+                for k in part_stats.sums:
+                    stats.sums[k] += part_stats.sums[k]
+                    stats.counts[k] += part_stats.counts[k]
+                loss_total += part_loss / (n_mb * int(self.algo_cfg.get("ppo_epochs", 2)))
+                params = [p for group in opt.param_groups for p in group["params"]]
+                norm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.get("grad_clip", 1.0) or float("inf"))
+                norms.append(float(norm))
+                if math.isfinite(float(norm)):
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+        out = stats.means()
+        out["train/loss"] = loss_total
+        out["train/grad_norm"] = sum(norms) / len(norms)
+        out["train/lr"] = opt.param_groups[0]["lr"]
+        return out
+
+    def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
+        m = mb.response_mask
+        logprobs, entropy, values = self._forward(mb)
+        pg = self.policy_loss(logprobs, mb.old_logprobs, mb, stats)
+        vcfg = self.algo_cfg.get("value", {}) or {}
+        vf = obj.clipped_value_loss(values, mb.old_values, mb.returns, vcfg.get("clip", 0.2))
+        token_loss = pg + vcfg.get("coef", 0.1) * vf
+        stats.add("train/value_loss", vf, m)
+        return self.finish_loss(token_loss, logprobs, mb.old_logprobs, entropy, mb, stats, num_tokens, num_seqs)

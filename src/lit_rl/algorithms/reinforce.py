@@ -1,0 +1,25 @@
+"""REINFORCE (Williams 1992) with a baseline b(x) that does not depend on the sampled completion.
+
+loss = -A * sum_t log pi(y_t | h_t), A = R - b. Baselines (``algo.baseline``): ``none`` (A = R),
+``batch_mean`` (mean reward of the step) and ``rloo`` (leave-one-out mean of the other completions of the
+same prompt; Ahmadian et al. 2024, "Back to Basics"). The paper's per-sequence sum over tokens is the
+``seq_mean_token_sum`` reduction.
+"""
+
+from torch import Tensor
+
+from .. import objectives as obj
+from ..rollout.datamodule import ScoredRollouts
+from ..rollout.types import RolloutBatch
+from .base import MetricSums, RLAlgorithm
+
+
+class Reinforce(RLAlgorithm):
+    """Plain policy gradient: no ratio, no clip; only the baseline is a choice."""
+
+    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
+        return obj.baseline_advantages(rewards, scored.group_ids, self.algo_cfg.get("baseline", "rloo"))
+
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+        adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
+        return -adv * logprobs

@@ -1,0 +1,50 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from lit_rl.models import ModelSpec, load_policy  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """(model, tokenizer) of the random-init tiny Llama, float32."""
+    return load_policy(ModelSpec("tiny"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the packaged GGUF (float32)."""
+    return load_policy(ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+def chat_prompts(tokenizer, questions):
+    out = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return out
+
+
+def read_scalars(logdir):
+    """{tag: [(step, value), ...]} from every TensorBoard event file under logdir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for root, _, files in os.walk(logdir):
+        if any(f.startswith("events.out.tfevents") for f in files):
+            acc = EventAccumulator(root, size_guidance={"scalars": 0})
+            acc.Reload()
+            for tag in acc.Tags()["scalars"]:
+                out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out

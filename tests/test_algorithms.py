@@ -1,0 +1,150 @@
+"""All seven algorithms as LightningModules: exact micro-batching, learning on a learnable task, DAPO's
+dynamic sampling and shaping, PPO's fixed snapshot."""
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT
+from lit_rl.models import ModelSpec, load_policy
+from lit_rl.rollout.datamodule import RolloutDataModule
+from lit_rl.tasks import Example, Task
+from lit_rl.train import build_module
+
+CONF = os.path.join(ROOT, "conf")
+ALGOS = ["reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+
+
+class LeadingSpaceTask(Task):
+    """Reward 1 when the completion starts with a space. Sampling keeps the top 8 tokens (``sampling.top_k``),
+    so learning means re-ranking a few specific tokens — something a random tiny model can do in a few
+    dozen steps (an unrestricted random 49k-token distribution offers no such handle)."""
+
+    name = "leading_space"
+
+    def __init__(self, n=64):
+        self._ex = [Example(i, f"Say something {i}", "x") for i in range(n)]
+
+    def train_examples(self):
+        return self._ex
+
+    def eval_examples(self):
+        return self._ex[:4]
+
+    def reward(self, completion, ex):
+        return 1.0 if completion.startswith(" ") else 0.0
+
+
+class ConstantByPromptTask(LeadingSpaceTask):
+    """Reward depends only on the prompt (even id -> 1): every group is all-correct or all-wrong."""
+
+    def reward(self, completion, ex):
+        return float(ex.id % 2 == 0)
+
+
+def cfg_for(algo, *overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="train", overrides=[
+            "model=tiny", f"algo={algo}", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            "rollout.micro_batch_size=8", "sampling.max_new_tokens=4", "sampling.top_k=8", "optim.lr=3e-3", "optim.grad_clip=1.0",
+            *(["algo.overlong.buffer_length=2"] if algo == "dapo" else []), *overrides])
+
+
+class Recorder(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def fit(cfg, task, steps, seed=0):
+    L.seed_everything(seed, verbose=False)
+    policy, tok = load_policy(ModelSpec("tiny", init_seed=seed))
+    module = build_module(cfg, policy, tok)
+    dm = RolloutDataModule(task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed,
+                           eval_examples=0)
+    rec = Recorder()
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps * module.updates_per_step, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
+    trainer.fit(module, datamodule=dm)
+    return rec.steps, module
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_each_algorithm_learns_leading_space(algo):
+    steps, _ = fit(cfg_for(algo), LeadingSpaceTask(), steps=25)
+    rewards = [s["rollout/reward_mean"] for s in steps]
+    # rewards[0] is the untrained policy's (about 0.3: among its top-8 tokens, few start with a space)
+    last = sum(rewards[-5:]) / 5
+    assert last >= 0.9 and last >= rewards[0] + 0.4, (algo, [round(r, 2) for r in rewards])
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"])
+def test_gradient_does_not_depend_on_micro_batch_size(tiny, reduction):
+    policy, tok = tiny
+    cfg = cfg_for("grpo", f"loss.reduction={reduction}", "sampling.max_new_tokens=12")
+    dm = RolloutDataModule(LeadingSpaceTask(), tok, 4, 4, seed=3, eval_examples=0)
+    module = build_module(cfg, policy, tok)
+    scored = dm.collect(module.engine, dm.prompts_for(0), module.sampling, step=0)
+    # uneven lengths: cut some completions short so padding widths differ between micro-batches
+    scored.rollouts.response_mask[::3, 5:] = False
+    scored.rewards = torch.arange(16, dtype=torch.float32) % 3
+    rb = module.build_batch(scored)
+    grads = []
+    for mbs in (1, 3, 16):
+        module.micro_batch_size = mbs
+        policy.zero_grad()
+        module.accumulate_gradients(rb)
+        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
+    policy.zero_grad()
+    assert grads[0].abs().sum() > 0
+    for g in grads[1:]:
+        # equal up to float32 summation order; a per-micro-batch normalisation would be off by O(1)
+        assert ((g - grads[0]).norm() / grads[0].norm()).item() < 1e-5
+
+
+def test_dapo_dynamic_sampling_drops_uniform_groups_and_counts_them(tiny):
+    task = ConstantByPromptTask()
+    steps, _ = fit(cfg_for("dapo", "algo.dynamic_sampling.max_rounds=3"), task, steps=1)
+    s = steps[0]
+    # 4 prompts per round, 3 rounds, every group uniform: all 12 dropped; all-correct = even prompt ids
+    dm = RolloutDataModule(task, tiny[1], 4, 4, seed=0, eval_examples=0)
+    even = sum(ex.id % 2 == 0 for r in range(3) for ex in dm.prompts_for(0, round=r))
+    assert s["rollout/generation_rounds"] == 3
+    assert s["rollout/groups_kept"] == 0
+    assert s["rollout/groups_all_correct"] == even
+    assert s["rollout/groups_all_wrong"] == 12 - even
+
+
+def test_dapo_keeps_exactly_the_target_number_of_useful_groups():
+    steps, _ = fit(cfg_for("dapo", "algo.dynamic_sampling.max_rounds=6", "rollout.group_size=8"),
+                   LeadingSpaceTask(), steps=2)
+    for s in steps:
+        assert s["rollout/groups_kept"] == 4
+
+
+def test_dapo_overlong_shaping_uses_the_buffer(tiny):
+    policy, tok = tiny
+    cfg = cfg_for("dapo", "sampling.max_new_tokens=8", "algo.overlong.buffer_length=4")
+    module = build_module(cfg, policy, tok)
+    dm = RolloutDataModule(LeadingSpaceTask(), tok, 2, 2, seed=0, eval_examples=0)
+    scored = dm.collect(module.engine, dm.prompts_for(0), module.sampling, step=0)
+    scored.rollouts.response_mask[:, :] = True
+    for i, length in enumerate([4, 6, 8, 3]):
+        scored.rollouts.response_mask[i, length:] = False
+    scored.rewards = torch.ones(4)
+    torch.testing.assert_close(module.shape_rewards(scored), torch.tensor([1.0, 0.5, 0.0, 1.0]))
+
+
+def test_ppo_ratio_uses_the_fixed_snapshot():
+    steps, module = fit(cfg_for("ppo", "algo.ppo_epochs=2", "algo.num_minibatches=2"), LeadingSpaceTask(), steps=2)
+    assert module.updates_per_step == 4
+    assert module.global_step == 8  # 2 RL steps x 4 optimizer steps
+    # later minibatches see pi_theta != pi_old (the snapshot stays fixed), so the PPO KL is nonzero
+    assert all(abs(s["train/ppo_kl"]) > 0 for s in steps)
+    assert all(s["train/value_loss"] >= 0 for s in steps)

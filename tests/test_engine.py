@@ -1,0 +1,104 @@
+"""The embedded engine: log-probs equal the trainer's, seeded and batch-independent sampling."""
+
+import pytest
+import torch
+
+from conftest import chat_prompts
+from lit_rl.logprobs import process_logits, response_logprobs
+from lit_rl.rollout.torch_engine import TorchEngine, sample_rows
+from lit_rl.rollout.types import SamplingParams, left_pad
+
+QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
+
+
+def make_engine(model, tok):
+    return TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+
+
+def trainer_logprobs(model, tok, r, temperature=1.0):
+    pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = response_logprobs(model, pi, pm, r.response_ids, r.response_mask, temperature=temperature)
+    return lp
+
+
+def test_rollout_logprobs_equal_trainer_forward_float32(tiny):
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS) * 2  # different prompt lengths -> left padding
+    for temperature in (1.0, 0.7):
+        r = make_engine(model, tok).generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=24),
+                                             seeds=list(range(len(prompts))))
+        assert r.response_mask.sum() > 0
+        lp = trainer_logprobs(model, tok, r, temperature)
+        diff = (lp - r.rollout_logprobs).abs()[r.response_mask]
+        assert diff.max().item() < 1e-5, diff.max().item()
+        assert (r.rollout_logprobs[~r.response_mask] == 0).all()
+
+
+def test_same_seed_same_rollouts_and_batch_independent(tiny):
+    model, tok = tiny
+    eng = make_engine(model, tok)
+    prompts = chat_prompts(tok, QUESTIONS)
+    params = SamplingParams(max_new_tokens=16)
+    a = eng.generate(prompts, params, seeds=[11, 12, 13, 14])
+    b = eng.generate(prompts, params, seeds=[11, 12, 13, 14])
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    alone = eng.generate(prompts[1:2], params, seeds=[12])
+    width = alone.response_ids.shape[1]
+    assert torch.equal(alone.response_ids[0], a.response_ids[1, :width])
+    c = eng.generate(prompts, params, seeds=[21, 22, 23, 24])
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_finish_reasons_and_stop_token(tiny):
+    model, tok = tiny
+    # Make the stop token certain: the engine must stop after exactly one token, reason "stop".
+    eng = TorchEngine(model, tok.pad_token_id, stop_token_ids=list(range(len(tok))))
+    r = eng.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
+    assert r.finish_reason == ["stop", "stop"]
+    assert r.response_length.tolist() == [1, 1]
+    r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=5),
+                                         seeds=[0, 1])
+    # the random tiny model essentially never emits <|im_end|> in 5 tokens
+    assert r.finish_reason == ["length", "length"] and r.response_length.tolist() == [5, 5]
+
+
+def test_topk_record_and_truncated_sampling(tiny):
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=12, top_k=5, logprobs_top_k=8)
+    r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS), params, seeds=[1, 2, 3, 4])
+    m = r.response_mask
+    assert r.topk_ids.shape == (*m.shape, 8)
+    # the distribution sampled from is the top-5 one: 5 finite entries, normalised, holding the sampled token
+    finite = torch.isfinite(r.topk_logprobs)
+    assert (finite.sum(-1)[m] == 5).all()
+    mass = torch.where(finite, r.topk_logprobs.exp(), torch.zeros(())).sum(-1)
+    assert torch.allclose(mass[m], torch.ones(()), atol=1e-5)
+    hit = (r.topk_ids == r.response_ids.unsqueeze(-1)) & finite
+    assert hit.any(-1)[m].all()
+
+
+def test_process_logits_top_p_keeps_smallest_prefix():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    lp = process_logits(logits, 1.0, top_p=0.8)
+    assert torch.isfinite(lp).tolist() == [[True, True, False, False]]
+    assert torch.allclose(lp.exp()[0, :2], torch.tensor([0.625, 0.375]))
+
+
+def test_sample_rows_matches_distribution():
+    logp = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]])).expand(1, 4)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    draws = torch.cat([sample_rows(logp, [g]) for g in gens])
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[1] == 0  # zero-probability token never drawn
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.03)
+
+
+@pytest.mark.slow
+def test_smollm2_rollout_logprobs_match_trainer_float32(smollm2):
+    model, tok = smollm2
+    prompts = chat_prompts(tok, QUESTIONS) * 4
+    r = make_engine(model, tok).generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(16)))
+    diff = (trainer_logprobs(model, tok, r) - r.rollout_logprobs).abs()[r.response_mask]
+    assert diff.max().item() < 1e-3 and diff.mean().item() < 1e-5, (diff.max().item(), diff.mean().item())
