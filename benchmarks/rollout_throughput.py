@@ -7,6 +7,9 @@ generated tokens (up to and including the stop token) per second of wall time. E
 warm-up and then ``--repeats`` times; the best time is reported. Ratios are engine / generate at the same
 precision: float32 weights, and bfloat16 (the engine under bf16 autocast, as training runs it with
 ``trainer.precision=bf16-mixed``; generate with bf16 weights).
+
+Two scenarios: 64 distinct prompts, and the RL layout, 8 prompts x G = 8 samples each, where the engine
+prefills each prompt once and shares its KV cache across the group (generate prefills all 64 rows).
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def main():
     ap.add_argument("--model", default=SMOLLM2_ID)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--group-size", type=int, default=8, help="G of the second, RL-shaped scenario")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     args = ap.parse_args()
@@ -84,6 +88,15 @@ def main():
     model.eval()
     prompts = prompts_for(tok, args.prompts)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    print(f"# {machine()}")
+    report(f"{args.prompts} distinct prompts x {args.new_tokens} new tokens", model, bf16, tok, prompts, args)
+    g = args.group_size
+    grouped = [p for p in prompts[: args.prompts // g] for _ in range(g)]
+    report(f"RL layout: {args.prompts // g} prompts x G={g} samples x {args.new_tokens} new tokens", model, bf16,
+           tok, grouped, args)
+
+
+def report(title, model, bf16, tok, prompts, args):
     rows = [
         ("embedded engine", "float32", time_engine(model, tok, prompts, args.new_tokens, False, args.repeats)),
         ("transformers generate", "float32", time_generate(model, tok, prompts, args.new_tokens, args.repeats)),
@@ -91,8 +104,7 @@ def main():
         ("embedded engine", "bf16 weights", time_engine(bf16, tok, prompts, args.new_tokens, False, args.repeats)),
         ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args.new_tokens, args.repeats)),
     ]
-    print(f"# rollout throughput, {args.model}, {args.prompts} prompts x {args.new_tokens} new tokens")
-    print(f"# {machine()}")
+    print(f"\n## {args.model}: {title}")
     print(f"| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
     tps = {}
     for name, prec, (dt, tokens) in rows:

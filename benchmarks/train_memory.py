@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 CONFIGS = {
+    "lit_rl (checkpointing, micro-batch 4, logit chunks 256)": dict(gc=True, micro=4, n=64, chunk=256),
     "lit_rl (checkpointing, micro-batch 8)": dict(gc=True, micro=8, n=64),
     "lit_rl (no checkpointing, micro-batch 8)": dict(gc=False, micro=8, n=64),
     "naive full logits, 16 sequences": dict(gc=False, micro=16, n=16, naive=True),
@@ -46,7 +47,8 @@ def child(cfg: dict) -> None:
         group_ids=torch.arange(n) // 8, policy_version=torch.zeros(n, dtype=torch.long))
     module = GRPO(policy, tok, sampling={"max_new_tokens": t}, eval_sampling={}, group_size=8,
                   micro_batch_size=cfg["micro"], advantage={}, loss={"reduction": "seq_mean_token_mean"},
-                  algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={}, optim={"lr": 1e-6})
+                  algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={}, optim={"lr": 1e-6},
+                  logprob_chunk_tokens=cfg.get("chunk", 1024))
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     t0 = time.perf_counter()
     if cfg.get("naive"):
@@ -59,7 +61,9 @@ def child(cfg: dict) -> None:
     opt.step()
     dt = time.perf_counter() - t0
     n_params = sum(x.numel() for x in policy.parameters())
-    print(json.dumps({"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+    with open("/proc/self/status") as f:
+        rss_now = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1e6
+    print(json.dumps({"rss_end_gb": rss_now, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
                       "seconds": dt, "params": n_params}))
 
 

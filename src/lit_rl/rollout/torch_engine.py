@@ -6,7 +6,8 @@ or mis-synced weights.
 
 Per step the engine projects only the last position's hidden state to logits, samples each sequence with
 its own seeded generator (so a prompt's tokens do not depend on which other prompts share the batch), and
-drops finished sequences from the batch and the cache, so short answers stop costing compute.
+drops finished sequences from the batch and the cache, so short answers stop costing compute. A prompt
+that appears G times (a GRPO group) is prefilled once and its KV cache copied to the G rows.
 """
 
 from __future__ import annotations
@@ -110,7 +111,11 @@ class TorchEngine:
         topk_lp = torch.zeros((n, steps, k), dtype=torch.float32) if k else None
         finished_by_stop = torch.zeros(n, dtype=torch.bool)
 
-        input_ids, attention_mask = left_pad(prompts, self.pad_token_id)
+        # Prefill each distinct prompt once (RL repeats every prompt G times), then copy its KV cache to
+        # the rows that share it.
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
+        input_ids, attention_mask = left_pad([list(p) for p in distinct], self.pad_token_id)
         input_ids, attention_mask = input_ids.to(device), attention_mask.long().to(device)
         position_ids = position_ids_from_mask(attention_mask)
         cache = DynamicCache()
@@ -119,6 +124,9 @@ class TorchEngine:
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, use_cache=True, logits_to_keep=1)  # fills ``cache`` in place
             logits = out.logits[:, -1]
+            if step == 0 and len(distinct) < n:
+                cache.batch_select_indices(row_of.to(device))
+                logits, attention_mask, position_ids = logits[row_of], attention_mask[row_of], position_ids[row_of]
             if params.temperature > 0:
                 logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
                 next_tok = sample_rows(logp, [generators[int(row)] for row in active])
