@@ -18,8 +18,8 @@ def make_engine(model, tok):
 def trainer_logprobs(model, tok, r, temperature=1.0):
     pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
     with torch.no_grad():
-        lp, _ = response_logprobs(model, pi, pm, r.response_ids, r.response_mask, temperature=temperature)
-    return lp
+        scores = response_logprobs(model, pi, pm, r.response_ids, r.response_mask, temperature=temperature)
+    return scores.logprobs
 
 
 def test_rollout_logprobs_equal_trainer_forward_float32(tiny):

@@ -14,6 +14,7 @@ from .objectives import REDUCTION_MODES
 ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 ENGINES = ("torch",)
 TASKS = ("arithmetic", "gsm8k")
+CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
 GROUP_BASELINE_ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
@@ -32,6 +33,23 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
     _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
+    _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
+           f"choose one of {list(CORRECTIONS)}")
+    c = cfg.correction
+    _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
+    _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high),
+           "need 0 <= low < high")
+    _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
+    _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
+    for lvl in ("tis", "mis"):
+        _check(c[lvl].level in ("token", "sequence"), f"correction.{lvl}.level", c[lvl].level,
+               "choose 'token' or 'sequence'")
+    if cfg.engine.get("dtype"):
+        _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
+    if cfg.algo.name == "dapo" and cfg.algo.overlong.enabled:
+        _check(0 <= cfg.algo.overlong.buffer_length <= cfg.sampling.max_new_tokens,
+               "algo.overlong.buffer_length", cfg.algo.overlong.buffer_length,
+               f"must lie in [0, sampling.max_new_tokens={cfg.sampling.max_new_tokens}]")
     _check(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"choose one of {list(DTYPES)}")
 
     clip = cfg.algo.clip

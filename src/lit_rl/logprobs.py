@@ -7,6 +7,8 @@ a time, in the forward and in the backward pass alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -41,8 +43,24 @@ def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     return F.log_softmax(logits, dim=-1)
 
 
+@dataclass
+class TokenScores:
+    """The trainer's view of a batch of responses (N rows, T response positions).
+
+    logprobs: [N, T] float32 log pi(y_t) with gradient; entropy: [N, T] float32, no gradient;
+    head_logprobs: [N, T, k] float32 log pi at given ids (the engine's top-k), with gradient, or None;
+    hidden: [N, T, H] backbone states that predict each response token (for a value head), or None.
+    All are 0 on padding.
+    """
+
+    logprobs: Tensor
+    entropy: Tensor
+    head_logprobs: Tensor | None = None
+    hidden: Tensor | None = None
+
+
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                    with_entropy: bool) -> tuple[Tensor, Tensor]:
+                    with_entropy: bool, head_ids: Tensor | None):
     logits = F.linear(hidden, weight, bias).float() / temperature
     logp = F.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -51,7 +69,8 @@ def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             entropy = -(logp.exp() * logp).sum(-1)
     else:
         entropy = torch.zeros_like(token_logp)
-    return token_logp, entropy
+    head = logp.gather(-1, head_ids) if head_ids is not None else token_logp.new_zeros(token_logp.shape[0], 0)
+    return token_logp, entropy, head
 
 
 def response_logprobs(
@@ -64,13 +83,13 @@ def response_logprobs(
     chunk_tokens: int = 1024,
     with_entropy: bool = True,
     return_hidden: bool = False,
-):
+    head_ids: Tensor | None = None,
+) -> TokenScores:
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
     prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded.
-    Returns (logprobs [N, T] float32 with gradient, entropy [N, T] float32 without gradient), both 0 on
-    padding; with ``return_hidden`` also the backbone's hidden states [N, T, H] at the positions that
-    predict each response token (the state a value head reads). The distribution is softmax(logits / temperature) — the same object the sampler draws from
+    head_ids: [N, T, k] int64 ids (the rollout engine's recorded top-k) whose log-probs to gather too, for
+    score centering. Returns ``TokenScores``; ``hidden`` only with ``return_hidden``. The distribution is softmax(logits / temperature) — the same object the sampler draws from
     when top-k/top-p are off. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
     """
     n, p = prompt_ids.shape
@@ -87,17 +106,22 @@ def response_logprobs(
     flat_y = response_ids.reshape(n * t)
     flat_m = response_mask.reshape(n * t)
     rows = flat_m.nonzero().squeeze(-1)  # only valid tokens pay for the projection
+    k = head_ids.shape[-1] if head_ids is not None else 0
+    flat_head = head_ids.reshape(n * t, k) if head_ids is not None else None
     logp = hidden.new_zeros(n * t, dtype=torch.float32)
     ent = hidden.new_zeros(n * t, dtype=torch.float32)
+    head = hidden.new_zeros(n * t, k, dtype=torch.float32)
     for start in range(0, rows.numel(), chunk_tokens):
         idx = rows[start:start + chunk_tokens]
-        args = (flat_h[idx], lm_head.weight, lm_head.bias, flat_y[idx], temperature, with_entropy)
+        args = (flat_h[idx], lm_head.weight, lm_head.bias, flat_y[idx], temperature, with_entropy,
+                flat_head[idx] if flat_head is not None else None)
         if torch.is_grad_enabled():
-            lp, en = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
-            lp, en = _chunk_logprobs(*args)
+            lp, en, hd = _chunk_logprobs(*args)
         logp = logp.index_put((idx,), lp)
         ent = ent.index_put((idx,), en)
-    if return_hidden:
-        return logp.view(n, t), ent.view(n, t), hidden
-    return logp.view(n, t), ent.view(n, t)
+        if k:
+            head = head.index_put((idx,), hd)
+    return TokenScores(logp.view(n, t), ent.view(n, t), head.view(n, t, k) if k else None,
+                       hidden if return_hidden else None)

@@ -33,6 +33,14 @@ FINISHED_MARKER = "finished.json"
 def build_module(cfg: DictConfig, policy, tokenizer):
     """The algorithm's LightningModule for ``cfg`` around an already loaded policy."""
     sampling = OmegaConf.to_container(cfg.sampling, resolve=True)
+    correction = OmegaConf.to_container(cfg.correction, resolve=True)
+    sc = correction.get("sc") or {}
+    if sc.get("enabled"):  # the engine must record the head H that score centering sums over
+        vocab = policy.get_output_embeddings().weight.shape[0]
+        top_k = vocab if sc.get("mode", "topk") == "exact" else int(sc.get("top_k", 128))
+        if top_k > vocab:
+            raise ConfigError(f"correction.sc.top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
+        sampling["logprobs_top_k"] = max(int(sampling.get("logprobs_top_k", 0)), top_k)
     eval_sampling = dict(sampling, temperature=0.0, top_k=0, top_p=1.0, logprobs_top_k=0,
                          max_new_tokens=cfg.eval.max_new_tokens)
     cls = ALGORITHMS[cfg.algo.name]
@@ -45,6 +53,8 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         kl=OmegaConf.to_container(cfg.kl, resolve=True),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
+        correction=correction,
+        engine=OmegaConf.to_container(cfg.engine, resolve=True),
     )
 
 

@@ -22,8 +22,10 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from .. import corrections as corr
 from .. import objectives as obj
-from ..logprobs import response_logprobs
+from ..logprobs import TokenScores, response_logprobs
+from ..models import parse_dtype
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.torch_engine import TorchEngine
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
@@ -40,6 +42,13 @@ class MetricSums:
         """Add the masked sum of ``values`` (any shape) and the mask's count under ``name``."""
         self.sums[name] += float(obj.masked_sum(values.detach().float(), mask))
         self.counts[name] += float(mask.sum())
+
+    def add_means(self, means: dict[str, Tensor | float], mask: Tensor) -> None:
+        """Add metrics already averaged over ``mask``'s valid tokens, weighted by their count."""
+        count = float(mask.sum())
+        for name, value in means.items():
+            self.sums[name] += float(value) * count
+            self.counts[name] += count
 
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}
@@ -60,11 +69,15 @@ class RLAlgorithm(L.LightningModule):
         kl: {"beta": float >= 0, "estimator": "k1"|"k2"|"k3"} penalty to the frozen initial policy.
         optim: {"lr", "weight_decay", "betas", "grad_clip", "warmup_steps"}.
         logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
+        correction: the ``correction`` config group: {"tis": {...}, "mis": {...}, "sc": {...}} (see ``correct``).
+        engine: the ``engine`` config group: {"dtype": None | "bfloat16" | ..., "int8_roundtrip": bool}; a
+            dtype or the int8 round trip gives the engine its own copy of the weights, synced every step.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
                  group_size: int, micro_batch_size: int, advantage: dict, loss: dict, algo: dict,
-                 kl: dict, optim: dict, logprob_chunk_tokens: int = 1024):
+                 kl: dict, optim: dict, logprob_chunk_tokens: int = 1024, correction: dict | None = None,
+                 engine: dict | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
         self.automatic_optimization = False
@@ -77,10 +90,14 @@ class RLAlgorithm(L.LightningModule):
         self.clip_cfg = dict(self.algo_cfg.get("clip", {}))
         self.kl_cfg, self.optim_cfg = dict(kl), dict(optim)
         self.chunk_tokens = logprob_chunk_tokens
+        self.correction = dict(correction or {})
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-        self.engine = TorchEngine(policy, tokenizer.pad_token_id, stop_ids)
+        engine = dict(engine or {})
+        self.engine = TorchEngine(policy, tokenizer.pad_token_id, stop_ids,
+                                  weights_dtype=parse_dtype(engine["dtype"]) if engine.get("dtype") else None,
+                                  int8_roundtrip=bool(engine.get("int8_roundtrip", False)))
         self.ref_policy = None
         if self.kl_cfg.get("beta", 0.0) > 0:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -160,34 +177,75 @@ class RLAlgorithm(L.LightningModule):
         order = torch.argsort(lengths, descending=True, stable=True)
         return [rb.select(order[i:i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
 
-    def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """Trainer log-probs and entropies [n, T] of the micro-batch's responses, at the sampler's temperature."""
+    def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch, **kwargs) -> TokenScores:
+        """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, at the sampler's
+        temperature."""
+        head_ids = mb.topk_ids if self.correction.get("sc", {}).get("enabled") and model is self.policy else None
         return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens)
+                                 temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens,
+                                 head_ids=head_ids, **kwargs)
 
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
         """The scalar loss of one micro-batch, already divided by the whole step's totals."""
-        logprobs, entropy = self.logprobs_of(self.policy, mb)
+        scores = self.logprobs_of(self.policy, mb)
         # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
-        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
-        token_loss = self.policy_loss(logprobs, old_logprobs, mb, stats)
-        return self.finish_loss(token_loss, logprobs, old_logprobs, entropy, mb, stats, num_tokens, num_seqs)
+        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else scores.logprobs.detach()
+        pg_loss = self.policy_loss(scores.logprobs, old_logprobs, mb, stats)
+        return self.finish_loss(pg_loss, scores, old_logprobs, mb, stats, num_tokens, num_seqs)
 
-    def finish_loss(self, token_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor, entropy: Tensor,
-                    mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
-        """Add the reference-KL penalty, record the per-token diagnostics, and reduce to a scalar."""
+    def correct(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
+                stats: MetricSums) -> tuple[Tensor, Tensor]:
+        """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss.
+
+        TIS multiplies each token's loss by the truncated, stop-gradient weight pi_old / mu; MIS drops
+        tokens (or sequences) whose weight leaves [low, high] from the loss; score centering replaces the
+        score of the sampled token, grad log pi(y_t), by the centred score grad log pi(y_t) - s_bar with
+        the same coefficient. That coefficient g_t = d loss_t / d logprobs_t is read off by autograd, so SC
+        composes with every objective, and is zero wherever a clip zeroes the gradient.
+        Returns (pg_loss [n, T], the loss mask [n, T]).
+        """
         m = mb.response_mask
+        cfg = self.correction
+        tis, mis, sc = (cfg.get(k, {}) or {} for k in ("tis", "mis", "sc"))
+        if tis.get("enabled"):
+            w, metrics = corr.tis_weights(old_logprobs, mb.rollout_logprobs, m, tis.get("cap", 2.0),
+                                          tis.get("level", "token"))
+            pg_loss = pg_loss * w
+            stats.add_means({f"train/{k}": v for k, v in metrics.items()}, m)
+        if mis.get("enabled"):
+            m, metrics = corr.mis_mask(old_logprobs, mb.rollout_logprobs, m, mis.get("low", 0.5),
+                                       mis.get("high", 2.0), mis.get("level", "token"))
+            stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
+        if sc.get("enabled"):
+            coef, = torch.autograd.grad(pg_loss.sum(), scores.logprobs, retain_graph=True)
+            head_mask = torch.isfinite(mb.topk_logprobs)
+            centring = corr.score_centering_term(scores.head_logprobs, mb.topk_logprobs, head_mask)
+            pg_loss = pg_loss - coef.detach() * centring
+        return pg_loss, m
+
+    def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
+                    stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor, extra_loss: Tensor | None = None) -> Tensor:
+        """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
+        diagnostics, and the reduction to a scalar normalised by the step's totals."""
+        token_loss, loss_mask = self.correct(pg_loss, scores, old_logprobs, mb, stats)
+        m = mb.response_mask
+        logprobs = scores.logprobs
+        if extra_loss is not None:
+            token_loss = token_loss + extra_loss
         beta = self.kl_cfg.get("beta", 0.0)
         if beta > 0:
             with torch.no_grad():
-                ref_logprobs, _ = self.logprobs_of(self.ref_policy, mb)
+                ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
             kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.get("estimator", "k3"))
             token_loss = token_loss + beta * kl
             stats.add("train/ref_kl", kl, m)
-        stats.add("train/entropy", entropy, m)
+        stats.add("train/entropy", scores.entropy, m)
         stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
-        stats.add("train/logprob_abs_diff", (mb.rollout_logprobs - old_logprobs).abs(), m)
-        return obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
+        # the three ratios of SPEC's decomposition: r_num = pi_old/mu (same weights, two engines),
+        # r_stale = pi_theta/pi_old (same engine, two weight versions); logged apart, never only the product
+        stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
+            mb.rollout_logprobs, old_logprobs, logprobs.detach(), m).items()}, m)
+        return obj.reduce_loss(token_loss, loss_mask, self.loss_cfg["reduction"], num_tokens=num_tokens,
                                num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
 
     def accumulate_gradients(self, rb: RolloutBatch) -> tuple[MetricSums, float]:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import objectives as obj
-from ..logprobs import position_ids_from_mask, response_logprobs
+from ..logprobs import TokenScores, position_ids_from_mask
 from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
 from .base import MetricSums, RLAlgorithm
@@ -50,11 +50,10 @@ class PPO(RLAlgorithm):
                                  betas=tuple(cfg.get("betas", (0.9, 0.999))))
 
     # -- critic --------------------------------------------------------------------------------------
-    def _forward(self, mb: RolloutBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """(logprobs, entropy, values) [n, T] for a micro-batch; values are float32."""
-        logprobs, entropy, hidden = response_logprobs(
-            self.policy, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-            temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens, return_hidden=True)
+    def _forward(self, mb: RolloutBatch) -> tuple[TokenScores, Tensor]:
+        """(the policy's TokenScores, values [n, T] float32) for a micro-batch."""
+        scores = self.logprobs_of(self.policy, mb, return_hidden=True)
+        hidden = scores.hidden
         if self.critic is not None:
             p = mb.prompt_ids.shape[1]
             ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)
@@ -63,7 +62,7 @@ class PPO(RLAlgorithm):
                             use_cache=False).last_hidden_state
             hidden = h[:, p - 1: p - 1 + mb.response_ids.shape[1]]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return logprobs, entropy, values * mb.response_mask
+        return scores, values * mb.response_mask
 
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
         """Placeholder [N] zeros: PPO's per-token advantages need the critic and are set in ``update``."""
@@ -78,7 +77,8 @@ class PPO(RLAlgorithm):
         old_v = torch.zeros(n, t)
         for i in range(0, n, self.micro_batch_size):
             mb = rb.select(slice(i, i + self.micro_batch_size))
-            lp, _, v = self._forward(mb)
+            scores, v = self._forward(mb)
+            lp = scores.logprobs
             w = lp.shape[1]
             old_lp[i:i + len(mb), :w] = lp.float()
             old_v[i:i + len(mb), :w] = v
@@ -126,10 +126,10 @@ class PPO(RLAlgorithm):
 
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
         m = mb.response_mask
-        logprobs, entropy, values = self._forward(mb)
-        pg = self.policy_loss(logprobs, mb.old_logprobs, mb, stats)
+        scores, values = self._forward(mb)
+        pg = self.policy_loss(scores.logprobs, mb.old_logprobs, mb, stats)
         vcfg = self.algo_cfg.get("value", {}) or {}
         vf = obj.clipped_value_loss(values, mb.old_values, mb.returns, vcfg.get("clip", 0.2))
-        token_loss = pg + vcfg.get("coef", 0.1) * vf
         stats.add("train/value_loss", vf, m)
-        return self.finish_loss(token_loss, logprobs, mb.old_logprobs, entropy, mb, stats, num_tokens, num_seqs)
+        return self.finish_loss(pg, scores, mb.old_logprobs, mb, stats, num_tokens, num_seqs,
+                                extra_loss=vcfg.get("coef", 0.1) * vf)

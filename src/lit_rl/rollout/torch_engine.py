@@ -12,6 +12,7 @@ that appears G times (a GRPO group) is prefilled once and its KV cache copied to
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -33,6 +34,13 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def int8_roundtrip(weight: Tensor) -> Tensor:
+    """Symmetric per-row int8 quantise/de-quantise of a [out, in] matrix (same shape and dtype back)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    return ((w / scale).round().clamp(-127, 127) * scale).to(weight.dtype)
 
 
 def sample_rows(logp: Tensor, generators: list[torch.Generator]) -> Tensor:
@@ -59,21 +67,50 @@ class TorchEngine:
     """Samples from ``model`` (a transformers causal LM) with a KV cache.
 
     Args:
-        model: the trainer's module (shared, not copied).
+        model: the trainer's module (shared, not copied, by default).
         pad_token_id: id used for padding outputs.
         stop_token_ids: ids that end a sequence (the tokenizer's EOS / chat end-of-turn).
+        weights_dtype: mismatch injection: sample with an own copy of the weights in this dtype (e.g.
+            torch.bfloat16 while the trainer is float32), refreshed by ``sync_weights``.
+        int8_roundtrip: mismatch injection: the copy's matrices go through a symmetric per-row int8
+            quantise/de-quantise round trip at every sync.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int]):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int],
+                 weights_dtype: torch.dtype | None = None, int8_roundtrip: bool = False):
+        self.source = model
+        self.own_copy = weights_dtype is not None or int8_roundtrip
+        self.int8_roundtrip = int8_roundtrip
         self.model = model
+        if self.own_copy:
+            self.model = copy.deepcopy(model).requires_grad_(False)
+            if weights_dtype is not None:
+                self.model.to(weights_dtype)
+            if getattr(self.model, "is_activation_checkpointing", False):
+                disable = getattr(self.model, "activation_checkpointing_disable", None) or \
+                    self.model.gradient_checkpointing_disable
+                disable()
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.version = 0
         self.last = GenerationStats()
+        self.sync_weights(0)
 
+    @torch.no_grad()
     def sync_weights(self, version: int) -> None:
-        """Record the trainer's weight version; the shared module already holds those weights."""
+        """Make the engine sample with the trainer's current weights, of version ``version``.
+
+        Shared module: nothing to copy. Own copy: every tensor of the state dict (tied output embeddings
+        included) is copied, cast to the copy's dtype, through the int8 round trip if configured.
+        """
         self.version = version
+        if not self.own_copy:
+            return
+        target = self.model.state_dict()
+        for name, value in self.source.state_dict().items():
+            if self.int8_roundtrip and value.dim() == 2:
+                value = int8_roundtrip(value)
+            target[name].copy_(value)
 
     @torch.no_grad()  # not inference_mode: callers may edit the returned tensors in place
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
