@@ -9,6 +9,7 @@ import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+from lit_rl.compare import read_scalars  # noqa: E402,F401  (tests read TensorBoard runs with it)
 from lit_rl.models import ModelSpec, load_policy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,18 +34,4 @@ def chat_prompts(tokenizer, questions):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             tokenize=True)
         out.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-    return out
-
-
-def read_scalars(logdir):
-    """{tag: [(step, value), ...]} from every TensorBoard event file under logdir."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for root, _, files in os.walk(logdir):
-        if any(f.startswith("events.out.tfevents") for f in files):
-            acc = EventAccumulator(root, size_guidance={"scalars": 0})
-            acc.Reload()
-            for tag in acc.Tags()["scalars"]:
-                out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     return out

@@ -66,13 +66,31 @@ def test_gsm8k_from_jsonl_folder(tmp_path):
     assert "rollout/reward_mean" in read_scalars(tmp_path / "g" / "tensorboard")
 
 
-def test_multirun_sweep_over_alpha(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "-m", *FAST, "trainer.max_steps=1",
-           "eval.num_examples=0", "advantage.alpha=0,1", f"hydra.sweep.dir={tmp_path}"]
-    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def test_multirun_2x2_then_compare(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "-m", *FAST, "trainer.max_steps=2",
+           "eval.num_examples=0", "advantage.alpha=0,1", "loss.reduction=token_mean,seq_mean_token_mean",
+           f"hydra.sweep.dir={sweep}"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    runs = sorted(p for p in os.listdir(tmp_path) if "advantage.alpha" in p)
-    assert len(runs) == 2, os.listdir(tmp_path)
+    runs = sorted(p for p in os.listdir(sweep) if "advantage.alpha" in p)
+    assert len(runs) == 4, os.listdir(sweep)
     for r in runs:
-        assert (tmp_path / r / "finished.json").is_file()
-        assert "train/loss" in read_scalars(tmp_path / r / "tensorboard")
+        assert (sweep / r / "finished.json").is_file() and (sweep / r / "config.yaml").is_file()
+    # the run folder (and so TensorBoard's run name) says what differs, e.g. advantage.alpha=0,loss.reduction=...
+    assert any(r.startswith("advantage.alpha=0,") and "loss.reduction=token_mean" in r for r in runs)
+
+    out = tmp_path / "cmp"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "compare.py"), str(sweep), "--tags",
+                          "rollout/reward_mean,train/entropy", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "rollout_reward_mean.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "summary.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| advantage.alpha=")]
+    assert len(rows) == 4
+    # the numbers come from the event files: the final reward of each setting
+    for r in runs:
+        final = read_scalars(sweep / r / "tensorboard")["rollout/reward_mean"][-1][1]
+        row = next(line for line in rows if line.startswith(f"| {r} "))
+        assert f"{final:.4g}" in row, (row, final)

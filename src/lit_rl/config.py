@@ -16,7 +16,7 @@ ENGINES = ("torch",)
 TASKS = ("arithmetic", "gsm8k")
 CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
-GROUP_BASELINE_ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
+GROUP_BASELINE_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
 
 class ConfigError(ValueError):

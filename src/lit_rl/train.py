@@ -90,8 +90,17 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    task = build_task_from_cfg(cfg)
-    policy, tokenizer = load_policy(ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True)))
+    try:  # data and model problems are the user's input too: report them like config errors
+        task = build_task_from_cfg(cfg)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"task={cfg.task.name}: {err}") from err
+    try:
+        policy, tokenizer = load_policy(ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True)))
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from err
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: the tokenizer has no chat template, "
+                          f"and task={cfg.task.name} formats prompts with it")
     datamodule = RolloutDataModule(task, tokenizer, cfg.rollout.prompts_per_step, cfg.rollout.group_size,
                                    seed=cfg.seed, eval_examples=cfg.eval.num_examples,
                                    eval_batch_size=cfg.eval.batch_size)

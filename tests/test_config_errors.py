@@ -1,0 +1,85 @@
+"""Bad input fails at start-up with a message naming the field, the value and what is allowed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT
+from lit_rl.config import ConfigError, validate
+from lit_rl.train import run
+
+CONF = os.path.join(ROOT, "conf")
+
+
+def cfg_for(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="train", overrides=["model=tiny", *overrides])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.clip.eps_low=0"], r"algo.clip.eps_low=0 is not allowed: must be > 0"),
+    (["algo.clip.eps_low=1.0"], r"algo.clip.eps_low=1.0 is not allowed: must be < 1"),
+    (["algo.clip.eps_high=-0.1"], r"algo.clip.eps_high=-0.1 is not allowed: must be > 0"),
+    (["advantage.alpha=1.5"], r"advantage.alpha=1.5 is not allowed: must lie in \[0, 1\]"),
+    (["advantage.alpha=-0.1"], r"advantage.alpha=-0.1 is not allowed"),
+    (["rollout.group_size=1"], r"rollout.group_size=1 is not allowed: must be >= 2 for grpo"),
+    (["algo=dapo", "rollout.group_size=1"], r"rollout.group_size=1 is not allowed: must be >= 2 for dapo"),
+    (["sampling.max_new_tokens=0"], r"sampling.max_new_tokens=0 is not allowed: must be > 0"),
+    (["sampling.temperature=0"], r"sampling.temperature=0 is not allowed: must be > 0"),
+    (["trainer.devices=3"], r"rollout.prompts_per_step=8 is not allowed: must be divisible by trainer.devices=3"),
+    (["loss.reduction=mean"], r"loss.reduction='mean' is not allowed: choose one of \['token_mean'"),
+    (["task=gsm8k", "task.path=/no/such/dir"], r"task.path='/no/such/dir' is not allowed: must be a folder"),
+    (["model.name_or_path=/no/such/model"], r"model.name_or_path='/no/such/model' is not allowed: no such folder"),
+    (["correction.mis.low=2", "correction.mis.high=1"], r"correction.mis.low/high=\(2, 1\) is not allowed"),
+    (["algo=dapo", "algo.overlong.buffer_length=100"], r"algo.overlong.buffer_length=100 is not allowed"),
+])
+def test_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(*overrides))
+
+
+def test_group_size_one_is_fine_without_a_group_baseline():
+    validate(cfg_for("algo=reinforce", "algo.baseline=batch_mean", "rollout.group_size=1"))
+
+
+def test_bad_jsonl_names_file_and_line(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"question": "q", "answer": "#### 1"}\nnot json\n')
+    (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
+    with pytest.raises(ConfigError, match=r"train.jsonl line 2: not valid JSON"):
+        run(cfg_for("task=gsm8k", f"task.path={tmp_path}"), tmp_path / "out")
+    (tmp_path / "train.jsonl").write_text('{"question": "q"}\n')
+    with pytest.raises(ConfigError, match=r"train.jsonl line 1: missing field 'answer'"):
+        run(cfg_for("task=gsm8k", f"task.path={tmp_path}"), tmp_path / "out")
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=r"train.jsonl: file is empty"):
+        run(cfg_for("task=gsm8k", f"task.path={tmp_path}"), tmp_path / "out")
+
+
+def test_score_centering_top_k_larger_than_vocabulary(tmp_path):
+    with pytest.raises(ConfigError, match=r"correction.sc.top_k=100000 is larger than the vocabulary \(49152"):
+        run(cfg_for("correction=sc", "correction.sc.top_k=100000"), tmp_path / "out")
+
+
+def test_cli_prints_the_message_without_traceback(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "model=tiny", "advantage.alpha=2",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert "lit_rl: error: advantage.alpha=2 is not allowed: must lie in [0, 1]" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    # an unknown group option: Hydra's own message lists the choices
+    cmd[3] = "algo=ppo2"
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "Could not find 'algo/ppo2'" in res.stderr and "grpo" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_finished_run_folder_is_never_overwritten(tmp_path):
+    (tmp_path / "finished.json").write_text(json.dumps({"global_step": 3}))
+    with pytest.raises(ConfigError, match="already holds a finished run"):
+        run(cfg_for(), tmp_path)
+    assert json.loads((tmp_path / "finished.json").read_text()) == {"global_step": 3}
