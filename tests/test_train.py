@@ -94,3 +94,21 @@ def test_multirun_2x2_then_compare(tmp_path):
         final = read_scalars(sweep / r / "tensorboard")["rollout/reward_mean"][-1][1]
         row = next(line for line in rows if line.startswith(f"| {r} "))
         assert f"{final:.4g}" in row, (row, final)
+
+
+def test_resume_from_last_checkpoint_continues_exactly(tmp_path):
+    """Two steps, then resume to four with ckpt_path=last, equals four steps straight through."""
+    common = ["eval.num_examples=0", "checkpoint.every_n_steps=1"]
+    run(cfg_for("trainer.max_steps=4", *common), tmp_path / "straight")
+    run(cfg_for("trainer.max_steps=2", *common), tmp_path / "resumed")
+    run(cfg_for("trainer.max_steps=4", "ckpt_path=last", *common), tmp_path / "resumed")
+    a = read_scalars(tmp_path / "straight" / "tensorboard")
+    b = read_scalars(tmp_path / "resumed" / "tensorboard")
+    for tag in ["rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
+                "train/entropy"]:
+        assert [s for s, _ in b[tag]] == [s for s, _ in a[tag]], tag
+        assert [v for _, v in b[tag]] == pytest.approx([v for _, v in a[tag]], rel=1e-5, abs=1e-7), tag
+    from safetensors.torch import load_file
+    wa = load_file(tmp_path / "straight" / "policy" / "model.safetensors")
+    wb = load_file(tmp_path / "resumed" / "policy" / "model.safetensors")
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa)

@@ -115,7 +115,7 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.util import tensor_util
 
     merged: dict[str, dict[int, float]] = {}
-    for folder in _event_dirs(run_dir):
+    for folder in _event_dirs(os.fspath(run_dir)):
         acc = EventAccumulator(folder, size_guidance={"scalars": 0, "tensors": 0})
         acc.Reload()
         tags = acc.Tags()

@@ -80,10 +80,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     """
     validate(cfg)
     out = Path(out_dir)
-    if (out / FINISHED_MARKER).exists():
-        raise ConfigError(f"output folder {out} already holds a finished run; choose another "
-                          f"(hydra.run.dir=...) — lit_rl never overwrites one")
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out)
+    if (out / FINISHED_MARKER).exists() and ckpt_path is None:
+        raise ConfigError(f"output folder {out} already holds a finished run; choose another "
+                          f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one")
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
