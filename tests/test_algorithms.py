@@ -148,3 +148,19 @@ def test_ppo_ratio_uses_the_fixed_snapshot():
     # later minibatches see pi_theta != pi_old (the snapshot stays fixed), so the PPO KL is nonzero
     assert all(abs(s["train/ppo_kl"]) > 0 for s in steps)
     assert all(s["train/value_loss"] >= 0 for s in steps)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo", "cispo"])
+def test_off_policy_minibatches_make_the_clip_act(algo):
+    # 4 optimizer steps per rollout batch with a fixed pi_old: later minibatches see ratios != 1
+    steps, module = fit(cfg_for(algo, "algo.num_minibatches=4", "optim.lr=1e-2"), LeadingSpaceTask(), steps=3)
+    assert module.updates_per_step == 4 and module.global_step == 12
+    assert any(abs(s["train/ppo_kl"]) > 0 for s in steps)
+    assert any(s["train/pg_clipfrac"] > 0 for s in steps)
+
+
+def test_dapo_mask_truncated_keeps_advantages_and_survives_an_all_masked_batch():
+    # the random tiny model never stops within 4 tokens: every completion is truncated and masked out
+    steps, _ = fit(cfg_for("dapo", "algo.mask_truncated=true"), LeadingSpaceTask(), steps=2)
+    assert all(s["rollout/truncation_rate"] == 1.0 for s in steps)
+    assert all(s["train/loss"] == 0.0 for s in steps)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from .objectives import REDUCTION_MODES
+from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES
 
 ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 ENGINES = ("torch",)
@@ -83,6 +83,18 @@ def validate(cfg: DictConfig) -> None:
     _check(s.logprobs_top_k >= 0, "sampling.logprobs_top_k", s.logprobs_top_k, "must be >= 0")
     _check(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", cfg.eval.max_new_tokens, "must be > 0")
     _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
+    _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
+    a = cfg.algo
+    _check(a.get("ppo_epochs", 1) >= 1, "algo.ppo_epochs", a.get("ppo_epochs"), "must be >= 1")
+    _check(1 <= a.get("num_minibatches", 1) <= ro.prompts_per_step * ro.group_size, "algo.num_minibatches",
+           a.get("num_minibatches"), f"must lie in [1, prompts_per_step x group_size = {ro.prompts_per_step * ro.group_size}]")
+    if a.name == "reinforce":
+        _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
+    if a.name == "ppo":
+        _check(a.value.model in ("shared", "separate"), "algo.value.model", a.value.model, "choose 'shared' or 'separate'")
+    if a.name == "dapo":
+        _check(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", a.dynamic_sampling.max_rounds,
+               "must be >= 1")
     _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
 
     if cfg.task.name == "gsm8k" and cfg.task.get("path"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -88,7 +89,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    config_file = out / "config.yaml"
+    if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
+        config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     try:  # data and model problems are the user's input too: report them like config errors
         task = build_task_from_cfg(cfg)

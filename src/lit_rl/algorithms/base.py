@@ -141,9 +141,9 @@ class RLAlgorithm(L.LightningModule):
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         self.engine.sync_weights(self.global_step)
-        scored, metrics = self.collect(batch)
+        scored, collect_metrics = self.collect(batch)
         t_rollout = time.perf_counter() - t0
-        metrics.update(self.rollout_metrics(scored))
+        metrics = {**self.rollout_metrics(scored), **collect_metrics}
 
         rb = self.build_batch(scored)
         t1 = time.perf_counter()
@@ -248,19 +248,21 @@ class RLAlgorithm(L.LightningModule):
         return obj.reduce_loss(token_loss, loss_mask, self.loss_cfg["reduction"], num_tokens=num_tokens,
                                num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
 
-    def accumulate_gradients(self, rb: RolloutBatch) -> tuple[MetricSums, float]:
-        """Backward of the whole step's loss into ``.grad``, one micro-batch at a time.
+    def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
+        """Backward of the whole batch's loss into ``.grad``, one micro-batch at a time.
 
         Each micro-batch's loss is normalised by the totals of the whole batch (tokens, sequences), so the
         accumulated gradient equals that of the whole batch at once, whatever ``micro_batch_size`` is.
-        Returns the token-weighted metric sums and the step's loss.
+        Returns the token-weighted metric sums and the batch's loss.
         """
         mask = rb.response_mask
         num_tokens = mask.sum()
         num_seqs = (mask.sum(-1) > 0).sum()
-        stats = MetricSums()
+        stats = MetricSums() if stats is None else stats
         loss_total = 0.0
         for mb in self.micro_batches(rb):
+            if not mb.response_mask.any():  # e.g. every completion masked out: nothing to learn from
+                continue
             loss = self.micro_batch_loss(mb, stats, num_tokens=num_tokens, num_seqs=num_seqs)
             if self._trainer is not None:
                 self.manual_backward(loss)
@@ -269,22 +271,71 @@ class RLAlgorithm(L.LightningModule):
             loss_total += float(loss.detach())
         return stats, loss_total
 
-    def update(self, rb: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on the whole rollout batch; returns the train/* metrics."""
-        opt = self.optimizers()
-        stats, loss_total = self.accumulate_gradients(rb)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
-                                                   self.optim_cfg.get("grad_clip", 1.0) or float("inf"))
-        if math.isfinite(float(grad_norm)):
-            opt.step()
+    @property
+    def epochs(self) -> int:
+        """Passes over each rollout batch (``algo.ppo_epochs``, default 1)."""
+        return int(self.algo_cfg.get("ppo_epochs", 1))
+
+    @property
+    def num_minibatches(self) -> int:
+        """Optimizer steps per pass (``algo.num_minibatches``, default 1)."""
+        return int(self.algo_cfg.get("num_minibatches", 1))
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per RL step; Lightning's ``global_step`` counts these."""
+        return self.epochs * self.num_minibatches
+
+    @torch.no_grad()
+    def snapshot(self, rb: RolloutBatch) -> None:
+        """Fill ``rb.old_logprobs`` [N, T]: pi_old, the weights this update cycle starts from, fixed for
+        all its epochs and minibatches. (With a single update the training forward itself is pi_old and
+        this pass is skipped.)"""
+        n, t = rb.response_ids.shape
+        rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
+        for i in range(0, n, self.micro_batch_size):
+            mb = rb.select(slice(i, i + self.micro_batch_size))
+            lp = self.logprobs_of(self.policy, mb, with_entropy=False).logprobs
+            rb.old_logprobs[i:i + len(mb), :lp.shape[1]] = lp
+
+    def optimizer_step(self, opt) -> float:
+        """Clip, step, zero; returns the pre-clip gradient norm. A non-finite gradient is dropped (the
+        step still counts, so Lightning's step counter and the RL step stay aligned) and counted."""
+        params = [p for group in opt.param_groups for p in group["params"]]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.get("grad_clip", 1.0) or float("inf")))
+        if not math.isfinite(norm):
+            for p in params:
+                p.grad = None  # AdamW skips parameters without a gradient
+            self.skipped_updates += 1
+        opt.step()
         opt.zero_grad(set_to_none=True)
         sched = self.lr_schedulers()
         if sched is not None:
             sched.step()
+        return norm
+
+    skipped_updates: int = 0
+
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
+        minibatches, one optimizer step each (the PPO schedule; 1 x 1 by default). Returns train/* metrics."""
+        opt = self.optimizers()
+        if self.updates_per_step > 1 and rb.old_logprobs is None:
+            self.snapshot(rb)
+        stats = MetricSums()
+        loss_total, norms = 0.0, []
+        gen = torch.Generator().manual_seed(int(self.global_step))
+        for _ in range(self.epochs):
+            order = torch.randperm(len(rb), generator=gen) if self.num_minibatches > 1 else torch.arange(len(rb))
+            for chunk in torch.tensor_split(order, self.num_minibatches):
+                _, part_loss = self.accumulate_gradients(rb.select(chunk), stats)
+                loss_total += part_loss / self.updates_per_step
+                norms.append(self.optimizer_step(opt))
         out = stats.means()
         out["train/loss"] = loss_total
-        out["train/grad_norm"] = float(grad_norm)
+        out["train/grad_norm"] = sum(norms) / len(norms)
         out["train/lr"] = opt.param_groups[0]["lr"]
+        out["train/skipped_updates"] = float(self.skipped_updates)
         return out
 
     def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
@@ -304,6 +355,9 @@ class RLAlgorithm(L.LightningModule):
         }
 
     # -- evaluation ----------------------------------------------------------------------------------
+    def on_validation_start(self) -> None:
+        self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
+
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         scored = self.datamodule.collect(self.engine, batch.examples, self.eval_sampling, step=-1 - batch_idx,
                                          group_size=1, split="eval")
@@ -320,9 +374,6 @@ class RLAlgorithm(L.LightningModule):
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    #: optimizer steps per RL step (PPO: epochs x minibatches); Lightning's global_step counts these.
-    updates_per_step: int = 1
 
     def on_fit_start(self) -> None:
         self.datamodule.set_start_step(lambda: self.global_step // self.updates_per_step)

@@ -33,9 +33,11 @@ class DAPO(RLAlgorithm):
         kept: list[ScoredRollouts] = []
         n_kept = all_correct = all_wrong = rounds = 0
         examples = batch.examples
+        rewards_seen = []
         while True:
             scored = dm.collect(self.engine, examples, self.sampling, batch.step, round=rounds,
                                 group_offset=rounds * target)
+            rewards_seen.append(scored.rewards)
             for g in scored.group_ids.unique().tolist():
                 rows = (scored.group_ids == g).nonzero().squeeze(-1)
                 r = scored.rewards[rows]
@@ -52,16 +54,13 @@ class DAPO(RLAlgorithm):
         if not kept:  # nothing useful in any round: train on the last round (its advantages are all 0)
             kept = [scored]
         out = concat_scored(kept, self.tokenizer.pad_token_id)
-        metrics = {"rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
+        generated = torch.cat(rewards_seen)
+        # these replace the base's rollout metrics: reward over everything generated (comparable with the
+        # other algorithms), the dropped groups' counts, and the reward of the groups kept for training
+        metrics = {"rollout/reward_mean": float(generated.mean()), "rollout/reward_mean_kept": float(out.rewards.mean()),
+                   "rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
                    "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept)}
         return out, metrics
-
-    def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
-        metrics = super().rollout_metrics(scored)
-        if (self.algo_cfg.get("dynamic_sampling", {}) or {}).get("enabled", True):
-            # the dropped-group counts come from ``collect``; the kept groups are useful by construction
-            del metrics["rollout/groups_all_correct"], metrics["rollout/groups_all_wrong"]
-        return metrics
 
     def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
         ol = self.algo_cfg.get("overlong", {}) or {}
@@ -72,7 +71,10 @@ class DAPO(RLAlgorithm):
         return scored.rewards + penalty * ol.get("penalty_factor", 1.0)
 
     def build_batch(self, scored: ScoredRollouts):
+        """Rewards and advantages see every completion; truncated ones then leave the loss (both its
+        numerator and its denominator) when ``algo.mask_truncated`` is on."""
+        rb = super().build_batch(scored)
         if self.algo_cfg.get("mask_truncated", False):
-            truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason])
-            scored.rollouts.response_mask = scored.rollouts.response_mask & ~truncated[:, None]
-        return super().build_batch(scored)
+            truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason], device=rb.response_mask.device)
+            rb.response_mask = rb.response_mask & ~truncated[:, None]
+        return rb

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +40,6 @@ class PPO(RLAlgorithm):
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
-        self.updates_per_step = int(self.algo_cfg.get("ppo_epochs", 2)) * int(self.algo_cfg.get("num_minibatches", 2))
 
     def configure_optimizers(self):
         cfg = self.optim_cfg
@@ -70,28 +68,22 @@ class PPO(RLAlgorithm):
 
     # -- the update ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def _snapshot(self, rb: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """old_logprobs and old_values [N, T] of the whole batch under the current (snapshot) weights."""
+    def snapshot(self, rb: RolloutBatch) -> None:
+        """pi_old and V_old [N, T] under the cycle's starting weights, then GAE advantages and returns."""
         n, t = rb.response_ids.shape
-        old_lp = torch.zeros(n, t)
-        old_v = torch.zeros(n, t)
+        device = rb.response_ids.device
+        old_lp = torch.zeros(n, t, device=device)
+        old_v = torch.zeros(n, t, device=device)
         for i in range(0, n, self.micro_batch_size):
             mb = rb.select(slice(i, i + self.micro_batch_size))
             scores, v = self._forward(mb)
-            lp = scores.logprobs
-            w = lp.shape[1]
-            old_lp[i:i + len(mb), :w] = lp.float()
+            w = scores.logprobs.shape[1]
+            old_lp[i:i + len(mb), :w] = scores.logprobs
             old_v[i:i + len(mb), :w] = v
-        return old_lp, old_v
-
-    def update(self, rb: RolloutBatch) -> dict[str, float]:
-        opt = self.optimizers()
         mask = rb.response_mask
-        old_lp, old_v = self._snapshot(rb)
         lengths = mask.sum(-1)
         token_rewards = torch.zeros_like(old_v)
-        last = (lengths - 1).clamp(min=0)
-        token_rewards[torch.arange(len(rb)), last] = rb.rewards * (lengths > 0)
+        token_rewards[torch.arange(n, device=device), (lengths - 1).clamp(min=0)] = rb.rewards * (lengths > 0)
         gcfg = self.algo_cfg.get("gae", {}) or {}
         adv, returns = obj.gae(token_rewards, old_v, mask, gcfg.get("gamma", 1.0), gcfg.get("lam", 0.95))
         if self.algo_cfg.get("whiten_advantages", True) and mask.sum() > 1:
@@ -100,29 +92,10 @@ class PPO(RLAlgorithm):
             adv = torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
         rb.advantages, rb.old_logprobs, rb.old_values, rb.returns = adv, old_lp, old_v, returns
 
-        stats = MetricSums()
-        loss_total, norms = 0.0, []
-        n_mb = int(self.algo_cfg.get("num_minibatches", 2))
-        gen = torch.Generator().manual_seed(int(self.global_step))
-        for _ in range(int(self.algo_cfg.get("ppo_epochs", 2))):
-            perm = torch.randperm(len(rb), generator=gen)
-            for chunk in perm.chunk(n_mb):
-                part_stats, part_loss = self.accumulate_gradients(rb.select(chunk))
-                for k in part_stats.sums:
-                    stats.sums[k] += part_stats.sums[k]
-                    stats.counts[k] += part_stats.counts[k]
-                loss_total += part_loss / (n_mb * int(self.algo_cfg.get("ppo_epochs", 2)))
-                params = [p for group in opt.param_groups for p in group["params"]]
-                norm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.get("grad_clip", 1.0) or float("inf"))
-                norms.append(float(norm))
-                if math.isfinite(float(norm)):
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-        out = stats.means()
-        out["train/loss"] = loss_total
-        out["train/grad_norm"] = sum(norms) / len(norms)
-        out["train/lr"] = opt.param_groups[0]["lr"]
-        return out
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        """The base schedule; the snapshot (with the critic) runs even for a single update."""
+        self.snapshot(rb)
+        return super().update(rb)
 
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
         m = mb.response_mask

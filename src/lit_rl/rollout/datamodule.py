@@ -132,11 +132,15 @@ class RolloutDataModule(L.LightningDataModule):
     def prompts_for(self, step: int, round: int = 0, count: int | None = None) -> list[Example]:
         """The ``count`` (default P) training prompts of RL step ``step``, generation round ``round``.
 
-        Rounds > 0 (DAPO's extra sampling) continue the same deterministic stream past the step's slot.
+        Rounds > 0 (DAPO's extra sampling) draw ``count`` prompts at random from their own seeded stream,
+        so they never take the prompts a later step is scheduled to see.
         """
         count = self.prompts_per_step if count is None else count
         n = len(self._train)
-        first = (step * 1000 + round) * count if round else step * count
+        if round:
+            rng = random.Random(sample_seed(self.seed, step, round, 13))
+            return [self._train[rng.randrange(n)] for _ in range(count)]
+        first = step * count
         out = []
         for pos in range(first, first + count):
             epoch, offset = divmod(pos, n)

@@ -106,6 +106,9 @@ class TorchEngine:
         self.version = version
         if not self.own_copy:
             return
+        device = next(self.source.parameters()).device
+        if next(self.model.parameters()).device != device:  # follow the trainer (e.g. onto its GPU)
+            self.model.to(device)
         target = self.model.state_dict()
         for name, value in self.source.state_dict().items():
             if self.int8_roundtrip and value.dim() == 2:
