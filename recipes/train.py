@@ -15,7 +15,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from lit_rl.config import ConfigError
-from lit_rl.train import run
+from lit_rl.train import register_resolvers, run
+
+register_resolvers()  # ${lit_rl_run_name:...}: multirun folders named by what the sweep varies
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,29 @@ from .tasks import build_task
 log = logging.getLogger(__name__)
 
 FINISHED_MARKER = "finished.json"
+
+
+def run_name(task_overrides, sweeper_params=None, argv=None) -> str:
+    """Name of a multirun job from the overrides the sweep varies, e.g. ``algo=dapo,seed=1``.
+
+    A key is swept when the command line gives it a comma-separated list (``algo=grpo,dapo``) or an
+    experiment preset lists it under ``hydra.sweeper.params``; fixed overrides stay out of the name (they
+    are in each run's config.yaml), which keeps folder and TensorBoard run names short and telling.
+    """
+    swept = set(dict(sweeper_params or {}).keys())
+    for arg in (sys.argv[1:] if argv is None else argv):
+        if "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')):
+                swept.add(key.lstrip("+~"))
+    parts = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
+    return ",".join(parts) or "run"
+
+
+def register_resolvers() -> None:
+    """Register ``lit_rl_run_name`` (used by ``hydra.sweep.subdir``) once."""
+    if not OmegaConf.has_resolver("lit_rl_run_name"):
+        OmegaConf.register_new_resolver("lit_rl_run_name", run_name)
 
 
 def build_module(cfg: DictConfig, policy, tokenizer):
