@@ -131,7 +131,8 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
                           f"and task={cfg.task.name} formats prompts with it")
     datamodule = RolloutDataModule(task, tokenizer, cfg.rollout.prompts_per_step, cfg.rollout.group_size,
                                    seed=cfg.seed, eval_examples=cfg.eval.num_examples,
-                                   eval_batch_size=cfg.eval.batch_size)
+                                   eval_batch_size=cfg.eval.batch_size,
+                                   reward_timeout_s=cfg.get("reward_timeout_s", 10.0))
     module = build_module(cfg, policy, tokenizer)
 
     logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)

@@ -346,6 +346,7 @@ class RLAlgorithm(L.LightningModule):
         all_wrong = sum(bool((scored.rewards[scored.group_ids == g] <= 0).all()) for g in groups)
         return {
             "rollout/reward_mean": float(scored.rewards.mean()),
+            "rollout/reward_errors": float(scored.reward_errors),
             "rollout/response_length_mean": float(lengths.mean()),
             "rollout/truncation_rate": sum(f == "length" for f in r.finish_reason) / max(len(r.finish_reason), 1),
             "rollout/groups_all_correct": float(all_correct),

@@ -8,7 +8,9 @@ The LightningModule turns a ``PromptBatch`` into completions with ``collect`` an
 
 from __future__ import annotations
 
+import math
 import random
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -42,6 +44,7 @@ class ScoredRollouts:
     group_ids: torch.Tensor
     examples: list[Example]
     texts: list[str]
+    reward_errors: int = 0
 
 
 def _pad_cols(x: torch.Tensor | None, width: int, value=0) -> torch.Tensor | None:
@@ -69,7 +72,8 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         topk_ids=cat("topk_ids"), topk_logprobs=cat("topk_logprobs"),
     )
     return ScoredRollouts(rollouts, torch.cat([p.rewards for p in parts]), torch.cat([p.group_ids for p in parts]),
-                          [e for p in parts for e in p.examples], [t for p in parts for t in p.texts])
+                          [e for p in parts for e in p.examples], [t for p in parts for t in p.texts],
+                          reward_errors=sum(p.reward_errors for p in parts))
 
 
 def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
@@ -85,6 +89,29 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
     )
     return ScoredRollouts(rollouts, scored.rewards[rows], scored.group_ids[rows], scored.examples,
                           [scored.texts[i] for i in idx])
+
+
+def guarded_reward(reward_fn, completion: str, example: Example, timeout_s: float) -> tuple[float, bool]:
+    """Call ``reward_fn(completion, example)`` with a time limit; (reward, failed).
+
+    A verifier that raises, returns a non-finite value, or runs past ``timeout_s`` seconds scores 0.0 and
+    reports failure; training goes on. (A verifier that hangs keeps its daemon thread; it cannot block exit.)
+    """
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = float(reward_fn(completion, example))
+        except Exception as err:  # noqa: BLE001 - any verifier failure scores 0 and is counted
+            out["error"] = err
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    value = out.get("value")
+    if worker.is_alive() or value is None or not math.isfinite(value):
+        return 0.0, True
+    return value, False
 
 
 def sample_seed(*parts: int) -> int:
@@ -116,11 +143,12 @@ class RolloutDataModule(L.LightningDataModule):
     """
 
     def __init__(self, task: Task, tokenizer, prompts_per_step: int, group_size: int, seed: int = 0,
-                 eval_examples: int = 64, eval_batch_size: int = 64):
+                 eval_examples: int = 64, eval_batch_size: int = 64, reward_timeout_s: float = 10.0):
         super().__init__()
         self.task, self.tokenizer = task, tokenizer
         self.prompts_per_step, self.group_size, self.seed = prompts_per_step, group_size, seed
         self.eval_examples, self.eval_batch_size = eval_examples, eval_batch_size
+        self.reward_timeout_s = reward_timeout_s
         self._train = list(task.train_examples())
         self._eval = list(task.eval_examples())[:eval_examples]
         if not self._train:
@@ -187,9 +215,11 @@ class RolloutDataModule(L.LightningDataModule):
             [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
             skip_special_tokens=True,
         )
-        rewards = torch.tensor([self.task.reward(text, examples[gid - group_offset])
-                                for text, gid in zip(texts, group_ids)], dtype=torch.float32)
-        return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts)
+        scores = [guarded_reward(self.task.reward, text, examples[gid - group_offset], self.reward_timeout_s)
+                  for text, gid in zip(texts, group_ids)]
+        rewards = torch.tensor([r for r, _ in scores], dtype=torch.float32)
+        return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts,
+                              reward_errors=sum(failed for _, failed in scores))
 
     # -- Lightning hooks -----------------------------------------------------------------------------
     def set_start_step(self, fn: Callable[[], int]) -> None:
