@@ -14,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from lit_rl.algorithms import NonFiniteUpdates
 from lit_rl.config import ConfigError
 from lit_rl.train import register_resolvers, run
 
@@ -27,6 +28,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:  # a user's mistake: say what and where, no traceback
         print(f"lit_rl: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteUpdates as err:  # the run diverged: say where, keep the checkpoints, no traceback
+        print(f"lit_rl: stopped: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

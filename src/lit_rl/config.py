@@ -96,6 +96,8 @@ def validate(cfg: DictConfig) -> None:
         _check(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", a.dynamic_sampling.max_rounds,
                "must be >= 1")
     _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    _check(int(cfg.optim.get("max_nonfinite_updates", 0) or 0) >= 0, "optim.max_nonfinite_updates",
+           cfg.optim.get("max_nonfinite_updates"), "must be >= 0 (0 = never stop)")
 
     if cfg.task.name == "gsm8k" and cfg.task.get("path"):
         path = Path(cfg.task.path).expanduser()

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from .algorithms import ALGORITHMS
+from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, validate
 from .models import ModelSpec, load_policy
 from .rollout.datamodule import RolloutDataModule
@@ -89,10 +90,17 @@ def build_task_from_cfg(cfg: DictConfig):
 
 
 def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
-    """``"last"`` -> <out_dir>/checkpoints/last.ckpt (must exist); a path must exist; None stays None."""
+    """``"last"`` -> the newest complete checkpoint in <out_dir>/checkpoints (``checkpoints.find_last``);
+    a path must exist; None stays None. Raises ConfigError naming the folder or file otherwise."""
     if ckpt_path in (None, "", "null"):
         return None
-    path = out_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path).expanduser()
+    if ckpt_path == "last":
+        path = find_last(out_dir / "checkpoints")
+        if path is None:
+            raise ConfigError(f"ckpt_path=last: no checkpoint in {out_dir / 'checkpoints'} "
+                              f"(continue a run with hydra.run.dir=<its folder> ckpt_path=last)")
+        return str(path)
+    path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise ConfigError(f"ckpt_path={ckpt_path!r}: no checkpoint at {path}")
     return str(path)
@@ -147,6 +155,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     trainer = L.Trainer(
         logger=logger,
         callbacks=[checkpoints],
+        plugins=[AtomicCheckpointIO()],  # a kill mid-write leaves the previous checkpoint whole
         val_check_interval=eval_every,
         check_val_every_n_epoch=None,
         limit_val_batches=1.0 if eval_every else 0,
@@ -158,7 +167,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     export = out / "policy"
     policy.save_pretrained(export, safe_serialization=True)
     tokenizer.save_pretrained(export)
-    metrics = {k: float(v) for k, v in trainer.logged_metrics.items()}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
                                                   indent=2))
     return metrics

@@ -1,6 +1,6 @@
 """One LightningModule per algorithm, on the shared base ``RLAlgorithm``; each holds only what differs."""
 
-from .base import RLAlgorithm
+from .base import NonFiniteUpdates, RLAlgorithm
 from .cispo import CISPO
 from .dapo import DAPO
 from .dr_grpo import DrGRPO
@@ -14,4 +14,4 @@ ALGORITHMS: dict[str, type[RLAlgorithm]] = {
     "cispo": CISPO,
 }
 
-__all__ = ["ALGORITHMS", "CISPO", "DAPO", "DrGRPO", "GRPO", "GSPO", "PPO", "RLAlgorithm", "Reinforce"]
+__all__ = ["ALGORITHMS", "CISPO", "DAPO", "DrGRPO", "GRPO", "GSPO", "NonFiniteUpdates", "PPO", "RLAlgorithm", "Reinforce"]

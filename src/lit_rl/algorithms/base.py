@@ -31,6 +31,10 @@ from ..rollout.torch_engine import TorchEngine
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
 
 
+class NonFiniteUpdates(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient (``optim.max_nonfinite_updates``)."""
+
+
 class MetricSums:
     """Accumulates sums and counts so that a metric is a mean over all valid tokens of the step."""
 
@@ -140,6 +144,7 @@ class RLAlgorithm(L.LightningModule):
 
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
+        rl_step = self.global_step // self.updates_per_step
         self.engine.sync_weights(self.global_step)
         scored, collect_metrics = self.collect(batch)
         t_rollout = time.perf_counter() - t0
@@ -155,9 +160,24 @@ class RLAlgorithm(L.LightningModule):
         metrics["time/step_s"] = time.perf_counter() - t0
         tokens = int(scored.rollouts.response_mask.sum())
         metrics["perf/rollout_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb))
+        self.write_step_metrics(metrics, rl_step)
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb), logger=False)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=len(rb))
         self.log("tok/s", metrics["perf/rollout_tokens_per_s"], prog_bar=True, logger=False, batch_size=len(rb))
+
+    def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
+        """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
+
+        Lightning hands ``self.log`` values to the logger only after the step's checkpoint is written, and
+        TensorBoard buffers them; a kill in between would leave a checkpoint whose step has no metrics, and
+        a resume would never log them. Written here, every checkpointed step has its scalars on disk.
+        """
+        if self.logger is None:
+            return
+        self.logger.log_metrics(metrics, step=rl_step)
+        experiment = getattr(self.logger, "experiment", None)
+        if hasattr(experiment, "flush"):
+            experiment.flush()
 
     def build_batch(self, scored: ScoredRollouts) -> RolloutBatch:
         """Pad the scored rollouts into a ``RolloutBatch`` with advantages."""
@@ -298,15 +318,30 @@ class RLAlgorithm(L.LightningModule):
             lp = self.logprobs_of(self.policy, mb, with_entropy=False).logprobs
             rb.old_logprobs[i:i + len(mb), :lp.shape[1]] = lp
 
-    def optimizer_step(self, opt) -> float:
-        """Clip, step, zero; returns the pre-clip gradient norm. A non-finite gradient is dropped (the
-        step still counts, so Lightning's step counter and the RL step stay aligned) and counted."""
+    def optimizer_step(self, opt, loss: float = 0.0) -> float:
+        """Clip, step, zero; returns the pre-clip gradient norm.
+
+        A non-finite loss or gradient drops the update (the step still counts, so Lightning's step counter
+        and the RL step stay aligned) and is counted in ``train/skipped_updates``. After
+        ``optim.max_nonfinite_updates`` such updates in a row (0 = never) raises ``NonFiniteUpdates``
+        naming the step; the last checkpoint stays the one written before.
+        """
         params = [p for group in opt.param_groups for p in group["params"]]
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.get("grad_clip", 1.0) or float("inf")))
-        if not math.isfinite(norm):
+        if math.isfinite(norm) and math.isfinite(loss):
+            self.nonfinite_in_a_row = 0
+        else:
             for p in params:
                 p.grad = None  # AdamW skips parameters without a gradient
             self.skipped_updates += 1
+            self.nonfinite_in_a_row += 1
+            limit = int(self.optim_cfg.get("max_nonfinite_updates", 0) or 0)
+            if limit and self.nonfinite_in_a_row >= limit:
+                raise NonFiniteUpdates(
+                    f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
+                    f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step}"
+                    f" (optimizer step {self.global_step}, optim.max_nonfinite_updates={limit}). "
+                    f"Lower optim.lr or check the rewards; the last checkpoint is from before these updates")
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched = self.lr_schedulers()
@@ -315,6 +350,15 @@ class RLAlgorithm(L.LightningModule):
         return norm
 
     skipped_updates: int = 0
+    nonfinite_in_a_row: int = 0
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_rl"] = {"skipped_updates": self.skipped_updates, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("lit_rl", {})
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
@@ -330,7 +374,7 @@ class RLAlgorithm(L.LightningModule):
             for chunk in torch.tensor_split(order, self.num_minibatches):
                 _, part_loss = self.accumulate_gradients(rb.select(chunk), stats)
                 loss_total += part_loss / self.updates_per_step
-                norms.append(self.optimizer_step(opt))
+                norms.append(self.optimizer_step(opt, part_loss))
         out = stats.means()
         out["train/loss"] = loss_total
         out["train/grad_norm"] = sum(norms) / len(norms)

@@ -1,0 +1,112 @@
+"""Faults during a run: SIGKILL at any point then ``ckpt_path=last`` continues exactly; atomic checkpoints;
+non-finite updates skipped, counted, and a stop after too many in a row."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, read_scalars
+from lit_rl.algorithms import GRPO, NonFiniteUpdates
+from lit_rl.checkpoints import AtomicCheckpointIO, find_last
+from lit_rl.train import run
+from test_train import FAST, cfg_for
+
+SCRIPT = os.path.join(ROOT, "tests", "fault_injection.py")
+COMMON = [*FAST, "eval.num_examples=0", "checkpoint.every_n_steps=1", "trainer.max_steps=4"]
+TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm", "train/entropy",
+        "train/skipped_updates"]
+
+
+def launch(fault, call, out, *overrides):
+    return subprocess.run([sys.executable, SCRIPT, fault, str(call), str(out), *COMMON, *overrides],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight") / "run"
+    res = launch("none", 0, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return read_scalars(out / "tensorboard")
+
+
+@pytest.mark.parametrize("fault", ["rollout", "update", "ckpt_write", "ckpt_link"])
+def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fault):
+    """Killed during the third step's rollout or update, or while its checkpoint is written or linked."""
+    out = tmp_path / "run"
+    res = launch(fault, 3, out)
+    assert res.returncode == -signal.SIGKILL, (res.returncode, res.stderr[-3000:])
+    assert not (out / "finished.json").exists()
+    if fault == "ckpt_write":  # the half-written file never took the checkpoint's name
+        assert any(".partial-" in p.name for p in (out / "checkpoints").iterdir())
+    if fault == "ckpt_link":  # the previous step file is gone and last.ckpt dangles: resume finds the new one
+        assert os.path.islink(out / "checkpoints" / "last.ckpt")
+        assert not (out / "checkpoints" / "last.ckpt").exists()
+    resumed_from = find_last(out / "checkpoints")
+    expected_step = {"rollout": 2, "update": 2, "ckpt_write": 2, "ckpt_link": 3}[fault]
+    assert torch.load(resumed_from, weights_only=False)["global_step"] == expected_step
+
+    res = launch("none", 0, out, "ckpt_path=last")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = read_scalars(out / "tensorboard")
+    for tag in TAGS:
+        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag  # no lost step
+        assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
+
+
+def test_atomic_checkpoint_io_replaces_whole_files(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "ckpt" / "a.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, path)
+    io.save_checkpoint({"global_step": 2, "w": torch.zeros(3)}, path)
+    assert torch.load(path)["global_step"] == 2
+    assert os.listdir(path.parent) == ["a.ckpt"]  # no temporary left behind
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, path, storage_options={"x": 1})
+
+
+def test_find_last_prefers_the_link_then_the_newest_complete_file(tmp_path):
+    assert find_last(tmp_path) is None
+    (tmp_path / "step=1.ckpt").write_bytes(b"1")
+    (tmp_path / "step=2.ckpt").write_bytes(b"2")
+    os.utime(tmp_path / "step=1.ckpt", ns=(1, 1))
+    (tmp_path / "step=3.ckpt.partial-99").write_bytes(b"3")
+    assert find_last(tmp_path).name == "step=2.ckpt"
+    os.symlink("step=1.ckpt", tmp_path / "last.ckpt")
+    assert find_last(tmp_path).name == "last.ckpt"
+    os.symlink("gone.ckpt", tmp_path / "dangling")
+    os.replace(tmp_path / "dangling", tmp_path / "last.ckpt")
+    assert find_last(tmp_path).name == "step=2.ckpt"
+
+
+def nan_advantages_at(steps):
+    """GRPO advantages that are NaN at the given optimizer steps (a diverged batch)."""
+    original = GRPO.advantages
+
+    def advantages(self, scored, rewards):
+        adv = original(self, scored, rewards)
+        return torch.full_like(adv, math.nan) if self.global_step in steps else adv
+    return advantages
+
+
+def test_a_non_finite_update_is_skipped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1}))
+    run(cfg_for("trainer.max_steps=3", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
+    s = read_scalars(tmp_path / "r" / "tensorboard")
+    assert [v for _, v in s["train/skipped_updates"]] == [0.0, 1.0, 1.0]
+    assert math.isnan(s["train/grad_norm"][1][1]) and math.isfinite(s["train/grad_norm"][2][1])
+
+
+def test_too_many_non_finite_updates_in_a_row_stop_the_run_naming_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1, 2, 3, 4, 5}))
+    with pytest.raises(NonFiniteUpdates, match=r"3 updates in a row .* stopped at RL step 3 .*"
+                                                 r"optim.max_nonfinite_updates=3"):
+        run(cfg_for("trainer.max_steps=6", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
+    # the checkpoints written before stay; the run is not marked finished
+    assert find_last(tmp_path / "r" / "checkpoints") is not None
+    assert not (tmp_path / "r" / "finished.json").exists()
