@@ -102,3 +102,45 @@ def test_smollm2_rollout_logprobs_match_trainer_float32(smollm2):
     r = make_engine(model, tok).generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(16)))
     diff = (trainer_logprobs(model, tok, r) - r.rollout_logprobs).abs()[r.response_mask]
     assert diff.max().item() < 1e-3 and diff.mean().item() < 1e-5, (diff.max().item(), diff.mean().item())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.9), (20, 0.8)])
+def test_trainer_scores_the_truncated_distribution_the_sampler_drew_from(tiny, top_k, top_p):
+    """With top-k / top-p on, rollout_logprobs are log-probs of the truncated, renormalised distribution;
+    the trainer scores that same object (equal within float32 noise), where scoring the full softmax
+    is off by the log of the kept mass at every token."""
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=16, top_k=top_k, top_p=top_p)
+    r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS), params, seeds=[5, 6, 7, 8])
+    m = r.response_mask
+    pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        truncated = response_logprobs(model, pi, pm, r.response_ids, m, top_k=top_k, top_p=top_p).logprobs
+        full = response_logprobs(model, pi, pm, r.response_ids, m).logprobs
+    assert (truncated - r.rollout_logprobs).abs()[m].max().item() < 1e-5
+    assert (full - r.rollout_logprobs).abs()[m].mean().item() > 0.05  # the untruncated score is another object
+    assert (truncated >= full - 1e-6)[m].all()  # renormalising over fewer tokens only raises log-probs
+
+
+def test_score_centering_on_the_recorded_truncated_support_vanishes_on_policy(tiny):
+    """Same weights in sampler and trainer, top-k = 5 sampling, the engine's recorded head as H: the
+    trainer's truncated pi equals mu on H, so the centring gradient sum_H mu grad log pi is ~0. Centring the
+    full-softmax score on the same head instead leaves a large spurious term."""
+    from lit_rl.corrections import score_centering_term
+
+    model, tok = tiny
+    params = SamplingParams(max_new_tokens=8, top_k=5, logprobs_top_k=16)
+    r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS), params, seeds=[1, 2, 3, 4])
+    m = r.response_mask
+    pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+    weight = model.get_output_embeddings().weight
+
+    def grad_norm(**trunc):
+        scores = response_logprobs(model, pi, pm, r.response_ids, m, head_ids=r.topk_ids, **trunc)
+        term = score_centering_term(scores.head_logprobs, r.topk_logprobs, torch.isfinite(r.topk_logprobs))
+        g_term, = torch.autograd.grad(term[m].sum(), weight, retain_graph=True)
+        g_score, = torch.autograd.grad(scores.logprobs[m].sum(), weight)
+        return (g_term.norm() / g_score.norm()).item()
+
+    assert grad_norm(top_k=5) < 1e-4
+    assert grad_norm() > 0.05

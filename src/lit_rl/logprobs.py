@@ -24,22 +24,33 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def support_mask(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """bool [..., V]: the tokens a top-k / top-p sampler may draw (True = kept), from float logits [..., V]
+    already divided by the temperature. top_k = 0 and top_p = 1 keep everything; top-k applies first, then
+    top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (as vLLM and
+    transformers' samplers do). Ties at the k-th logit are all kept."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        keep = logits >= kth
+    if top_p < 1.0:
+        masked = logits.masked_fill(~keep, float("-inf"))
+        sorted_logits, order = torch.sort(masked, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p  # mass before this token already reaches top_p
+        keep = keep & ~torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return keep
+
+
 def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """Log-probs of the distribution a sampler with these settings draws from.
 
     logits: [..., V] any float dtype; returns float32 [..., V] log-probs (nats), -inf outside the
-    top-k / top-p support. temperature must be > 0.
+    top-k / top-p support (``support_mask``). temperature must be > 0.
     """
     logits = logits.float() / temperature
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p  # keep the smallest prefix reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+    if top_k or top_p < 1.0:
+        logits = logits.masked_fill(~support_mask(logits, top_k, top_p), float("-inf"))
     return F.log_softmax(logits, dim=-1)
 
 
@@ -60,13 +71,18 @@ class TokenScores:
 
 
 def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                    with_entropy: bool, head_ids: Tensor | None):
+                    with_entropy: bool, head_ids: Tensor | None, top_k: int = 0, top_p: float = 1.0):
     logits = F.linear(hidden, weight, bias).float() / temperature
+    if top_k or top_p < 1.0:  # the sampler's truncated distribution; the sampled token always in its support
+        with torch.no_grad():
+            keep = support_mask(logits, top_k, top_p)
+            keep.scatter_(-1, targets.unsqueeze(-1), True)
+        logits = logits.masked_fill(~keep, float("-inf"))
     logp = F.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(-1)
+            entropy = -torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0).sum(-1)
     else:
         entropy = torch.zeros_like(token_logp)
     head = logp.gather(-1, head_ids) if head_ids is not None else token_logp.new_zeros(token_logp.shape[0], 0)
@@ -84,13 +100,20 @@ def response_logprobs(
     with_entropy: bool = True,
     return_hidden: bool = False,
     head_ids: Tensor | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> TokenScores:
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
     prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded.
     head_ids: [N, T, k] int64 ids (the rollout engine's recorded top-k) whose log-probs to gather too, for
-    score centering. Returns ``TokenScores``; ``hidden`` only with ``return_hidden``. The distribution is softmax(logits / temperature) — the same object the sampler draws from
-    when top-k/top-p are off. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
+    score centering. Returns ``TokenScores``; ``hidden`` only with ``return_hidden``.
+
+    The distribution scored is the one the sampler draws from: softmax(logits / temperature), truncated
+    to the top-k / top-p support (``support_mask`` on the trainer's own logits) and renormalised there.
+    The sampled token is always kept in the support, so a token the engine drew just inside its boundary
+    (numerical mismatch) gets a finite log-prob instead of -inf; head ids outside the support get -inf,
+    which score centering drops. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
     """
     n, p = prompt_ids.shape
     t = response_ids.shape[1]
@@ -114,7 +137,7 @@ def response_logprobs(
     for start in range(0, rows.numel(), chunk_tokens):
         idx = rows[start:start + chunk_tokens]
         args = (flat_h[idx], lm_head.weight, lm_head.bias, flat_y[idx], temperature, with_entropy,
-                flat_head[idx] if flat_head is not None else None)
+                flat_head[idx] if flat_head is not None else None, top_k, top_p)
         if torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:

@@ -198,11 +198,12 @@ class RLAlgorithm(L.LightningModule):
         return [rb.select(order[i:i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
 
     def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch, **kwargs) -> TokenScores:
-        """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, at the sampler's
-        temperature."""
+        """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
+        distribution: its temperature and its top-k / top-p truncation."""
         head_ids = mb.topk_ids if self.correction.get("sc", {}).get("enabled") and model is self.policy else None
         return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 temperature=self.sampling.temperature, chunk_tokens=self.chunk_tokens,
+                                 temperature=self.sampling.temperature, top_k=self.sampling.top_k,
+                                 top_p=self.sampling.top_p, chunk_tokens=self.chunk_tokens,
                                  head_ids=head_ids, **kwargs)
 
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
