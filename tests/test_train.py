@@ -124,3 +124,13 @@ def test_run_name_keeps_only_swept_keys():
     assert run_name(["experiment=algo_zoo", "algo=ppo"], {"algo": "reinforce,ppo"}, argv=["experiment=algo_zoo", "-m"]) \
         == "algo=ppo"
     assert run_name(["model=tiny"], None, argv=["model=tiny"]) == "run"
+
+
+def test_constant_reward_and_tracked_kl_to_the_initial_policy(tmp_path):
+    """task.constant_reward rewards every completion alike; kl.track logs KL to the initial policy at
+    beta = 0: exactly 0 before the first update, > 0 once the weights moved."""
+    run(cfg_for("algo=reinforce", "algo.baseline=none", "task.constant_reward=1.0", "kl.track=true",
+                "optim.lr=1e-3", "trainer.max_steps=2", "eval.num_examples=0"), tmp_path / "c")
+    s = read_scalars(tmp_path / "c" / "tensorboard")
+    assert [v for _, v in s["rollout/reward_mean"]] == [1.0, 1.0]
+    assert s["train/ref_kl"][0][1] == 0.0 and s["train/ref_kl"][1][1] > 0.0

@@ -70,7 +70,8 @@ class RLAlgorithm(L.LightningModule):
         advantage: {"alpha": float in [0, 1], "eps": float}.
         loss: {"reduction": one of objectives.REDUCTION_MODES}.
         algo: the ``algo`` config group: ``name``, ``clip: {eps_low, eps_high}`` and what the algorithm adds.
-        kl: {"beta": float >= 0, "estimator": "k1"|"k2"|"k3"} penalty to the frozen initial policy.
+        kl: {"beta": float >= 0, "estimator": "k1"|"k2"|"k3", "track": bool} penalty to the frozen initial
+            policy; ``track`` keeps the reference copy and logs ``train/ref_kl`` even with beta = 0.
         optim: {"lr", "weight_decay", "betas", "grad_clip", "warmup_steps"}.
         logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
         correction: the ``correction`` config group: {"tis": {...}, "mis": {...}, "sc": {...}} (see ``correct``).
@@ -103,7 +104,7 @@ class RLAlgorithm(L.LightningModule):
                                   weights_dtype=parse_dtype(engine["dtype"]) if engine.get("dtype") else None,
                                   int8_roundtrip=bool(engine.get("int8_roundtrip", False)))
         self.ref_policy = None
-        if self.kl_cfg.get("beta", 0.0) > 0:
+        if self.kl_cfg.get("beta", 0.0) > 0 or self.kl_cfg.get("track", False):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
 
     # -- pieces a subclass may replace ---------------------------------------------------------------
@@ -254,11 +255,12 @@ class RLAlgorithm(L.LightningModule):
         if extra_loss is not None:
             token_loss = token_loss + extra_loss
         beta = self.kl_cfg.get("beta", 0.0)
-        if beta > 0:
+        if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
             kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.get("estimator", "k3"))
-            token_loss = token_loss + beta * kl
+            if beta > 0:
+                token_loss = token_loss + beta * kl
             stats.add("train/ref_kl", kl, m)
         stats.add("train/entropy", scores.entropy, m)
         stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)

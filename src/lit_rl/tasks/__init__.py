@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from lit_rl.tasks.arithmetic import ArithmeticTask
-from lit_rl.tasks.base import Example, Task
+from lit_rl.tasks.base import ConstantReward, Example, Task
 from lit_rl.tasks.gsm8k import Gsm8kTask
 from lit_rl.tasks.rewards import ANSWER_MODES, answers_match, extract_answer, math_reward
 
 __all__ = [
     "ANSWER_MODES",
     "ArithmeticTask",
+    "ConstantReward",
     "Example",
     "Gsm8kTask",
     "TASKS",
@@ -36,7 +37,8 @@ def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:
 
     Args:
         name: ``"arithmetic"`` or ``"gsm8k"``; or a mapping (a dict or an OmegaConf
-            ``DictConfig``) with a ``name`` key and the constructor arguments as other keys.
+            ``DictConfig``) with a ``name`` key and the constructor arguments as other keys; a
+            ``constant_reward`` key that is not None wraps the task in ``ConstantReward``.
         **kwargs: constructor arguments; they override keys of the mapping.
 
     Returns:
@@ -47,8 +49,10 @@ def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:
             ``name``.
         TypeError: an argument the task's constructor does not take.
     """
+    constant = kwargs.pop("constant_reward", None)
     if isinstance(name, Mapping):
         cfg = dict(name)
+        constant = cfg.pop("constant_reward", constant)
         if "name" not in cfg:
             raise ValueError(
                 f"task config needs a 'name' key, one of {sorted(TASKS)}; got keys {sorted(cfg)}"
@@ -57,4 +61,5 @@ def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:
         kwargs = {**cfg, **kwargs}
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choices: {sorted(TASKS)}")
-    return TASKS[name](**kwargs)
+    task = TASKS[name](**kwargs)
+    return task if constant is None else ConstantReward(task, float(constant))

@@ -70,6 +70,30 @@ class Task:
         return f"{type(self).__name__}(name={self.name!r}, answer_format={self.answer_format!r})"
 
 
+class ConstantReward(Task):
+    """``task``'s prompts with every completion rewarded ``value``: the constant-reward drift study.
+
+    With a constant reward the true policy gradient is zero, so whatever moves the policy is noise or the
+    train-inference mismatch (SPEC.md, score centering).
+    """
+
+    def __init__(self, task: Task, value: float):
+        self.task, self.value = task, float(value)
+        self.name, self.system_prompt, self.answer_format = task.name, task.system_prompt, task.answer_format
+
+    def train_examples(self) -> Sequence[Example]:
+        return self.task.train_examples()
+
+    def eval_examples(self) -> Sequence[Example]:
+        return self.task.eval_examples()
+
+    def messages(self, ex: Example) -> list[dict[str, str]]:
+        return self.task.messages(ex)
+
+    def reward(self, completion: str, ex: Example) -> float:
+        return self.value
+
+
 def check_answer_format(answer_format: str) -> str:
     """Return ``answer_format`` if it is one of ``ANSWER_MODES``; raise ValueError otherwise."""
     if answer_format not in ANSWER_MODES:

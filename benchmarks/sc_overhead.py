@@ -1,0 +1,107 @@
+"""Overhead of score centering (k = 128) on a whole RL step, measured side by side in one run.
+
+    python benchmarks/sc_overhead.py                  # SmolLM2-135M, 4 prompts x G=8 x 64 new tokens
+
+The same GRPO step twice, on identical work (same prompts, same per-row seeds, so the same sampled tokens):
+
+* ``correction=none``: the engine records no top-k; the update scores the sampled tokens only;
+* ``correction=sc``: the engine records its top-128 ids and log-probs per generated token, and the update
+  gathers the trainer's log-probs at those ids and adds the centring term (``RLAlgorithm.correct``).
+
+Rollout = ``engine.generate``; update = ``accumulate_gradients`` over the whole batch (forward, backward,
+micro-batches of 16) plus an AdamW step, under bf16 autocast as ``trainer.precision=bf16-mixed`` trains.
+The weights are restored after each update so every repeat does the same work. The two settings alternate
+``--repeats`` times after a warm-up; medians are reported. The documents report <= 1% for SC's overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+
+from _common import ensure_quiet, machine  # noqa: E402
+from lit_rl.algorithms import GRPO  # noqa: E402
+from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
+from lit_rl.rollout.types import RolloutBatch, SamplingParams, left_pad  # noqa: E402
+from rollout_throughput import prompts_for  # noqa: E402
+
+
+def build(policy, tok, top_k: int, new_tokens: int, group_size: int):
+    sc = {"enabled": top_k > 0, "top_k": top_k, "mode": "topk"}
+    return GRPO(policy, tok, sampling={"max_new_tokens": new_tokens, "logprobs_top_k": top_k}, eval_sampling={},
+                group_size=group_size, micro_batch_size=16, advantage={}, loss={"reduction": "seq_mean_token_mean"},
+                algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={}, optim={"lr": 1e-6},
+                logprob_chunk_tokens=256, correction={"sc": sc})
+
+
+def step(module, opt, prompts, seeds, group_size) -> tuple[float, float, int]:
+    """(rollout seconds, update seconds, generated tokens) of one RL step."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        t0 = time.perf_counter()
+        r = module.engine.generate(prompts, module.sampling, seeds)
+        t1 = time.perf_counter()
+        pids, pmask = left_pad(r.prompt_ids, module.tokenizer.pad_token_id)
+        n = len(prompts)
+        g = torch.Generator().manual_seed(0)
+        rb = RolloutBatch(prompt_ids=pids, prompt_mask=pmask, response_ids=r.response_ids,
+                          response_mask=r.response_mask, rollout_logprobs=r.rollout_logprobs,
+                          rewards=torch.zeros(n), advantages=torch.randn(n, generator=g),
+                          group_ids=torch.arange(n) // group_size, policy_version=r.policy_version,
+                          topk_ids=r.topk_ids, topk_logprobs=r.topk_logprobs)
+        module.accumulate_gradients(rb)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, int(r.response_mask.sum())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=SMOLLM2_ID)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    args = ap.parse_args()
+    ensure_quiet(args.force)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    policy, tok = load_policy(ModelSpec(args.model))
+    initial = copy.deepcopy(policy.state_dict())
+    prompts = [p for p in prompts_for(tok, args.prompts) for _ in range(args.group_size)]
+    seeds = list(range(len(prompts)))
+    settings = {"correction=none": build(policy, tok, 0, args.new_tokens, args.group_size),
+                f"correction=sc (k={args.top_k})": build(policy, tok, args.top_k, args.new_tokens, args.group_size)}
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    times: dict[str, list[tuple[float, float, int]]] = {k: [] for k in settings}
+    for r in range(args.repeats + 1):
+        for name, module in settings.items():
+            measured = step(module, opt, prompts, seeds, args.group_size)
+            policy.load_state_dict(initial)
+            opt.state.clear()
+            if r:
+                times[name].append(measured)
+    print(f"# {machine()}")
+    print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens, "
+          f"bf16 autocast, median of {args.repeats}")
+    print("| setting | rollout s | update s | step s | tokens |\n|---|---|---|---|---|")
+    med = {}
+    for name, rows in times.items():
+        ro, up = statistics.median(t[0] for t in rows), statistics.median(t[1] for t in rows)
+        med[name] = (ro, up, ro + up)
+        print(f"| {name} | {ro:.2f} | {up:.2f} | {ro + up:.2f} | {rows[0][2]} |")
+    (a, b) = med.values()
+    print(f"\nSC / none: rollout {b[0] / a[0]:.3f}x, update {b[1] / a[1]:.3f}x, "
+          f"whole step {b[2] / a[2]:.3f}x ({100 * (b[2] / a[2] - 1):+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
