@@ -42,6 +42,27 @@ def test_bad_values_are_named(overrides, message):
         validate(cfg_for(*overrides))
 
 
+@pytest.mark.parametrize("group, option", [("algo", "ppo2"), ("correction", "sc+foo"), ("engine", "sglang"),
+                                           ("task", "mmlu"), ("model", "llama-70b"), ("trainer", "tpu")])
+def test_unknown_group_option_lists_the_choices(group, option):
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as info:
+        cfg_for(f"{group}={option}")
+    assert f"Could not find '{group}/{option}'" in str(info.value)
+    assert "Available options" in str(info.value)
+
+
+def test_vllm_engine_without_vllm_says_how_to_install_it():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; this case is about a machine without it")
+    with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM, which is not installed: install it with "
+                                          r"`LIT_RL_VLLM=1 bash scripts/setup.sh`"):
+        validate(cfg_for("engine=vllm"))
+
+
 def test_group_size_one_is_fine_without_a_group_baseline():
     validate(cfg_for("algo=reinforce", "algo.baseline=batch_mean", "rollout.group_size=1"))
 

