@@ -413,9 +413,14 @@ class RLAlgorithm(L.LightningModule):
                  batch_size=len(batch.examples), prog_bar=True)
 
     # -- optimisation --------------------------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: the policy's parameters (PPO adds its critic)."""
+        return list(self.policy.parameters())
+
     def configure_optimizers(self):
+        """AdamW over ``trainable_parameters`` with a linear warm-up over ``optim.warmup_steps`` optimizer steps."""
         cfg = self.optim_cfg
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0),
+        opt = torch.optim.AdamW(self.trainable_parameters(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0),
                                 betas=tuple(cfg.get("betas", (0.9, 0.999))))
         warmup = int(cfg.get("warmup_steps", 0))
         if warmup <= 0:

@@ -41,11 +41,9 @@ class PPO(RLAlgorithm):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def configure_optimizers(self):
-        cfg = self.optim_cfg
-        params = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("ref_policy.")]
-        return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0),
-                                 betas=tuple(cfg.get("betas", (0.9, 0.999))))
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The policy, the value head and (``algo.value.model=separate``) the critic's backbone."""
+        return [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("ref_policy.")]
 
     # -- critic --------------------------------------------------------------------------------------
     def _forward(self, mb: RolloutBatch) -> tuple[TokenScores, Tensor]:
