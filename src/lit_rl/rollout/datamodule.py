@@ -4,6 +4,11 @@ The training DataLoader yields one ``PromptBatch`` per RL step. Which prompts a 
 function of (seed, step, round): each pass over the training split is a fresh seeded permutation. So a
 resumed run draws exactly the prompts an uninterrupted one would, with no sampler state to save.
 The LightningModule turns a ``PromptBatch`` into completions with ``collect`` and into a training batch.
+
+With several data-parallel ranks (Lightning's DDP/FSDP), rank r gets the r-th contiguous share of the
+step's P prompts (``shard``), so a prompt's whole group is sampled, scored and normalised on one rank and
+the group advantages equal the single-device ones. Sampling seeds are keyed by a prompt's position in the
+step's full list, not in the rank's share: 1 and 2 devices sample the same completions for a prompt.
 """
 
 from __future__ import annotations
@@ -24,10 +29,15 @@ from .types import Rollouts, SamplingParams
 
 @dataclass
 class PromptBatch:
-    """The prompts of one RL step (``step``) or one eval batch (``step`` = -1)."""
+    """The prompts of one RL step (``step``) or one eval batch (``step`` = -1) on this rank.
+
+    ``offset`` is the position of ``examples[0]`` in the step's full prompt list (of the eval split for an
+    eval batch): 0 on one device, r * P / world_size on rank r. Sampling seeds and group ids use it.
+    """
 
     step: int
     examples: list[Example]
+    offset: int = 0
 
 
 @dataclass
@@ -114,6 +124,19 @@ def guarded_reward(reward_fn, completion: str, example: Example, timeout_s: floa
     return value, False
 
 
+def shard(n: int, rank: int, world_size: int) -> slice:
+    """The contiguous share of ``n`` items that rank ``rank`` of ``world_size`` takes.
+
+    Shares are as equal as possible (the first ``n % world_size`` ranks take one more) and their
+    concatenation in rank order is ``range(n)``. Raises ValueError unless 0 <= rank < world_size.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
 def sample_seed(*parts: int) -> int:
     """A 63-bit seed that depends only on the integers given (deterministic across processes)."""
     return hash(tuple(int(p) for p in parts)) & (2**63 - 1)
@@ -126,7 +149,7 @@ class _StepStream(IterableDataset):
     def __iter__(self) -> Iterator[PromptBatch]:
         step = self.start_step()  # read when iteration starts, i.e. after a checkpoint was restored
         while True:
-            yield PromptBatch(step, self.dm.prompts_for(step))
+            yield self.dm.batch_for(step)
             step += 1
 
 
@@ -155,6 +178,34 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"task {task.name!r} has no training examples")
         self._encoded: dict[tuple[str, int], list[int]] = {}
         self._start_step: Callable[[], int] = lambda: 0
+
+    # -- ranks ---------------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's global rank (0 without a trainer or on one device)."""
+        return self.trainer.global_rank if self.trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (1 without a trainer or on one device)."""
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def shard(self, examples: list[Example]) -> tuple[int, list[Example]]:
+        """(offset, this rank's contiguous share of ``examples``); offset = position of the share's first item."""
+        part = shard(len(examples), self.rank, self.world_size)
+        return part.start, examples[part]
+
+    def batch_for(self, step: int) -> PromptBatch:
+        """This rank's share of RL step ``step``'s P prompts.
+
+        Raises ValueError if P is not divisible by the world size (each rank must train on as many whole
+        groups as the others; ``config.validate`` reports it at start-up).
+        """
+        if self.prompts_per_step % self.world_size:
+            raise ValueError(f"rollout.prompts_per_step={self.prompts_per_step} must be divisible by the "
+                             f"{self.world_size} data-parallel ranks")
+        offset, examples = self.shard(self.prompts_for(step))
+        return PromptBatch(step, examples, offset)
 
     # -- prompts -------------------------------------------------------------------------------------
     def prompts_for(self, step: int, round: int = 0, count: int | None = None) -> list[Example]:
@@ -196,11 +247,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     # -- rollouts ------------------------------------------------------------------------------------
     def collect(self, engine, examples: list[Example], params: SamplingParams, step: int, round: int = 0,
-                group_size: int | None = None, split: str = "train", group_offset: int = 0) -> ScoredRollouts:
+                group_size: int | None = None, split: str = "train", group_offset: int = 0,
+                first_index: int = 0) -> ScoredRollouts:
         """Generate G completions per example with ``engine`` and score them with the task's verifier.
 
         Each completion has its own seed (from seed, step, round, prompt index and sample index), so the
-        same step of the same run produces the same completions whatever else is in the batch.
+        same step of the same run produces the same completions whatever else is in the batch. The prompt
+        index is ``first_index + p`` for ``examples[p]``: its position in the step's full prompt list, so
+        a prompt's seeds do not depend on which rank holds it. Group ids are ``group_offset + first_index + p``.
         """
         g = self.group_size if group_size is None else group_size
         prompts, seeds, group_ids = [], [], []
@@ -208,14 +262,14 @@ class RolloutDataModule(L.LightningDataModule):
             ids = self.encode(ex, split)
             for j in range(g):
                 prompts.append(ids)
-                seeds.append(sample_seed(self.seed, step, round, p, j))
-                group_ids.append(group_offset + p)
+                seeds.append(sample_seed(self.seed, step, round, first_index + p, j))
+                group_ids.append(group_offset + first_index + p)
         rollouts = engine.generate(prompts, params, seeds)
         texts = self.tokenizer.batch_decode(
             [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
             skip_special_tokens=True,
         )
-        scores = [guarded_reward(self.task.reward, text, examples[gid - group_offset], self.reward_timeout_s)
+        scores = [guarded_reward(self.task.reward, text, examples[gid - group_offset - first_index], self.reward_timeout_s)
                   for text, gid in zip(texts, group_ids)]
         rewards = torch.tensor([r for r, _ in scores], dtype=torch.float32)
         return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts,
@@ -230,6 +284,9 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_StepStream(self, lambda: self._start_step()), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        batches = [PromptBatch(-1, self._eval[i:i + self.eval_batch_size])
-                   for i in range(0, len(self._eval), self.eval_batch_size)]
+        """This rank's contiguous share of the eval examples in batches of ``eval_batch_size``; a rank
+        whose share is empty gets one empty batch, so every rank takes part in the eval's reduction."""
+        offset, examples = self.shard(self._eval)
+        batches = [PromptBatch(-1, examples[i:i + self.eval_batch_size], offset + i)
+                   for i in range(0, len(examples), self.eval_batch_size)] or [PromptBatch(-1, [], offset)]
         return DataLoader(batches, batch_size=None, num_workers=0, collate_fn=lambda b: b)
