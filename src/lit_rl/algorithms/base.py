@@ -7,20 +7,30 @@
 The update uses manual optimisation so that the loss of every micro-batch is normalised by the totals of
 the whole optimizer step (tokens, sequences): the gradient does not depend on how the batch is cut.
 A subclass states only what differs: ``advantages`` (the baseline) and ``policy_loss`` (the objective).
+
+Several data-parallel ranks (Lightning's DDP or FSDP, ``trainer=ddp``): each rank samples with its own
+embedded engine on its contiguous share of the step's prompts (whole groups), and the update reproduces the
+single-process gradient of the whole step: the step's totals are summed over ranks, each rank's loss is
+multiplied by the world size (the strategy averages gradients over ranks), and gradients are all-reduced
+once per optimizer step. Every logged value is reduced over ranks (``reduce_step_metrics``) before rank 0
+writes it. All collectives go through Lightning's strategy (``self.all_gather``, ``strategy.reduce``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
+import zlib
 from collections import defaultdict
-from dataclasses import asdict
-from typing import Any
+from dataclasses import asdict, replace
+from typing import Any, Callable
 
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .. import corrections as corr
 from .. import objectives as obj
@@ -55,7 +65,29 @@ class MetricSums:
             self.counts[name] += count
 
     def means(self) -> dict[str, float]:
+        """name -> sum / count (0.0 where the count is 0)."""
         return {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}
+
+    def touch(self, other: "MetricSums") -> None:
+        """Register ``other``'s names here with zero sum and count (so every rank holds the same names)."""
+        for k in other.sums:
+            self.sums[k] += 0.0
+            self.counts[k] += 0.0
+
+    def all_reduce(self, reduce_sums: Callable[[dict[str, float]], dict[str, float]]) -> "MetricSums":
+        """Sums and counts summed over data-parallel ranks, in place, so ``means`` weighs every rank's
+        tokens (or sequences) alike. ``reduce_sums`` maps a name -> float dict to its sum over ranks
+        (``RLAlgorithm.all_reduce_dict``). Returns self."""
+        flat = {**{f"sum:{k}": v for k, v in self.sums.items()}, **{f"count:{k}": v for k, v in self.counts.items()}}
+        total = reduce_sums(flat)
+        for k in list(self.sums):
+            self.sums[k], self.counts[k] = total[f"sum:{k}"], total[f"count:{k}"]
+        return self
+
+
+def updates_per_step(algo: dict) -> int:
+    """Optimizer steps per RL step of the ``algo`` config: ``ppo_epochs`` x ``num_minibatches`` (default 1 x 1)."""
+    return int(algo.get("ppo_epochs", 1) or 1) * int(algo.get("num_minibatches", 1) or 1)
 
 
 class RLAlgorithm(L.LightningModule):
@@ -130,8 +162,10 @@ class RLAlgorithm(L.LightningModule):
         return loss
 
     def collect(self, batch: PromptBatch):
-        """Generate and score the step's rollouts. Returns (ScoredRollouts, rollout metrics)."""
-        scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step)
+        """Generate and score this rank's share of the step's rollouts. Returns (ScoredRollouts, rollout
+        metrics of this rank, reduced over ranks by ``reduce_step_metrics``)."""
+        scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step,
+                                         first_index=batch.offset)
         return scored, {}
 
     # -- the RL step ---------------------------------------------------------------------------------
@@ -147,20 +181,24 @@ class RLAlgorithm(L.LightningModule):
         t0 = time.perf_counter()
         rl_step = self.global_step // self.updates_per_step
         self.engine.sync_weights(self.global_step)
-        scored, collect_metrics = self.collect(batch)
+        scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
         t_rollout = time.perf_counter() - t0
         metrics = {**self.rollout_metrics(scored), **collect_metrics}
+        weights = self.metric_weights(batch, scored, metrics)
 
         rb = self.build_batch(scored)
         t1 = time.perf_counter()
-        metrics.update(self.update(rb))
+        train_metrics = self.update(rb)  # already reduced over ranks
         t_train = time.perf_counter() - t1
 
         metrics["time/rollout_s"] = t_rollout
         metrics["time/train_s"] = t_train
         metrics["time/step_s"] = time.perf_counter() - t0
-        tokens = int(scored.rollouts.response_mask.sum())
+        metrics["perf/rollout_tokens"] = int(scored.rollouts.response_mask.sum())
+        metrics = self.reduce_step_metrics(metrics, weights)
+        tokens, t_rollout = metrics.pop("perf/rollout_tokens"), metrics["time/rollout_s"]
         metrics["perf/rollout_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
+        metrics.update(train_metrics)
         self.write_step_metrics(metrics, rl_step)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb), logger=False)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=len(rb))
@@ -172,6 +210,8 @@ class RLAlgorithm(L.LightningModule):
         Lightning hands ``self.log`` values to the logger only after the step's checkpoint is written, and
         TensorBoard buffers them; a kill in between would leave a checkpoint whose step has no metrics, and
         a resume would never log them. Written here, every checkpointed step has its scalars on disk.
+        ``metrics`` must already be reduced over ranks (``reduce_step_metrics``): Lightning's loggers write
+        on global rank 0 only, so one TensorBoard run holds the values of the whole step.
         """
         if self.logger is None:
             return
@@ -179,6 +219,71 @@ class RLAlgorithm(L.LightningModule):
         experiment = getattr(self.logger, "experiment", None)
         if hasattr(experiment, "flush"):
             experiment.flush()
+
+    # -- data parallelism: reductions over ranks ------------------------------------------------------
+    #: step metrics that add up over ranks (counts) and those whose maximum over ranks is logged; every
+    #: other rollout/time metric is a mean weighted by ``metric_weights`` (train/* are reduced in ``update``)
+    SUMMED_METRICS = ("rollout/reward_errors", "rollout/groups_all_correct", "rollout/groups_all_wrong",
+                      "rollout/groups_kept", "perf/rollout_tokens")
+    MAX_METRICS = ("rollout/staleness_max", "rollout/generation_rounds", "time/rollout_s", "time/train_s",
+                   "time/step_s")
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (1 without a trainer or on one device)."""
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    def all_reduce(self, values: Tensor, op: str = "sum") -> Tensor:
+        """``values`` (any shape) summed (``op="sum"``) or maximised (``"max"``) elementwise over the
+        data-parallel ranks with Lightning's ``strategy.reduce``, on ``values``' device; on one rank the
+        tensor itself. A collective: every rank calls it at the same point with the same shape."""
+        if self.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values.detach().to(self.device).clone(), reduce_op=op).to(values.device)
+
+    def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
+        """``values`` reduced name by name over the ranks (``op`` as in ``all_reduce``; float64); on one
+        rank unchanged. Raises RuntimeError when the ranks hold different names (checked with one small
+        collective first, so a mismatch fails instead of pairing the wrong numbers or hanging)."""
+        if self.world_size == 1:
+            return dict(values)
+        names = sorted(values)
+        crc = float(zlib.crc32("\n".join(names).encode()))
+        check = self.all_reduce(torch.tensor([crc, -crc], dtype=torch.float64), "max")
+        if check[0].item() != -check[1].item():
+            raise RuntimeError(f"rank {self.global_rank} reduces metrics {names}, another rank different ones")
+        total = self.all_reduce(torch.tensor([float(values[n]) for n in names], dtype=torch.float64), op)
+        return dict(zip(names, total.tolist()))
+
+    def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
+        """The weight of each rank's mean when ``reduce_step_metrics`` averages it over ranks. Default: the
+        rank's completions (rollout/* means are per completion); a subclass adds what it logs otherwise."""
+        return {name: float(len(scored.rewards)) for name in metrics}
+
+    def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+        """Combine this rank's step metrics with the other ranks': names in ``SUMMED_METRICS`` are summed,
+        in ``MAX_METRICS`` maximised, every other one is a mean weighted by ``weights`` (default 1). On one
+        rank ``metrics`` is returned as is. A collective (every rank calls it once per step)."""
+        if self.world_size == 1:
+            return dict(metrics)
+        sums, maxima = {}, {}
+        for name, value in metrics.items():
+            if name in self.MAX_METRICS:
+                maxima[name] = float(value)
+            elif name in self.SUMMED_METRICS:
+                sums[name] = float(value)
+            else:
+                w = float(weights.get(name, 1.0))
+                sums[f"sum:{name}"], sums[f"weight:{name}"] = float(value) * w, w
+        sums, maxima = self.all_reduce_dict(sums, "sum"), self.all_reduce_dict(maxima, "max")
+        out = {}
+        for name in metrics:
+            if name in maxima or name in sums:
+                out[name] = maxima.get(name, sums.get(name))
+            else:
+                w = sums[f"weight:{name}"]
+                out[name] = sums[f"sum:{name}"] / w if w else 0.0
+        return out
 
     def build_batch(self, scored: ScoredRollouts) -> RolloutBatch:
         """Pad the scored rollouts into a ``RolloutBatch`` with advantages."""
@@ -276,23 +381,66 @@ class RLAlgorithm(L.LightningModule):
 
         Each micro-batch's loss is normalised by the totals of the whole batch (tokens, sequences), so the
         accumulated gradient equals that of the whole batch at once, whatever ``micro_batch_size`` is.
-        Returns the token-weighted metric sums and the batch's loss.
+
+        With W > 1 data-parallel ranks ``rb`` is this rank's share and the whole batch is the union of the
+        shares: the totals are summed over ranks, each rank's loss is multiplied by W (DDP and FSDP average
+        gradients over ranks), so the synced gradient is the single-process gradient of the whole batch.
+        Every rank runs the same number of forward/backward passes, the most any rank has (a rank with
+        fewer, or none, pads with ``padding_micro_batch`` passes whose loss is multiplied by 0), and only
+        the last pass syncs gradients (the others run under ``strategy.block_backward_sync``): one
+        all-reduce per optimizer step, on every rank.
+
+        Returns this rank's metric sums (token-weighted) and its part of the loss; summed over ranks the
+        parts are the batch's loss. Raises ValueError when a rank must pad but ``rb`` has no rows.
         """
         mask = rb.response_mask
         num_tokens = mask.sum()
         num_seqs = (mask.sum(-1) > 0).sum()
         stats = MetricSums() if stats is None else stats
+        # a micro-batch without valid tokens (e.g. every completion masked out) has nothing to learn from
+        parts = [mb for mb in self.micro_batches(rb) if mb.response_mask.any()]
+        world, passes = self.world_size, len(parts)
+        if world > 1:
+            local = torch.stack([num_tokens, num_seqs, torch.tensor(passes, device=num_tokens.device)])
+            gathered = self.all_gather(local)  # [W, 3]
+            num_tokens, num_seqs = gathered[:, 0].sum(), gathered[:, 1].sum()
+            passes = int(gathered[:, 2].max())
         loss_total = 0.0
-        for mb in self.micro_batches(rb):
-            if not mb.response_mask.any():  # e.g. every completion masked out: nothing to learn from
-                continue
-            loss = self.micro_batch_loss(mb, stats, num_tokens=num_tokens, num_seqs=num_seqs)
-            if self._trainer is not None:
-                self.manual_backward(loss)
+        for i in range(passes):
+            real = i < len(parts)
+            mb = parts[i] if real else self.padding_micro_batch(rb)
+            mb_stats = stats if real else MetricSums()
+            sync = world == 1 or i == passes - 1
+            with contextlib.nullcontext() if sync else self.trainer.strategy.block_backward_sync():
+                loss = self.micro_batch_loss(mb, mb_stats, num_tokens=num_tokens, num_seqs=num_seqs)
+                scaled = loss if world == 1 else loss * (world if real else 0.0)
+                if self._trainer is not None:
+                    self.manual_backward(scaled)
+                else:
+                    scaled.backward()
+            if real:
+                loss_total += float(loss.detach())
             else:
-                loss.backward()
-            loss_total += float(loss.detach())
+                stats.touch(mb_stats)  # the same metric names on every rank, with nothing added
         return stats, loss_total
+
+    def padding_micro_batch(self, rb: RolloutBatch) -> RolloutBatch:
+        """A one-row micro-batch for a rank that has fewer passes than the others: ``rb``'s first prompt and
+        one pad token as its only valid response token. It runs the same forward and backward as a real
+        micro-batch (so it reaches every parameter the strategy syncs) and its loss is multiplied by 0.
+        Raises ValueError if ``rb`` has no rows."""
+        if len(rb) == 0:
+            raise ValueError("a rank with no rollout rows cannot take part in the update; lower "
+                             "algo.num_minibatches or raise rollout.prompts_per_step")
+        row = rb.select(slice(0, 1))
+        one = lambda x, fill=0.0: None if x is None else x.new_full((1, 1, *x.shape[2:]), fill)  # noqa: E731
+        return replace(
+            row, response_ids=row.response_ids.new_full((1, 1), self.tokenizer.pad_token_id),
+            response_mask=row.response_mask.new_ones((1, 1)), rollout_logprobs=row.rollout_logprobs.new_zeros((1, 1)),
+            advantages=row.advantages if row.advantages.dim() == 1 else row.advantages.new_zeros((1, 1)),
+            old_logprobs=one(row.old_logprobs), ref_logprobs=one(row.ref_logprobs), topk_ids=one(row.topk_ids, 0),
+            topk_logprobs=one(row.topk_logprobs, float("-inf")), old_values=one(row.old_values),
+            returns=one(row.returns))
 
     @property
     def epochs(self) -> int:
@@ -307,7 +455,7 @@ class RLAlgorithm(L.LightningModule):
     @property
     def updates_per_step(self) -> int:
         """Optimizer steps per RL step; Lightning's ``global_step`` counts these."""
-        return self.epochs * self.num_minibatches
+        return updates_per_step(self.algo_cfg)
 
     @torch.no_grad()
     def snapshot(self, rb: RolloutBatch) -> None:
@@ -330,7 +478,12 @@ class RLAlgorithm(L.LightningModule):
         naming the step; the last checkpoint stays the one written before.
         """
         params = [p for group in opt.param_groups for p in group["params"]]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.get("grad_clip", 1.0) or float("inf")))
+        max_norm = self.optim_cfg.get("grad_clip", 1.0) or float("inf")
+        model = self.trainer.model if self._trainer is not None else None
+        if isinstance(model, FullyShardedDataParallel):  # each rank holds a shard; FSDP takes the global norm
+            norm = float(model.clip_grad_norm_(max_norm))
+        else:  # one device, or DDP (after the all-reduce every rank holds the same gradient)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         if math.isfinite(norm) and math.isfinite(loss):
             self.nonfinite_in_a_row = 0
         else:
@@ -365,7 +518,8 @@ class RLAlgorithm(L.LightningModule):
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
-        minibatches, one optimizer step each (the PPO schedule; 1 x 1 by default). Returns train/* metrics."""
+        minibatches, one optimizer step each (the PPO schedule; 1 x 1 by default). Returns train/* metrics,
+        reduced over data-parallel ranks (each rank shuffles and cuts its own share)."""
         opt = self.optimizers()
         if self.updates_per_step > 1 and rb.old_logprobs is None:
             self.snapshot(rb)
@@ -376,8 +530,12 @@ class RLAlgorithm(L.LightningModule):
             order = torch.randperm(len(rb), generator=gen) if self.num_minibatches > 1 else torch.arange(len(rb))
             for chunk in torch.tensor_split(order, self.num_minibatches):
                 _, part_loss = self.accumulate_gradients(rb.select(chunk), stats)
+                if self.world_size > 1:  # the whole step's loss: every rank then skips a non-finite update alike
+                    part_loss = float(self.all_reduce(torch.tensor(part_loss, dtype=torch.float64)))
                 loss_total += part_loss / self.updates_per_step
                 norms.append(self.optimizer_step(opt, part_loss))
+        if self.world_size > 1:
+            stats.all_reduce(self.all_reduce_dict)
         out = stats.means()
         out["train/loss"] = loss_total
         out["train/grad_norm"] = sum(norms) / len(norms)
@@ -406,11 +564,21 @@ class RLAlgorithm(L.LightningModule):
     def on_validation_start(self) -> None:
         self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
 
+    def on_validation_epoch_start(self) -> None:
+        self._eval_sums = [0.0, 0.0]  # reward sum, examples (this rank's share of the eval split)
+
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        scored = self.datamodule.collect(self.engine, batch.examples, self.eval_sampling, step=-1 - batch_idx,
-                                         group_size=1, split="eval")
-        self.log("eval/accuracy", float(scored.rewards.mean()), on_step=False, on_epoch=True,
-                 batch_size=len(batch.examples), prog_bar=True)
+        if not batch.examples:  # this rank's share of the eval split is empty; it still joins the reduction
+            return
+        scored = self.datamodule.collect(self.engine, batch.examples, self.eval_sampling, step=-1,
+                                         group_size=1, split="eval", first_index=batch.offset)
+        self._eval_sums[0] += float(scored.rewards.sum())
+        self._eval_sums[1] += len(batch.examples)
+
+    def on_validation_epoch_end(self) -> None:
+        """eval/accuracy: greedy pass@1 over the whole eval split, summed over the ranks' shares."""
+        total, count = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
+        self.log("eval/accuracy", total / count if count else 0.0, prog_bar=True, sync_dist=self.world_size > 1)
 
     # -- optimisation --------------------------------------------------------------------------------
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

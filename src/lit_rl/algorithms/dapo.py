@@ -9,6 +9,10 @@ What differs from GRPO, each in one place:
   counted in rollout/groups_all_correct and rollout/groups_all_wrong;
 - overlong reward shaping (``shape_rewards``): ``objectives.overlong_penalty`` added to the task reward;
 - optionally, truncated completions masked out of the loss (``algo.mask_truncated``).
+
+With several data-parallel ranks each rank fills its own share (P / world_size useful groups) from its
+share of every round's prompts, so no prompt is generated twice; a rank that needs more rounds than the
+others runs them while the others wait at the update.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ class DAPO(RLAlgorithm):
         n_kept = all_correct = all_wrong = rounds = 0
         examples = batch.examples
         rewards_seen = []
+        offset, world = batch.offset, dm.world_size
         while True:
+            # group ids and seeds by a prompt's position in the round's full list (all ranks): one id per group
             scored = dm.collect(self.engine, examples, self.sampling, batch.step, round=rounds,
-                                group_offset=rounds * target)
+                                group_offset=rounds * target * world, first_index=offset)
             rewards_seen.append(scored.rewards)
             for g in scored.group_ids.unique().tolist():
                 rows = (scored.group_ids == g).nonzero().squeeze(-1)
@@ -50,7 +56,7 @@ class DAPO(RLAlgorithm):
             rounds += 1
             if n_kept >= target or rounds >= ds.get("max_rounds", 3):
                 break
-            examples = dm.prompts_for(batch.step, round=rounds, count=target)
+            offset, examples = dm.shard(dm.prompts_for(batch.step, round=rounds, count=target * world))
         if not kept:  # nothing useful in any round: train on the last round (its advantages are all 0)
             kept = [scored]
         out = concat_scored(kept, self.tokenizer.pad_token_id)
@@ -61,6 +67,13 @@ class DAPO(RLAlgorithm):
                    "rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
                    "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept)}
         return out, metrics
+
+    def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
+        """rollout/reward_mean averages every generated completion: rounds x this rank's prompts x G."""
+        weights = super().metric_weights(batch, scored, metrics)
+        if "rollout/generation_rounds" in metrics:
+            weights["rollout/reward_mean"] = metrics["rollout/generation_rounds"] * len(batch.examples) * self.group_size
+        return weights
 
     def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
         ol = self.algo_cfg.get("overlong", {}) or {}

@@ -84,11 +84,26 @@ class PPO(RLAlgorithm):
         token_rewards[torch.arange(n, device=device), (lengths - 1).clamp(min=0)] = rb.rewards * (lengths > 0)
         gcfg = self.algo_cfg.get("gae", {}) or {}
         adv, returns = obj.gae(token_rewards, old_v, mask, gcfg.get("gamma", 1.0), gcfg.get("lam", 0.95))
-        if self.algo_cfg.get("whiten_advantages", True) and mask.sum() > 1:
+        if self.algo_cfg.get("whiten_advantages", True):
+            adv = self.whiten(adv, mask)
+        rb.advantages, rb.old_logprobs, rb.old_values, rb.returns = adv, old_lp, old_v, returns
+
+    def whiten(self, adv: Tensor, mask: Tensor) -> Tensor:
+        """(adv - mean) / (std + 1e-8) over the valid tokens of the whole step (all data-parallel ranks);
+        [N, T] in and out, 0 at invalid tokens; unchanged when the step has at most one valid token."""
+        if self.world_size == 1:
+            if mask.sum() <= 1:
+                return adv
             mean = obj.masked_mean(adv, mask)
             std = obj.masked_mean((adv - mean) ** 2, mask).sqrt()
-            adv = torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
-        rb.advantages, rb.old_logprobs, rb.old_values, rb.returns = adv, old_lp, old_v, returns
+        else:  # the same two passes with sums and counts over ranks
+            count, total = self.all_reduce(torch.stack([mask.sum().double(), obj.masked_sum(adv, mask).double()])).tolist()
+            if count <= 1:
+                return adv
+            mean = adv.new_tensor(total / count)
+            sq = float(self.all_reduce(obj.masked_sum((adv - mean) ** 2, mask).double()))
+            std = adv.new_tensor(sq / count).sqrt()
+        return torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         """The base schedule; the snapshot (with the critic) runs even for a single update."""

@@ -6,6 +6,7 @@ same prompt; Ahmadian et al. 2024, "Back to Basics"). The paper's per-sequence s
 ``seq_mean_token_sum`` reduction.
 """
 
+import torch
 from torch import Tensor
 
 from .. import objectives as obj
@@ -18,7 +19,14 @@ class Reinforce(RLAlgorithm):
     """Plain policy gradient: no ratio, no clip; only the baseline is a choice."""
 
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
-        return obj.baseline_advantages(rewards, scored.group_ids, self.algo_cfg.get("baseline", "rloo"))
+        """[N] A = R - b. ``batch_mean`` averages over the whole step, all data-parallel ranks; ``rloo``
+        needs only the group, which stays on one rank."""
+        baseline = self.algo_cfg.get("baseline", "rloo")
+        if baseline == "batch_mean" and self.world_size > 1:
+            total, count = self.all_reduce(torch.stack([rewards.sum().double(),
+                                                        torch.tensor(float(len(rewards)), dtype=torch.float64)])).tolist()
+            return rewards.float() - rewards.new_tensor(total / count, dtype=torch.float32)
+        return obj.baseline_advantages(rewards, scored.group_ids, baseline)
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
