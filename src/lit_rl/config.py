@@ -85,10 +85,9 @@ def validate(cfg: DictConfig) -> None:
         _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
                f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
-    devices = cfg.trainer.get("devices", 1)
-    if isinstance(devices, int) and devices > 1:
-        _check(ro.prompts_per_step % devices == 0, "rollout.prompts_per_step", ro.prompts_per_step,
-               f"must be divisible by trainer.devices={devices}")
+    ranks = static_world_size(cfg.trainer)
+    if ranks is not None:
+        check_world_size(cfg, ranks)
 
     s = cfg.sampling
     _check(s.max_new_tokens > 0, "sampling.max_new_tokens", s.max_new_tokens, "must be > 0")
@@ -102,8 +101,6 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
     a = cfg.algo
     _check(a.get("ppo_epochs", 1) >= 1, "algo.ppo_epochs", a.get("ppo_epochs"), "must be >= 1")
-    _check(1 <= a.get("num_minibatches", 1) <= ro.prompts_per_step * ro.group_size, "algo.num_minibatches",
-           a.get("num_minibatches"), f"must lie in [1, prompts_per_step x group_size = {ro.prompts_per_step * ro.group_size}]")
     if a.name == "reinforce":
         _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
     if a.name == "ppo":
@@ -122,3 +119,39 @@ def validate(cfg: DictConfig) -> None:
     if name != "tiny" and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         _check(Path(name).expanduser().is_dir(), "model.name_or_path", name,
                "no such folder (give a local model folder or a hub id like org/name)")
+
+
+def static_world_size(trainer: DictConfig) -> int | None:
+    """Data-parallel ranks that ``trainer.devices`` x ``trainer.num_nodes`` name, when they are numbers
+    (``devices`` an int, a digit string or a list of device ids); None for ``auto``/-1, known only once
+    Lightning has looked at the machine."""
+    devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    elif isinstance(devices, str):  # "0,1,3" names devices; "auto" is up to Lightning
+        if "," not in devices:
+            return None
+        devices = len([d for d in devices.split(",") if d.strip()])
+    elif not isinstance(devices, int):
+        try:
+            devices = len(list(devices))
+        except TypeError:
+            return None
+    if not isinstance(nodes, int) or devices < 1:
+        return None
+    return devices * nodes
+
+
+def check_world_size(cfg: DictConfig, ranks: int) -> None:
+    """Raise ConfigError unless ``cfg`` can run on ``ranks`` data-parallel ranks: every rank takes an equal
+    share of the step's prompts (whole groups) and every minibatch has rows on every rank."""
+    ro, devices, nodes = cfg.rollout, cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    named = f"trainer.devices={devices}"
+    if nodes != 1 or devices != ranks:
+        named = f"the {ranks} ranks ({named} x trainer.num_nodes={nodes})"
+    _check(ro.prompts_per_step % ranks == 0, "rollout.prompts_per_step", ro.prompts_per_step,
+           f"must be divisible by {named}")
+    rows = ro.prompts_per_step * ro.group_size // ranks
+    per_rank = "" if ranks == 1 else f" / {ranks} ranks"
+    _check(1 <= cfg.algo.get("num_minibatches", 1) <= rows, "algo.num_minibatches", cfg.algo.get("num_minibatches"),
+           f"must lie in [1, prompts_per_step x group_size{per_rank} = {rows}]")

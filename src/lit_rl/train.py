@@ -4,6 +4,10 @@
 
 Order matters for users: the config is validated first (a bad value fails in a second, before any model
 loads), then the output folder is checked (a finished run is never overwritten), then the model loads.
+
+Several ranks (``trainer=ddp``, ``trainer=fsdp``): every rank runs this function (Lightning's launcher
+starts the other local ranks by running the same command again; torchrun and SLURM start them all), and
+only global rank 0 writes files: config.yaml, the TensorBoard run, checkpoints, policy/ and finished.json.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from .algorithms import ALGORITHMS
+from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, find_last
-from .config import ConfigError, validate
+from .config import ConfigError, check_world_size, validate
 from .models import ModelSpec, load_policy
 from .rollout.datamodule import RolloutDataModule
 from .tasks import build_task
@@ -106,6 +113,18 @@ def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
     return str(path)
 
 
+def build_strategy(name):
+    """The Lightning strategy for ``trainer.strategy``: ``fsdp`` becomes an ``FSDPStrategy`` that shards
+    each transformer block (every transformers decoder layer is a ``GradientCheckpointingLayer``) as one
+    unit, with full (unsharded) checkpoints; any other value is handed to Lightning as is."""
+    if name != "fsdp":
+        return name
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return FSDPStrategy(auto_wrap_policy={GradientCheckpointingLayer}, sharding_strategy="FULL_SHARD",
+                        state_dict_type="full")
+
+
 def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     """Train with ``cfg`` writing TensorBoard logs, checkpoints and the final policy under ``out_dir``.
 
@@ -120,11 +139,40 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    out.mkdir(parents=True, exist_ok=True)
-    config_file = out / "config.yaml"
-    if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
-        config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
+    logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
+    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps * k,
+                                  save_last="link", save_top_k=1)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # trainer.max_steps counts RL steps; Lightning counts optimizer steps (several per RL step for PPO)
+    if trainer_kwargs.get("max_steps", -1) > 0:
+        trainer_kwargs["max_steps"] *= k
+    if "strategy" in trainer_kwargs:
+        trainer_kwargs["strategy"] = build_strategy(trainer_kwargs["strategy"])
+    eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
+    try:
+        trainer = L.Trainer(
+            logger=logger,
+            callbacks=[checkpoints],
+            plugins=[AtomicCheckpointIO()],  # a kill mid-write leaves the previous checkpoint whole
+            val_check_interval=eval_every,
+            check_val_every_n_epoch=None,
+            limit_val_batches=1.0 if eval_every else 0,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,  # RolloutDataModule gives each rank its share itself
+            **trainer_kwargs,
+        )
+    except MisconfigurationException as err:  # e.g. trainer=gpu on a machine without one
+        raise ConfigError(f"trainer: {err}") from err
+    check_world_size(cfg, trainer.world_size)  # devices=auto is known only now
+
+    if trainer.is_global_zero:
+        out.mkdir(parents=True, exist_ok=True)
+        config_file = out / "config.yaml"
+        if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
+            config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
     try:  # data and model problems are the user's input too: report them like config errors
         task = build_task_from_cfg(cfg)
@@ -142,32 +190,19 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
                                    eval_batch_size=cfg.eval.batch_size,
                                    reward_timeout_s=cfg.get("reward_timeout_s", 10.0))
     module = build_module(cfg, policy, tokenizer)
-
-    logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
-    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps * module.updates_per_step,
-                                  save_last="link", save_top_k=1)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    # trainer.max_steps counts RL steps; Lightning counts optimizer steps (several per RL step for PPO)
-    k = module.updates_per_step
-    if trainer_kwargs.get("max_steps", -1) > 0:
-        trainer_kwargs["max_steps"] *= k
-    eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
-    trainer = L.Trainer(
-        logger=logger,
-        callbacks=[checkpoints],
-        plugins=[AtomicCheckpointIO()],  # a kill mid-write leaves the previous checkpoint whole
-        val_check_interval=eval_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=1.0 if eval_every else 0,
-        num_sanity_val_steps=0,
-        **trainer_kwargs,
-    )
+    assert module.updates_per_step == k
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
 
-    export = out / "policy"
-    policy.save_pretrained(export, safe_serialization=True)
-    tokenizer.save_pretrained(export)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
-                                                  indent=2))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
+    weights = None
+    if isinstance(trainer.strategy, FSDPStrategy):
+        # FSDP: each rank holds a shard; gather the full weights (a collective; full tensors on rank 0)
+        full = trainer.strategy.lightning_module_state_dict()
+        weights = {name[len("policy."):]: v for name, v in full.items() if name.startswith("policy.")}
+    if trainer.is_global_zero:
+        export = out / "policy"
+        policy.save_pretrained(export, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(export)
+        (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
+                                                      indent=2))
     return metrics
