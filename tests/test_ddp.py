@@ -1,0 +1,148 @@
+"""Data parallel on Lightning's DDP (gloo, 2 CPU processes): the update equals the one-process update of the
+whole batch, rank shares sample what one device samples, metrics are reduced over ranks, and the recipe runs
+with ``trainer=ddp`` writing one set of outputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT, read_scalars
+from ddp_probe import CASES, STEP_METRICS, make_batch, make_module
+from lit_rl.config import ConfigError, validate
+from lit_rl.models import ModelSpec, load_policy
+from lit_rl.rollout.datamodule import RolloutDataModule, shard
+from lit_rl.train import build_module, build_strategy, build_task_from_cfg, run
+from test_train import FAST, cfg_for
+
+PROBE = os.path.join(ROOT, "tests", "ddp_probe.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both ranks' results of tests/ddp_probe.py on 2 DDP processes."""
+    out = tmp_path_factory.mktemp("probe")
+    res = subprocess.run([sys.executable, PROBE, "2", str(out)], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The same cases on one process, no trainer: the whole batch's gradient and metric sums."""
+    torch.manual_seed(0)
+    policy, tok = load_policy(ModelSpec("tiny"))
+    module = make_module(policy, tok)
+    out = {}
+    for name, (reduction, rank1_empty) in CASES.items():
+        module.loss_cfg["reduction"] = reduction
+        policy.zero_grad()
+        stats, loss = module.accumulate_gradients(make_batch(rank1_empty))
+        out[name] = {"grads": {n: p.grad.clone() for n, p in policy.named_parameters()},
+                     "means": stats.means(), "loss": loss}
+    return out
+
+
+def flat(grads):
+    return torch.cat([grads[n].flatten() for n in sorted(grads)])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_rank_gradient_equals_the_one_process_gradient(two_ranks, one_process, case):
+    """Each rank holds half the rows (its completions shorter or longer than the other's; in
+    ``token_mean_rank1_empty`` rank 1 has no valid token at all): after DDP's all-reduce both ranks hold the
+    gradient of the whole batch on one process, to float32 summation order."""
+    r0, r1, ref = two_ranks[0][case], two_ranks[1][case], one_process[case]
+    assert r0["grads"].keys() == ref["grads"].keys()
+    assert all(torch.equal(r0["grads"][n], r1["grads"][n]) for n in r0["grads"])  # synced: bit-identical
+    g, g_ref = flat(r0["grads"]), flat(ref["grads"])
+    assert g_ref.abs().max() > 0.1  # a real gradient (a factor 2 or a per-rank normalisation would show)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-8)
+    # train/* metrics are reduced over ranks: the loss of the whole batch, token-weighted means
+    m = r0["metrics"]
+    assert m == r1["metrics"]
+    assert m["train/loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert m["train/entropy"] == pytest.approx(ref["means"]["train/entropy"], rel=1e-6)
+    assert m["train/ppo_kl"] == ref["means"]["train/ppo_kl"] == 0.0
+    assert m["train/grad_norm"] == pytest.approx(float(g_ref.norm()), rel=1e-4)
+
+
+def test_step_metrics_are_weighted_means_sums_and_maxima(two_ranks):
+    (m0, w0), (m1, w1) = STEP_METRICS
+    expected = {"rollout/reward_mean": (0.5 * 4 + 1.0 * 12) / 16, "rollout/reward_errors": 3.0, "time/step_s": 3.0}
+    assert two_ranks[0]["step_metrics"] == two_ranks[1]["step_metrics"] == expected
+
+
+def test_shard_is_contiguous_and_covers_everything():
+    assert [shard(8, r, 2) for r in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert [shard(5, r, 2) for r in range(2)] == [slice(0, 3), slice(3, 5)]
+    assert [shard(1, r, 2) for r in range(2)] == [slice(0, 1), slice(1, 1)]
+    with pytest.raises(ValueError, match="rank 2"):
+        shard(4, 2, 2)
+
+
+def test_a_rank_samples_what_one_device_samples_for_its_prompts(tiny):
+    """Seeds are keyed by a prompt's position in the step's full list: rank 1's share (prompts 2, 3 with
+    first_index=2) gets the very completions one device samples for them, and the same group ids."""
+    policy, tok = tiny
+    cfg = cfg_for("rollout.prompts_per_step=4", "rollout.group_size=2")
+    module = build_module(cfg, policy, tok)
+    dm = RolloutDataModule(build_task_from_cfg(cfg), tok, 4, 2, seed=0, eval_examples=0)
+    prompts = dm.prompts_for(0)
+    one = dm.collect(module.engine, prompts, module.sampling, step=0)
+    rank1 = dm.collect(module.engine, prompts[2:], module.sampling, step=0, first_index=2)
+    assert torch.equal(one.rollouts.response_ids[4:], rank1.rollouts.response_ids)
+    assert torch.equal(one.group_ids[4:], rank1.group_ids)
+    assert one.texts[4:] == rank1.texts
+
+
+def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
+    """``trainer=ddp trainer.devices=2``: one TensorBoard run (rank 0 writes), train/loss at steps 0, 1, 2,
+    a checkpoint and finished.json; every logged value equals the one-device run's (seeds do not depend on
+    the rank, and each value is reduced over ranks with the weights one device would use)."""
+    common = [*FAST, "trainer.max_steps=3"]
+    out = tmp_path / "ddp"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "train.py"), *common, "trainer=ddp",
+                          "trainer.devices=2", "threads=1", f"hydra.run.dir={out}"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert len(events) == 1, events
+    assert json.loads((out / "finished.json").read_text())["global_step"] == 3
+    assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "policy" / "model.safetensors").is_file()
+    ddp = read_scalars(out / "tensorboard")
+    assert [s for s, _ in ddp["train/loss"]] == [0, 1, 2]
+    assert len(ddp["eval/accuracy"]) == 1  # after step 2, both ranks' shares of the 4 eval prompts
+
+    run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
+    one = read_scalars(tmp_path / "one" / "tensorboard")
+    assert sorted(ddp) == sorted(one)
+    for tag in ddp:
+        if tag.startswith(("time/", "perf/")):
+            continue
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in one[tag]], tag
+        assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
+
+
+def test_trainer_groups_compose_and_the_rank_count_is_checked():
+    for name in ("cpu", "gpu", "ddp", "fsdp"):
+        validate(cfg_for(f"trainer={name}"))
+    cfg = cfg_for("trainer=fsdp")
+    assert cfg.trainer.strategy == "fsdp" and cfg.trainer.accelerator == "gpu"
+    strategy = build_strategy(cfg.trainer.strategy)
+    from lightning.pytorch.strategies import FSDPStrategy
+    assert isinstance(strategy, FSDPStrategy)
+    assert build_strategy("ddp") == "ddp"
+    # prompts are shared out over devices x nodes; every minibatch needs rows on every rank
+    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step=2 is not allowed: must be divisible by "
+                                          r"the 4 ranks \(trainer.devices=2 x trainer.num_nodes=2\)"):
+        validate(cfg_for("trainer=ddp", "trainer.num_nodes=2"))
+    with pytest.raises(ConfigError, match=r"algo.num_minibatches=8 is not allowed: must lie in \[1, "
+                                          r"prompts_per_step x group_size / 2 ranks = 4\]"):
+        validate(cfg_for("trainer=ddp", "algo.num_minibatches=8"))
