@@ -197,3 +197,53 @@ def test_raising_and_hanging_verifiers_score_zero_are_counted_and_the_run_goes_o
     assert scored.reward_errors == 4  # 2 completions each for prompts 0 and 1
     assert scored.rewards[:4].tolist() == [0.0] * 4
     assert module.rollout_metrics(scored)["rollout/reward_errors"] == 4.0
+
+
+def test_dapo_counts_reward_errors_over_all_its_rounds():
+    """Every 4th prompt's verifier raises; DAPO logs those errors like GRPO does (it logged 0 once it kept a
+    group), summed over its generation rounds."""
+    grpo, _ = fit(cfg_for("grpo", "reward_timeout_s=0.2"), RaisingEvery4th(), steps=1)
+    dapo, _ = fit(cfg_for("dapo", "reward_timeout_s=0.2", "algo.dynamic_sampling.max_rounds=1"), RaisingEvery4th(),
+                  steps=1)
+    # 4 prompts per step, ids 0..3 in some order: exactly one prompt (id % 4 == 0) raises for its G=4 samples
+    assert grpo[0]["rollout/reward_errors"] == 4.0
+    assert dapo[0]["rollout/reward_errors"] == 4.0
+
+
+class RaisingEvery4th(LeadingSpaceTask):
+    def __init__(self):
+        super().__init__(n=4)
+
+    def reward(self, completion, ex):
+        if ex.id % 4 == 0:
+            raise RuntimeError("verifier bug")
+        return super().reward(completion, ex)
+
+
+def test_mis_dropped_tokens_keep_the_original_denominators(tiny):
+    """2 completions x 4 tokens, A = +1 each, on-policy (per-token loss -1); MIS drops 2 tokens of row 0.
+    seq_mean_token_mean = (-(2/4) - (4/4)) / 2 = -0.75 and token_mean = -6/8 = -0.75: the dropped tokens
+    leave the numerator only (renormalising row 0 by its kept tokens would give -1.0)."""
+    from lit_rl.logprobs import response_logprobs
+    from lit_rl.rollout.types import RolloutBatch
+
+    policy, tok = tiny
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(100, 1000, (2, 3), generator=g)
+    response_ids = torch.randint(100, 1000, (2, 4), generator=g)
+    ones = torch.ones(2, 4, dtype=torch.bool)
+    with torch.no_grad():
+        old = response_logprobs(policy, prompt_ids, torch.ones(2, 3, dtype=torch.bool), response_ids, ones).logprobs
+    rollout = old.clone()
+    rollout[0, 1:3] = -100.0  # weight pi_old / mu = e^~100: outside [0.5, 2], dropped
+    for reduction in ("seq_mean_token_mean", "token_mean"):
+        module = build_module(cfg_for("grpo", "correction=mis", f"loss.reduction={reduction}",
+                                      "sampling.top_k=0"), policy, tok)
+        rb = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=torch.ones(2, 3, dtype=torch.bool),
+                          response_ids=response_ids, response_mask=ones, rollout_logprobs=rollout,
+                          rewards=torch.tensor([1.0, 0.0]), advantages=torch.tensor([1.0, 1.0]),
+                          group_ids=torch.tensor([0, 0]), policy_version=torch.zeros(2, dtype=torch.long))
+        stats, loss = module.accumulate_gradients(rb)
+        policy.zero_grad(set_to_none=True)
+        assert loss == pytest.approx(-0.75, abs=1e-6), reduction
+        assert stats.means()["train/mis_maskfrac"] == pytest.approx(2 / 8)

@@ -104,3 +104,33 @@ def test_finished_run_folder_is_never_overwritten(tmp_path):
     with pytest.raises(ConfigError, match="already holds a finished run"):
         run(cfg_for(), tmp_path)
     assert json.loads((tmp_path / "finished.json").read_text()) == {"global_step": 3}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.grad_clip=-1"], r"optim.grad_clip=-1 is not allowed: must be >= 0 \(0 or null = no clipping\)"),
+    (["model.dtype=bfloat16"], r"model.dtype='bfloat16' is not allowed: training keeps float32 weights"),
+    (["checkpoint.every_n_steps=-1"], r"checkpoint.every_n_steps=-1 is not allowed: must be an integer >= 1"),
+    (["eval.batch_size=0"], r"eval.batch_size=0 is not allowed: must be an integer >= 1"),
+    (["eval.every_n_steps=0"], r"eval.every_n_steps=0 is not allowed: must be an integer >= 1"),
+    (["eval.num_examples=-1"], r"eval.num_examples=-1 is not allowed: must be an integer >= 0"),
+    (["logprob_chunk_tokens=0"], r"logprob_chunk_tokens=0 is not allowed: must be an integer >= 1"),
+    (["optim.max_nonfinite_updates=abc"], r"optim.max_nonfinite_updates='abc' is not allowed: must be an integer"),
+    (["algo=reinforce", "algo.baseline=none", "rollout.group_size=0"],
+     r"rollout.group_size=0 is not allowed: must be an integer >= 1"),
+    (["task.constant_reward=abc"], r"task.constant_reward='abc' is not allowed: must be null or a number"),
+    (["reward_timeout_s=0"], r"reward_timeout_s=0 is not allowed: must be a number of seconds > 0"),
+    (["algo=ppo", "algo.gae.lam=2"], r"algo.gae.lam=2 is not allowed: must lie in \[0, 1\]"),
+    (["algo=reinforce", "algo.num_minibatches=2"], r"must be 1 x 1 for reinforce: it has no importance ratio"),
+])
+def test_more_bad_values_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(*overrides))
+
+
+def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"holds an unfinished run \(epoch=0-step=6.ckpt\); continue it with "
+                                          r"ckpt_path=last"):
+        run(cfg_for(), tmp_path)
+    assert (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").read_bytes() == b"x"

@@ -17,9 +17,12 @@ from lit_rl.train import run
 from test_train import FAST, cfg_for
 
 SCRIPT = os.path.join(ROOT, "tests", "fault_injection.py")
-COMMON = [*FAST, "eval.num_examples=0", "checkpoint.every_n_steps=1", "trainer.max_steps=4"]
+# REINFORCE without a baseline on a constant reward: A = 1 on every token, so every step moves the weights
+# and the optimizer state (on the tiny model the arithmetic reward is always 0 and GRPO would never move)
+MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]
+COMMON = [*FAST, *MOVING, "eval.num_examples=0", "checkpoint.every_n_steps=1", "trainer.max_steps=4"]
 TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm", "train/entropy",
-        "train/skipped_updates"]
+        "train/skipped_updates", "train/logprob_abs_diff"]
 
 
 def launch(fault, call, out, *overrides):
@@ -32,7 +35,9 @@ def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
     res = launch("none", 0, out)
     assert res.returncode == 0, res.stderr[-3000:]
-    return read_scalars(out / "tensorboard")
+    scalars = read_scalars(out / "tensorboard")
+    assert all(v > 0 for _, v in scalars["train/grad_norm"])  # the weights move at every step
+    return scalars
 
 
 @pytest.mark.parametrize("fault", ["rollout", "update", "ckpt_write", "ckpt_link"])
@@ -110,3 +115,31 @@ def test_too_many_non_finite_updates_in_a_row_stop_the_run_naming_the_step(tmp_p
     # the checkpoints written before stay; the run is not marked finished
     assert find_last(tmp_path / "r" / "checkpoints") is not None
     assert not (tmp_path / "r" / "finished.json").exists()
+
+
+def test_a_finished_run_checkpoints_its_last_step_whatever_every_n_steps_is(tmp_path):
+    """max_steps=3 with a checkpoint every 2 steps: the end of the run is checkpointed too, last.ckpt points
+    at it, and only that one file is kept (save_top_k=1)."""
+    out = tmp_path / "r"
+    run(cfg_for("trainer.max_steps=3", "checkpoint.every_n_steps=2", "eval.num_examples=0", *MOVING), out)
+    last = find_last(out / "checkpoints")
+    assert torch.load(last, weights_only=False)["global_step"] == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step=3.ckpt"]
+
+
+def test_continuing_with_another_algorithm_is_a_config_error(tmp_path):
+    from lit_rl.config import ConfigError
+
+    out = tmp_path / "r"
+    run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)
+    with pytest.raises(ConfigError, match=r"does not fit this config \(it was written by algo=grpo\): missing "
+                                          r"\['value_head.weight'"):
+        run(cfg_for("algo=ppo", "trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)
+
+
+def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_path):
+    out = tmp_path / "r"
+    run(cfg_for("trainer.max_steps=1", "eval.num_examples=4", "eval.every_n_steps=1", *MOVING), out)
+    s = read_scalars(out / "tensorboard")
+    assert [v for _, v in s["rollout/reward_mean"]] == [1.0]
+    assert [v for _, v in s["eval/accuracy"]] == [0.0]  # the random tiny model answers no sum right

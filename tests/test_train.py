@@ -50,14 +50,23 @@ def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):
         run(cfg_for("trainer.max_steps=4"), out)
 
 
+# REINFORCE without a baseline on a constant reward: A = 1 on every token, so every update moves the weights
+# (on the tiny model the arithmetic reward is always 0, and GRPO's update would be exactly zero)
+MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]
+
+
 def test_update_changes_weights_and_is_seeded(tmp_path):
-    a = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0"), tmp_path / "a")
-    b = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0"), tmp_path / "b")
+    a = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "a")
+    b = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "b")
     assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s"))}}
     from safetensors.torch import load_file
+    from lit_rl.models import ModelSpec, load_policy
     wa = load_file(tmp_path / "a" / "policy" / "model.safetensors")
     wb = load_file(tmp_path / "b" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    initial = load_policy(ModelSpec("tiny"))[0].state_dict()
+    changed = sum(int((wa[k] != initial[k]).sum()) for k in wa if k in initial)
+    assert changed > 0.9 * sum(v.numel() for k, v in wa.items() if k in initial)
 
 
 def test_gsm8k_from_jsonl_folder(tmp_path):
@@ -98,7 +107,7 @@ def test_multirun_2x2_then_compare(tmp_path):
 
 def test_resume_from_last_checkpoint_continues_exactly(tmp_path):
     """Two steps, then resume to four with ckpt_path=last, equals four steps straight through."""
-    common = ["eval.num_examples=0", "checkpoint.every_n_steps=1"]
+    common = ["eval.num_examples=0", "checkpoint.every_n_steps=1", *MOVING]
     run(cfg_for("trainer.max_steps=4", *common), tmp_path / "straight")
     run(cfg_for("trainer.max_steps=2", *common), tmp_path / "resumed")
     run(cfg_for("trainer.max_steps=4", "ckpt_path=last", *common), tmp_path / "resumed")
@@ -144,3 +153,14 @@ def test_warmup_counts_optimizer_steps_for_every_algorithm(tmp_path, algo, expec
                 "eval.num_examples=0"), tmp_path / algo)
     lrs = [v for _, v in read_scalars(tmp_path / algo / "tensorboard")["train/lr"]]
     assert lrs == pytest.approx([1e-4 * e for e in expected], rel=1e-6)
+
+
+def test_run_name_reads_sweeps_the_way_hydra_parses_them():
+    from lit_rl.train import run_name
+
+    assert run_name(["seed=1", "model=tiny"], None, argv=["-m", "seed=range(2)", "model=tiny"]) == "seed=1"
+    assert run_name(["algo=grpo"], None, argv=["--multirun", "algo=glob(g*)"]) == "algo=grpo"
+    assert run_name(["optim.betas=[0.9,0.99]", "seed=0"], None,
+                    argv=["-m", "optim.betas=[0.9,0.99],[0.8,0.9]", "seed=0"]) == "optim.betas=[0.9,0.99]"
+    # a list value alone is not a sweep
+    assert run_name(["optim.betas=[0.9,0.99]"], None, argv=["optim.betas=[0.9,0.99]"]) == "run"

@@ -42,6 +42,18 @@ def check_vllm() -> None:
     raise ConfigError("engine=vllm is not available in this version of lit_rl; choose engine=torch")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(value, field: str, minimum: int, meaning: str = "") -> None:
+    _check(_is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}{meaning}")
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
@@ -67,6 +79,10 @@ def validate(cfg: DictConfig) -> None:
                "algo.overlong.buffer_length", cfg.algo.overlong.buffer_length,
                f"must lie in [0, sampling.max_new_tokens={cfg.sampling.max_new_tokens}]")
     _check(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"choose one of {list(DTYPES)}")
+    _check(cfg.model.dtype == "float32", "model.dtype", cfg.model.dtype,
+           "training keeps float32 weights: AdamW on bfloat16 weights drops every update below bf16's "
+           "resolution (at lr 2e-6 most weights never change); for bf16 compute use trainer.precision=bf16-mixed "
+           "(float32 master weights and Adam state), for a bf16 sampler engine.dtype=bfloat16")
 
     clip = cfg.algo.clip
     _check(clip.eps_low > 0, "algo.clip.eps_low", clip.eps_low, "must be > 0")
@@ -79,6 +95,7 @@ def validate(cfg: DictConfig) -> None:
 
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
+    _check_int(ro.group_size, "rollout.group_size", 1)
     group_baseline = cfg.algo.name in GROUP_BASELINE_ALGORITHMS or (
         cfg.algo.name == "reinforce" and cfg.algo.get("baseline") == "rloo")
     if group_baseline:
@@ -108,9 +125,31 @@ def validate(cfg: DictConfig) -> None:
     if a.name == "dapo":
         _check(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", a.dynamic_sampling.max_rounds,
                "must be >= 1")
-    _check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
-    _check(int(cfg.optim.get("max_nonfinite_updates", 0) or 0) >= 0, "optim.max_nonfinite_updates",
-           cfg.optim.get("max_nonfinite_updates"), "must be >= 0 (0 = never stop)")
+    if a.name == "ppo":
+        for key in ("gamma", "lam"):
+            value = a.gae[key]
+            _check(_is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
+    if a.name == "reinforce":
+        _check(a.get("ppo_epochs", 1) == 1 and a.get("num_minibatches", 1) == 1, "algo.ppo_epochs x algo.num_minibatches",
+               (a.get("ppo_epochs", 1), a.get("num_minibatches", 1)),
+               "must be 1 x 1 for reinforce: it has no importance ratio or clip, so every update after the "
+               "first would be an uncorrected off-policy step (use ppo, grpo or cispo for several updates)")
+    o = cfg.optim
+    _check(_is_number(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    clip_norm = o.get("grad_clip")
+    _check(clip_norm is None or (_is_number(clip_norm) and clip_norm >= 0), "optim.grad_clip", clip_norm,
+           "must be >= 0 (0 or null = no clipping)")
+    _check_int(o.get("warmup_steps", 0), "optim.warmup_steps", 0)
+    _check_int(o.get("max_nonfinite_updates", 0), "optim.max_nonfinite_updates", 0, " (0 = never stop)")
+    _check_int(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", 1)
+    _check_int(cfg.eval.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
+    _check_int(cfg.eval.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
+    _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
+    _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
+    timeout = cfg.get("reward_timeout_s", 10.0)
+    _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
+    constant = cfg.task.get("constant_reward")
+    _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
     if cfg.task.name == "gsm8k" and cfg.task.get("path"):
         path = Path(cfg.task.path).expanduser()

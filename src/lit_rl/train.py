@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -40,19 +42,36 @@ log = logging.getLogger(__name__)
 FINISHED_MARKER = "finished.json"
 
 
+def swept_keys(args) -> set[str]:
+    """Keys that the override strings ``args`` sweep, as Hydra's own override parser reads them: choices
+    (``algo=grpo,dapo``, ``optim.betas=[0.9,0.99],[0.8,0.9]``), ``range(...)``, ``glob(...)``. Flags and
+    strings Hydra cannot parse are skipped."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    keys = set()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except Exception:  # noqa: BLE001 - not ours to judge: Hydra reports bad overrides itself
+            continue
+        if override.is_sweep_override():
+            keys.add(override.key_or_group.lstrip("+~"))
+    return keys
+
+
 def run_name(task_overrides, sweeper_params=None, argv=None) -> str:
     """Name of a multirun job from the overrides the sweep varies, e.g. ``algo=dapo,seed=1``.
 
-    A key is swept when the command line gives it a comma-separated list (``algo=grpo,dapo``) or an
-    experiment preset lists it under ``hydra.sweeper.params``; fixed overrides stay out of the name (they
-    are in each run's config.yaml), which keeps folder and TensorBoard run names short and telling.
+    A key is swept when the command line sweeps it (``swept_keys``) or an experiment preset lists it under
+    ``hydra.sweeper.params``; fixed overrides stay out of the name (they are in each run's config.yaml),
+    which keeps folder and TensorBoard run names short and telling. Falls back to ``run`` when nothing is
+    swept.
     """
     swept = set(dict(sweeper_params or {}).keys())
-    for arg in (sys.argv[1:] if argv is None else argv):
-        if "=" in arg and not arg.startswith("-"):
-            key, value = arg.split("=", 1)
-            if "," in value and not value.lstrip().startswith(("[", "{", "'", '"')):
-                swept.add(key.lstrip("+~"))
+    swept |= swept_keys(sys.argv[1:] if argv is None else argv)
     parts = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
     return ",".join(parts) or "run"
 
@@ -125,17 +144,66 @@ def build_strategy(name):
                         state_dict_type="full")
 
 
+def check_checkpoint_fits(ckpt_path: str, module: L.LightningModule) -> None:
+    """ConfigError when the checkpoint's weights do not fit ``module`` (another algorithm, value model or
+    model), naming what it was written with; read memory-mapped, before any state is touched."""
+    saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    expected = module.state_dict()
+    got = saved.get("state_dict", {})
+    missing = [k for k in expected if k not in got]
+    unexpected = [k for k in got if k not in expected]
+    reshaped = [k for k in expected if k in got and tuple(got[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or reshaped:
+        hp = saved.get("hyper_parameters", {})
+        algo = (hp.get("algo") or {}).get("name", "?")
+        raise ConfigError(
+            f"ckpt_path={ckpt_path}: the checkpoint does not fit this config (it was written by algo={algo}"
+            f"{', value model ' + str(hp['algo'].get('value', {}).get('model')) if algo == 'ppo' else ''}): "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {reshaped[:3]}; "
+            f"continue a run with the algorithm and model it was started with")
+
+
+def save_final_checkpoint(trainer: L.Trainer, checkpoints: ModelCheckpoint) -> None:
+    """Checkpoint the last step when ``checkpoint.every_n_steps`` did not land on it, so ``ckpt_path=last``
+    of a finished run continues from its end: written atomically, ``last.ckpt`` re-pointed at it, then the
+    previous one removed (``save_top_k=1``). A collective under DDP (every rank calls it)."""
+    previous = checkpoints.best_model_path
+    match = re.search(r"step=(\d+)", os.path.basename(previous or ""))
+    if match and int(match.group(1)) == trainer.global_step:
+        return
+    folder = Path(checkpoints.dirpath)
+    final = folder / f"step={trainer.global_step}.ckpt"
+    trainer.save_checkpoint(final)
+    if trainer.is_global_zero:
+        link = folder / "last.ckpt"
+        tmp = folder / f"last.ckpt.partial-{os.getpid()}"
+        os.symlink(final.name, tmp)
+        os.replace(tmp, link)
+        if previous and Path(previous).is_file() and Path(previous) != final:
+            Path(previous).unlink()
+    trainer.strategy.barrier()
+
+
 def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     """Train with ``cfg`` writing TensorBoard logs, checkpoints and the final policy under ``out_dir``.
 
     Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
     """
     validate(cfg)
+    # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
+    # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     out = Path(out_dir)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out)
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
         raise ConfigError(f"output folder {out} already holds a finished run; choose another "
                           f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one")
+    if ckpt_path is None:
+        started = sorted((out / "checkpoints").glob("*.ckpt")) + sorted((out / "tensorboard").glob("events.*"))
+        if started:
+            raise ConfigError(f"output folder {out} holds an unfinished run ({started[0].name}); continue it with "
+                              f"ckpt_path=last, or choose another folder (hydra.run.dir=...) — lit_rl never mixes "
+                              f"two runs in one folder")
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -191,7 +259,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
                                    reward_timeout_s=cfg.get("reward_timeout_s", 10.0))
     module = build_module(cfg, policy, tokenizer)
     assert module.updates_per_step == k
+    if ckpt_path is not None:
+        check_checkpoint_fits(ckpt_path, module)
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    save_final_checkpoint(trainer, checkpoints)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
     weights = None

@@ -373,7 +373,10 @@ class RLAlgorithm(L.LightningModule):
         # r_stale = pi_theta/pi_old (same engine, two weight versions); logged apart, never only the product
         stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
             mb.rollout_logprobs, old_logprobs, logprobs.detach(), m).items()}, m)
-        return obj.reduce_loss(token_loss, loss_mask, self.loss_cfg["reduction"], num_tokens=num_tokens,
+        # tokens MIS drops leave the numerator only: every reduction keeps the step's original denominators
+        # (num_tokens, num_seqs and each sequence's T_i), so token_mean and seq_mean_token_mean agree on them
+        token_loss = torch.where(loss_mask.bool(), token_loss, torch.zeros_like(token_loss))
+        return obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
                                num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
 
     def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
@@ -478,7 +481,7 @@ class RLAlgorithm(L.LightningModule):
         naming the step; the last checkpoint stays the one written before.
         """
         params = [p for group in opt.param_groups for p in group["params"]]
-        max_norm = self.optim_cfg.get("grad_clip", 1.0) or float("inf")
+        max_norm = self.optim_cfg.get("grad_clip", 1.0) or float("inf")  # 0 / None = no clipping (validated >= 0)
         model = self.trainer.model if self._trainer is not None else None
         if isinstance(model, FullyShardedDataParallel):  # each rank holds a shard; FSDP takes the global norm
             norm = float(model.clip_grad_norm_(max_norm))
@@ -497,7 +500,8 @@ class RLAlgorithm(L.LightningModule):
                     f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
                     f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step}"
                     f" (optimizer step {self.global_step}, optim.max_nonfinite_updates={limit}). "
-                    f"Lower optim.lr or check the rewards; the last checkpoint is from before these updates")
+                    f"The last checkpoint holds the weights these updates started from: lower optim.lr (or check "
+                    f"the rewards) before continuing from it")
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched = self.lr_schedulers()
@@ -605,4 +609,11 @@ class RLAlgorithm(L.LightningModule):
         return {k: v for k, v in sd.items() if not k.startswith("ref_policy.")}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return super().load_state_dict(state_dict, strict=strict and self.ref_policy is None, assign=assign)
+        """Strict about every key except the frozen reference copy's, which ``state_dict`` leaves out.
+        Raises RuntimeError naming missing and unexpected keys."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if not k.startswith("ref_policy.")]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"checkpoint does not fit this module: missing {missing[:5]}, "
+                               f"unexpected {result.unexpected_keys[:5]}")
+        return result

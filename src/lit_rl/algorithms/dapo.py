@@ -37,13 +37,14 @@ class DAPO(RLAlgorithm):
         kept: list[ScoredRollouts] = []
         n_kept = all_correct = all_wrong = rounds = 0
         examples = batch.examples
-        rewards_seen = []
+        rewards_seen, errors = [], 0
         offset, world = batch.offset, dm.world_size
         while True:
             # group ids and seeds by a prompt's position in the round's full list (all ranks): one id per group
             scored = dm.collect(self.engine, examples, self.sampling, batch.step, round=rounds,
                                 group_offset=rounds * target * world, first_index=offset)
             rewards_seen.append(scored.rewards)
+            errors += scored.reward_errors
             for g in scored.group_ids.unique().tolist():
                 rows = (scored.group_ids == g).nonzero().squeeze(-1)
                 r = scored.rewards[rows]
@@ -57,7 +58,8 @@ class DAPO(RLAlgorithm):
             if n_kept >= target or rounds >= ds.get("max_rounds", 3):
                 break
             offset, examples = dm.shard(dm.prompts_for(batch.step, round=rounds, count=target * world))
-        if not kept:  # nothing useful in any round: train on the last round (its advantages are all 0)
+        if not kept:  # nothing useful in any round: train on the last round (zero advantages, unless overlong
+            # shaping makes a group's shaped rewards differ)
             kept = [scored]
         out = concat_scored(kept, self.tokenizer.pad_token_id)
         generated = torch.cat(rewards_seen)
@@ -65,7 +67,8 @@ class DAPO(RLAlgorithm):
         # other algorithms), the dropped groups' counts, and the reward of the groups kept for training
         metrics = {"rollout/reward_mean": float(generated.mean()), "rollout/reward_mean_kept": float(out.rewards.mean()),
                    "rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
-                   "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept)}
+                   "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept),
+                   "rollout/reward_errors": float(errors)}
         return out, metrics
 
     def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:

@@ -269,7 +269,8 @@ class RolloutDataModule(L.LightningDataModule):
             [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
             skip_special_tokens=True,
         )
-        scores = [guarded_reward(self.task.reward, text, examples[gid - group_offset - first_index], self.reward_timeout_s)
+        verifier = getattr(self.task, "eval_task", self.task) if split == "eval" else self.task
+        scores = [guarded_reward(verifier.reward, text, examples[gid - group_offset - first_index], self.reward_timeout_s)
                   for text, gid in zip(texts, group_ids)]
         rewards = torch.tensor([r for r, _ in scores], dtype=torch.float32)
         return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts,

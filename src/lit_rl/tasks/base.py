@@ -74,11 +74,13 @@ class ConstantReward(Task):
     """``task``'s prompts with every completion rewarded ``value``: the constant-reward drift study.
 
     With a constant reward the true policy gradient is zero, so whatever moves the policy is noise or the
-    train-inference mismatch (SPEC.md, score centering).
+    train-inference mismatch (SPEC.md, score centering). Only training completions get the constant:
+    ``eval_task`` (the wrapped task) scores the eval split with its real verifier.
     """
 
     def __init__(self, task: Task, value: float):
         self.task, self.value = task, float(value)
+        self.eval_task = task
         self.name, self.system_prompt, self.answer_format = task.name, task.system_prompt, task.answer_format
 
     def train_examples(self) -> Sequence[Example]:
