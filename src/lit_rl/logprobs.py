@@ -79,14 +79,16 @@ def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             keep.scatter_(-1, targets.unsqueeze(-1), True)
         logits = logits.masked_fill(~keep, float("-inf"))
     logp = F.log_softmax(logits, dim=-1)
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # one gather for the sampled token and the SC head: its backward scatters into a single [rows, V] buffer
+    ids = targets.unsqueeze(-1) if head_ids is None else torch.cat([targets.unsqueeze(-1), head_ids], dim=-1)
+    picked = logp.gather(-1, ids)
+    token_logp = picked[:, 0]
     if with_entropy:
         with torch.no_grad():
             entropy = -torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0).sum(-1)
     else:
         entropy = torch.zeros_like(token_logp)
-    head = logp.gather(-1, head_ids) if head_ids is not None else token_logp.new_zeros(token_logp.shape[0], 0)
-    return token_logp, entropy, head
+    return token_logp, entropy, picked[:, 1:]
 
 
 def response_logprobs(
