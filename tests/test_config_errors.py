@@ -134,3 +134,17 @@ def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_pat
                                           r"ckpt_path=last"):
         run(cfg_for(), tmp_path)
     assert (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").read_bytes() == b"x"
+
+
+def test_a_tokenizer_without_chat_template_is_named(tmp_path, tiny):
+    model, tok = tiny
+    folder = tmp_path / "no_template"
+    model.save_pretrained(folder, safe_serialization=True)
+    import copy
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    plain.save_pretrained(folder)
+    assert not any(p.name.startswith("chat_template") for p in folder.iterdir())
+    with pytest.raises(ConfigError, match=rf"model.name_or_path='{folder}': the tokenizer has no chat template, "
+                                          r"and task=arithmetic formats prompts with it"):
+        run(cfg_for(f"model.name_or_path={folder}"), tmp_path / "out")
