@@ -67,14 +67,40 @@ def test_unknown_group_option_lists_the_choices(group, option):
     assert "Available options" in str(info.value)
 
 
-def test_vllm_engine_without_vllm_says_how_to_install_it():
-    import importlib.util
+def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
+    import lit_rl.rollout.engines as engines
 
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here; this case is about a machine without it")
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)  # as on a machine without vLLM
     with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM, which is not installed: install it with "
                                           r"`LIT_RL_VLLM=1 bash scripts/setup.sh`"):
         validate(cfg_for("engine=vllm"))
+    validate(cfg_for("engine=auto"))  # auto falls back to the embedded engine instead
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.sleep_mode=true"], r"engine.sleep_mode=True is not allowed: needs a CUDA device \(vLLM's CPU build "
+                                 r"has no sleep mode and no CUDA graphs\); use auto or false"),
+    (["engine.cuda_graphs=true"], r"engine.cuda_graphs=True is not allowed: needs a CUDA device"),
+    (["engine.sleep_mode=maybe"], r"engine.sleep_mode='maybe' is not allowed: choose auto, true or false"),
+    (["engine.tensor_parallel_size=2"], r"engine.tensor_parallel_size=2 is not allowed: > 1 needs "
+                                        r"engine.in_process=false"),
+    (["engine.tensor_parallel_size=0", "engine.in_process=false"], r"engine.tensor_parallel_size=0 is not allowed"),
+    (["engine.gpu_memory_utilization=1.5"], r"engine.gpu_memory_utilization=1.5 is not allowed: must lie in \(0, 1\]"),
+    (["engine.kv_cache_gb=0"], r"engine.kv_cache_gb=0 is not allowed: must be null or a number of GiB > 0"),
+    (["engine.max_model_len=32"], r"engine.max_model_len=32 is not allowed: must be null or an integer > "
+                                  r"sampling.max_new_tokens=64"),
+    (["trainer=ddp"], r"trainer.strategy='ddp' is not allowed: engine=vllm runs one colocated vLLM engine"),
+])
+@pytest.mark.parametrize("engine", ["vllm", "auto"])
+def test_bad_vllm_engine_values_are_named(engine, overrides, message, monkeypatch):
+    import torch
+
+    import lit_rl.rollout.engines as engines
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)  # the checks hold with or without vLLM here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this CPU machine
+    with pytest.raises(ConfigError, match=message.replace("engine=vllm", f"engine={engine}")):
+        validate(cfg_for(f"engine={engine}", *overrides))
 
 
 def test_group_size_one_is_fine_without_a_group_baseline():

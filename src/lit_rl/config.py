@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES
 
 ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
-ENGINES = ("torch",)
+ENGINES = ("torch", "vllm", "auto")
 TASKS = ("arithmetic", "gsm8k")
 CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
@@ -33,13 +33,38 @@ VLLM_INSTALL = ("install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU 
 
 
 def check_vllm() -> None:
-    """Raise ConfigError for ``engine=vllm``: how to install vLLM when it is missing, else that this version
-    runs rollouts with the embedded engine only."""
-    import importlib.util
+    """Raise ConfigError for ``engine=vllm`` when vLLM is not installed, saying how to install it."""
+    from .rollout.engines import vllm_installed
 
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise ConfigError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
-    raise ConfigError("engine=vllm is not available in this version of lit_rl; choose engine=torch")
+
+
+def check_vllm_engine(cfg: DictConfig) -> None:
+    """The vLLM fields of ``engine`` (``engine=vllm`` or ``auto``): GPU-only features only with CUDA, tensor
+    parallel only out of process, one trainer process (each DDP/FSDP rank would need an engine of its own)."""
+    import torch
+
+    e = cfg.engine
+    for key in ("sleep_mode", "cuda_graphs"):
+        value = e.get(key, "auto")
+        _check(value in ("auto", True, False), f"engine.{key}", value, "choose auto, true or false")
+        _check(value is not True or torch.cuda.is_available(), f"engine.{key}", value,
+               "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false")
+    _check_int(e.get("tensor_parallel_size", 1), "engine.tensor_parallel_size", 1)
+    _check(e.get("tensor_parallel_size", 1) == 1 or not e.get("in_process", True), "engine.tensor_parallel_size",
+           e.get("tensor_parallel_size"), "> 1 needs engine.in_process=false (tensor-parallel workers are processes)")
+    util = e.get("gpu_memory_utilization", 0.3)
+    _check(_is_number(util) and 0 < util <= 1, "engine.gpu_memory_utilization", util, "must lie in (0, 1]")
+    kv = e.get("kv_cache_gb")
+    _check(kv is None or (_is_number(kv) and kv > 0), "engine.kv_cache_gb", kv, "must be null or a number of GiB > 0")
+    length = e.get("max_model_len")
+    _check(length is None or (_is_int(length) and length > cfg.sampling.max_new_tokens), "engine.max_model_len",
+           length, f"must be null or an integer > sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
+    strategy = str(cfg.trainer.get("strategy", "auto"))
+    _check(strategy in ("auto", "single_device"), "trainer.strategy", strategy,
+           f"engine={e.name} runs one colocated vLLM engine in a single training process; with "
+           f"trainer.strategy={strategy} use engine=torch")
 
 
 def _is_int(value) -> bool:
@@ -57,9 +82,11 @@ def _check_int(value, field: str, minimum: int, meaning: str = "") -> None:
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
+    _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
     if cfg.engine.name == "vllm":
         check_vllm()
-    _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
+    if cfg.engine.name in ("vllm", "auto"):
+        check_vllm_engine(cfg)
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
            f"choose one of {list(CORRECTIONS)}")

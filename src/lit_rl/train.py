@@ -27,7 +27,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
@@ -35,6 +35,7 @@ from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, check_world_size, validate
 from .models import ModelSpec, load_policy
 from .rollout.datamodule import RolloutDataModule
+from .rollout.engines import on_cuda, resolve_auto
 from .tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,22 @@ def register_resolvers() -> None:
     """Register ``lit_rl_run_name`` (used by ``hydra.sweep.subdir``) once."""
     if not OmegaConf.has_resolver("lit_rl_run_name"):
         OmegaConf.register_new_resolver("lit_rl_run_name", run_name)
+
+
+def resolve_engine(cfg: DictConfig) -> None:
+    """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm or torch (printed);
+    vLLM's ``dtype: null`` becomes bfloat16 under a bf16 trainer precision, else ``model.dtype``, and its
+    ``kv_cache_gb: null`` 1 GiB on CPU; ``engine.seed`` = ``seed``."""
+    with open_dict(cfg):
+        if cfg.engine.name == "auto":
+            cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine))
+            print(f"lit_rl: engine=auto -> {cfg.engine.name}", flush=True)
+        if cfg.engine.name == "vllm" and not cfg.engine.get("dtype"):
+            cfg.engine.dtype = "bfloat16" if str(cfg.trainer.get("precision", "32")).startswith("bf16") \
+                else cfg.model.dtype
+        if cfg.engine.name == "vllm" and cfg.engine.get("kv_cache_gb") is None and not on_cuda():
+            cfg.engine.kv_cache_gb = 1.0  # on CPU vLLM would otherwise reserve a fraction of all RAM
+        cfg.engine.seed = cfg.seed
 
 
 def build_module(cfg: DictConfig, policy, tokenizer):
@@ -190,6 +207,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
     """
     validate(cfg)
+    resolve_engine(cfg)
     # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
@@ -261,7 +279,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     assert module.updates_per_step == k
     if ckpt_path is not None:
         check_checkpoint_fits(ckpt_path, module)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:  # a failed or interrupted run shuts its engine down too (teardown covers the normal end)
+        module.engine.close()
     save_final_checkpoint(trainer, checkpoints)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each

@@ -35,9 +35,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from .. import corrections as corr
 from .. import objectives as obj
 from ..logprobs import TokenScores, response_logprobs
-from ..models import parse_dtype
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
-from ..rollout.torch_engine import TorchEngine
+from ..rollout.engines import build_engine
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
 
 
@@ -107,8 +106,9 @@ class RLAlgorithm(L.LightningModule):
         optim: {"lr", "weight_decay", "betas", "grad_clip", "warmup_steps"}.
         logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
         correction: the ``correction`` config group: {"tis": {...}, "mis": {...}, "sc": {...}} (see ``correct``).
-        engine: the ``engine`` config group: {"dtype": None | "bfloat16" | ..., "int8_roundtrip": bool}; a
-            dtype or the int8 round trip gives the engine its own copy of the weights, synced every step.
+        engine: the ``engine`` config group (``name`` "torch" | "vllm", see ``rollout.engines.build_engine``):
+            for the embedded engine a dtype or the int8 round trip gives it its own copy of the weights; the
+            vLLM engine always holds its own, pushed from the trainer at every step.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
@@ -131,10 +131,8 @@ class RLAlgorithm(L.LightningModule):
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-        engine = dict(engine or {})
-        self.engine = TorchEngine(policy, tokenizer.pad_token_id, stop_ids,
-                                  weights_dtype=parse_dtype(engine["dtype"]) if engine.get("dtype") else None,
-                                  int8_roundtrip=bool(engine.get("int8_roundtrip", False)))
+        self.engine = build_engine(dict(engine or {}), policy, tokenizer.pad_token_id, stop_ids,
+                                   max_logprobs=self.sampling.logprobs_top_k, seed=int((engine or {}).get("seed", 0)))
         self.ref_policy = None
         if self.kl_cfg.get("beta", 0.0) > 0 or self.kl_cfg.get("track", False):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -182,6 +180,7 @@ class RLAlgorithm(L.LightningModule):
         rl_step = self.global_step // self.updates_per_step
         self.engine.sync_weights(self.global_step)
         scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
+        self.engine.sleep()  # vLLM with sleep_mode frees its GPU memory for the update; a no-op otherwise
         t_rollout = time.perf_counter() - t0
         metrics = {**self.rollout_metrics(scored), **collect_metrics}
         weights = self.metric_weights(batch, scored, metrics)
@@ -564,6 +563,10 @@ class RLAlgorithm(L.LightningModule):
             "rollout/staleness_max": float((self.global_step - r.policy_version).max()),
         }
 
+    def teardown(self, stage: str) -> None:
+        """Shut the rollout engine down (vLLM's engine core and its files) at the end of fit."""
+        self.engine.close()
+
     # -- evaluation ----------------------------------------------------------------------------------
     def on_validation_start(self) -> None:
         self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
@@ -582,7 +585,9 @@ class RLAlgorithm(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         """eval/accuracy: greedy pass@1 over the whole eval split, summed over the ranks' shares."""
         total, count = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
-        self.log("eval/accuracy", total / count if count else 0.0, prog_bar=True, sync_dist=self.world_size > 1)
+        # already the same on every rank; sync_dist=True averages equal values (and keeps Lightning quiet when
+        # vLLM has set up a one-process torch.distributed group of its own)
+        self.log("eval/accuracy", total / count if count else 0.0, prog_bar=True, sync_dist=True)
 
     # -- optimisation --------------------------------------------------------------------------------
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

