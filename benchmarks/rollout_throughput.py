@@ -1,6 +1,11 @@
-"""Rollout throughput: the embedded engine vs transformers' ``generate``, same work, one run.
+"""Rollout throughput: the embedded engine, vLLM and transformers' ``generate``, same work, one run.
 
     python benchmarks/rollout_throughput.py            # SmolLM2-135M, 64 prompts x 64 new tokens
+    python benchmarks/rollout_throughput.py --no-vllm  # without the vLLM rows
+
+vLLM (``engine=vllm``; here the CPU build) runs as lit_rl runs it: in-process, eager, weights pushed from the
+trainer's model, per-request seeds, log-probs of the sampled token returned; its start-up (once per run) is
+printed apart and not in the timings.
 
 Both sample at temperature 1 (no top-k/top-p) until the stop token or 64 new tokens; tokens/s counts the
 generated tokens (up to and including the stop token) per second of wall time. Each system runs once as
@@ -53,6 +58,26 @@ def time_engine(model, tok, prompts, new_tokens, autocast, repeats):
     return best
 
 
+def time_vllm(model, tok, prompts, new_tokens, dtype, repeats):
+    from lit_rl.rollout.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(model, tok.pad_token_id, [tok.eos_token_id], dtype=dtype, kv_cache_gb=2.0, max_model_len=1024)
+    try:
+        eng.sync_weights(0)
+        print(f"# vLLM {dtype}: start-up {eng.start_seconds:.1f} s, weight sync {eng.sync_seconds:.2f} s", flush=True)
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+        best = None
+        for r in range(repeats + 1):
+            t = time.perf_counter()
+            out = eng.generate(prompts, params, seeds=[1000 * r + i for i in range(len(prompts))])
+            dt = time.perf_counter() - t
+            if r and (best is None or dt < best[0]):
+                best = (dt, int(out.response_mask.sum()))
+        return best
+    finally:
+        eng.close()
+
+
 def time_generate(model, tok, prompts, new_tokens, repeats):
     ids, mask = left_pad(prompts, tok.pad_token_id)
     best = None
@@ -82,8 +107,13 @@ def main():
     ap.add_argument("--group-size", type=int, default=8, help="G of the second, RL-shaped scenario")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    ap.add_argument("--no-vllm", action="store_true", help="leave out the vLLM rows")
     args = ap.parse_args()
     ensure_quiet(args.force)
+    import importlib.util
+
+    if not args.no_vllm and importlib.util.find_spec("vllm") is None:
+        sys.exit("vLLM is not installed (LIT_RL_VLLM=1 bash scripts/setup.sh); run with --no-vllm to leave it out")
     model, tok = load_policy(ModelSpec(args.model))
     model.eval()
     prompts = prompts_for(tok, args.prompts)
@@ -104,6 +134,10 @@ def report(title, model, bf16, tok, prompts, args):
         ("embedded engine", "bf16 weights", time_engine(bf16, tok, prompts, args.new_tokens, False, args.repeats)),
         ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args.new_tokens, args.repeats)),
     ]
+    if not args.no_vllm:
+        rows += [("vLLM (colocated)", "float32", time_vllm(model, tok, prompts, args.new_tokens, "float32", args.repeats)),
+                 ("vLLM (colocated)", "bf16 weights",
+                  time_vllm(model, tok, prompts, args.new_tokens, "bfloat16", args.repeats))]
     print(f"\n## {args.model}: {title}")
     print(f"| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
     tps = {}
@@ -115,6 +149,11 @@ def report(title, model, bf16, tok, prompts, args):
     print(f"ratio engine (bf16 autocast)/generate (bf16 weights): {tps[('embedded engine', 'bf16 autocast')] / gbf:.2f}x")
     print(f"ratio engine (bf16 weights)/generate (bf16 weights): {tps[('embedded engine', 'bf16 weights')] / gbf:.2f}x")
     print(f"ratio engine (bf16 autocast)/generate (float32): {tps[('embedded engine', 'bf16 autocast')] / g32:.2f}x")
+    if not args.no_vllm:
+        v32, vbf = tps[("vLLM (colocated)", "float32")], tps[("vLLM (colocated)", "bf16 weights")]
+        print(f"ratio vLLM/generate, float32: {v32 / g32:.2f}x; bf16 weights: {vbf / gbf:.2f}x")
+        print(f"ratio vLLM/embedded engine, float32: {v32 / tps[('embedded engine', 'float32')]:.2f}x; "
+              f"vLLM (bf16 weights)/engine (bf16 autocast): {vbf / tps[('embedded engine', 'bf16 autocast')]:.2f}x")
 
 
 if __name__ == "__main__":
