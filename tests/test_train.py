@@ -20,7 +20,7 @@ FAST = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=
 TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "rollout/truncation_rate",
         "rollout/groups_all_correct", "rollout/groups_all_wrong", "train/loss", "train/pg_clipfrac",
         "train/ppo_kl", "train/entropy", "train/grad_norm", "train/logprob_abs_diff", "eval/accuracy",
-        "time/rollout_s", "time/train_s", "time/step_s", "perf/rollout_tokens_per_s"]
+        "time/rollout_s", "time/train_s", "time/step_s", "time/weight_sync_s", "perf/rollout_tokens_per_s"]
 
 
 def cfg_for(*overrides):

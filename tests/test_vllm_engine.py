@@ -211,7 +211,7 @@ def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     scalars = read_scalars(out / "tensorboard")
     for tag in ("train/logprob_abs_diff", "train/tis", "train/tis_abs", "train/tis_clipfrac", "train/r_num_abs",
-                "rollout/reward_mean", "perf/rollout_tokens_per_s", "eval/accuracy"):
+                "rollout/reward_mean", "perf/rollout_tokens_per_s", "time/weight_sync_s", "eval/accuracy"):
         assert tag in scalars, tag
     steps = [v for _, v in scalars["train/logprob_abs_diff"]]
     assert len(steps) == 3

@@ -179,6 +179,7 @@ class RLAlgorithm(L.LightningModule):
         t0 = time.perf_counter()
         rl_step = self.global_step // self.updates_per_step
         self.engine.sync_weights(self.global_step)
+        t_sync = time.perf_counter() - t0
         scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
         self.engine.sleep()  # vLLM with sleep_mode frees its GPU memory for the update; a no-op otherwise
         t_rollout = time.perf_counter() - t0
@@ -191,6 +192,7 @@ class RLAlgorithm(L.LightningModule):
         t_train = time.perf_counter() - t1
 
         metrics["time/rollout_s"] = t_rollout
+        metrics["time/weight_sync_s"] = t_sync  # pushing the weights into an engine with its own copy
         metrics["time/train_s"] = t_train
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics["perf/rollout_tokens"] = int(scored.rollouts.response_mask.sum())
@@ -225,7 +227,7 @@ class RLAlgorithm(L.LightningModule):
     SUMMED_METRICS = ("rollout/reward_errors", "rollout/groups_all_correct", "rollout/groups_all_wrong",
                       "rollout/groups_kept", "perf/rollout_tokens")
     MAX_METRICS = ("rollout/staleness_max", "rollout/generation_rounds", "time/rollout_s", "time/train_s",
-                   "time/step_s")
+                   "time/weight_sync_s", "time/step_s")
 
     @property
     def world_size(self) -> int:
