@@ -35,6 +35,7 @@ from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, check_world_size, validate
 from .models import ModelSpec, load_policy
 from .rollout.datamodule import RolloutDataModule
+from .rollout.staleness import StaleRolloutsShutdown
 from .tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         correction=correction,
         engine=OmegaConf.to_container(cfg.engine, resolve=True),
+        rollout_mode=OmegaConf.to_container(cfg.rollout, resolve=True),
     )
 
 
@@ -222,7 +224,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     try:
         trainer = L.Trainer(
             logger=logger,
-            callbacks=[checkpoints],
+            callbacks=[checkpoints, StaleRolloutsShutdown()],  # the latter stops an async rollout producer
             plugins=[AtomicCheckpointIO()],  # a kill mid-write leaves the previous checkpoint whole
             val_check_interval=eval_every,
             check_val_every_n_epoch=None,
@@ -261,7 +263,11 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     assert module.updates_per_step == k
     if ckpt_path is not None:
         check_checkpoint_fits(ckpt_path, module)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:
+        if module.stale is not None:
+            module.stale.close()  # idempotent; Lightning's hooks have normally done it already
     save_final_checkpoint(trainer, checkpoints)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
