@@ -124,3 +124,29 @@ def test_bad_rollout_mode_fields_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(cfg_for(*overrides))
     assert message in str(err.value)
+
+
+def test_compare_plots_a_tag_against_a_swept_value(tmp_path):
+    """``compare --x rollout.lag``: per run the mean of the last N values, seeds averaged, a line per setting."""
+    from test_compare import write_run
+
+    from lit_rl import compare
+
+    runs = {  # run name -> final two rewards
+        "correction=tis,rollout.lag=0,seed=0": [0.4, 0.6], "correction=tis,rollout.lag=0,seed=1": [0.6, 0.8],
+        "correction=tis,rollout.lag=4,seed=0": [0.2, 0.4],
+        "correction=sc,rollout.lag=0,seed=0": [0.5, 0.5], "correction=sc,rollout.lag=4,seed=0": [0.3, 0.5],
+    }
+    for name, (a, b) in runs.items():
+        write_run(str(tmp_path / "sweep" / name), {"rollout/reward_mean": {0: 0.0, 1: a, 2: b}})
+    assert compare.split_key("correction=tis,rollout.lag=4", "rollout.lag") == ("correction=tis", 4.0)
+    out = tmp_path / "cmp"
+    assert compare.main([str(tmp_path / "sweep"), "--tags", "rollout/reward_mean", "--x", "rollout.lag",
+                         "--final-steps", "2", "--out", str(out)]) == 0
+    assert (out / "rollout_reward_mean_vs_rollout.lag.png").read_bytes().startswith(b"\x89PNG")
+    scalars = {n: compare.read_scalars(tmp_path / "sweep" / n) for n in runs}
+    lines = compare.versus(scalars, "rollout.lag", "rollout/reward_mean", last=2)
+    assert lines["correction=tis"] == [(0.0, pytest.approx(0.6), 2), (4.0, pytest.approx(0.3), 1)]
+    assert lines["correction=sc"] == [(0.0, pytest.approx(0.5), 1), (4.0, pytest.approx(0.4), 1)]
+    table = (out / "summary_vs_rollout.lag.md").read_text()
+    assert "| correction=tis | 0.6 | 0.3 |" in table and "rollout.lag=0 | rollout.lag=4" in table
