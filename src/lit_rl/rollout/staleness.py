@@ -120,6 +120,7 @@ class _Item:
     version: int
     scored: Any
     metrics: dict
+    seconds: float = 0.0  # the producer's generation and scoring time of this batch
 
 
 class RolloutProducer:
@@ -225,11 +226,13 @@ class RolloutProducer:
                         if version > self.engine.version or self.engine.version < 0:
                             self.engine.sync_weights(version, weights)
                         version = self.engine.version
+                        start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.datamodule.batch_for(step))
+                        seconds = time.perf_counter() - start
                     finally:
                         self.lock.release()
                     with self.cond:
-                        self.buffer.append(_Item(step, version, scored, metrics))
+                        self.buffer.append(_Item(step, version, scored, metrics, seconds))
                         self.generated += len(scored.rewards)
                         self.cond.notify_all()
                     self.next_step += 1
@@ -295,6 +298,7 @@ class StaleRollouts:
         metrics["rollout/dropped_samples"] = float(dropped)
         metrics["rollout/dropped_samples_total"] = float(self.dropped_total)
         metrics["rollout/buffered_steps"] = float(len(self.producer.buffer))
+        metrics["time/generate_s"] = item.seconds  # time/rollout_s is the trainer's wait for the buffer
         return item.scored, metrics
 
     @torch.no_grad()
