@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default="smollm2-135m", help="the model group (smollm2-135m, tiny)")
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    ap.add_argument("--skip-two-threads", action="store_true",
+                    help="leave out 'sync, 2 threads' (under CPU contention two spinning threads can be 10-50x slower)")
     args = ap.parse_args()
     ensure_quiet(args.force)
     work = [f"model={args.model}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
@@ -71,6 +73,8 @@ def main():
         "async, 1+1 threads, scoring stale rows": ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"],
         "sync, 2 threads": ["rollout.mode=sync", "threads=2"],
     }
+    if args.skip_two_threads:
+        del settings["sync, 2 threads"]
     tmp = Path(tempfile.mkdtemp(prefix="async_speedup-"))
     results = {}
     try:

@@ -150,3 +150,19 @@ def test_compare_plots_a_tag_against_a_swept_value(tmp_path):
     assert lines["correction=sc"] == [(0.0, pytest.approx(0.5), 1), (4.0, pytest.approx(0.4), 1)]
     table = (out / "summary_vs_rollout.lag.md").read_text()
     assert "| correction=tis | 0.6 | 0.3 |" in table and "rollout.lag=0 | rollout.lag=4" in table
+
+
+def test_compare_shift_by_staleness_aligns_rollouts_with_their_version():
+    """``--shift-by rollout/staleness_mean --window A:B``: a lagged run's reward at step s belongs to version
+    s - staleness(s); the window then averages the same versions for every lag."""
+    from lit_rl import compare
+
+    lag2 = {"rollout/reward_mean": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4), (4, 0.5)],
+            "rollout/staleness_mean": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 2.0), (4, 2.0)]}
+    assert compare.shifted(lag2["rollout/reward_mean"], lag2["rollout/staleness_mean"]) == \
+        [(0, 0.1), (0, 0.2), (0, 0.3), (1, 0.4), (2, 0.5)]
+    lag0 = {"rollout/reward_mean": [(0, 0.0), (1, 0.6), (2, 0.8), (3, 0.9), (4, 1.0)],
+            "rollout/staleness_mean": [(s, 0.0) for s in range(5)]}
+    lines = compare.versus({"rollout.lag=0": lag0, "rollout.lag=2": lag2}, "rollout.lag", "rollout/reward_mean",
+                           window=(1, 2), shift_by="rollout/staleness_mean")
+    assert lines["(default)"] == [(0.0, pytest.approx(0.7), 1), (2.0, pytest.approx(0.45), 1)]
