@@ -18,6 +18,14 @@ Rules (also written under the table in ``summary.md``):
   seeds stopped at different steps averages fewer runs.
 * Smoothing is TensorBoard's own: a debiased exponential moving average over the points in order
   (not over step distance), non-finite points passed through, a constant series left as it is.
+
+Against a swept value (``--x rollout.lag``): runs are also split by the numeric value of that override in
+their name; each run's value of a tag is the mean of its last ``--final-steps`` logged values (or of the
+values at steps ``--window A:B``), averaged over seeds; one PNG per tag (``<tag>_vs_<key>.png``: x = the
+value, one line per setting of the other overrides) and ``summary_vs_<key>.md`` (a row per setting, a
+column per value). ``--shift-by TAG`` first moves each value from step s to step s - TAG(s): with
+``rollout/staleness_mean`` a rollout metric lands on the weight version that generated it, so runs with
+different lags compare policies after equally many updates.
 """
 
 from __future__ import annotations
@@ -295,6 +303,114 @@ def _notes(rows: list[dict], smoothing: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------------- against a swept value
+def split_key(name: str, key: str) -> tuple[str, float | None]:
+    """(setting without the ``key=value`` item, the value as a float) of a run name; the seed item is left in
+    (``setting_of`` takes it out). ``correction=tis,rollout.lag=4`` with key ``rollout.lag`` ->
+    (``correction=tis``, 4.0); None when the name has no such item. Raises CompareError for a value that is
+    not a number."""
+    head, _, last = name.rpartition("/")
+    value, kept = None, []
+    for item in last.split(","):
+        k, eq, v = item.partition("=")
+        if eq and k.lstrip("+~") == key and value is None:
+            try:
+                value = float(v)
+            except ValueError as err:
+                raise CompareError(f"--x {key}: run {name!r} has {item!r}, not a number") from err
+        else:
+            kept.append(item)
+    setting = ",".join(kept)
+    if head:
+        setting = f"{head}/{setting}" if setting else head
+    return (setting or DEFAULT_SETTING), value
+
+
+def final_mean(series: list[tuple[int, float]], last: int) -> float:
+    """Mean of the last ``last`` (>= 1) values of a (step, value) series."""
+    tail = [v for _, v in series[-last:]]
+    return sum(tail) / len(tail)
+
+
+def shifted(series: list[tuple[int, float]], shift: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """``series`` with each step s moved to s - shift(s) (rounded), for the steps ``shift`` logged, in step order."""
+    by_step = dict(shift)
+    return sorted((step - round(by_step[step]), v) for step, v in series if step in by_step)
+
+
+def versus(scalars: dict[str, dict], key: str, tag: str, last: int = 1, window: tuple[int, int] | None = None,
+           shift_by: str | None = None) -> dict[str, list[tuple[float, float, int]]]:
+    """{setting: [(x, value, runs), ...] sorted by x} of ``tag``: per run the mean of its last ``last``
+    values, or of its values at steps in ``window`` (inclusive) when given, after ``shifted`` by the tag
+    ``shift_by`` when given; averaged over the runs (seeds) that share the setting and x. Runs without
+    ``key`` in their name, without the tag, or without values in the window are left out."""
+    cells: dict[tuple[str, float], list[float]] = {}
+    for name, runs_scalars in scalars.items():
+        setting, x = split_key(setting_of(name)[0], key)
+        series = runs_scalars.get(tag)
+        if shift_by is not None and series:
+            series = shifted(series, runs_scalars.get(shift_by, []))
+        if window is not None and series:
+            series = [(step, v) for step, v in series if window[0] <= step <= window[1]]
+            last = max(len(series), 1)
+        if x is None or not series:
+            continue
+        cells.setdefault((setting, x), []).append(final_mean(series, last))
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    for (setting, x), vals in sorted(cells.items()):
+        out.setdefault(setting, []).append((x, sum(vals) / len(vals), len(vals)))
+    return out
+
+
+def describe(last: int, window: tuple[int, int] | None, shift_by: str | None) -> str:
+    """How a run's value was taken, for titles: ``mean of the last 4 values``, ``mean over steps 4-7 ...``."""
+    what = ("last value" if last == 1 else f"mean of the last {last} values") if window is None else \
+        f"mean over steps {window[0]}-{window[1]}"
+    return what + (f", steps shifted by -{shift_by}" if shift_by else "")
+
+
+def format_versus_table(key: str, tags: list[str], tables: dict[str, dict], what: str) -> str:
+    """Markdown: per tag a table with a row per setting and a column per value of ``key``."""
+    out = []
+    for tag in tags:
+        lines_by = tables[tag]
+        xs = sorted({x for pts in lines_by.values() for x, _, _ in pts})
+        label = lambda x: f"{x:g}"  # noqa: E731
+        out.append(f"### {tag} ({what}) vs {key}\n")
+        out.append("| setting | " + " | ".join(f"{key}={label(x)}" for x in xs) + " |")
+        out.append("|---|" + "---:|" * len(xs))
+        for setting, pts in lines_by.items():
+            by_x = {x: v for x, v, _ in pts}
+            out.append(f"| {setting.replace('|', chr(92) + '|')} | " + " | ".join(fmt(by_x.get(x)) for x in xs) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_versus(tag: str, key: str, lines: dict[str, list[tuple[float, float, int]]], path: str, what: str,
+                colors=None) -> str:
+    """A PNG of ``tag`` against ``key``: one marked line per setting (Agg canvas, not pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    colors = colors or setting_colors(lines)
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for setting, pts in lines.items():
+        ax.plot([x for x, _, _ in pts], [v for _, v, _ in pts], marker="o", linewidth=2, color=colors[setting],
+                label=setting)
+    ax.set_title(f"{tag} vs {key}\n({what})", fontsize=10)
+    ax.set_xlabel(key)
+    ax.set_ylabel(tag)
+    xs = sorted({x for pts in lines.values() for x, _, _ in pts})
+    ax.set_xticks(xs)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ plotting
 def setting_colors(settings) -> dict[str, tuple]:
     """A fixed colour per setting (tab10, tab20 past 10 settings), the same in every plot."""
@@ -353,6 +469,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="TensorBoard smoothing weight in [0, 1) for the solid lines (default 0.6)")
     p.add_argument("--group-by-seed", action=argparse.BooleanOptionalAction, default=True,
                    help="group runs that differ only by seed=N into one setting (default: yes)")
+    p.add_argument("--x", default=None, metavar="KEY",
+                   help="also plot each tag against this swept override's value (e.g. rollout.lag), "
+                        "one line per setting of the other overrides")
+    p.add_argument("--final-steps", type=int, default=1,
+                   help="with --x: a run's value is the mean of its last N logged values (default 1)")
+    p.add_argument("--window", default=None, metavar="A:B",
+                   help="with --x: a run's value is the mean of its values at steps A..B (inclusive) instead")
+    p.add_argument("--shift-by", default=None, metavar="TAG",
+                   help="with --x: move each value from step s to s - TAG(s) first (rollout/staleness_mean: "
+                        "to the weight version that generated the rollouts)")
+    p.add_argument("--suffix", default="", help="with --x: appended to the output file names")
     return p.parse_args(argv)
 
 
@@ -402,4 +529,32 @@ def _main(args: argparse.Namespace) -> int:
         f.write(text + _notes(rows, args.smoothing))
     sys.stdout.write(text)
     print(f"compare: wrote {summary}", file=sys.stderr)
+    if args.x:
+        if args.final_steps < 1:
+            raise CompareError(f"--final-steps must be >= 1, got {args.final_steps}")
+        window = None
+        if args.window:
+            try:
+                a, b = (int(v) for v in args.window.split(":"))
+            except ValueError as err:
+                raise CompareError(f"--window must be A:B with integer steps, got {args.window!r}") from err
+            window = (a, b)
+        if args.shift_by and args.shift_by not in known:
+            raise CompareError(f"--shift-by {args.shift_by!r} is not logged by any run")
+        tables = {tag: versus(scalars, args.x, tag, args.final_steps, window, args.shift_by) for tag in tags}
+        if not any(tables.values()):
+            raise CompareError(f"--x {args.x}: no run name has a numeric {args.x}=... item")
+        key_file = args.x.replace("/", "_") + args.suffix
+        what = describe(args.final_steps, window, args.shift_by)
+        line_colors = setting_colors(sorted({s for t in tables.values() for s in t}))
+        for tag, lines in tables.items():
+            path = plot_versus(tag, args.x, lines, os.path.join(out, f"{tag.replace('/', '_')}_vs_{key_file}.png"),
+                               what, line_colors)
+            print(f"compare: wrote {path}", file=sys.stderr)
+        text = format_versus_table(args.x, tags, tables, what)
+        path = os.path.join(out, f"summary_vs_{key_file}.md")
+        with open(path, "w") as f:
+            f.write(text)
+        sys.stdout.write("\n" + text)
+        print(f"compare: wrote {path}", file=sys.stderr)
     return 0

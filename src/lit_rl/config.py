@@ -16,6 +16,8 @@ ENGINES = ("torch", "vllm", "auto")
 TASKS = ("arithmetic", "gsm8k")
 CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
+ROLLOUT_MODES = ("sync", "lagged", "async")
+ON_STALE = ("block", "drop")
 GROUP_BASELINE_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
 
@@ -129,6 +131,7 @@ def validate(cfg: DictConfig) -> None:
         _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
                f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
+    check_rollout_mode(ro)
     ranks = static_world_size(cfg.trainer)
     if ranks is not None:
         check_world_size(cfg, ranks)
@@ -187,6 +190,24 @@ def validate(cfg: DictConfig) -> None:
                "no such folder (give a local model folder or a hub id like org/name)")
 
 
+def check_rollout_mode(ro: DictConfig) -> None:
+    """The stale-rollout fields of ``rollout`` (``rollout.staleness``): mode, lag, max_staleness, on_stale,
+    buffer_size and the two switches."""
+    mode = ro.get("mode", "sync")
+    _check(mode in ROLLOUT_MODES, "rollout.mode", mode, f"choose one of {list(ROLLOUT_MODES)}")
+    _check_int(ro.get("lag", 0), "rollout.lag", 0, " (RL steps between the sampling and the trained weights)")
+    _check_int(ro.get("max_staleness", 1), "rollout.max_staleness", 0, " (RL steps a consumed rollout may lag)")
+    _check(ro.get("on_stale", "block") in ON_STALE, "rollout.on_stale", ro.get("on_stale"),
+           f"choose one of {list(ON_STALE)}")
+    size = ro.get("buffer_size")
+    _check(size is None or (_is_int(size) and size >= 1), "rollout.buffer_size", size,
+           "must be null (= max(1, rollout.max_staleness)) or an integer >= 1")
+    for key in ("behaviour_logprobs", "save_history"):
+        _check(isinstance(ro.get(key, True), bool), f"rollout.{key}", ro.get(key), "must be true or false")
+    _check(not ro.get("lag", 0) or mode == "lagged", "rollout.lag", ro.get("lag"),
+           f"is read by rollout.mode=lagged only (rollout.mode={mode}); add rollout.mode=lagged")
+
+
 def static_world_size(trainer: DictConfig) -> int | None:
     """Data-parallel ranks that ``trainer.devices`` x ``trainer.num_nodes`` name, when they are numbers
     (``devices`` an int, a digit string or a list of device ids); None for ``auto``/-1, known only once
@@ -217,6 +238,9 @@ def check_world_size(cfg: DictConfig, ranks: int) -> None:
         named = f"the {ranks} ranks ({named} x trainer.num_nodes={nodes})"
     _check(ro.prompts_per_step % ranks == 0, "rollout.prompts_per_step", ro.prompts_per_step,
            f"must be divisible by {named}")
+    _check(ro.get("mode", "sync") == "sync" or ranks == 1, "rollout.mode", ro.get("mode"),
+           f"runs on one device in this version (the weight history is swapped into the trainer's module), "
+           f"not on {named}: use rollout.mode=sync there")
     rows = ro.prompts_per_step * ro.group_size // ranks
     per_rank = "" if ranks == 1 else f" / {ranks} ranks"
     _check(1 <= cfg.algo.get("num_minibatches", 1) <= rows, "algo.num_minibatches", cfg.algo.get("num_minibatches"),

@@ -36,6 +36,7 @@ from .config import ConfigError, check_world_size, validate
 from .models import ModelSpec, load_policy
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
+from .rollout.staleness import StaleRolloutsShutdown
 from .tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         correction=correction,
         engine=OmegaConf.to_container(cfg.engine, resolve=True),
+        rollout_mode=OmegaConf.to_container(cfg.rollout, resolve=True),
     )
 
 
@@ -240,7 +242,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     try:
         trainer = L.Trainer(
             logger=logger,
-            callbacks=[checkpoints],
+            callbacks=[checkpoints, StaleRolloutsShutdown()],  # the latter stops an async rollout producer
             plugins=[AtomicCheckpointIO()],  # a kill mid-write leaves the previous checkpoint whole
             val_check_interval=eval_every,
             check_val_every_n_epoch=None,
@@ -281,7 +283,9 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
         check_checkpoint_fits(ckpt_path, module)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    finally:  # a failed or interrupted run shuts its engine down too (teardown covers the normal end)
+    finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
+        if module.stale is not None:
+            module.stale.close()  # idempotent; first, so no producer thread still uses the engine
         module.engine.close()
     save_final_checkpoint(trainer, checkpoints)
 

@@ -37,6 +37,7 @@ from .. import objectives as obj
 from ..logprobs import TokenScores, response_logprobs
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
+from ..rollout.staleness import build_stale_rollouts
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
 
 
@@ -109,12 +110,14 @@ class RLAlgorithm(L.LightningModule):
         engine: the ``engine`` config group (``name`` "torch" | "vllm", see ``rollout.engines.build_engine``):
             for the embedded engine a dtype or the int8 round trip gives it its own copy of the weights; the
             vLLM engine always holds its own, pushed from the trainer at every step.
+        rollout_mode: {"mode": "sync" | "lagged" | "async", "lag", "max_staleness", "on_stale", ...}
+            (``rollout.staleness``); stale modes give the engine its own copy of the weights.
     """
 
     def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
                  group_size: int, micro_batch_size: int, advantage: dict, loss: dict, algo: dict,
                  kl: dict, optim: dict, logprob_chunk_tokens: int = 1024, correction: dict | None = None,
-                 engine: dict | None = None):
+                 engine: dict | None = None, rollout_mode: dict | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
         self.automatic_optimization = False
@@ -131,8 +134,10 @@ class RLAlgorithm(L.LightningModule):
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+        self.stale = build_stale_rollouts(rollout_mode)  # None: sync
         self.engine = build_engine(dict(engine or {}), policy, tokenizer.pad_token_id, stop_ids,
-                                   max_logprobs=self.sampling.logprobs_top_k, seed=int((engine or {}).get("seed", 0)))
+                                   max_logprobs=self.sampling.logprobs_top_k, seed=int((engine or {}).get("seed", 0)),
+                                   own_copy=self.stale is not None and self.stale.mode == "async")
         self.ref_policy = None
         if self.kl_cfg.get("beta", 0.0) > 0 or self.kl_cfg.get("track", False):
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -178,9 +183,13 @@ class RLAlgorithm(L.LightningModule):
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         rl_step = self.global_step // self.updates_per_step
-        self.engine.sync_weights(self.global_step)
-        t_sync = time.perf_counter() - t0
-        scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
+        if self.stale is None:  # sync: sample with the weights about to be trained
+            self.engine.sync_weights(self.global_step)
+            t_sync = time.perf_counter() - t0
+            scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
+        else:  # lagged / async: older weights (rollout.staleness)
+            t_sync = 0.0  # part of the stale collection
+            scored, collect_metrics = self.stale.collect(self, batch)
         self.engine.sleep()  # vLLM with sleep_mode frees its GPU memory for the update; a no-op otherwise
         t_rollout = time.perf_counter() - t0
         metrics = {**self.rollout_metrics(scored), **collect_metrics}
@@ -188,6 +197,8 @@ class RLAlgorithm(L.LightningModule):
 
         rb = self.build_batch(scored)
         t1 = time.perf_counter()
+        if self.stale is not None:  # p_o: the trainer's log-probs under the weights that generated stale rows
+            self.stale.score_behaviour(self, rb)
         train_metrics = self.update(rb)  # already reduced over ranks
         t_train = time.perf_counter() - t1
 
@@ -225,7 +236,8 @@ class RLAlgorithm(L.LightningModule):
     #: step metrics that add up over ranks (counts) and those whose maximum over ranks is logged; every
     #: other rollout/time metric is a mean weighted by ``metric_weights`` (train/* are reduced in ``update``)
     SUMMED_METRICS = ("rollout/reward_errors", "rollout/groups_all_correct", "rollout/groups_all_wrong",
-                      "rollout/groups_kept", "perf/rollout_tokens")
+                      "rollout/groups_kept", "perf/rollout_tokens", "rollout/dropped_samples",
+                      "rollout/dropped_samples_total")
     MAX_METRICS = ("rollout/staleness_max", "rollout/generation_rounds", "time/rollout_s", "time/train_s",
                    "time/weight_sync_s", "time/step_s")
 
@@ -370,10 +382,13 @@ class RLAlgorithm(L.LightningModule):
             stats.add("train/ref_kl", kl, m)
         stats.add("train/entropy", scores.entropy, m)
         stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
-        # the three ratios of SPEC's decomposition: r_num = pi_old/mu (same weights, two engines),
-        # r_stale = pi_theta/pi_old (same engine, two weight versions); logged apart, never only the product
+        # the three ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines),
+        # r_stale = pi_theta/p_o (same engine, two weight versions); logged apart, never only the product.
+        # p_o = pi_old unless rows are stale: then the trainer's log-probs under their generating weights
+        p_o = old_logprobs if mb.behaviour_logprobs is None else torch.where(
+            torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
         stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
-            mb.rollout_logprobs, old_logprobs, logprobs.detach(), m).items()}, m)
+            mb.rollout_logprobs, p_o, logprobs.detach(), m).items()}, m)
         # tokens MIS drops leave the numerator only: every reduction keeps the step's original denominators
         # (num_tokens, num_seqs and each sequence's T_i), so token_mean and seq_mean_token_mean agree on them
         token_loss = torch.where(loss_mask.bool(), token_loss, torch.zeros_like(token_loss))
@@ -442,7 +457,8 @@ class RLAlgorithm(L.LightningModule):
             row, response_ids=row.response_ids.new_full((1, 1), self.tokenizer.pad_token_id),
             response_mask=row.response_mask.new_ones((1, 1)), rollout_logprobs=row.rollout_logprobs.new_zeros((1, 1)),
             advantages=row.advantages if row.advantages.dim() == 1 else row.advantages.new_zeros((1, 1)),
-            old_logprobs=one(row.old_logprobs), ref_logprobs=one(row.ref_logprobs), topk_ids=one(row.topk_ids, 0),
+            old_logprobs=one(row.old_logprobs), behaviour_logprobs=one(row.behaviour_logprobs),
+            ref_logprobs=one(row.ref_logprobs), topk_ids=one(row.topk_ids, 0),
             topk_logprobs=one(row.topk_logprobs, float("-inf")), old_values=one(row.old_values),
             returns=one(row.returns))
 
@@ -515,11 +531,15 @@ class RLAlgorithm(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_rl"] = {"skipped_updates": self.skipped_updates, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        if self.stale is not None:  # lagged: the weight history, so a resumed run samples exactly as before
+            checkpoint["lit_rl"]["stale_rollouts"] = self.stale.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("lit_rl", {})
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        if self.stale is not None and "stale_rollouts" in state:
+            self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
@@ -561,8 +581,9 @@ class RLAlgorithm(L.LightningModule):
             "rollout/truncation_rate": sum(f == "length" for f in r.finish_reason) / max(len(r.finish_reason), 1),
             "rollout/groups_all_correct": float(all_correct),
             "rollout/groups_all_wrong": float(all_wrong),
-            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean()),
-            "rollout/staleness_max": float((self.global_step - r.policy_version).max()),
+            # in RL steps: versions count optimizer steps, updates_per_step of them per RL step
+            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean()) / self.updates_per_step,
+            "rollout/staleness_max": float((self.global_step - r.policy_version).max()) / self.updates_per_step,
         }
 
     def teardown(self, stage: str) -> None:
@@ -571,7 +592,17 @@ class RLAlgorithm(L.LightningModule):
 
     # -- evaluation ----------------------------------------------------------------------------------
     def on_validation_start(self) -> None:
+        if self.stale is not None:
+            self.stale.pause()  # async: the producer finishes its batch and leaves the engine to evaluation
         self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
+
+    def on_validation_end(self) -> None:
+        if self.stale is not None:
+            self.stale.resume()
+
+    def on_train_end(self) -> None:
+        if self.stale is not None:
+            self.stale.close()  # no producer thread outlives the run (exceptions: ``StaleRolloutsShutdown``)
 
     def on_validation_epoch_start(self) -> None:
         self._eval_sums = [0.0, 0.0]  # reward sum, examples (this rank's share of the eval split)

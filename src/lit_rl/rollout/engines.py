@@ -39,19 +39,20 @@ def resolve_switch(value, name: str) -> bool:
 
 
 def build_engine(cfg: dict, policy: torch.nn.Module, pad_token_id: int, stop_ids: list[int],
-                 max_logprobs: int = 0, seed: int = 0):
+                 max_logprobs: int = 0, seed: int = 0, own_copy: bool = False):
     """The engine the ``engine`` config group names, around the trainer's ``policy``.
 
     cfg: the group as a dict: ``name`` ("torch" | "vllm"; "auto" must be resolved before), ``dtype``,
     ``int8_roundtrip`` and, for vLLM, ``gpu_memory_utilization``, ``tensor_parallel_size``, ``kv_cache_gb``,
     ``max_model_len``, ``sleep_mode``, ``cuda_graphs``, ``in_process``. max_logprobs: the largest top-k a
-    request asks for. Raises ValueError for an unknown name.
+    request asks for. own_copy: the embedded engine samples with a copy of the weights even without a mismatch
+    injection (async rollouts; vLLM always holds its own). Raises ValueError for an unknown name.
     """
     name = cfg.get("name", "torch")
     if name == "torch":
         return TorchEngine(policy, pad_token_id, stop_ids,
                            weights_dtype=parse_dtype(cfg["dtype"]) if cfg.get("dtype") else None,
-                           int8_roundtrip=bool(cfg.get("int8_roundtrip", False)))
+                           int8_roundtrip=bool(cfg.get("int8_roundtrip", False)), own_copy=own_copy)
     if name == "vllm":
         from .vllm_engine import VLLMEngine
 

@@ -36,6 +36,10 @@ class GenerationStats:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+class GenerationCancelled(RuntimeError):
+    """``TorchEngine.cancel`` was set while ``generate`` ran; its partial output is discarded."""
+
+
 def int8_roundtrip(weight: Tensor) -> Tensor:
     """Symmetric per-row int8 quantise/de-quantise of a [out, in] matrix (same shape and dtype back)."""
     w = weight.float()
@@ -74,12 +78,19 @@ class TorchEngine:
             torch.bfloat16 while the trainer is float32), refreshed by ``sync_weights``.
         int8_roundtrip: mismatch injection: the copy's matrices go through a symmetric per-row int8
             quantise/de-quantise round trip at every sync.
+        own_copy: sample with an own copy of the weights (in the trainer's dtype) even without a mismatch
+            injection: stale rollouts (``rollout.mode=lagged|async``) sample with older weights than the
+            trainer holds, loaded into the copy by ``sync_weights(version, weights)``.
+
+    ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
+    ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
     """
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int],
-                 weights_dtype: torch.dtype | None = None, int8_roundtrip: bool = False):
+                 weights_dtype: torch.dtype | None = None, int8_roundtrip: bool = False, own_copy: bool = False):
         self.source = model
-        self.own_copy = weights_dtype is not None or int8_roundtrip
+        self.cancel = None
+        self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
         self.int8_roundtrip = int8_roundtrip
         self.model = model
         if self.own_copy:
@@ -97,12 +108,16 @@ class TorchEngine:
         self.sync_weights(0)
 
     @torch.no_grad()
-    def sync_weights(self, version: int) -> None:
-        """Make the engine sample with the trainer's current weights, of version ``version``.
+    def sync_weights(self, version: int, weights: dict[str, Tensor] | None = None) -> None:
+        """Make the engine sample with the trainer's current weights, of version ``version``, or with
+        ``weights`` (a name -> tensor dict of the trainer's state dict, e.g. an older version kept by
+        ``rollout.staleness.WeightHistory``; own copy only).
 
         Shared module: nothing to copy. Own copy: every tensor of the state dict (tied output embeddings
         included) is copied, cast to the copy's dtype, through the int8 round trip if configured.
         """
+        if weights is not None and not self.own_copy:
+            raise ValueError("sync_weights(weights=...) needs an engine with its own copy of the weights")
         self.version = version
         if not self.own_copy:
             return
@@ -110,7 +125,8 @@ class TorchEngine:
         if next(self.model.parameters()).device != device:  # follow the trainer (e.g. onto its GPU)
             self.model.to(device)
         target = self.model.state_dict()
-        for name, value in self.source.state_dict().items():
+        source = self.source.state_dict() if weights is None else weights
+        for name, value in source.items():
             if self.int8_roundtrip and value.dim() == 2:
                 value = int8_roundtrip(value)
             target[name].copy_(value)
@@ -167,6 +183,8 @@ class TorchEngine:
         cache = DynamicCache()
         active = torch.arange(n)  # original row of each live batch row
         for step in range(steps):
+            if self.cancel is not None and self.cancel.is_set():
+                raise GenerationCancelled("generation cancelled")
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=cache, use_cache=True, logits_to_keep=1)  # fills ``cache`` in place
             logits = out.logits[:, -1]

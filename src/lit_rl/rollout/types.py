@@ -66,6 +66,9 @@ class RolloutBatch:
     rewards [N] float32; advantages [N] (or [N, T] for token-level critics) float32;
     group_ids [N] int64 (the prompt id — groups are identified by it, never by row position);
     policy_version [N] int64; old_logprobs [N, T] float32 or None (filled by the trainer);
+    behaviour_logprobs [N, T] float32 or None: the trainer's log-probs under the weights that generated each
+    row (p_o of SPEC's decomposition), filled only when some row is stale (``rollout.mode=lagged|async``);
+    None means every row was generated with the weights being trained, so p_o = old_logprobs;
     topk_ids / topk_logprobs [N, T, k] or None; old_values / returns [N, T] float32 or None (critic).
     """
 
@@ -79,6 +82,7 @@ class RolloutBatch:
     group_ids: Tensor
     policy_version: Tensor
     old_logprobs: Tensor | None = None
+    behaviour_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
@@ -109,7 +113,7 @@ class RolloutBatch:
         keep_r = self.response_mask.any(0)
         t1 = int(keep_r.nonzero()[-1]) + 1 if keep_r.any() else 0
         changes = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
-        for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+        for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "behaviour_logprobs", "ref_logprobs",
                      "topk_ids", "topk_logprobs", "old_values", "returns"):
             value = getattr(self, name)
             if value is not None:

@@ -100,6 +100,8 @@ class VLLMEngine:
                             max_model_len=max_model_len, sleep_mode=sleep_mode, cuda_graphs=cuda_graphs,
                             in_process=in_process, seed=seed)
         self.int8_roundtrip = int8_roundtrip
+        self.own_copy = True  # the engine's weights are its own: stale rollouts may load older versions
+        self.cancel = None  # rollout producers set an Event here; a vLLM batch runs to its end regardless
         self.llm = None
         self.folder: Path | None = None
         self.version = -1
@@ -167,11 +169,11 @@ class VLLMEngine:
             self.asleep = False
 
     # -- weights -------------------------------------------------------------------------------------
-    def weights(self) -> list[tuple[str, torch.Tensor]]:
+    def weights(self, source: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for every entry of the policy's ``state_dict`` — tied ``lm_head.weight`` included —
-        detached, through the int8 round trip if configured."""
+        (or of ``source``), detached, through the int8 round trip if configured."""
         out = []
-        for name, value in self.source.state_dict().items():
+        for name, value in (self.source.state_dict() if source is None else source).items():
             value = value.detach()
             if self.int8_roundtrip and value.dim() == 2:
                 value = int8_roundtrip(value)
@@ -179,8 +181,10 @@ class VLLMEngine:
         return out
 
     @torch.no_grad()
-    def sync_weights(self, version: int) -> None:
-        """Push the trainer's current weights (of version ``version``) into the running engine, in place.
+    def sync_weights(self, version: int, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Push the trainer's current weights (of version ``version``) into the running engine, in place, or
+        ``weights`` (name -> tensor in checkpoint names, e.g. an older version kept for lagged rollouts; a
+        tied output layer may be given once, under the embedding's name).
 
         Skipped when the engine already holds ``version`` (e.g. evaluation right after a step's sync)."""
         self.start()
@@ -189,14 +193,14 @@ class VLLMEngine:
             return
         t0 = time.perf_counter()
         if self.options["in_process"]:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights(),
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights(weights),
                                                               "is_checkpoint_format": True})
         else:
             from safetensors.torch import save_file
 
             path = self.folder / "sync.safetensors"
             # one file entry per name: tied tensors (embeddings = lm_head) are written as separate copies
-            save_file({n: v.cpu().clone() for n, v in self.weights()}, str(path))
+            save_file({n: v.cpu().clone() for n, v in self.weights(weights)}, str(path))
             self.llm.collective_rpc("lit_rl_reload_from_file", args=(str(path),))
             path.unlink()
         self.version = version

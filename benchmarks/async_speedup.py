@@ -1,0 +1,100 @@
+"""Step time of sync versus async rollouts on the same work, measured side by side in one run.
+
+    python benchmarks/async_speedup.py              # SmolLM2-135M, 2 prompts x G=8 x 64 new tokens, 6 steps
+
+The recipe itself (``lit_rl.train.run``, GRPO on the default task, bf16-mixed, no eval) runs the same steps
+(same prompts, same seeds) in each setting, one after the other in this process:
+
+* ``sync, 1 thread``: generate, then train (``rollout.mode=sync``, ``threads=1``): one core works at a time;
+* ``async, 1+1 threads``: a producer thread generates step s+1 while the trainer trains step s
+  (``rollout.mode=async rollout.max_staleness=1``), each with one torch thread: rollout and training on
+  separate cores, as the documents' 1.84x had them on separate GPUs; ``rollout.behaviour_logprobs=false``
+  so the update does the same work as sync (with it on, stale rows are also scored with their own weights
+  for the r_num / r_stale split: one more forward pass, timed as a third setting);
+* ``sync, 2 threads``: the sync step with both cores inside each matmul, the other way to use them.
+
+Step time = ``time/step_s`` (for async: waiting for the buffer + the update), the mean over the steps
+after the first (the first has nothing to overlap with). The sampled completions differ between sync and
+async after step 0 (async samples with one-step-old weights), so generated token counts are printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from _common import ensure_quiet, machine  # noqa: E402
+from lit_rl.compare import read_scalars  # noqa: E402
+from lit_rl.train import run  # noqa: E402
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def measure(overrides: list[str], out: Path) -> dict[str, float]:
+    """Run the recipe with ``overrides`` into ``out``; mean step/rollout/train seconds after the first step."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    run(cfg, out)
+    s = read_scalars(out / "tensorboard")
+    after_first = lambda tag: [v for step, v in s[tag] if step > 0]  # noqa: E731
+    return {"step": statistics.mean(after_first("time/step_s")), "rollout": statistics.mean(after_first("time/rollout_s")),
+            "train": statistics.mean(after_first("time/train_s")),
+            "tokens": statistics.mean(v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/rollout_s"))),
+            "staleness": statistics.mean(after_first("rollout/staleness_mean"))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--model", default="smollm2-135m", help="the model group (smollm2-135m, tiny)")
+    ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    ap.add_argument("--skip-two-threads", action="store_true",
+                    help="leave out 'sync, 2 threads' (under CPU contention two spinning threads can be 10-50x slower)")
+    args = ap.parse_args()
+    ensure_quiet(args.force)
+    work = [f"model={args.model}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
+            f"rollout.micro_batch_size={args.prompts * args.group_size}", f"sampling.max_new_tokens={args.new_tokens}",
+            f"trainer.max_steps={args.steps}", f"checkpoint.every_n_steps={args.steps}", "eval.num_examples=0",
+            "trainer.enable_progress_bar=false"]
+    settings = {
+        "sync, 1 thread": ["rollout.mode=sync", "threads=1"],
+        "async, 1+1 threads": ["rollout.mode=async", "rollout.max_staleness=1", "rollout.behaviour_logprobs=false", "threads=1"],
+        "async, 1+1 threads, scoring stale rows": ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"],
+        "sync, 2 threads": ["rollout.mode=sync", "threads=2"],
+    }
+    if args.skip_two_threads:
+        del settings["sync, 2 threads"]
+    tmp = Path(tempfile.mkdtemp(prefix="async_speedup-"))
+    results = {}
+    try:
+        for i, (name, extra) in enumerate(settings.items()):
+            results[name] = measure([*work, *extra], tmp / str(i))
+            shutil.rmtree(tmp / str(i), ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\n# {machine()}")
+    print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} new tokens, "
+          f"GRPO, bf16-mixed, mean of steps 2-{args.steps}")
+    print("| setting | step s | rollout (or wait) s | update s | generated tokens / step | staleness |\n|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens']:.0f} | {r['staleness']:.1f} |")
+    base = results["sync, 1 thread"]["step"]
+    print()
+    for name, r in results.items():
+        if name != "sync, 1 thread":
+            print(f"{name} vs sync, 1 thread: step time {r['step'] / base:.3f}x (speed-up {base / r['step']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

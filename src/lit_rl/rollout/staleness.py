@@ -1,0 +1,394 @@
+"""Stale rollouts: ``rollout.mode=lagged`` (exactly k steps old, reproducible) and ``rollout.mode=async``
+(a producer thread generating while the trainer trains, at most ``max_staleness`` versions behind).
+
+Versions. The weights after v optimizer steps are version v (Lightning's ``global_step``); every rollout
+records the version that generated it (``Rollouts.policy_version``). Staleness is counted in RL steps:
+(version being trained - version that generated the row) / updates per RL step, so with one update per
+step (every algorithm but PPO) it is the number of updates between sampling and training.
+
+- ``sync`` (default): generate with the weights being trained, then train; staleness 0. Not handled here.
+- ``lagged``: RL step s samples with the weights of step s - k (``rollout.lag``), or the oldest kept
+  before k steps exist (so step j < k has staleness j). Keeps a history of the last k + 1 versions
+  (k + 1 copies of the weights) and loads the one it needs into the engine's own copy. Deterministic: a
+  lagged run is as reproducible as a sync run, and ``lag=0`` equals ``sync`` bit for bit. The history is
+  saved in checkpoints (``rollout.save_history``), so a resumed lagged run continues exactly.
+- ``async``: ``RolloutProducer``, a daemon thread, generates the step stream ahead with its own copy of the
+  weights, refreshed from the newest version the trainer has published (one per RL step, at its start) at
+  each of its batch boundaries, so a sequence never mixes versions. A bounded buffer between them;
+  ``rollout.on_stale=block`` holds the producer back so that no consumed rollout is more than
+  ``max_staleness`` steps old (nothing is dropped); ``drop`` lets it run ahead (bounded by the buffer) and
+  the trainer drops what is too old when it takes it, counted in ``rollout/dropped_samples``. Not
+  reproducible (timing decides the versions); on resume the producer restarts from the checkpoint's step
+  and weights (buffered rollouts are regenerated).
+
+The trainer's ``old_logprobs`` are always its own log-probs at the version being trained; the corrections
+(TIS, MIS, SC) compare them with the true behaviour log-probs (``rollout_logprobs``, top-k head). With
+``rollout.behaviour_logprobs`` (default on) the trainer also scores stale rows with the weights that
+generated them (``RolloutBatch.behaviour_logprobs``, p_o), so ``train/r_num_abs`` (same weights, two
+engines) and ``train/r_stale_abs`` (same engine, two versions) are SPEC's decomposition, logged apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "lagged", "async")
+ON_STALE = ("block", "drop")
+JOIN_TIMEOUT_S = 60.0
+
+
+def weights_snapshot(module: torch.nn.Module) -> dict[str, Tensor]:
+    """A detached copy of ``module``'s state dict, each storage once (tied embeddings are kept under their
+    first name; loading it into a module with the same ties restores both)."""
+    seen, out = set(), {}
+    for name, value in module.state_dict().items():
+        key = (value.data_ptr(), value.shape, value.stride()) if value.numel() else (name,)
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = value.detach().clone()
+    return out
+
+
+@torch.no_grad()
+def load_weights(module: torch.nn.Module, weights: dict[str, Tensor]) -> None:
+    """Copy ``weights`` (a ``weights_snapshot``) into ``module``'s tensors in place (parameters keep their
+    identity, so an optimizer holding them is unaffected)."""
+    target = module.state_dict()
+    for name, value in weights.items():
+        target[name].copy_(value)
+
+
+@contextlib.contextmanager
+def swapped_weights(module: torch.nn.Module, weights: dict[str, Tensor], restore: dict[str, Tensor]):
+    """``module`` holds ``weights`` inside the block and ``restore`` (a snapshot of its own weights) after it,
+    also on an exception. In place: the same tensors, so the same kernels and an optimizer unaffected."""
+    if weights is restore:
+        yield
+        return
+    try:
+        load_weights(module, weights)
+        yield
+    finally:
+        load_weights(module, restore)
+
+
+class WeightHistory:
+    """version -> weights snapshot of the versions stale rollouts may still need."""
+
+    def __init__(self):
+        self.versions: dict[int, dict[str, Tensor]] = {}
+
+    def record(self, version: int, module: torch.nn.Module) -> dict[str, Tensor]:
+        """Snapshot ``module`` as ``version`` (once; a version already kept is returned as is)."""
+        if version not in self.versions:
+            self.versions[version] = weights_snapshot(module)
+        return self.versions[version]
+
+    def oldest(self) -> int:
+        return min(self.versions)
+
+    def prune(self, keep_from: int) -> None:
+        """Forget every version older than ``keep_from``."""
+        for v in [v for v in self.versions if v < keep_from]:
+            del self.versions[v]
+
+    def state_dict(self) -> dict[int, dict[str, Tensor]]:
+        return {v: {k: t.cpu() for k, t in w.items()} for v, w in self.versions.items()}
+
+    def load_state_dict(self, state: dict[int, dict[str, Tensor]], device) -> None:
+        self.versions = {int(v): {k: t.to(device) for k, t in w.items()} for v, w in state.items()}
+
+
+@dataclass
+class _Item:
+    """One RL step's worth of rollouts in the async buffer: prompt step ``step``, generated with ``version``."""
+
+    step: int
+    version: int
+    scored: Any
+    metrics: dict
+    seconds: float = 0.0  # the producer's generation and scoring time of this batch
+
+
+class RolloutProducer:
+    """A daemon thread that generates the step stream ahead of the trainer (``rollout.mode=async``).
+
+    ``module`` is the RLAlgorithm: the producer calls ``module.collect(datamodule.batch_for(p))`` for prompt
+    steps p = first_step, first_step + 1, ... with ``module.engine`` (its own copy of the weights), under
+    the trainer's precision context (autocast is per thread). The trainer ``publish``-es each new version;
+    the producer loads the newest one before each batch. ``lock`` guards the engine: the trainer holds it
+    while it evaluates. A failure in the thread is re-raised by ``take`` in the trainer's thread.
+    """
+
+    def __init__(self, module, first_step: int, max_staleness: int, on_stale: str, capacity: int):
+        self.module, self.engine = module, module.engine
+        self.max_staleness, self.on_stale, self.capacity = max_staleness, on_stale, capacity
+        self.updates_per_step = module.updates_per_step
+        self.next_step = first_step
+        self.buffer: deque[_Item] = deque()
+        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.published: tuple[int, dict[str, Tensor]] | None = None
+        self.error: BaseException | None = None
+        self.generated = 0
+        self.engine.cancel = self.stop_event
+        self.threads = torch.get_num_threads()  # torch's intra-op thread count is per thread: copy the trainer's
+        self.thread = threading.Thread(target=self._run, name="lit_rl-rollout-producer", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # -- trainer side ---------------------------------------------------------------------------------
+    def publish(self, version: int, weights: dict[str, Tensor]) -> None:
+        """The trainer's weights of ``version`` (a snapshot nobody mutates) for the producer's next batch."""
+        with self.cond:
+            self.published = (version, weights)
+            self.cond.notify_all()
+
+    def take(self, version_now: int, timeout_s: float | None = None) -> tuple[_Item, int]:
+        """The next buffered batch not older than ``max_staleness`` RL steps at ``version_now`` (blocks until
+        there is one), and the number of rollout rows dropped for being too old on the way."""
+        dropped = 0
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self.cond:
+                while not self.buffer:
+                    if self.error is not None:
+                        raise RuntimeError("the rollout producer thread failed") from self.error
+                    if self.stop_event.is_set():
+                        raise RuntimeError("the rollout producer was stopped")
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError("no rollouts from the producer in time")
+                    self.cond.wait(timeout=1.0 if remaining is None else min(1.0, remaining))
+                item = self.buffer.popleft()
+                self.cond.notify_all()  # room in the buffer
+            if (version_now - item.version) / self.updates_per_step > self.max_staleness:
+                dropped += len(item.scored.rewards)
+                continue
+            return item, dropped
+
+    def close(self, timeout_s: float = JOIN_TIMEOUT_S) -> bool:
+        """Stop the thread (a generation in progress is cancelled at its next decode step) and join it.
+        Returns True when it has ended. Idempotent."""
+        self.stop_event.set()
+        with self.cond:
+            self.cond.notify_all()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout_s)
+        alive = self.thread.is_alive()
+        if not alive and self.engine.cancel is self.stop_event:
+            self.engine.cancel = None
+        return not alive
+
+    # -- producer side --------------------------------------------------------------------------------
+    def _ready(self, step: int) -> bool:
+        if len(self.buffer) >= self.capacity or self.published is None:
+            return False
+        if self.on_stale == "block":  # generate step p only with weights that will be <= max_staleness old
+            return self.published[0] >= (step - self.max_staleness) * self.updates_per_step
+        return True
+
+    def _run(self) -> None:
+        from .torch_engine import GenerationCancelled
+
+        torch.set_num_threads(self.threads)
+        trainer = self.module._trainer
+        precision = trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
+        try:
+            with precision:
+                while not self.stop_event.is_set():
+                    step = self.next_step
+                    with self.cond:
+                        while not self._ready(step) and not self.stop_event.is_set():
+                            self.cond.wait(timeout=1.0)
+                        if self.stop_event.is_set():
+                            return
+                        version, weights = self.published
+                    while not self.lock.acquire(timeout=1.0):  # the trainer is evaluating
+                        if self.stop_event.is_set():
+                            return
+                    try:
+                        if version > self.engine.version or self.engine.version < 0:
+                            self.engine.sync_weights(version, weights)
+                        version = self.engine.version
+                        start = time.perf_counter()
+                        scored, metrics = self.module.collect(self.module.datamodule.batch_for(step))
+                        seconds = time.perf_counter() - start
+                    finally:
+                        self.lock.release()
+                    with self.cond:
+                        self.buffer.append(_Item(step, version, scored, metrics, seconds))
+                        self.generated += len(scored.rewards)
+                        self.cond.notify_all()
+                    self.next_step += 1
+        except GenerationCancelled:
+            return
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer's thread by ``take``
+            self.error = err
+            with self.cond:
+                self.cond.notify_all()
+
+
+class StaleRollouts:
+    """The rollout source of ``rollout.mode=lagged|async`` (see the module docstring).
+
+    Args:
+        mode: ``lagged`` or ``async``.
+        lag: k for ``lagged`` (>= 0).
+        max_staleness: the most RL steps a consumed rollout may lag the trained weights (``async``).
+        on_stale: ``block`` or ``drop`` (``async``).
+        buffer_size: batches (RL steps of rollouts) the async buffer holds; None = max(1, max_staleness).
+        behaviour_logprobs: score stale rows with their generating weights (p_o) for the decomposition.
+        save_history: keep the lagged weight history in checkpoints (exact resume).
+    """
+
+    def __init__(self, mode: str, lag: int = 0, max_staleness: int = 1, on_stale: str = "block",
+                 buffer_size: int | None = None, behaviour_logprobs: bool = True, save_history: bool = True):
+        if mode not in ("lagged", "async"):
+            raise ValueError(f"StaleRollouts handles rollout.mode lagged or async, not {mode!r}")
+        self.mode, self.lag, self.max_staleness, self.on_stale = mode, int(lag), int(max_staleness), on_stale
+        self.buffer_size = int(buffer_size) if buffer_size else max(1, self.max_staleness)
+        self.behaviour_logprobs, self.save_history = bool(behaviour_logprobs), bool(save_history)
+        self.history = WeightHistory()
+        self.producer: RolloutProducer | None = None
+        self._held: RolloutProducer | None = None  # the producer whose engine lock the trainer holds
+        self.dropped_total = 0
+
+    # -- the step's rollouts --------------------------------------------------------------------------
+    def collect(self, module, batch) -> tuple[Any, dict[str, float]]:
+        """This step's ``(ScoredRollouts, metrics)`` for ``module`` (an RLAlgorithm at ``global_step``)."""
+        version_now, per_step = module.global_step, module.updates_per_step
+        if self.mode == "lagged":
+            current = self.history.record(version_now, module.policy)
+            target = max(version_now - self.lag * per_step, self.history.oldest())
+            self.history.prune(target)
+            if module.engine.own_copy:  # a mismatch-injecting engine (engine.dtype / int8): load the copy
+                module.engine.sync_weights(target, self.history.versions[target])
+                return module.collect(batch)
+            # the engine samples with the trainer's module: swap the old weights in and back (so lag 0 is sync)
+            with swapped_weights(module.policy, self.history.versions[target], current):
+                module.engine.sync_weights(target)
+                return module.collect(batch)
+        weights = self.history.record(version_now, module.policy)
+        self.history.prune(version_now - self.max_staleness * per_step)
+        if not self.behaviour_logprobs:  # only the newest is needed (the producer's next load)
+            self.history.prune(version_now)
+        if self.producer is None:
+            self.producer = RolloutProducer(module, batch.step, self.max_staleness, self.on_stale, self.buffer_size)
+            self.producer.start()
+        self.producer.publish(version_now, weights)
+        item, dropped = self.producer.take(version_now)
+        self.dropped_total += dropped
+        metrics = dict(item.metrics)
+        metrics["rollout/dropped_samples"] = float(dropped)
+        metrics["rollout/dropped_samples_total"] = float(self.dropped_total)
+        metrics["rollout/buffered_steps"] = float(len(self.producer.buffer))
+        metrics["time/generate_s"] = item.seconds  # time/rollout_s is the trainer's wait for the buffer
+        return item.scored, metrics
+
+    @torch.no_grad()
+    def score_behaviour(self, module, rb) -> None:
+        """Fill ``rb.behaviour_logprobs`` with the trainer's log-probs under each stale row's generating
+        weights; rows of the trained version hold NaN (their p_o is the update's own ``old_logprobs``).
+        No-op when no row is stale or the option is off. The trainer's weights are swapped in place and
+        restored exactly (one device only: ``config.validate`` refuses several ranks)."""
+        version_now = module.global_step
+        stale_versions = sorted({int(v) for v in rb.policy_version.tolist()} - {version_now})
+        if not self.behaviour_logprobs or not stale_versions:
+            return
+        missing = [v for v in stale_versions if v not in self.history.versions]
+        if missing:  # e.g. the first async steps after a resume; leave the decomposition to the update
+            log.warning("no weights kept for versions %s; r_num/r_stale of this step use the trained weights", missing)
+            return
+        # NaN marks rows of the trained version: their p_o is the update's own old_logprobs
+        out = torch.full_like(rb.rollout_logprobs, float("nan"))
+        for v in stale_versions:
+            rows = (rb.policy_version == v).nonzero().squeeze(-1)
+            with swapped_weights(module.policy, self.history.versions[v], self.history.versions[version_now]):
+                for i in range(0, rows.numel(), module.micro_batch_size):
+                    idx = rows[i:i + module.micro_batch_size]
+                    lp = module.logprobs_of(module.policy, rb.select(idx), with_entropy=False).logprobs
+                    out[idx, :lp.shape[1]] = lp.float()
+        rb.behaviour_logprobs = out.masked_fill(~rb.response_mask.bool(), 0.0)
+
+    # -- evaluation, shutdown, checkpoints ------------------------------------------------------------
+    def pause(self) -> None:
+        """Hold the engine for the trainer (evaluation); the producer finishes its batch first."""
+        if self.producer is not None and self._held is None:
+            self.producer.lock.acquire()
+            self._held = self.producer
+
+    def resume(self) -> None:
+        """Give the engine back to the producer (after ``pause``)."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.lock.release()
+
+    def close(self) -> None:
+        """Stop and join the producer thread (idempotent); says what was left in the buffer."""
+        producer, self.producer = self.producer, None
+        if producer is None:
+            return
+        self.resume()  # an exception during evaluation may leave the engine held
+        ended = producer.close()
+        unused = sum(len(i.scored.rewards) for i in producer.buffer)
+        msg = (f"lit_rl: rollout producer stopped ({'joined' if ended else 'STILL RUNNING after the join timeout'}); "
+               f"{producer.generated} samples generated, {self.dropped_total} dropped as too stale, "
+               f"{unused} left unused in the buffer")
+        log.info(msg)
+        print(msg, flush=True)
+
+    def state_dict(self) -> dict:
+        state = {"dropped_total": self.dropped_total}
+        if self.mode == "lagged" and self.save_history:
+            state["history"] = self.history.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, device) -> None:
+        self.dropped_total = int(state.get("dropped_total", 0))
+        if "history" in state:
+            self.history.load_state_dict(state["history"], device)
+
+
+def build_stale_rollouts(rollout: dict | None) -> StaleRollouts | None:
+    """The ``StaleRollouts`` of the ``rollout`` config group, or None for ``mode: sync`` (or no mode)."""
+    rollout = dict(rollout or {})
+    mode = rollout.get("mode", "sync") or "sync"
+    if mode == "sync":
+        return None
+    return StaleRollouts(mode, lag=rollout.get("lag", 0), max_staleness=rollout.get("max_staleness", 1),
+                         on_stale=rollout.get("on_stale", "block"), buffer_size=rollout.get("buffer_size"),
+                         behaviour_logprobs=rollout.get("behaviour_logprobs", True),
+                         save_history=rollout.get("save_history", True))
+
+
+class StaleRolloutsShutdown(Callback):
+    """Stops the async producer when the fit loop ends in any way: Lightning calls ``on_exception`` for an
+    exception or Ctrl-C (then ``teardown``), which the LightningModule itself is not told about."""
+
+    @staticmethod
+    def _close(pl_module) -> None:
+        stale = getattr(pl_module, "stale", None)
+        if stale is not None:
+            stale.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._close(pl_module)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._close(pl_module)

@@ -1,0 +1,47 @@
+"""Run the recipe in this process, interrupt it with SIGINT (Ctrl-C) mid-step, then list the live threads.
+
+    python tests/staleness_probe.py <call> <out_dir> [hydra overrides...]
+
+SIGINT is sent to this process from inside its ``call``-th optimizer step (1-based), so it lands mid-step
+while an async producer is generating or waiting. Lightning shuts down and exits with code 1; on the way out
+this script prints ``live threads: [...]`` (the names of every thread still alive) and ``exit`` markers the
+test reads.
+"""
+
+import os
+import signal
+import sys
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from conftest import ROOT  # noqa: E402  (same thread and offline settings as the tests)
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from lit_rl.algorithms.base import RLAlgorithm  # noqa: E402
+from lit_rl.train import run  # noqa: E402
+
+
+def main() -> None:
+    call, out, *overrides = sys.argv[1:]
+    call, count = int(call), {"n": 0}
+    original = RLAlgorithm.optimizer_step
+
+    def interrupted(self, *args, **kwargs):
+        count["n"] += 1
+        if count["n"] == call:
+            os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt in this (the main) thread
+        return original(self, *args, **kwargs)
+
+    RLAlgorithm.optimizer_step = interrupted
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    try:
+        run(cfg, out)
+    finally:
+        print("live threads:", sorted(t.name for t in threading.enumerate() if t.is_alive()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
