@@ -171,9 +171,26 @@ class VLLMEngine:
     # -- weights -------------------------------------------------------------------------------------
     def weights(self, source: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for every entry of the policy's ``state_dict`` — tied ``lm_head.weight`` included —
-        (or of ``source``), detached, through the int8 round trip if configured."""
+        or of ``source``, detached, through the int8 round trip if configured.
+
+        A ``source`` that names a tied tensor once (a snapshot that stores each storage once) gets every
+        other name of it back: vLLM's CPU build keeps the output layer as a tensor of its own, and leaving
+        ``lm_head.weight`` out would leave it stale (off by 0.1 nats on the tiny model, with no error).
+        """
+        if source is None:
+            source = self.source.state_dict()
+        else:
+            aliases: dict[tuple, list[str]] = {}
+            for name, value in self.source.state_dict().items():
+                aliases.setdefault((value.data_ptr(), tuple(value.shape), value.stride()), []).append(name)
+            names = {n: group for group in aliases.values() for n in group}
+            full = dict(source)
+            for name, value in source.items():
+                for other in names.get(name, [name]):
+                    full.setdefault(other, value)
+            source = full
         out = []
-        for name, value in (self.source.state_dict() if source is None else source).items():
+        for name, value in source.items():
             value = value.detach()
             if self.int8_roundtrip and value.dim() == 2:
                 value = int8_roundtrip(value)
