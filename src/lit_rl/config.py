@@ -16,6 +16,7 @@ ENGINES = ("torch",)
 TASKS = ("arithmetic", "gsm8k")
 CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
+KERNELS = ("default", "batch_invariant")
 GROUP_BASELINE_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
 
@@ -63,6 +64,12 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
            f"choose one of {list(CORRECTIONS)}")
+    kernels = cfg.get("kernels", {}).get("name", "default")
+    _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
+    if kernels == "batch_invariant":
+        _check(cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"), "kernels", kernels,
+               f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
+               "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1")
     c = cfg.correction
     _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
     _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high),
