@@ -151,13 +151,25 @@ def attention_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
+_last_ranges: list = []  # (mask, b, lq, lk, result) of the last call: every layer of a forward shares one mask
+
+
 def _key_ranges(mask: Tensor | None, b: int, lq: int, lk: int, device) -> tuple[Tensor, Tensor]:
     """(shift [B], count [B, Lq]): each sequence's first real key and the number of keys each query sees.
 
     Raises ValueError when a query's visible keys are not one contiguous range starting at its sequence's
     first real key (left/right padding plus causal masking always are; sliding windows or packed sequences
-    are not supported).
+    are not supported). The result for the mask object of the previous call is reused (all layers of one
+    forward receive the same mask tensor).
     """
+    if _last_ranges and _last_ranges[0][0] is mask and mask is not None and _last_ranges[0][1:4] == (b, lq, lk):
+        return _last_ranges[0][4]
+    result = _compute_key_ranges(mask, b, lq, lk, device)
+    _last_ranges[:] = [(mask, b, lq, lk, result)]
+    return result
+
+
+def _compute_key_ranges(mask: Tensor | None, b: int, lq: int, lk: int, device) -> tuple[Tensor, Tensor]:
     if mask is None:  # causal, no padding: query i (at kv index lk - lq + i) sees keys 0..lk-lq+i
         count = (torch.arange(lq, device=device) + (lk - lq + 1)).expand(b, lq)
         return torch.zeros(b, dtype=torch.long, device=device), count
@@ -337,6 +349,7 @@ class BatchInvariantMode:
         AttentionInterface._global_mapping.pop(NAME, None)
         AttentionMaskInterface._global_mapping.pop(NAME, None)
         BatchInvariantMode._active = None
+        _last_ranges.clear()
 
     def __enter__(self) -> "BatchInvariantMode":
         return self.enable()
