@@ -217,17 +217,13 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask:
         width = nblk * KEY_BLOCK
         bh = b * kvh
         # keys/values re-laid out from each sequence's first real token (index j = real position j), as
-        # [B*KVH * width, d] rows picked from the cache; rows past the cache's end are zeroed
-        pos = shift[:, None] + torch.arange(width, device=device)  # [B, width]
-        outside = (pos >= lk).repeat_interleave(kvh, dim=0)  # [B*KVH, width]
-        rows = (torch.arange(bh, device=device) * lk)[:, None] + pos.clamp(max=lk - 1).repeat_interleave(kvh, dim=0)
-        rows = rows.reshape(-1)
-
-        def relayout(x: Tensor) -> Tensor:
-            out = x.reshape(bh * lk, d).index_select(0, rows).view(bh, nblk, KEY_BLOCK, d).float()
-            return out.masked_fill_(outside.view(bh, nblk, KEY_BLOCK, 1), 0.0)
-
-        k, v = relayout(key), relayout(value)
+        # [B*KVH * width, d] rows picked from the cache. Positions past the cache's end repeat its last key:
+        # they lie beyond every query's visible count, so their scores are masked to -inf and their
+        # probabilities are exactly 0 (times a finite value: exactly 0)
+        pos = (shift[:, None] + torch.arange(width, device=device)).clamp(max=lk - 1)  # [B, width]
+        rows = ((torch.arange(bh, device=device) * lk)[:, None] + pos.repeat_interleave(kvh, dim=0)).reshape(-1)
+        k = key.reshape(bh * lk, d).index_select(0, rows).view(bh, nblk, KEY_BLOCK, d).float()
+        v = value.reshape(bh * lk, d).index_select(0, rows).view(bh, nblk, KEY_BLOCK, d).float()
         # the query heads sharing a key/value head are rows of one product: [B*KVH, rows, d], padded to
         # MIN_QUERY_ROWS rows; one [rows, d] x [d, KEY_BLOCK] product per key block (batched over blocks)
         n_rows = rep * lq
@@ -252,8 +248,8 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask:
         for j in range(1, nblk):  # fixed order over key blocks; blocks past a query's keys add exact zeros
             acc = acc + parts[:, j]
             total = total + sums[:, j]
-        total = total.unsqueeze(-1)
-        out = torch.where(total > 0, acc / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+        # a query without keys (left padding) has acc = 0 and total = 0: 0 / tiny = 0
+        out = acc / total.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).tiny)
         out = out[:, :n_rows].reshape(b, kvh, rep, lq, d).reshape(b, h, lq, d)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
