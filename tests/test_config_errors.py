@@ -90,6 +90,8 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
     (["engine.max_model_len=32"], r"engine.max_model_len=32 is not allowed: must be null or an integer > "
                                   r"sampling.max_new_tokens=64"),
     (["trainer=ddp"], r"trainer.strategy='ddp' is not allowed: engine=vllm runs one colocated vLLM engine"),
+    (["kernels=batch_invariant"], r"kernels='batch_invariant' is not allowed: batch-invariant kernels are lit_rl's "
+                                  r"own, for the embedded engine and the trainer; with engine=vllm"),
 ])
 @pytest.mark.parametrize("engine", ["vllm", "auto"])
 def test_bad_vllm_engine_values_are_named(engine, overrides, message, monkeypatch):

@@ -18,6 +18,7 @@ CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
 ROLLOUT_MODES = ("sync", "lagged", "async")
 ON_STALE = ("block", "drop")
+KERNELS = ("default", "batch_invariant")
 GROUP_BASELINE_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
 
@@ -92,6 +93,16 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
            f"choose one of {list(CORRECTIONS)}")
+    kernels = cfg.get("kernels", {}).get("name", "default")
+    _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
+    if kernels == "batch_invariant":
+        _check(cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"), "kernels", kernels,
+               f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
+               "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1")
+        _check(cfg.engine.name == "torch", "kernels", kernels,
+               f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
+               f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
+               f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch")
     c = cfg.correction
     _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
     _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high),

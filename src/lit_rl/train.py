@@ -33,6 +33,7 @@ from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, check_world_size, validate
+from .kernels import kernel_mode
 from .models import ModelSpec, load_policy
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
@@ -277,17 +278,20 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
                                    seed=cfg.seed, eval_examples=cfg.eval.num_examples,
                                    eval_batch_size=cfg.eval.batch_size,
                                    reward_timeout_s=cfg.get("reward_timeout_s", 10.0))
-    module = build_module(cfg, policy, tokenizer)
-    assert module.updates_per_step == k
-    if ckpt_path is not None:
-        check_checkpoint_fits(ckpt_path, module)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
-        if module.stale is not None:
-            module.stale.close()  # idempotent; first, so no producer thread still uses the engine
-        module.engine.close()
-    save_final_checkpoint(trainer, checkpoints)
+    # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
+    # (engine.dtype, the KL reference) inherit it
+    with kernel_mode(cfg.get("kernels", {}).get("name", "default"), policy):
+        module = build_module(cfg, policy, tokenizer)
+        assert module.updates_per_step == k
+        if ckpt_path is not None:
+            check_checkpoint_fits(ckpt_path, module)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
+            if module.stale is not None:
+                module.stale.close()  # idempotent; first, so no producer thread still uses the engine
+            module.engine.close()
+        save_final_checkpoint(trainer, checkpoints)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
     weights = None

@@ -1,0 +1,25 @@
+"""Kernel modes (the ``kernels`` config group): ``default`` (torch's and transformers' own kernels) or
+``batch_invariant`` (``batch_invariant.BatchInvariantMode``: the engine's rollout log-probs equal the
+trainer's bit for bit before the first update)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .batch_invariant import BatchInvariantMode
+
+KERNELS = ("default", "batch_invariant")
+
+
+def kernel_mode(name: str, *models):
+    """A context manager that runs its body under kernel mode ``name`` for ``models`` (transformers causal
+    LMs): ``default`` changes nothing, ``batch_invariant`` is ``BatchInvariantMode(*models)``.
+    Raises ValueError for another name."""
+    if name == "default":
+        return contextlib.nullcontext()
+    if name == "batch_invariant":
+        return BatchInvariantMode(*models)
+    raise ValueError(f"kernels={name!r} is not allowed: choose one of {list(KERNELS)}")
+
+
+__all__ = ["KERNELS", "BatchInvariantMode", "kernel_mode"]
