@@ -171,7 +171,7 @@ class VLLMEngine:
     # -- weights -------------------------------------------------------------------------------------
     def weights(self, source: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for every entry of the policy's ``state_dict`` — tied ``lm_head.weight`` included —
-        or of ``source``, detached, through the int8 round trip if configured.
+        or of ``source``, detached, through the int8 round trip if configured, in the engine's dtype.
 
         A ``source`` that names a tied tensor once (a snapshot that stores each storage once) gets every
         other name of it back: vLLM's CPU build keeps the output layer as a tensor of its own, and leaving
@@ -189,12 +189,13 @@ class VLLMEngine:
                 for other in names.get(name, [name]):
                     full.setdefault(other, value)
             source = full
+        dtype = getattr(torch, self.options["dtype"])  # cast here: vLLM warns once per tensor otherwise
         out = []
         for name, value in source.items():
             value = value.detach()
             if self.int8_roundtrip and value.dim() == 2:
                 value = int8_roundtrip(value)
-            out.append((name, value))
+            out.append((name, value.to(dtype) if value.is_floating_point() else value))
         return out
 
     @torch.no_grad()
