@@ -35,6 +35,9 @@ def main() -> None:
         return original(self, *args, **kwargs)
 
     RLAlgorithm.optimizer_step = interrupted
+    # Ctrl-C in a terminal raises KeyboardInterrupt; a process started in the background by a non-interactive
+    # shell (as CI may start the suite) inherits SIGINT ignored, and the signal below would then do nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     try:
