@@ -44,8 +44,8 @@ def prompts_for(tok, n):
     return out
 
 
-def time_engine(model, tok, prompts, new_tokens, autocast, repeats):
-    eng = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+def best_generate(eng, prompts, new_tokens, repeats, autocast=False):
+    """(seconds, generated tokens) of the fastest of ``repeats`` timed ``eng.generate`` calls after a warm-up."""
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     best = None
     for r in range(repeats + 1):
@@ -58,6 +58,11 @@ def time_engine(model, tok, prompts, new_tokens, autocast, repeats):
     return best
 
 
+def time_engine(model, tok, prompts, new_tokens, autocast, repeats):
+    eng = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+    return best_generate(eng, prompts, new_tokens, repeats, autocast)
+
+
 def time_vllm(model, tok, prompts, new_tokens, dtype, repeats):
     from lit_rl.rollout.vllm_engine import VLLMEngine
 
@@ -65,15 +70,7 @@ def time_vllm(model, tok, prompts, new_tokens, dtype, repeats):
     try:
         eng.sync_weights(0)
         print(f"# vLLM {dtype}: start-up {eng.start_seconds:.1f} s, weight sync {eng.sync_seconds:.2f} s", flush=True)
-        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-        best = None
-        for r in range(repeats + 1):
-            t = time.perf_counter()
-            out = eng.generate(prompts, params, seeds=[1000 * r + i for i in range(len(prompts))])
-            dt = time.perf_counter() - t
-            if r and (best is None or dt < best[0]):
-                best = (dt, int(out.response_mask.sum()))
-        return best
+        return best_generate(eng, prompts, new_tokens, repeats)
     finally:
         eng.close()
 
