@@ -75,6 +75,8 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
                                           r"`LIT_RL_VLLM=1 bash scripts/setup.sh`"):
         validate(cfg_for("engine=vllm"))
     validate(cfg_for("engine=auto"))  # auto falls back to the embedded engine instead
+    validate(cfg_for("engine=auto", "trainer=ddp"))  # ... so nothing vLLM-only is refused
+    validate(cfg_for("engine=auto", "kernels=batch_invariant"))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -155,6 +157,15 @@ def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_pat
                                           r"ckpt_path=last"):
         run(cfg_for(), tmp_path)
     assert (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").read_bytes() == b"x"
+
+
+def test_a_folder_whose_run_stopped_before_a_checkpoint_does_not_suggest_resuming(tmp_path):
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"holds a run that stopped before its first checkpoint "
+                                          r"\(events.out.tfevents.1\); choose another folder"):
+        run(cfg_for(), tmp_path)
+    assert (tmp_path / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"x"
 
 
 def test_a_tokenizer_without_chat_template_is_named(tmp_path, tiny):

@@ -101,6 +101,10 @@ def test_stop_tokens_end_sequences(tiny):
         assert r.finish_reason == ["stop", "stop"] and r.response_length.tolist() == [1, 1]
     finally:
         engine.close()
+    with pytest.raises(ValueError, match=r"engine.max_model_len=20 is too small: a prompt of \d+ tokens plus "
+                                         r"max_new_tokens=8 needs"):  # checked before vLLM starts
+        VLLMEngine(model, tok.pad_token_id, [0], max_model_len=20).generate(
+            chat_prompts(tok, QUESTIONS[:1]), SamplingParams(max_new_tokens=8), [0])
     with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
         VLLMEngine(model, tok.pad_token_id, [0]).generate([[1]], SamplingParams(max_new_tokens=0), [0])
 
@@ -239,6 +243,33 @@ def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
     # bf16 engine vs bf16-autocast trainer: a small, nonzero gap, which the run measures
     assert all(0 < v < 0.05 for v in steps), steps
     assert (out / "finished.json").is_file()
+
+
+def test_engine_for_a_model_with_small_heads(tmp_path):
+    """vLLM's CPU attention needs head_dim >= 32: engine=auto falls back to the embedded engine, engine=vllm
+    says why, before anything runs."""
+    from hydra import compose, initialize_config_dir
+    from transformers import LlamaForCausalLM
+
+    from lit_rl.config import ConfigError
+    from lit_rl.models import tiny_config
+    from lit_rl.train import resolve_engine
+
+    if torch.cuda.is_available():
+        pytest.skip("the limit is the CPU build's")
+    folder = tmp_path / "hd16"
+    LlamaForCausalLM(tiny_config(100, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+                     ).config.save_pretrained(folder)
+    for engine in ("auto", "vllm"):
+        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[f"model.name_or_path={folder}", f"engine={engine}"])
+        if engine == "auto":
+            resolve_engine(cfg)
+            assert cfg.engine.name == "torch"
+        else:
+            with pytest.raises(ConfigError, match="engine=vllm: vLLM's CPU attention needs head_dim >= 32 and "
+                                                  "model.name_or_path=.* has 16; use engine=torch"):
+                resolve_engine(cfg)
 
 
 def test_engine_auto_picks_vllm_where_it_is_installed():

@@ -88,8 +88,10 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
     if cfg.engine.name == "vllm":
         check_vllm()
-    if cfg.engine.name in ("vllm", "auto"):
-        check_vllm_engine(cfg)
+    from .rollout.engines import vllm_installed
+
+    if cfg.engine.name == "vllm" or (cfg.engine.name == "auto" and vllm_installed()):
+        check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
            f"choose one of {list(CORRECTIONS)}")
@@ -99,7 +101,7 @@ def validate(cfg: DictConfig) -> None:
         _check(cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"), "kernels", kernels,
                f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
                "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1")
-        _check(cfg.engine.name == "torch", "kernels", kernels,
+        _check(cfg.engine.name == "torch" or (cfg.engine.name == "auto" and not vllm_installed()), "kernels", kernels,
                f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
                f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
                f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch")

@@ -34,7 +34,7 @@ from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, check_world_size, validate
 from .kernels import kernel_mode
-from .models import ModelSpec, load_policy
+from .models import ModelSpec, load_policy, resolve_model_path, tiny_config
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.staleness import StaleRolloutsShutdown
@@ -85,14 +85,35 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("lit_rl_run_name", run_name)
 
 
+def model_head_dim(model_cfg: DictConfig) -> int | None:
+    """Attention head size of the configured model, read from its config (no weights loaded); None if unknown."""
+    try:
+        if model_cfg.name_or_path == "tiny":
+            config = tiny_config(1)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name_or_path),
+                                                trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # a bad name is reported where the model loads
+        return None
+
+
 def resolve_engine(cfg: DictConfig) -> None:
-    """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm or torch (printed);
-    vLLM's ``dtype: null`` becomes bfloat16 under a bf16 trainer precision, else ``model.dtype``, and its
-    ``kv_cache_gb: null`` 1 GiB on CPU; ``engine.seed`` = ``seed``."""
+    """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm (installed and, on CPU,
+    the model's head_dim >= 32, which vLLM's CPU attention needs) or torch (printed); vLLM's ``dtype: null``
+    becomes bfloat16 under a bf16 trainer precision, else ``model.dtype``, and its ``kv_cache_gb: null``
+    1 GiB on CPU; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model vLLM's CPU
+    build cannot run."""
     with open_dict(cfg):
+        head_dim = model_head_dim(cfg.model) if cfg.engine.name in ("auto", "vllm") and not on_cuda() else None
         if cfg.engine.name == "auto":
-            cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine))
+            cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), head_dim)
             print(f"lit_rl: engine=auto -> {cfg.engine.name}", flush=True)
+        if cfg.engine.name == "vllm" and head_dim is not None and head_dim < 32:
+            raise ConfigError(f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
+                              f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)")
         if cfg.engine.name == "vllm" and not cfg.engine.get("dtype"):
             cfg.engine.dtype = "bfloat16" if str(cfg.trainer.get("precision", "32")).startswith("bf16") \
                 else cfg.model.dtype
@@ -221,6 +242,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
                           f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one")
     if ckpt_path is None:
         started = sorted((out / "checkpoints").glob("*.ckpt")) + sorted((out / "tensorboard").glob("events.*"))
+        if started and not started[0].name.endswith(".ckpt"):  # logs but no checkpoint: nothing to continue
+            raise ConfigError(f"output folder {out} holds a run that stopped before its first checkpoint "
+                              f"({started[0].name}); choose another folder (hydra.run.dir=...), or delete that one "
+                              f"— lit_rl never mixes two runs in one folder")
         if started:
             raise ConfigError(f"output folder {out} holds an unfinished run ({started[0].name}); continue it with "
                               f"ckpt_path=last, or choose another folder (hydra.run.dir=...) — lit_rl never mixes "

@@ -231,8 +231,8 @@ class VLLMEngine:
         prompts: N token-id lists (already chat-formatted); seeds: N ints, one per request.
         Returns ``Rollouts`` (shapes in its docstring); log-probs are float32 nats of the processed
         distribution. temperature 0 means greedy decoding.
-        Raises ValueError if len(seeds) != len(prompts), max_new_tokens <= 0 or ``logprobs_top_k`` exceeds
-        ``max_logprobs``; RuntimeError if the engine was never synced.
+        Raises ValueError if len(seeds) != len(prompts), max_new_tokens <= 0, ``logprobs_top_k`` exceeds
+        ``max_logprobs`` or a prompt plus max_new_tokens exceeds ``max_model_len``; RuntimeError if the engine was never synced.
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
@@ -242,6 +242,12 @@ class VLLMEngine:
         if k > self.options["max_logprobs"]:
             raise ValueError(f"logprobs_top_k={k} is more than the engine's max_logprobs="
                              f"{self.options['max_logprobs']}")
+        limit = self.options["max_model_len"]
+        longest = max((len(p) for p in prompts), default=0)
+        if limit is not None and longest + params.max_new_tokens > limit:
+            raise ValueError(f"engine.max_model_len={limit} is too small: a prompt of {longest} tokens plus "
+                             f"max_new_tokens={params.max_new_tokens} needs {longest + params.max_new_tokens} "
+                             f"(vLLM would cut the responses short, or refuse the prompt)")
         self.start()
         self._wake()
         if self.version < 0:
