@@ -29,32 +29,22 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
-from _common import ensure_quiet, machine  # noqa: E402
-from lit_rl.algorithms import GRPO  # noqa: E402
+from _common import as_rollout_batch, ensure_quiet, grpo_module, machine, update  # noqa: E402
 from lit_rl.kernels import kernel_mode  # noqa: E402
 from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
-from lit_rl.rollout.types import RolloutBatch, left_pad  # noqa: E402
+from lit_rl.rollout.types import RolloutBatch  # noqa: E402
 from rollout_throughput import prompts_for  # noqa: E402
 
 
-def build(policy, tok, new_tokens: int, group_size: int) -> GRPO:
-    module = GRPO(policy, tok, sampling={"max_new_tokens": new_tokens}, eval_sampling={}, group_size=group_size,
-                  micro_batch_size=16, advantage={}, loss={"reduction": "seq_mean_token_mean"},
-                  algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={}, optim={"lr": 1e-6},
-                  logprob_chunk_tokens=256)
+def build(policy, tok, new_tokens: int, group_size: int):
+    module = grpo_module(policy, tok, new_tokens, group_size)
     module.engine = TorchEngine(policy, tok.pad_token_id, stop_token_ids=[])  # fixed-length completions
     return module
 
 
 def rollout_batch(module, prompts, seeds, group_size) -> RolloutBatch:
-    r = module.engine.generate(prompts, module.sampling, seeds)
-    pids, pmask = left_pad(r.prompt_ids, module.tokenizer.pad_token_id)
-    n = len(prompts)
-    return RolloutBatch(prompt_ids=pids, prompt_mask=pmask, response_ids=r.response_ids,
-                        response_mask=r.response_mask, rollout_logprobs=r.rollout_logprobs,
-                        rewards=torch.zeros(n), advantages=torch.randn(n, generator=torch.Generator().manual_seed(0)),
-                        group_ids=torch.arange(n) // group_size, policy_version=r.policy_version)
+    return as_rollout_batch(module, module.engine.generate(prompts, module.sampling, seeds), group_size)
 
 
 def step(module, opt, prompts, seeds, rb: RolloutBatch, precision: str) -> tuple[float, float, int]:
@@ -64,9 +54,7 @@ def step(module, opt, prompts, seeds, rb: RolloutBatch, precision: str) -> tuple
         t0 = time.perf_counter()
         r = module.engine.generate(prompts, module.sampling, seeds)
         t1 = time.perf_counter()
-        module.accumulate_gradients(rb)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(module, opt, rb)
         t2 = time.perf_counter()
     return t1 - t0, t2 - t1, int(r.response_mask.sum())
 

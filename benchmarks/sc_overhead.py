@@ -26,19 +26,14 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
-from _common import ensure_quiet, machine  # noqa: E402
-from lit_rl.algorithms import GRPO  # noqa: E402
+from _common import as_rollout_batch, ensure_quiet, grpo_module, machine, update  # noqa: E402
 from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
-from lit_rl.rollout.types import RolloutBatch, SamplingParams, left_pad  # noqa: E402
 from rollout_throughput import prompts_for  # noqa: E402
 
 
 def build(policy, tok, top_k: int, new_tokens: int, group_size: int):
     sc = {"enabled": top_k > 0, "top_k": top_k, "mode": "topk"}
-    return GRPO(policy, tok, sampling={"max_new_tokens": new_tokens, "logprobs_top_k": top_k}, eval_sampling={},
-                group_size=group_size, micro_batch_size=16, advantage={}, loss={"reduction": "seq_mean_token_mean"},
-                algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={}, optim={"lr": 1e-6},
-                logprob_chunk_tokens=256, correction={"sc": sc})
+    return grpo_module(policy, tok, new_tokens, group_size, logprobs_top_k=top_k, correction={"sc": sc})
 
 
 def step(module, opt, prompts, seeds, group_size) -> tuple[float, float, int]:
@@ -47,17 +42,7 @@ def step(module, opt, prompts, seeds, group_size) -> tuple[float, float, int]:
         t0 = time.perf_counter()
         r = module.engine.generate(prompts, module.sampling, seeds)
         t1 = time.perf_counter()
-        pids, pmask = left_pad(r.prompt_ids, module.tokenizer.pad_token_id)
-        n = len(prompts)
-        g = torch.Generator().manual_seed(0)
-        rb = RolloutBatch(prompt_ids=pids, prompt_mask=pmask, response_ids=r.response_ids,
-                          response_mask=r.response_mask, rollout_logprobs=r.rollout_logprobs,
-                          rewards=torch.zeros(n), advantages=torch.randn(n, generator=g),
-                          group_ids=torch.arange(n) // group_size, policy_version=r.policy_version,
-                          topk_ids=r.topk_ids, topk_logprobs=r.topk_logprobs)
-        module.accumulate_gradients(rb)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(module, opt, as_rollout_batch(module, r, group_size))
         t2 = time.perf_counter()
     return t1 - t0, t2 - t1, int(r.response_mask.sum())
 
