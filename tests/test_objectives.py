@@ -8,16 +8,20 @@ import torch
 from lit_rl.objectives import (
     approx_kl,
     baseline_advantages,
+    cispo_coef,
     cispo_loss,
     clipped_value_loss,
     entropy_from_logits,
     gae,
     group_advantages,
+    gspo_coef,
     gspo_loss,
     masked_mean,
     masked_sum,
     overlong_penalty,
+    ppo_clip_coef,
     ppo_clip_loss,
+    reinforce_coef,
     reduce_loss,
     sequence_loss_mean,
     useful_group_probability,
@@ -555,3 +559,54 @@ def test_approx_kl():
     assert torch.equal(approx_kl(logprobs, logprobs), torch.zeros(4))
     with pytest.raises(ValueError, match="k3"):
         approx_kl(logprobs, ref_logprobs, "k4")
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token coefficients ∂ℓ/∂log π: equal to autograd's gradient of each loss at the sampled token
+# ----------------------------------------------------------------------------------------------
+
+
+def _autograd_coef(loss_fn, logprobs):
+    logprobs = logprobs.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(loss_fn(logprobs).sum(), logprobs)
+    return grad
+
+
+def test_coefficients_equal_the_losses_gradients_clipped_or_not():
+    g = torch.Generator().manual_seed(0)
+    n, t = 6, 5
+    old = torch.randn(n, t, generator=g, dtype=torch.float64)
+    # ratios spread over [0.5, 1.6]: every clip branch of PPO / DAPO / CISPO is hit
+    logprobs = old + torch.empty(n, t, dtype=torch.float64).uniform_(math.log(0.5), math.log(1.6), generator=g)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    mask[0, 3:] = False
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 0.0, 1.5], dtype=torch.float64)
+    adv_tok = torch.randn(n, t, generator=g, dtype=torch.float64)
+    log_ratio = (logprobs - old).unsqueeze(-1)
+    for a in (adv, adv_tok):
+        got = ppo_clip_coef(log_ratio, a, 0.2, 0.28).squeeze(-1)
+        want = _autograd_coef(lambda lp: ppo_clip_loss(lp, old, a, 0.2, 0.28)[0], logprobs)
+        torch.testing.assert_close(got, want)
+        assert (got == 0).any() and (got != 0).any()  # both branches
+        got = cispo_coef(log_ratio, a, 0.2, 0.28).squeeze(-1)
+        torch.testing.assert_close(got, _autograd_coef(lambda lp: cispo_loss(lp, old, a, 0.2, 0.28), logprobs))
+        torch.testing.assert_close(reinforce_coef(log_ratio, a).squeeze(-1), _autograd_coef(
+            lambda lp: -(a if a.dim() == 2 else a[:, None]) * lp, logprobs))
+    # GSPO: the sequence ratio; eps small enough that some sequences clip
+    for eps in (0.05, 10.0):
+        got = gspo_coef(log_ratio, logprobs - old, adv, mask, eps, eps).squeeze(-1)
+        want = _autograd_coef(lambda lp: gspo_loss(lp, old, adv, mask, eps, eps)[0], logprobs)
+        torch.testing.assert_close(got[mask], want[mask])
+
+
+def test_gspo_coefficient_of_another_token_substitutes_its_ratio():
+    # one sequence of 2 tokens with log-ratios (0.1, 0.3): s = exp(0.2). Token v at position 0 with log-ratio
+    # -0.1 gives s(v) = exp((−0.1 + 0.3) / 2) = exp(0.1); A = 2, no clip: coefficient −2·exp(0.1).
+    sampled = torch.tensor([[0.1, 0.3]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    alt = torch.tensor([[[-0.1], [0.3]]], dtype=torch.float64)
+    got = gspo_coef(alt, sampled, torch.tensor([2.0], dtype=torch.float64), mask, 10.0, 10.0)
+    torch.testing.assert_close(got, torch.tensor([[[-2 * math.exp(0.1)], [-2 * math.exp(0.2)]]], dtype=torch.float64))
+    # with eps_high = 0.15 the sampled sequence (s = e^0.2 > 1.15) is clipped, the substituted one (e^0.1) not
+    got = gspo_coef(alt, sampled, torch.tensor([2.0], dtype=torch.float64), mask, 0.15, 0.15)
+    torch.testing.assert_close(got, torch.tensor([[[-2 * math.exp(0.1)], [0.0]]], dtype=torch.float64))

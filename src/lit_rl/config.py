@@ -109,6 +109,8 @@ def validate(cfg: DictConfig) -> None:
     _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
     _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high),
            "need 0 <= low < high")
+    _check(isinstance(c.mis.get("weighted", True), bool), "correction.mis.weighted", c.mis.get("weighted"),
+           "true (kept tokens keep their weight, IcePop/TRL) or false (mask only, verl's rejection sampling)")
     _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
     _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
     for lvl in ("tis", "mis"):

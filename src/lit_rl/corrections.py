@@ -21,14 +21,30 @@ Sources:
     TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
         (fengyao.notion.site blog post).
     MIS: Liu et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the
-        Training-Inference Mismatch" (blog post); verl's rollout correction (token / sequence masking).
+        Training-Inference Mismatch" (blog post), and IcePop (Ling Team 2025, "Every Step Evolves",
+        arXiv 2510.18855): kept tokens keep their weight, ℓ_t · w_t · 1[low ≤ w_t ≤ high]; TRL's
+        ``vllm_importance_sampling_mode="token_mask"|"sequence_mask"``. The mask-only form (no weight)
+        is verl's rejection sampling (``rollout_rs``).
     Mismatch decomposition r_num · r_stale and the three KLs: "Building Intuition for RL Systems"
         (shared/seeds/002); k3 KL estimator: Schulman 2020, "Approximating KL Divergence".
     Score centering: Marek & Ryabinin 2026, as condensed in shared/SPEC.md ("Train–inference
         corrections") and the slides in shared/seeds/000: s̄ = E_μ[∇log π] and its top-k form.
+
+Composition (SPEC "Composition"; ``correction=sc+tis|sc+mis``). A corrected per-token loss is
+    L_t = w_{y_t} · ℓ_t − Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) · log π_v,
+where ℓ_t is the objective's per-token loss, c_v = ∂ℓ_t/∂log π evaluated as if v had been sampled
+(the objective's coefficient: −A for REINFORCE, −A·r_v·1[not clipped] for PPO, ...), and w_v = f(π_old,v /
+μ_v) the correction's weight (TIS f(r) = min(r, C); MIS f(r) = r·1[low ≤ r ≤ high], mask-only
+1[low ≤ r ≤ high]; none f ≡ 1). Its gradient is c_y w_y ∇log π_y − E_μ[c w ∇log π]: the centring is
+taken under the SAME weights as the sampled term, so under a constant reward its expectation over y_t ~ μ
+is 0 at every position, whether or not the cap binds or tokens are masked. Centring with the unweighted s̄
+and multiplying by w_y instead (gradient A·w_y·(∇log π_y − s̄)) has expectation −A·s̄ when the cap does
+not bind: exactly the drift SC exists to remove, with the sign flipped (SPEC test vector 15).
 """
 
-from typing import Optional
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -125,10 +141,12 @@ def mis_mask(
     """Masked importance sampling (MIS, Liu et al. 2025): drop tokens or sequences whose w leaves [low, high].
 
     A token (``level="token"``) or a whole sequence (``level="sequence"``, its product weight) is
-    kept when low ≤ w ≤ high; a NaN weight is never kept. Use the returned mask in place of ``mask``
-    in the loss reduction (keep the ORIGINAL mask for the reduction's denominators if the dropped
-    tokens should still count, as verl does). The SPEC's band [1/C, C] is ``low=1/C, high=C``; a
-    threshold on |log w| ≤ τ is ``low=exp(−τ), high=exp(τ)``.
+    kept when low ≤ w ≤ high; a NaN weight is never kept. This is the mask only; MIS as IcePop and
+    TRL define it also keeps the weight on the kept tokens (``correction_weights`` with
+    ``WeightFunction(mis_band=..., mis_weighted=True)``, what the trainer uses). The dropped tokens
+    still count in the loss's denominators in lit_rl, as in IcePop and TRL; verl's rejection sampling
+    shrinks the denominators instead (its modified response mask). The SPEC's band [1/C, C] is
+    ``low=1/C, high=C``; a threshold on |log w| ≤ τ is ``low=exp(−τ), high=exp(τ)``.
 
     Args:
         old_logprobs: float [N, T], trainer log-probs π_train.
@@ -154,6 +172,118 @@ def mis_mask(
     keep = valid & (weights >= low) & (weights <= high)
     metrics = {"mis_maskfrac": masked_mean((valid & ~keep).to(weights.dtype), valid)}
     return keep, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# A correction as one weight function w = f(r), for the sampled token and for the head alike
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightFunction:
+    """The train–inference correction's weight w = f(r) of a token whose ratio is r = π_old / μ.
+
+    f(r) = t(r) · 1[low ≤ r_mis ≤ high] with t(r) = min(r_tis, C) when TIS is on, r_mis when only
+    weighted MIS is on, and 1 otherwise (none, mask-only MIS). At ``level="sequence"`` the ratio is the
+    sequence's product ratio W_i = Π_t r_t (broadcast over its tokens) instead of the token's r_t.
+
+    Fields:
+        tis_cap: TIS cap C > 0 (Yao et al. 2025), or None: TIS off.
+        tis_level: "token" | "sequence".
+        mis_band: (low, high) with 0 ≤ low ≤ high, or None: MIS off.
+        mis_level: "token" | "sequence".
+        mis_weighted: True: kept tokens keep their weight r (MIS as IcePop and TRL's ``token_mask`` /
+            ``sequence_mask`` define it); False: mask only (verl's rejection sampling ``rollout_rs``).
+
+    Raises:
+        ValueError (at construction): a cap ≤ 0, a bad band or an unknown level.
+    """
+
+    tis_cap: Optional[float] = None
+    tis_level: str = "token"
+    mis_band: Optional[tuple[float, float]] = None
+    mis_level: str = "token"
+    mis_weighted: bool = True
+
+    def __post_init__(self):
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"TIS cap must be > 0, got {self.tis_cap}")
+        if self.mis_band is not None and not 0 <= self.mis_band[0] <= self.mis_band[1]:
+            raise ValueError(f"MIS band needs 0 <= low <= high, got {self.mis_band}")
+        for name in ("tis_level", "mis_level"):
+            if getattr(self, name) not in LEVELS:
+                raise ValueError(f"Unknown importance-weight level {getattr(self, name)!r}; expected one of {LEVELS}")
+
+    @property
+    def is_identity(self) -> bool:
+        """True when neither TIS nor MIS is on (f ≡ 1)."""
+        return self.tis_cap is None and self.mis_band is None
+
+    def log_weight(self, log_r_tis: Tensor, log_r_mis: Tensor) -> Tensor:
+        """log f elementwise (−inf where MIS drops, NaN ratios dropped by MIS), from log-ratios at the
+        TIS and MIS levels (same shape; equal at token level). Works in the log domain, so a sequence
+        ratio that would overflow exp() is still exact."""
+        out = torch.zeros_like(log_r_tis)
+        if self.tis_cap is not None:
+            out = log_r_tis.clamp(max=math.log(self.tis_cap))
+        elif self.mis_band is not None and self.mis_weighted:
+            out = log_r_mis
+        if self.mis_band is not None:
+            low, high = self.mis_band
+            log_low = math.log(low) if low > 0 else -math.inf
+            keep = (log_r_mis >= log_low) & (log_r_mis <= math.log(high))
+            out = torch.where(keep, out, torch.full_like(out, -math.inf))
+        return out
+
+
+def correction_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, rule: WeightFunction
+) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """The sampled tokens' correction weights w_y = f(π_old / μ), without gradient, and their metrics.
+
+    Multiply the per-token objective by ``weights`` (use ``torch.where(weights > 0, ...)`` so a dropped
+    token's loss, even inf/NaN, leaves no trace); the reduction's denominators stay those of the
+    unmasked step (IcePop, TRL; not verl's rejection sampling, which shrinks them).
+
+    Args:
+        old_logprobs: float [N, T], trainer log-probs π_old (detached here).
+        rollout_logprobs: float [N, T], rollout engine log-probs μ (detached here).
+        mask: bool or 0/1 float [N, T] of valid tokens.
+        rule: the ``WeightFunction``.
+
+    Returns:
+        (weights, context_tis, context_mis, metrics):
+            weights: float [N, T] (float32 for half inputs): f on valid tokens (0 where MIS drops), 1 on
+                padding.
+            context_tis / context_mis: float [N, T], log of the other factors of the level's ratio:
+                log W_i − log r_t at sequence level, 0 at token level (and on padding). The weight a head
+                token v would get at position t is f evaluated at log r_v + context (``centering_term``).
+            metrics: detached 0-dim tensors over valid tokens: with TIS ``tis`` (mean untruncated w),
+                ``tis_abs`` (mean |w − 1|), ``tis_clipfrac`` (fraction with w > C); with MIS
+                ``mis_maskfrac`` (fraction dropped). Sequence-level values count each token.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    log_r = _valid_log_ratio(old_logprobs, rollout_logprobs, mask)
+    log_r_tis = _level_log_ratio(log_r, rule.tis_level)
+    log_r_mis = _level_log_ratio(log_r, rule.mis_level)
+    valid = mask.bool()
+    log_w = rule.log_weight(log_r_tis, log_r_mis)
+    weights = torch.where(valid, log_w.exp(), torch.ones_like(log_w))
+    metrics = {}
+    if rule.tis_cap is not None:
+        w_tis = log_r_tis.exp()
+        metrics["tis"] = masked_mean(w_tis, mask)
+        metrics["tis_abs"] = masked_mean((w_tis - 1.0).abs(), mask)
+        metrics["tis_clipfrac"] = masked_mean((w_tis > rule.tis_cap).to(w_tis.dtype), mask)
+    if rule.mis_band is not None:
+        dropped = valid & torch.isneginf(log_w)
+        metrics["mis_maskfrac"] = masked_mean(dropped.to(weights.dtype), valid)
+    zero = torch.zeros_like(log_r)
+    context_tis = torch.where(valid, log_r_tis - log_r, zero)
+    context_mis = torch.where(valid, log_r_mis - log_r, zero)
+    return weights, context_tis, context_mis, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,27 +375,177 @@ def score_centering_term(
     Raises:
         ValueError: on shape mismatch or if the inputs are not 3-D.
     """
+    return centering_term(logprobs_head, rollout_head_logprobs, head_mask=head_mask)
+
+
+CoefFn = Callable[[Tensor], Tensor]
+
+
+def centering_term(
+    logprobs_head: Tensor,
+    rollout_head_logprobs: Tensor,
+    *,
+    coef: Optional[CoefFn] = None,
+    old_head_logprobs: Optional[Tensor] = None,
+    rule: Optional[WeightFunction] = None,
+    context_tis: Optional[Tensor] = None,
+    context_mis: Optional[Tensor] = None,
+    head_mask: Optional[Tensor] = None,
+) -> Tensor:
+    """Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) · log π_v, whose gradient is E_μ[c · w · ∇log π].
+
+    The expectation, under the sampler μ, of what one token contributes to the corrected gradient:
+    c_v is the objective's coefficient ∂ℓ_t/∂log π had v been sampled (``coef``), w_v the correction's
+    weight f(π_old,v / μ_v) (``rule``). Subtracted from the sampled term w_y · ℓ_t it makes the estimator
+    centred under the same weights (module docstring, "Composition"). With c ≡ 1 and f ≡ 1 it is plain
+    score centering, Σ_H sg(μ_v − ρ π_v) log π_v (``score_centering_term``).
+
+    The tail v ∉ H (not recorded by the engine) is filled with the trainer, rescaled: μ_v ≈ ρ_old π_old,v
+    with ρ_old = (1 − Σ_H μ) / (1 − Σ_H π_old), weight f(1 / ρ_old), and a tail ratio π_θ / π_old ≈
+    r_tail = (1 − Σ_H π_θ) / (1 − Σ_H π_old) for the coefficient c_tail = c(r_tail). Because
+    Σ_v π_v ∇log π_v = 0 (π = π_θ), the tail's Σ_{v∉H} μ_v w_v c_v ∇log π_v becomes
+    −c_tail α Σ_{v∈H} π_v ∇log π_v with α = ρ f(1/ρ_old), ρ = (1 − Σ_H μ) / (1 − Σ_H π_θ): only k
+    terms. At the first optimizer step (π_θ = π_old) α = min(1, C ρ) for TIS, 1[1/high ≤ ρ ≤ 1/low]
+    for weighted MIS, ρ·1[1/high ≤ ρ ≤ 1/low] for mask-only MIS and ρ for plain SC. With the full
+    vocabulary as the head (k = V) the term is exact; with k < V it is exact when the engine's tail is
+    proportional to the trainer's, and otherwise leaves a residual of the tail's mismatch.
+
+    Everything inside sg(·) is computed in float64 from detached inputs (k numbers per token): ρ, α, π_v,
+    μ_v w_v in its safe form exp(log μ_v + log f) (= min(π_old,v, C μ_v) for TIS; μ_v = 0 gives 0).
+
+    Edge cases (as ``score_centering_term``): no tail when 1 − Σ_H π_θ or 1 − Σ_H π_old ≤ ``TAIL_EPS``
+    (then α = 0); 1 − Σ_H μ is clamped at 0; an entry is used only where ``head_mask`` keeps it, its
+    trainer (and old) log-probs are finite and its engine log-prob is not NaN (−inf is kept: μ_v = 0).
+
+    Args:
+        logprobs_head: float [N, T, k], trainer log π_θ at the head ids (WITH gradient).
+        rollout_head_logprobs: float [N, T, k], the engine's log μ_v of the same ids (detached here).
+        coef: the objective's per-token coefficient as a function of log(π_θ / π_old): float [N, T, J] ->
+            [N, T, J], elementwise over J (e.g. ``lambda lr: -A[:, None, None].expand_as(lr)`` for
+            REINFORCE). Called once with J = k + 1 (the head ids, then the tail ratio). None: c ≡ 1.
+        old_head_logprobs: float [N, T, k], log π_old at the head ids (the weights use it), or None:
+            π_old = π_θ (one optimizer step per rollout batch).
+        rule: the correction's ``WeightFunction``; None: f ≡ 1.
+        context_tis / context_mis: float [N, T] from ``correction_weights`` (sequence level: the other
+            tokens' part of the sequence ratio, so a head token's weight is f(W_i · r_v / r_y)); None = 0.
+        head_mask: optional bool [N, T, k], True for the head entries to use.
+
+    Returns:
+        float [N, T] (dtype of ``logprobs_head``), gradient through ``logprobs_head`` only; padding
+        positions are not masked.
+
+    Raises:
+        ValueError: on shape mismatch, inputs that are not [N, T, k], or ``coef`` returning another shape.
+    """
     if logprobs_head.dim() != 3:
         raise ValueError(f"logprobs_head must be [N, T, k], got shape {tuple(logprobs_head.shape)}")
     _check_same_shape(logprobs_head, rollout_head_logprobs, "logprobs_head", "rollout_head_logprobs")
-    rollout_head_logprobs = rollout_head_logprobs.detach()
-    valid = torch.isfinite(logprobs_head.detach()) & ~torch.isnan(rollout_head_logprobs)
+    lp = logprobs_head.detach().double()
+    lmu = rollout_head_logprobs.detach().double()
+    if old_head_logprobs is None:
+        lp_old = lp
+    else:
+        _check_same_shape(logprobs_head, old_head_logprobs, "logprobs_head", "old_head_logprobs")
+        lp_old = old_head_logprobs.detach().double()
+    valid = torch.isfinite(lp) & torch.isfinite(lp_old) & ~torch.isnan(lmu)
     if head_mask is not None:
         _check_same_shape(logprobs_head, head_mask, "logprobs_head", "head_mask")
         valid = valid & head_mask.bool()
 
-    zeros = torch.zeros_like(logprobs_head, dtype=torch.float64)
-    pi = torch.where(valid, logprobs_head.detach().double().exp(), zeros)
-    mu = torch.where(valid, rollout_head_logprobs.double().exp(), zeros)
+    zeros = torch.zeros_like(lp)
+    pi = torch.where(valid, lp.exp(), zeros)
     tail_pi = 1.0 - pi.sum(-1, keepdim=True)
-    tail_mu = (1.0 - mu.sum(-1, keepdim=True)).clamp(min=0.0)
-    has_tail = tail_pi > TAIL_EPS
-    rho = torch.where(has_tail, tail_mu / torch.where(has_tail, tail_pi, torch.ones_like(tail_pi)), 0.0)
-    weights = (mu - rho * pi).to(logprobs_head.dtype)
+    tail_old = 1.0 - torch.where(valid, lp_old.exp(), zeros).sum(-1, keepdim=True)
+    tail_mu = (1.0 - torch.where(valid, lmu.exp(), zeros).sum(-1, keepdim=True)).clamp(min=0.0)
+    has_tail = (tail_pi > TAIL_EPS) & (tail_old > TAIL_EPS)
+    no_tail = torch.full_like(tail_pi, -math.inf)
+    safe = lambda x: torch.where(has_tail, x, torch.ones_like(x))  # noqa: E731  (no log of a non-positive tail)
+    log_rho = torch.where(has_tail, tail_mu.log() - safe(tail_pi).log(), no_tail)
+    log_r_tail = torch.where(has_tail, safe(tail_pi).log() - safe(tail_old).log(), torch.zeros_like(tail_pi))
+
+    if rule is None or rule.is_identity:
+        mu_w = torch.where(valid, lmu.exp(), zeros)
+        log_alpha = log_rho
+    else:
+        ctx_t = 0.0 if context_tis is None else context_tis.detach().double().unsqueeze(-1)
+        ctx_m = 0.0 if context_mis is None else context_mis.detach().double().unsqueeze(-1)
+        log_r = lp_old - lmu  # +inf where mu_v = 0: every f maps it to a finite value or to -inf
+        mu_w = torch.where(valid, (lmu + rule.log_weight(log_r + ctx_t, log_r + ctx_m)).exp(), zeros)
+        log_r_old_tail = torch.where(has_tail, -(tail_mu.log() - safe(tail_old).log()), no_tail)
+        log_alpha = log_rho + rule.log_weight(log_r_old_tail + ctx_t, log_r_old_tail + ctx_m)
+        log_alpha = torch.where(has_tail, log_alpha, no_tail)
+    alpha = log_alpha.exp()
+
+    if coef is None:
+        c_head, c_tail = 1.0, 1.0
+    else:
+        c = coef(torch.cat([lp - lp_old, log_r_tail], dim=-1))
+        if c.shape != (*lp.shape[:2], lp.shape[2] + 1):
+            raise ValueError(f"coef must map [N, T, J] to [N, T, J], got {tuple(c.shape)} for J = {lp.shape[2] + 1}")
+        c = c.detach().double()
+        c_head, c_tail = c[..., :-1], c[..., -1:]
+    weights = torch.where(valid, c_head * mu_w - c_tail * alpha * pi, zeros).to(logprobs_head.dtype)
 
     # Zero the unused entries before multiplying, so no -inf / NaN reaches the forward or backward.
     safe_logprobs = torch.where(valid, logprobs_head, torch.zeros_like(logprobs_head))
     return (weights * safe_logprobs).sum(-1)
+
+
+def corrected_policy_loss(
+    token_loss: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    rule: WeightFunction,
+    *,
+    score_centering: bool = False,
+    coef: Optional[CoefFn] = None,
+    logprobs_head: Optional[Tensor] = None,
+    rollout_head_logprobs: Optional[Tensor] = None,
+    old_head_logprobs: Optional[Tensor] = None,
+    head_mask: Optional[Tensor] = None,
+) -> tuple[Tensor, dict]:
+    """The corrected per-token policy-gradient loss L_t = w_y · ℓ_t − [SC] Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) log π_v.
+
+    The one place where TIS, MIS and score centering meet an objective (module docstring,
+    "Composition"; SPEC test vector 15): the sampled token's loss ℓ_t is weighted by w_y = f(π_old / μ)
+    (``correction_weights``), and with score centering the expected weighted score under μ is subtracted
+    with the objective's own coefficient (``centering_term``). A token MIS drops keeps its centring term:
+    the expectation over y_t includes the dropped outcomes, so the centring belongs to every position.
+    Gradient: c_y w_y ∇log π_y − E_μ[c w ∇log π]; under a constant advantage its expectation over y_t ~ μ
+    is 0 whatever the cap or band, and on-policy (μ = π_old) it equals the uncorrected gradient in
+    expectation.
+
+    Args:
+        token_loss: float [N, T], the objective's per-token loss ℓ_t (with gradient through log π_θ(y_t)).
+        old_logprobs: float [N, T], log π_old of the sampled tokens.
+        rollout_logprobs: float [N, T], log μ of the sampled tokens.
+        mask: bool or 0/1 float [N, T] of valid tokens.
+        rule: the ``WeightFunction`` (identity for ``correction=none|sc``).
+        score_centering: subtract the centring term (needs ``logprobs_head``, ``rollout_head_logprobs``).
+        coef, logprobs_head, rollout_head_logprobs, old_head_logprobs, head_mask: see ``centering_term``.
+
+    Returns:
+        (loss [N, T] — 0 where MIS dropped the token and SC is off; padding not masked —, metrics of
+        ``correction_weights``).
+
+    Raises:
+        ValueError: on shape mismatch, or score centering without the head's log-probs.
+    """
+    _check_same_shape(token_loss, mask, "token_loss", "mask")
+    if rule.is_identity:
+        loss, context_tis, context_mis, metrics = token_loss, None, None, {}
+    else:
+        weights, context_tis, context_mis, metrics = correction_weights(old_logprobs, rollout_logprobs, mask, rule)
+        weights = weights.to(token_loss.dtype)
+        loss = torch.where(weights > 0, token_loss * weights, torch.zeros_like(token_loss))
+    if score_centering:
+        if logprobs_head is None or rollout_head_logprobs is None:
+            raise ValueError("score centering needs the trainer's and the engine's log-probs at the head ids")
+        loss = loss - centering_term(logprobs_head, rollout_head_logprobs, coef=coef,
+                                     old_head_logprobs=old_head_logprobs, rule=rule, context_tis=context_tis,
+                                     context_mis=context_mis, head_mask=head_mask)
+    return loss, metrics
 
 
 def score_centered_loss(
@@ -359,6 +639,15 @@ def _valid_log_ratio(numerator: Tensor, denominator: Tensor, mask: Tensor) -> Te
     if log_ratio.dtype in (torch.float16, torch.bfloat16):
         log_ratio = log_ratio.float()
     return torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+
+
+def _level_log_ratio(log_r: Tensor, level: str) -> Tensor:
+    """Per-token log-ratios [N, T] (0 on padding) at ``level``: themselves, or each row's sum broadcast."""
+    if level == "sequence":
+        return log_r.sum(-1, keepdim=True).expand_as(log_r)
+    if level != "token":
+        raise ValueError(f"Unknown importance-weight level {level!r}; expected one of {LEVELS}")
+    return log_r
 
 
 def _check_same_shape(a: Tensor, b: Tensor, name_a: str, name_b: str) -> None:

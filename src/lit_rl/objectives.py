@@ -445,6 +445,104 @@ def cispo_loss(
 
 
 # ----------------------------------------------------------------------------------------------
+# Per-token coefficients: ∂ℓ_t / ∂log π, for the sampled token and for any other token
+# ----------------------------------------------------------------------------------------------
+# Score centering under a correction (``corrections.centering_term``) needs the coefficient a token
+# v would have received had it been sampled at position t. Each function below is that coefficient
+# for one objective, as a function of log(π_θ(v) / π_old(v)) (elementwise over the last dim J),
+# matching autograd's gradient of the loss at the sampled token (tests/test_objectives.py). At the
+# first optimizer step of a rollout batch every ratio is 1, and each reduces to −A (CISPO: −A·clip(1)).
+
+
+def reinforce_coef(log_ratio: Tensor, advantages: Tensor) -> Tensor:
+    """∂ℓ/∂log π of ℓ_t = −A · log π(y_t) (REINFORCE): −A, whatever the ratio.
+
+    Args:
+        log_ratio: float [N, T, J], log(π_θ / π_old) of the tokens to evaluate.
+        advantages: float [N] or [N, T].
+
+    Returns:
+        float [N, T, J].
+
+    Raises:
+        ValueError: advantages that are neither [N] nor [N, T] for this ``log_ratio``.
+    """
+    return (-_token_advantages(advantages, log_ratio)).expand_as(log_ratio).to(log_ratio.dtype)
+
+
+def ppo_clip_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """∂ℓ/∂log π of ``ppo_clip_loss``: −A·r where the clip does not bind, 0 where it does.
+
+    ℓ = −min(r A, clip(r, 1 − eps_low, 1 + eps_high) A), r = exp(log_ratio); the clip binds (the token
+    has no gradient) where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 − eps_low (Schulman et al.
+    2017; DAPO's clip-higher with eps_low ≠ eps_high).
+
+    Args:
+        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; eps_low, eps_high: clip ranges.
+
+    Returns:
+        float [N, T, J].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    adv = _token_advantages(advantages, log_ratio)
+    ratio = log_ratio.exp()
+    clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    return torch.where(clipped, torch.zeros_like(ratio), -adv * ratio)
+
+
+def cispo_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """∂ℓ/∂log π of ``cispo_loss``: −sg(clip(r, 1 − eps_low, 1 + eps_high)) · A (MiniMax-M1, 2025).
+
+    Args:
+        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; eps_low, eps_high: clip ranges.
+
+    Returns:
+        float [N, T, J].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    adv = _token_advantages(advantages, log_ratio)
+    return -adv * log_ratio.exp().clamp(1.0 - eps_low, 1.0 + eps_high)
+
+
+def gspo_coef(
+    log_ratio: Tensor, sampled_log_ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> Tensor:
+    """∂ℓ_t/∂log π of ``gspo_loss`` (GSPO-token form) had token v been sampled at position t.
+
+    The sequence ratio with v in place of y_t is s_i(v) = s_i · exp((log r_v − log r_{y_t}) / T_i)
+    (s_i the geometric mean of the sampled tokens' ratios, T_i the valid tokens); the coefficient is
+    −A_i · s_i(v) where the sequence clip does not bind at s_i(v), else 0 (Zheng et al. 2025). The
+    reduction (``seq_mean_token_mean``) supplies the 1 / T_i of the sequence objective.
+
+    Args:
+        log_ratio: float [N, T, J], log(π_θ / π_old) of the tokens to evaluate.
+        sampled_log_ratio: float [N, T], log(π_θ / π_old) of the sampled tokens (padding ignored).
+        advantages: float [N]. mask: bool [N, T]. eps_low, eps_high: sequence-level clip ranges.
+
+    Returns:
+        float [N, T, J].
+
+    Raises:
+        ValueError: on shape mismatch or advantages that are not [N].
+    """
+    _check_same_shape(sampled_log_ratio, mask, "sampled_log_ratio", "mask")
+    if advantages.shape != sampled_log_ratio.shape[:1]:
+        raise ValueError(f"gspo_coef needs one advantage per sequence [N], got shape {tuple(advantages.shape)}")
+    valid = mask.bool()
+    sampled = torch.where(valid, sampled_log_ratio, torch.zeros_like(sampled_log_ratio))
+    lengths = valid.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)  # [N, 1]
+    log_s = masked_mean(sampled, valid, dim=-1).to(log_ratio.dtype)[:, None, None]
+    seq_ratio = (log_s + (log_ratio - sampled.to(log_ratio.dtype).unsqueeze(-1)) / lengths.unsqueeze(-1)).exp()
+    adv = advantages.to(log_ratio.dtype)[:, None, None]
+    clipped = ((adv > 0) & (seq_ratio > 1.0 + eps_high)) | ((adv < 0) & (seq_ratio < 1.0 - eps_low))
+    return torch.where(clipped, torch.zeros_like(seq_ratio), -adv * seq_ratio)
+
+
+# ----------------------------------------------------------------------------------------------
 # Critic, entropy, KL
 # ----------------------------------------------------------------------------------------------
 
@@ -623,6 +721,19 @@ def _broadcast_advantages(advantages: Tensor, logprobs: Tensor) -> Tensor:
         f"advantages must be [N] or [N, T] for logprobs of shape {tuple(logprobs.shape)},"
         f" got {tuple(advantages.shape)}"
     )
+
+
+def _token_advantages(advantages: Tensor, log_ratio: Tensor) -> Tensor:
+    """Advantages [N] or [N, T] shaped to broadcast against per-candidate values [N, T, J]."""
+    if log_ratio.dim() != 3:
+        raise ValueError(f"log_ratio must be [N, T, J], got shape {tuple(log_ratio.shape)}")
+    n, t = log_ratio.shape[:2]
+    if advantages.dim() == 1 and advantages.shape[0] == n:
+        return advantages.to(log_ratio.dtype)[:, None, None]
+    if advantages.shape == (n, t):
+        return advantages.to(log_ratio.dtype).unsqueeze(-1)
+    raise ValueError(f"advantages must be [N] or [N, T] for log_ratio of shape {tuple(log_ratio.shape)}, "
+                     f"got {tuple(advantages.shape)}")
 
 
 def _safe_div(numerator: Tensor, denominator: Union[float, Tensor]) -> Tensor:

@@ -85,6 +85,16 @@ class MetricSums:
         return self
 
 
+def weight_rule(correction: dict) -> corr.WeightFunction:
+    """The ``correction`` config group's TIS / MIS settings as the weight function f of the ratio
+    (``corrections.WeightFunction``); the identity for ``correction=none|sc``."""
+    tis, mis = (correction.get(k) or {} for k in ("tis", "mis"))
+    return corr.WeightFunction(
+        tis_cap=float(tis.get("cap", 2.0)) if tis.get("enabled") else None, tis_level=tis.get("level", "token"),
+        mis_band=(float(mis.get("low", 0.5)), float(mis.get("high", 2.0))) if mis.get("enabled") else None,
+        mis_level=mis.get("level", "token"), mis_weighted=bool(mis.get("weighted", True)))
+
+
 def updates_per_step(algo: dict) -> int:
     """Optimizer steps per RL step of the ``algo`` config: ``ppo_epochs`` x ``num_minibatches`` (default 1 x 1)."""
     return int(algo.get("ppo_epochs", 1) or 1) * int(algo.get("num_minibatches", 1) or 1)
@@ -131,6 +141,7 @@ class RLAlgorithm(L.LightningModule):
         self.kl_cfg, self.optim_cfg = dict(kl), dict(optim)
         self.chunk_tokens = logprob_chunk_tokens
         self.correction = dict(correction or {})
+        self.weight_rule = weight_rule(self.correction)
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
@@ -163,6 +174,13 @@ class RLAlgorithm(L.LightningModule):
         stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
         stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
         return loss
+
+    def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
+        """∂ℓ_t/∂log π of ``policy_loss`` had a token with log(π_θ / π_old) = ``log_ratio`` [n, T, J] been
+        sampled at position t (``sampled_log_ratio`` [n, T]: the sampled tokens'); [n, T, J]. Score
+        centering under a correction evaluates it at the engine's head ids (``corrections.centering_term``).
+        Default: the PPO clipped surrogate's, −A·r where the clip does not bind (GRPO, DAPO, Dr.GRPO)."""
+        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
 
     def collect(self, batch: PromptBatch):
         """Generate and score this rank's share of the step's rollouts. Returns (ScoredRollouts, rollout
@@ -334,40 +352,34 @@ class RLAlgorithm(L.LightningModule):
         return self.finish_loss(pg_loss, scores, old_logprobs, mb, stats, num_tokens, num_seqs)
 
     def correct(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
-                stats: MetricSums) -> tuple[Tensor, Tensor]:
-        """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss.
+                stats: MetricSums) -> Tensor:
+        """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss [n, T].
 
-        TIS multiplies each token's loss by the truncated, stop-gradient weight pi_old / mu; MIS drops
-        tokens (or sequences) whose weight leaves [low, high] from the loss; score centering replaces the
-        score of the sampled token, grad log pi(y_t), by the centred score grad log pi(y_t) - s_bar with
-        the same coefficient. That coefficient g_t = d loss_t / d logprobs_t is read off by autograd, so SC
-        composes with every objective, and is zero wherever a clip zeroes the gradient.
-        Returns (pg_loss [n, T], the loss mask [n, T]).
+        One call to ``corrections.corrected_policy_loss``: the sampled token's loss is weighted by w_y =
+        f(pi_old / mu) (TIS: min(r, cap); MIS: r inside [low, high], 0 outside, or 1 / 0 with
+        ``mis.weighted=false``), and score centering subtracts E_mu[c w grad log pi] over the engine's head
+        (plus the rescaled tail), where c is this objective's own coefficient (``score_coefficients``) and w
+        the same weight, so ``sc+tis`` and ``sc+mis`` stay centred (SPEC test vector 15). Tokens MIS drops
+        keep their place in the step's denominators. Logs tis / tis_abs / tis_clipfrac / mis_maskfrac.
         """
         m = mb.response_mask
-        cfg = self.correction
-        tis, mis, sc = (cfg.get(k, {}) or {} for k in ("tis", "mis", "sc"))
-        if tis.get("enabled"):
-            w, metrics = corr.tis_weights(old_logprobs, mb.rollout_logprobs, m, tis.get("cap", 2.0),
-                                          tis.get("level", "token"))
-            pg_loss = pg_loss * w
-            stats.add_means({f"train/{k}": v for k, v in metrics.items()}, m)
-        if mis.get("enabled"):
-            m, metrics = corr.mis_mask(old_logprobs, mb.rollout_logprobs, m, mis.get("low", 0.5),
-                                       mis.get("high", 2.0), mis.get("level", "token"))
-            stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
-        if sc.get("enabled"):
-            coef, = torch.autograd.grad(pg_loss.sum(), scores.logprobs, retain_graph=True)
-            head_mask = torch.isfinite(mb.topk_logprobs)
-            centring = corr.score_centering_term(scores.head_logprobs, mb.topk_logprobs, head_mask)
-            pg_loss = pg_loss - coef.detach() * centring
-        return pg_loss, m
+        kwargs = {}
+        if (self.correction.get("sc") or {}).get("enabled"):
+            sampled_log_ratio = scores.logprobs.detach() - old_logprobs.detach()
+            kwargs = dict(score_centering=True, logprobs_head=scores.head_logprobs,
+                          rollout_head_logprobs=mb.topk_logprobs, old_head_logprobs=mb.old_head_logprobs,
+                          head_mask=torch.isfinite(mb.topk_logprobs),
+                          coef=lambda log_ratio: self.score_coefficients(log_ratio, sampled_log_ratio, mb))
+        loss, metrics = corr.corrected_policy_loss(pg_loss, old_logprobs, mb.rollout_logprobs, m, self.weight_rule,
+                                                   **kwargs)
+        stats.add_means({f"train/{k}": v for k, v in metrics.items()}, m)
+        return loss
 
     def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
                     stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor, extra_loss: Tensor | None = None) -> Tensor:
         """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
         diagnostics, and the reduction to a scalar normalised by the step's totals."""
-        token_loss, loss_mask = self.correct(pg_loss, scores, old_logprobs, mb, stats)
+        token_loss = self.correct(pg_loss, scores, old_logprobs, mb, stats)
         m = mb.response_mask
         logprobs = scores.logprobs
         if extra_loss is not None:
@@ -389,9 +401,8 @@ class RLAlgorithm(L.LightningModule):
             torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
         stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
             mb.rollout_logprobs, p_o, logprobs.detach(), m).items()}, m)
-        # tokens MIS drops leave the numerator only: every reduction keeps the step's original denominators
-        # (num_tokens, num_seqs and each sequence's T_i), so token_mean and seq_mean_token_mean agree on them
-        token_loss = torch.where(loss_mask.bool(), token_loss, torch.zeros_like(token_loss))
+        # tokens MIS drops leave the numerator only (``correct`` zeroes their weight): every reduction keeps the
+        # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
         return obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
                                num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
 
@@ -459,7 +470,8 @@ class RLAlgorithm(L.LightningModule):
             advantages=row.advantages if row.advantages.dim() == 1 else row.advantages.new_zeros((1, 1)),
             old_logprobs=one(row.old_logprobs), behaviour_logprobs=one(row.behaviour_logprobs),
             ref_logprobs=one(row.ref_logprobs), topk_ids=one(row.topk_ids, 0),
-            topk_logprobs=one(row.topk_logprobs, float("-inf")), old_values=one(row.old_values),
+            topk_logprobs=one(row.topk_logprobs, float("-inf")),
+            old_head_logprobs=one(row.old_head_logprobs, float("-inf")), old_values=one(row.old_values),
             returns=one(row.returns))
 
     @property
@@ -486,8 +498,20 @@ class RLAlgorithm(L.LightningModule):
         rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
         for i in range(0, n, self.micro_batch_size):
             mb = rb.select(slice(i, i + self.micro_batch_size))
-            lp = self.logprobs_of(self.policy, mb, with_entropy=False).logprobs
-            rb.old_logprobs[i:i + len(mb), :lp.shape[1]] = lp
+            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
+            rb.old_logprobs[i:i + len(mb), :scores.logprobs.shape[1]] = scores.logprobs
+            self.store_old_head(rb, i, scores)
+
+    def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
+        """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout
+        batch gets several optimizer steps): rows ``start:`` of ``rb.old_head_logprobs`` [N, T, k] from a
+        snapshot micro-batch's ``scores``. A no-op without score centering."""
+        if scores.head_logprobs is None:
+            return
+        if rb.old_head_logprobs is None:
+            rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
+        w = scores.head_logprobs.shape[1]
+        rb.old_head_logprobs[start:start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
 
     def optimizer_step(self, opt, loss: float = 0.0) -> float:
         """Clip, step, zero; returns the pre-clip gradient norm.
@@ -541,13 +565,18 @@ class RLAlgorithm(L.LightningModule):
         if self.stale is not None and "stale_rollouts" in state:
             self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 
+    def start_update(self, rb: RolloutBatch) -> None:
+        """What the update needs before its first optimizer step: pi_old (``snapshot``) when the batch gets
+        several optimizer steps (with one, the training forward itself is pi_old)."""
+        if self.updates_per_step > 1 and rb.old_logprobs is None:
+            self.snapshot(rb)
+
     def update(self, rb: RolloutBatch) -> dict[str, float]:
         """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
         minibatches, one optimizer step each (the PPO schedule; 1 x 1 by default). Returns train/* metrics,
         reduced over data-parallel ranks (each rank shuffles and cuts its own share)."""
         opt = self.optimizers()
-        if self.updates_per_step > 1 and rb.old_logprobs is None:
-            self.snapshot(rb)
+        self.start_update(rb)
         stats = MetricSums()
         loss_total, norms = 0.0, []
         gen = torch.Generator().manual_seed(int(self.global_step))

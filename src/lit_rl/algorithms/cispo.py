@@ -22,3 +22,7 @@ class CISPO(RLAlgorithm):
         stats.add("train/pg_clipfrac_upper", (ratio > 1 + eps_high).float(), mb.response_mask)
         stats.add("train/pg_clipfrac", ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float(), mb.response_mask)
         return obj.cispo_loss(logprobs, old_logprobs, mb.advantages, eps_low, eps_high)
+
+    def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
+        """-sg(clip(r_v)) A: the clipped weight of the token's own ratio."""
+        return obj.cispo_coef(log_ratio, mb.advantages, self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])

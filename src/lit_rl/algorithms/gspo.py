@@ -23,3 +23,8 @@ class GSPO(RLAlgorithm):
         stats.add("train/pg_clipfrac_lower", clip_low.float(), seq)
         stats.add("train/pg_clipfrac_upper", clip_high.float(), seq)
         return loss
+
+    def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
+        """-A s_i(v), s_i(v) the sequence ratio with v in place of the sampled token, 0 where it is clipped."""
+        return obj.gspo_coef(log_ratio, sampled_log_ratio, mb.advantages, mb.response_mask,
+                             self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])

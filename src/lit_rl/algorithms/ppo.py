@@ -78,6 +78,7 @@ class PPO(RLAlgorithm):
             w = scores.logprobs.shape[1]
             old_lp[i:i + len(mb), :w] = scores.logprobs
             old_v[i:i + len(mb), :w] = v
+            self.store_old_head(rb, i, scores)
         mask = rb.response_mask
         lengths = mask.sum(-1)
         token_rewards = torch.zeros_like(old_v)
@@ -105,10 +106,9 @@ class PPO(RLAlgorithm):
             std = adv.new_tensor(sq / count).sqrt()
         return torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
 
-    def update(self, rb: RolloutBatch) -> dict[str, float]:
-        """The base schedule; the snapshot (with the critic) runs even for a single update."""
+    def start_update(self, rb: RolloutBatch) -> None:
+        """The snapshot (pi_old, the critic's values, GAE advantages) runs even for a single update."""
         self.snapshot(rb)
-        return super().update(rb)
 
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
         m = mb.response_mask

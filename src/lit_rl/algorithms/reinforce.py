@@ -31,3 +31,7 @@ class Reinforce(RLAlgorithm):
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
         return -adv * logprobs
+
+    def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
+        """-A for every token: REINFORCE's coefficient does not depend on the ratio."""
+        return obj.reinforce_coef(log_ratio, mb.advantages)

@@ -69,7 +69,9 @@ class RolloutBatch:
     behaviour_logprobs [N, T] float32 or None: the trainer's log-probs under the weights that generated each
     row (p_o of SPEC's decomposition), filled only when some row is stale (``rollout.mode=lagged|async``);
     None means every row was generated with the weights being trained, so p_o = old_logprobs;
-    topk_ids / topk_logprobs [N, T, k] or None; old_values / returns [N, T] float32 or None (critic).
+    topk_ids / topk_logprobs [N, T, k] or None; old_head_logprobs [N, T, k] float32 or None: pi_old at the
+    head ids, kept by the snapshot for score centering when a batch gets several optimizer steps;
+    old_values / returns [N, T] float32 or None (critic).
     """
 
     prompt_ids: Tensor
@@ -86,6 +88,7 @@ class RolloutBatch:
     ref_logprobs: Tensor | None = None
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
+    old_head_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
 
@@ -114,7 +117,7 @@ class RolloutBatch:
         t1 = int(keep_r.nonzero()[-1]) + 1 if keep_r.any() else 0
         changes = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
         for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "behaviour_logprobs", "ref_logprobs",
-                     "topk_ids", "topk_logprobs", "old_values", "returns"):
+                     "topk_ids", "topk_logprobs", "old_head_logprobs", "old_values", "returns"):
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[:, :t1]

@@ -1,0 +1,359 @@
+"""Corrections right in expectation: exact E_μ[ĝ] of the trainer's own update on enumerable policies.
+
+Every gradient here is computed by lit_rl's real update path (``build_module`` from the Hydra config, then
+``build_batch`` / ``start_update`` / ``accumulate_gradients``) on a tabular policy (``lit_rl.expectation``);
+the expectation over the sampler μ is an exact sum over every sequence (or every group of G = 2). Float32 on
+the trainer's path: identities are asserted to 1e-6 of the gradients' scale.
+
+The identities (SPEC "Composition", test vectors 14-16):
+1. μ = π: every correction's E[ĝ] equals ``none``'s, for every algorithm (real rewards, G = 2 groups).
+2. A constant advantage (A = 1 on every sequence, so group baselines cannot make the test empty), any μ:
+   ``sc``, ``sc+tis`` and ``sc+mis`` (weighted and mask-only) have E[ĝ] = 0 whether or not the cap binds or
+   tokens are masked; ``tis`` is 0 until the cap binds and leaks after (the leak pinned to an independent
+   formula); ``none`` drifts by E_μ[s̄].
+3. Any reward: untruncated sequence-level importance sampling is unbiased (E_μ[ĝ] = on-policy E_π[ĝ]);
+   token-level IS is not, beyond the first token.
+4. SPEC vector 15 (V = 2) exactly; vector 16 (MIS keeps the weight and the denominator).
+"""
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import ROOT
+from lit_rl.corrections import WeightFunction, corrected_policy_loss, exact_score_centering_term, score_centering_term
+from lit_rl.expectation import (
+    TabularPolicy,
+    all_sequences,
+    expected_gradient,
+    noisy_table,
+    prefix_rows,
+    sampler_at_kl,
+    sequence_logprobs,
+)
+from lit_rl.objectives import reduce_loss
+from lit_rl.train import build_module
+
+CONF = os.path.join(ROOT, "conf")
+ALGOS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
+ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)
+
+# correction name -> extra overrides (mis_mask = mask-only MIS, verl's rejection sampling)
+CORRECTIONS = {
+    "none": [], "tis": [], "mis": [], "mis_mask": ["correction.mis.weighted=false"], "sc": [], "sc+tis": [],
+    "sc+mis": [], "sc+mis_mask": ["correction.mis.weighted=false"],
+}
+
+
+def module_for(policy, algo, correction="none", *overrides):
+    """The algorithm's LightningModule built from the real Hydra config around a tabular policy."""
+    name = correction.replace("_mask", "")
+    base = ["model=tiny", "trainer.precision=32-true", f"sampling.max_new_tokens={policy.length}",
+            "rollout.micro_batch_size=4096", "logprob_chunk_tokens=4096",
+            f"algo={algo}", f"correction={name}", f"correction.sc.top_k={policy.vocab_size}",
+            *CORRECTIONS[correction]]
+    if algo == "reinforce":
+        base.append("algo.baseline=none")
+    if algo == "dapo":
+        base.append("algo.overlong.enabled=false")  # a constant length: shaping would only shift rewards
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[*base, *overrides])
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=policy.vocab_size - 1)
+    return build_module(cfg, policy, tokenizer)
+
+
+def expected(policy, algo, correction, sampler, overrides=(), **kwargs):
+    module = module_for(policy, algo, correction, *overrides)
+    kwargs.setdefault("reward", lambda seqs: torch.ones(len(seqs)))
+    return expected_gradient(module, policy, sampler, head_size=kwargs.pop("head_size", policy.vocab_size),
+                             **kwargs).mean
+
+
+def close(a, b, scale, rtol=1e-6):
+    """|a - b| <= rtol * scale elementwise (scale: the size of the gradients compared, float32 path)."""
+    return float((a - b).abs().max()) <= rtol * max(scale, 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# SPEC vector 15: one token, V = 2, π = (0.5, 0.5), μ = (0.6, 0.4), reward 1, no baseline
+# ----------------------------------------------------------------------------------------------
+
+V15 = [
+    ("none", [], (-0.1, 0.1)),
+    ("tis", ["correction.tis.cap=2"], (0.0, 0.0)),
+    ("sc", [], (0.0, 0.0)),
+    ("sc+tis", ["correction.tis.cap=2"], (0.0, 0.0)),       # (+0.1, -0.1) when the centred score was multiplied by w_y
+    ("sc+mis", ["correction.mis.low=0.5", "correction.mis.high=2"], (0.0, 0.0)),
+    ("tis", ["correction.tis.cap=1.1"], (-0.03, 0.03)),      # the cap binds: TIS leaks the drift back
+    ("sc+tis", ["correction.tis.cap=1.1"], (0.0, 0.0)),
+    ("mis", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.25, -0.25)),       # token 0 (w = 5/6) masked
+    ("mis_mask", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.2, -0.2)),
+    ("sc+mis", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.0, 0.0)),
+    ("sc+mis_mask", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.0, 0.0)),
+]
+
+
+@pytest.mark.parametrize("correction,overrides,value", V15, ids=[f"{c}-{'-'.join(o)}" for c, o, _ in V15])
+def test_vector_15_two_token_vocabulary(correction, overrides, value):
+    policy = TabularPolicy(2, 1, torch.zeros(1, 2, dtype=torch.float64))
+    mu = torch.tensor([[0.6, 0.4]], dtype=torch.float64).log()
+    grad = expected(policy, "reinforce", correction, mu, overrides)
+    torch.testing.assert_close(grad, torch.tensor([value], dtype=torch.float64), atol=1e-7, rtol=0)
+
+
+def test_vector_16_mis_keeps_the_weight_and_the_denominator():
+    # one row, two tokens: w = 1.5 inside [0.5, 2] and w = 2.5 outside; A = +1, ratio 1 (loss -A log pi)
+    logprobs = torch.tensor([[math.log(0.3), math.log(0.5)]], requires_grad=True)
+    rollout = torch.tensor([[math.log(0.2), math.log(0.2)]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for weighted, kept_loss in ((True, -1.5), (False, -1.0)):
+        rule = WeightFunction(mis_band=(0.5, 2.0), mis_weighted=weighted)
+        # per-token loss with the log-prob's value replaced by 1 (ratio 1): -A * 1 = -1 before the weight
+        loss, metrics = corrected_policy_loss(-torch.ones(1, 2), logprobs.detach(), rollout, mask, rule)
+        torch.testing.assert_close(loss, torch.tensor([[kept_loss, 0.0]]))
+        assert float(metrics["mis_maskfrac"]) == 0.5
+        # the dropped token still counts in the step's denominator: token_mean over 2 tokens
+        assert float(reduce_loss(loss, mask, "token_mean")) == pytest.approx(kept_loss / 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. On-policy: no correction changes the expected gradient (real rewards, groups of G = 2)
+# ----------------------------------------------------------------------------------------------
+
+
+def reward_first_equals_last(seqs):
+    """A task with signal: 1 when the response's first and last tokens agree."""
+    return (seqs[:, 0] == seqs[:, -1]).float()
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_on_policy_every_correction_equals_none(algo):
+    policy = TabularPolicy(3, 2, seed=1)
+    pi = policy.table()
+    kw = dict(reward=reward_first_equals_last, group_size=2)
+    reference = expected(policy, algo, "none", pi, **kw)
+    assert reference.abs().max() > 1e-3  # the groups carry a gradient
+    scale = float(reference.abs().max())
+    for correction in CORRECTIONS:
+        levels = ("token", "sequence") if correction in ("tis", "mis", "mis_mask", "sc+tis", "sc+mis") else ("token",)
+        for level in levels:
+            overrides = [f"correction.tis.level={level}", f"correction.mis.level={level}"]
+            grad = expected(policy, algo, correction, pi, overrides, **kw)
+            assert close(grad, reference, scale), (correction, level, float((grad - reference).abs().max()))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. A constant advantage: the centred corrections do not drift, whatever the cap or band
+# ----------------------------------------------------------------------------------------------
+
+
+def reference_drift(policy, sampler, rule, centred, reduction_weight):
+    """Independent formula for REINFORCE with A = 1 (no autograd, no trainer): E_μ[ĝ] wrt the table =
+    Σ_s μ(s) Σ_t red · [-w_t(s) (e_{y_t} - π_t) + centred · Σ_v μ_v w_t(s; v) (e_v - π_t)], where w_t(s; v) is
+    the correction's weight with v in place of y_t (token level: f(π_v/μ_v); sequence level: f(W_s r_v / r_{y_t}))."""
+    vocab = policy.vocab_size
+    seqs = all_sequences(vocab, policy.length)
+    logpi, logmu = torch.log_softmax(policy.table(), -1), torch.log_softmax(sampler, -1)
+    rows = prefix_rows(seqs, vocab)
+    seq_logmu = sequence_logprobs(sampler, seqs).sum(-1)
+    log_r = (logpi - logmu)[rows, seqs]  # [N, L]
+    out = torch.zeros_like(logpi)
+    eye = torch.eye(vocab, dtype=torch.float64)
+
+    def f(log_r_tis, log_r_mis):
+        return rule.log_weight(log_r_tis, log_r_mis).exp()
+
+    for i, s in enumerate(seqs):
+        p_s = math.exp(float(seq_logmu[i]))
+        for t in range(policy.length):
+            h = int(rows[i, t])
+            pi_h, mu_h = logpi[h].exp(), logmu[h].exp()
+            ctx = {lvl: (float(log_r[i].sum() - log_r[i, t]) if lvl == "sequence" else 0.0)
+                   for lvl in ("token", "sequence")}
+            lr_v = logpi[h] - logmu[h]  # [V]
+            w_v = f(lr_v + ctx[rule.tis_level], lr_v + ctx[rule.mis_level])
+            y = int(s[t])
+            g = -w_v[y] * (eye[y] - pi_h)
+            if centred:
+                g = g + (mu_h[:, None] * w_v[:, None] * (eye - pi_h)).sum(0)
+            out[h] += p_s * reduction_weight * g
+    return out
+
+
+def rule_for(correction, level="token", cap=2.0, band=(0.5, 2.0)):
+    return WeightFunction(tis_cap=cap if "tis" in correction else None, tis_level=level,
+                          mis_band=band if "mis" in correction else None, mis_level=level,
+                          mis_weighted=not correction.endswith("_mask"))
+
+
+SETTINGS = {  # name -> (overrides, the matching WeightFunction keywords)
+    "loose": (["correction.tis.cap=1e6", "correction.mis.low=1e-6", "correction.mis.high=1e6"],
+              dict(cap=1e6, band=(1e-6, 1e6))),
+    "binding": (["correction.tis.cap=1.05", "correction.mis.low=0.9", "correction.mis.high=1.1"],
+                dict(cap=1.05, band=(0.9, 1.1))),
+}
+
+
+@pytest.fixture(scope="module")
+def drift_setup():
+    """V = 4, L = 2; a sampler with logit noise (KL(π‖μ) = 0.1 per prefix) and a stale one (an older θ)."""
+    policy = TabularPolicy(4, 2, seed=2)
+    noisy, _ = sampler_at_kl(policy.table(), 0.1, seed=3)
+    stale = policy.table() - 0.5 * torch.randn(policy.table().shape, generator=torch.Generator().manual_seed(4),
+                                               dtype=torch.float64)
+    return policy, {"noise": noisy, "stale": stale}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("sampler", ["noise", "stale"])
+def test_constant_reward_reinforce_matches_the_formula(drift_setup, sampler, setting, level):
+    policy, samplers = drift_setup
+    mu = samplers[sampler]
+    overrides, rule_kw = SETTINGS[setting]
+    overrides = [*overrides, f"correction.tis.level={level}", f"correction.mis.level={level}"]
+    none = expected(policy, "reinforce", "none", mu, overrides)
+    assert none.abs().max() > 1e-2  # the mismatch drifts an uncorrected REINFORCE
+    for correction in CORRECTIONS:
+        grad = expected(policy, "reinforce", correction, mu, overrides)
+        rule = rule_for(correction, level, **rule_kw)
+        ref = reference_drift(policy, mu, rule, correction.startswith("sc"), reduction_weight=1.0)
+        assert close(grad, ref, float(none.abs().max())), (correction, float((grad - ref).abs().max()))
+        if correction.startswith("sc") and level == "token":
+            assert close(grad, torch.zeros_like(grad), float(none.abs().max())), correction
+    tis = expected(policy, "reinforce", "tis", mu, overrides)
+    if setting == "binding":
+        assert tis.abs().max() > 1e-3  # the cap binds: TIS leaks the drift back (the value: the formula above)
+    elif level == "token":
+        assert close(tis, torch.zeros_like(tis), float(none.abs().max()))  # the cap does not bind: no drift
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_constant_advantage_centred_corrections_do_not_drift(drift_setup, algo):
+    policy, samplers = drift_setup
+    for mu in samplers.values():
+        for setting, (overrides, _) in SETTINGS.items():
+            none = expected(policy, algo, "none", mu, overrides, advantages=ONES)
+            assert none.abs().max() > 1e-2
+            for correction in ("sc", "sc+tis", "sc+mis", "sc+mis_mask"):
+                grad = expected(policy, algo, correction, mu, overrides, advantages=ONES)
+                assert close(grad, torch.zeros_like(grad), float(none.abs().max())), (setting, correction)
+
+
+def test_sequence_level_centring_leaks_only_when_the_cap_binds(drift_setup):
+    # Sequence-level weights depend on the tokens after t, which depend on y_t: a head token's weight can
+    # only be estimated by substitution (W r_v / r_y), exact while f is linear (an untruncated ratio) and
+    # leaking once the cap binds. The leak is pinned by the formula in
+    # test_constant_reward_reinforce_matches_the_formula; here: zero when loose, nonzero when binding.
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    loose = ["correction.tis.level=sequence", "correction.tis.cap=1e6"]
+    binding = ["correction.tis.level=sequence", "correction.tis.cap=1.05"]
+    none = expected(policy, "reinforce", "none", mu)
+    scale = float(none.abs().max())
+    assert close(expected(policy, "reinforce", "sc+tis", mu, loose), torch.zeros_like(none), scale)
+    assert close(expected(policy, "reinforce", "tis", mu, loose), torch.zeros_like(none), scale)
+    assert expected(policy, "reinforce", "sc+tis", mu, binding).abs().max() > 1e-4
+
+
+def test_later_optimizer_steps_stay_centred_with_the_full_head(drift_setup):
+    # Several optimizer steps per batch: π_θ has moved from π_old, the ratio and the clip act, and the
+    # snapshot keeps π_old at the head ids. For token-level objectives the coefficient of a head token is
+    # known exactly (its own ratio), so SC+TIS stays drift-free; the uncorrected update drifts.
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    move = 0.3 * torch.randn(policy.lm_head.weight.shape, generator=torch.Generator().manual_seed(5))
+    theta_old = policy.lm_head.weight.detach().clone()
+
+    def move_away(rb):
+        with torch.no_grad():
+            policy.lm_head.weight.copy_(theta_old + move)
+
+    try:
+        for algo in ("grpo", "dapo", "cispo", "ppo"):
+            extra = ["algo.ppo_epochs=2", "correction.tis.cap=1.05"]
+            none = expected(policy, algo, "none", mu, extra, advantages=ONES, before=move_away)
+            policy.lm_head.weight.data.copy_(theta_old)
+            assert none.abs().max() > 1e-2
+            for correction in ("sc", "sc+tis", "sc+mis"):
+                grad = expected(policy, algo, correction, mu, extra, advantages=ONES, before=move_away)
+                policy.lm_head.weight.data.copy_(theta_old)
+                assert close(grad, torch.zeros_like(grad), float(none.abs().max())), (algo, correction)
+    finally:
+        policy.lm_head.weight.data.copy_(theta_old)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2b. The engine's head: exact with k = V or a proportional tail, a residual otherwise
+# ----------------------------------------------------------------------------------------------
+
+
+def test_top_k_head_with_a_proportional_tail_is_exact_and_otherwise_leaves_a_residual():
+    policy = TabularPolicy(6, 1, seed=6)
+    pi = policy.table()
+    # a sampler that differs from pi only on its top-2 tokens: off the head mu_v = rho * pi_v exactly
+    proportional = pi.clone()
+    top2 = torch.log_softmax(pi, -1).topk(2, -1).indices
+    proportional.scatter_add_(-1, top2, torch.tensor([[0.4, -0.3]], dtype=torch.float64))
+    noisy = noisy_table(pi, 0.5, seed=7)
+    assert (torch.log_softmax(proportional, -1).topk(2, -1).indices.sort().values == top2.sort().values).all()
+    for mu, exact in ((proportional, True), (noisy, False)):
+        none = expected(policy, "reinforce", "none", mu, head_size=2)
+        sc = expected(policy, "reinforce", "sc", mu, head_size=2)
+        full = expected(policy, "reinforce", "sc", mu, head_size=6)
+        scale = float(none.abs().max())
+        assert close(full, torch.zeros_like(full), scale)
+        if exact:
+            assert close(sc, torch.zeros_like(sc), scale)
+        else:  # the tail's own mismatch is not seen by a top-2 head: a residual, smaller than no correction
+            assert 1e-4 < float(sc.abs().max()) < 0.5 * scale
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Any reward: untruncated sequence-level IS is unbiased; the SC term is s̄
+# ----------------------------------------------------------------------------------------------
+
+
+def random_reward(seqs):
+    g = torch.Generator().manual_seed(int((seqs * torch.arange(1, seqs.shape[1] + 1)).sum()) % 1000)
+    return torch.rand(len(seqs), generator=g)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_untruncated_sequence_importance_sampling_is_unbiased(algo):
+    policy = TabularPolicy(3, 2, seed=8)
+    mu, _ = sampler_at_kl(policy.table(), 0.2, seed=9)
+    table_reward = {tuple(s.tolist()): float(r) for s, r in zip(all_sequences(3, 2), torch.rand(9, generator=torch.Generator().manual_seed(10)))}
+    reward = lambda seqs: torch.tensor([table_reward[tuple(s.tolist())] for s in seqs])  # noqa: E731
+    fixed = lambda rb: rb.rewards.clone() if algo != "ppo" else rb.rewards[:, None].expand_as(rb.response_mask).clone()  # noqa: E731
+    on_policy = expected(policy, algo, "none", policy.table(), reward=reward, advantages=fixed)
+    seq_is = expected(policy, algo, "tis", mu, ["correction.tis.level=sequence", "correction.tis.cap=1e9"],
+                      reward=reward, advantages=fixed)
+    token_is = expected(policy, algo, "tis", mu, ["correction.tis.cap=1e9"], reward=reward, advantages=fixed)
+    off_policy = expected(policy, algo, "none", mu, reward=reward, advantages=fixed)
+    scale = float(on_policy.abs().max())
+    assert close(seq_is, on_policy, scale, rtol=1e-5)  # float32 weights of products of ratios
+    assert not close(off_policy, on_policy, scale, rtol=1e-2)
+    # token-level IS corrects each token's own distribution, not the prefix it was sampled under
+    assert not close(token_is, on_policy, scale, rtol=1e-3)
+
+
+def test_centring_term_with_the_full_head_is_the_enumerated_expected_score():
+    g = torch.Generator().manual_seed(11)
+    vocab = 7
+    logits = torch.randn(2, 3, vocab, generator=g, dtype=torch.float64).requires_grad_()
+    mu = torch.log_softmax(logits.detach() + 0.7 * torch.randn(2, 3, vocab, generator=g, dtype=torch.float64), -1)
+    head_ids = torch.arange(vocab).expand(2, 3, vocab)
+    logpi = torch.log_softmax(logits, -1)
+    term = score_centering_term(logpi.gather(-1, head_ids), mu.gather(-1, head_ids))
+    (grad_topk,) = torch.autograd.grad(term.sum(), logits)
+    (grad_exact,) = torch.autograd.grad(exact_score_centering_term(logits, mu).sum(), logits)
+    # Σ_v μ_v ∇_z log π_v = Σ_v μ_v (e_v − π), enumerated
+    pi = logpi.detach().exp()
+    enumerated = sum(mu.exp()[..., v:v + 1] * (torch.eye(vocab, dtype=torch.float64)[v] - pi) for v in range(vocab))
+    torch.testing.assert_close(grad_topk, enumerated)
+    torch.testing.assert_close(grad_exact, enumerated)
