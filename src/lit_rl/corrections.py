@@ -99,8 +99,8 @@ def tis_weights(
 ) -> tuple[Tensor, dict]:
     """Truncated importance sampling (TIS, Yao et al. 2025): sg(min(w, cap)) per token.
 
-    Multiply the per-token policy-gradient term by these weights (e.g. the advantage, or the
-    ``coef`` of ``score_centered_loss`` for ``sc+tis``). TIS's truncation is not PPO's clip: it caps
+    Multiply the per-token policy-gradient term by these weights (with score centering on top, use
+    ``corrected_policy_loss``, which centres under the same weights). TIS's truncation is not PPO's clip: it caps
     the weight, it never zeroes a token's gradient, and ``tis_clipfrac`` is not ``pg_clipfrac``.
 
     Args:
@@ -559,8 +559,9 @@ def score_centered_loss(
 
     Its gradient is −coef · (∇log π(y_t) − s̄): the plain REINFORCE gradient minus the drift a
     sampler/trainer mismatch adds (SPEC vector 14: with a constant reward its expectation under μ is
-    0, while plain REINFORCE drifts by coef · s̄). Additive, no hyperparameter; composes with TIS
-    (coef = w_TIS · A) and MIS (reduce with the MIS mask). For PPO pass coef = A · r where the clip
+    0, while plain REINFORCE drifts by coef · s̄). Additive, no hyperparameter. Not for composing with
+    TIS / MIS: passing coef = w · A centres with the unweighted s̄ and drifts by −A·s̄ (SPEC test vector
+    15); ``corrected_policy_loss`` centres under the weights. For PPO pass coef = A · r where the clip
     does not bind and 0 where it does (the clipped surrogate's gradient is A · r · ∇log π).
 
     Args:
