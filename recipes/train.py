@@ -10,13 +10,20 @@ The whole loop is in lit_rl.algorithms.base.RLAlgorithm.training_step; this file
 
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+# OpenMP reads its settings once, when torch loads it: set lit_rl's defaults first (an exported value wins).
+# PASSIVE lets torch's waiting threads sleep, so another process on the cores costs this run its share of
+# them and not a multiple (benchmarks/contention.py)
+from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
-from lit_rl.algorithms import NonFiniteUpdates
-from lit_rl.config import ConfigError
-from lit_rl.train import register_resolvers, run
+set_omp_defaults()
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from lit_rl.algorithms import NonFiniteUpdates  # noqa: E402
+from lit_rl.config import ConfigError  # noqa: E402
+from lit_rl.train import register_resolvers, run  # noqa: E402
 
 register_resolvers()  # ${lit_rl_run_name:...}: multirun folders named by what the sweep varies
 

@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+export TOKENIZERS_PARALLELISM=false  # threads: auto takes the cores this process may use (or an exported OMP_NUM_THREADS)
 exec .venv/bin/python recipes/train.py "$@"

@@ -4,8 +4,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
 
-import pytest
-import torch
+from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+
+set_omp_defaults()  # as recipes/train.py does, before torch loads OpenMP
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -13,7 +17,6 @@ from lit_rl.compare import read_scalars  # noqa: E402,F401  (tests read TensorBo
 from lit_rl.models import ModelSpec, load_policy  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSM8K_DIR = os.path.join(os.path.dirname(ROOT), "shared", "data", "gsm8k")
 
 
 @pytest.fixture(scope="session")

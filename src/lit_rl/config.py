@@ -20,6 +20,9 @@ ROLLOUT_MODES = ("sync", "lagged", "async")
 ON_STALE = ("block", "drop")
 KERNELS = ("default", "batch_invariant")
 GROUP_BASELINE_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+#: trainer.precision: auto (lit_rl.hardware.resolve_precision) or one of Lightning's values
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
+              "32", "bf16", "16", "64", 32, 16, 64)
 
 
 class ConfigError(ValueError):
@@ -191,6 +194,13 @@ def validate(cfg: DictConfig) -> None:
     _check_int(cfg.eval.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
     _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
+    threads = cfg.get("threads", "auto")
+    _check(threads in (None, "auto") or (_is_int(threads) and threads >= 1), "threads", threads,
+           "choose auto or an integer >= 1")
+    precision = cfg.trainer.get("precision", "auto")
+    _check(precision in PRECISIONS, "trainer.precision", precision,
+           f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
+           f"{[p for p in PRECISIONS if isinstance(p, str) and p != 'auto' and '-' in p]}")
     timeout = cfg.get("reward_timeout_s", 10.0)
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
     constant = cfg.task.get("constant_reward")

@@ -1,0 +1,375 @@
+"""The machine a run lands on, and what the ``auto`` settings make of it.
+
+    set_omp_defaults()                      # before torch is imported: OpenMP threads that sleep when idle
+    precision, reason = resolve_precision("auto", "cpu")   # bf16-mixed where bfloat16 is native, else 32-true
+    threads = configure_threads("auto")     # the cores this process may run on
+    peak = peak_flops(precision, "cpu")     # FLOP/s a matrix product reaches here (cached probe)
+
+Every decision reads facts about the hardware (what torch reports about the CPU's instruction sets, CUDA's
+bf16 support, the process's CPU affinity and cgroup quota), never a figure measured on one machine. The
+matmul probe measures the peak that ``perf/mfu`` divides by; on CPUs that are neither x86 nor CUDA (where
+torch does not report a bf16 fact) it also decides the precision, by comparing the two dtypes.
+
+Nothing here imports torch at module level, so ``set_omp_defaults`` can run before torch loads its OpenMP
+runtime (libgomp reads ``OMP_WAIT_POLICY`` once, when it is loaded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+#: OpenMP settings lit_rl's entry points set before torch loads, unless the environment already sets them.
+#: PASSIVE: a thread that waits at a barrier sleeps instead of spinning. With another process on the cores,
+#: spinning threads burn the time slices the thread they wait for needs (measured: benchmarks/contention.py).
+OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+#: oneDNN CPU ISA caps (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``) that leave out bfloat16 dot products:
+#: under them torch's bf16 matrix products run emulated, slower than float32.
+NO_BF16_ISA_CAPS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+#: bf16 wins the probe-based choice only when it is at least this much faster than float32
+PROBE_BF16_MARGIN = 1.2
+
+#: nominal dense peaks of CUDA devices, TFLOP/s, by a substring of ``torch.cuda.get_device_name()`` (first
+#: match wins, so specific names come first): (bf16, fp16, fp32 without TF32). Vendor data sheets, no sparsity.
+CUDA_PEAK_TFLOPS = (
+    ("H200", (989.0, 989.0, 67.0)),
+    ("H100 PCIe", (756.0, 756.0, 51.0)),
+    ("H100", (989.0, 989.0, 67.0)),
+    ("H800", (989.0, 989.0, 67.0)),
+    ("GH200", (989.0, 989.0, 67.0)),
+    ("B200", (2250.0, 2250.0, 80.0)),
+    ("A100", (312.0, 312.0, 19.5)),
+    ("A800", (312.0, 312.0, 19.5)),
+    ("L40S", (362.0, 362.0, 91.6)),
+    ("L40", (181.0, 181.0, 90.5)),
+    ("L4", (121.0, 121.0, 30.3)),
+    ("A10G", (70.0, 70.0, 31.2)),
+    ("A10", (125.0, 125.0, 31.2)),
+    ("RTX 4090", (165.0, 165.0, 82.6)),
+    ("RTX 3090", (71.0, 71.0, 35.6)),
+    ("V100", (None, 125.0, 15.7)),
+    ("T4", (None, 65.0, 8.1)),
+)
+
+
+# -- OpenMP and threads ------------------------------------------------------------------------------------
+def set_omp_defaults(environ=None) -> dict[str, str]:
+    """Put ``OMP_DEFAULTS`` into ``environ`` (default ``os.environ``) where it does not set them already.
+
+    Must run before torch is imported: the OpenMP runtime reads its environment once, when it loads. Returns
+    the variables it set. A value the user exported is always kept."""
+    environ = os.environ if environ is None else environ
+    added = {}
+    for key, value in OMP_DEFAULTS.items():
+        if key not in environ:
+            environ[key] = added[key] = value
+    return added
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPU quota of this process's cgroup, in cores (cgroup v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``);
+    None when unlimited or unreadable."""
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def available_cores(cpus=None, sys_root: str = "/sys/devices/system/cpu", quota: float | None = -1.0) -> int:
+    """Physical cores this process may run on: the CPUs of its affinity mask (``os.sched_getaffinity``),
+    hyperthread siblings counted once (two threads of matrix products on one core only get in each other's
+    way), capped by the cgroup CPU quota (rounded up). At least 1.
+
+    ``cpus``, ``sys_root`` and ``quota`` replace the process's affinity, the sysfs topology folder and the
+    cgroup quota (-1.0: read it; None: no quota), for tests."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(sys_root, f"cpu{cpu}", "topology")
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))  # no topology: count the CPU itself
+    n = len(cores)
+    quota = cgroup_cpu_limit() if quota == -1.0 else quota
+    if quota is not None:
+        n = min(n, math.ceil(quota))
+    return max(1, n)
+
+
+def auto_threads(processes: int = 1, environ=None) -> tuple[int, str]:
+    """(threads, reason) for ``threads: auto``: ``OMP_NUM_THREADS`` when the environment sets it (the user's
+    explicit choice), else ``available_cores()`` shared among ``processes`` processes of this run on this
+    machine (CPU data-parallel ranks), at least 1."""
+    environ = os.environ if environ is None else environ
+    env = str(environ.get("OMP_NUM_THREADS", "")).strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env), f"OMP_NUM_THREADS={env} from the environment"
+    cores = available_cores()
+    shared = f", shared by {processes} processes" if processes > 1 else ""
+    return max(1, cores // max(1, processes)), f"{cores} cores available to this process{shared}"
+
+
+def resolve_threads(threads) -> int:
+    """``threads`` as a count: ``auto`` (or null) -> ``auto_threads()``; a positive integer as is.
+    Raises ValueError for anything else."""
+    if threads in (None, "auto"):
+        return auto_threads()[0]
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r} is not allowed: choose auto or an integer >= 1")
+    return threads
+
+
+def configure_threads(threads="auto") -> int:
+    """Set torch's intra-op thread count from ``threads`` (``resolve_threads``) and return it. The one place
+    the run sets its thread count at start-up."""
+    import torch
+
+    n = resolve_threads(threads)
+    torch.set_num_threads(n)
+    return n
+
+
+def omp_summary() -> str:
+    """How OpenMP waits in this process, e.g. ``OMP_WAIT_POLICY=PASSIVE``, for start-up lines."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    parts = [f"OMP_WAIT_POLICY={policy or 'unset (spin, then sleep)'}"]
+    if spin is not None:
+        parts.append(f"GOMP_SPINCOUNT={spin}")
+    return ", ".join(parts)
+
+
+# -- what the hardware multiplies natively ----------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def onednn_isa_cap() -> str | None:
+    """The oneDNN ISA cap the environment sets (``ONEDNN_MAX_CPU_ISA``, or its old name ``DNNL_MAX_CPU_ISA``),
+    upper-cased; None when unset."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return cap.strip().upper() if cap else None
+
+
+def cpu_facts() -> dict:
+    """What torch reports about this CPU: ``model``, ``arch`` (platform.machine()), ``capability`` (torch's
+    CPU dispatch level, e.g. AVX512), ``avx512_bf16``, ``amx`` (AMX tiles: bf16 matrix units),
+    ``onednn_isa_cap`` (None or the cap) and ``bf16_native``: bfloat16 dot products in hardware, usable by
+    oneDNN (AVX512-BF16 or AMX, and no ISA cap that excludes them)."""
+    import torch
+
+    cap = onednn_isa_cap()
+    avx512_bf16 = bool(torch.cpu._is_avx512_bf16_supported())
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    return {"model": cpu_model(), "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "avx512_bf16": avx512_bf16, "amx": amx, "onednn_isa_cap": cap,
+            "bf16_native": (avx512_bf16 or amx) and cap not in NO_BF16_ISA_CAPS}
+
+
+def describe_cpu() -> str:
+    """One line naming the CPU for benchmark and run headers: model, torch's CPU capability, bf16 support."""
+    f = cpu_facts()
+    bf16 = "AVX512-BF16" if f["avx512_bf16"] else "no AVX512-BF16"
+    if f["amx"]:
+        bf16 += ", AMX"
+    if f["onednn_isa_cap"]:
+        bf16 += f", oneDNN capped at {f['onednn_isa_cap']}" + (" (bf16 emulated)" if not f["bf16_native"] else "")
+    return f"{f['model']} ({f['arch']}), torch CPU capability {f['capability']}, {bf16}"
+
+
+def uses_cuda(accelerator) -> bool:
+    """Whether a Lightning ``accelerator`` value runs on CUDA here (``gpu``/``cuda``, or ``auto`` with one)."""
+    import torch
+
+    accelerator = str(accelerator or "auto").lower()
+    if accelerator in ("gpu", "cuda"):
+        return True
+    return accelerator == "auto" and torch.cuda.is_available()
+
+
+def resolve_precision(requested, accelerator="cpu", probe=None) -> tuple[str, str]:
+    """``trainer.precision``: ``auto`` -> (``bf16-mixed`` or ``32-true``, the reason); anything else is
+    returned as given (an explicit precision is always honoured), with the reason "set explicitly".
+
+    The rule: bf16-mixed where the hardware multiplies bfloat16 natively — a CUDA device with bf16 support
+    (``torch.cuda.is_bf16_supported(including_emulation=False)``: Ampere and later), or a CPU with AVX512-BF16
+    or AMX that oneDNN may use (``cpu_facts``) — else 32-true: without those instructions a bf16 product is
+    converted to float32 and back, slower than float32 itself (issue 16: an AVX-512 Xeon without BF16 ran
+    the main job 3.7-4.6x slower in bf16-mixed). On a CPU that is not x86 torch reports no bf16 fact; there
+    ``probe`` (default ``probe_flops``) times both dtypes and bf16 must be ``PROBE_BF16_MARGIN`` faster.
+    """
+    if requested not in (None, "auto"):
+        return str(requested), "set explicitly"
+    import torch
+
+    if uses_cuda(accelerator):
+        if not torch.cuda.is_available():  # Lightning reports the missing device when the trainer starts
+            return "32-true", "no CUDA device found"
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16-mixed", f"CUDA device {name} multiplies bfloat16 natively"
+        return "32-true", f"CUDA device {name} has no native bfloat16 (fp16 autocast: trainer.precision=16-mixed)"
+    facts = cpu_facts()
+    if facts["arch"].lower() in ("x86_64", "amd64", "i386", "i686"):
+        if facts["bf16_native"]:
+            unit = "AMX" if facts["amx"] else "AVX512-BF16"
+            return "bf16-mixed", f"the CPU multiplies bfloat16 natively ({unit}; {facts['model']})"
+        why = (f"oneDNN is capped at {facts['onednn_isa_cap']}" if facts["avx512_bf16"] or facts["amx"]
+               else "no AVX512-BF16 or AMX")
+        return "32-true", (f"the CPU has no native bfloat16 matrix products ({why}; {facts['model']}): "
+                           f"bf16 would be emulated, slower than float32")
+    probe = probe_flops if probe is None else probe
+    threads = torch.get_num_threads()
+    bf16, fp32 = probe("bf16-mixed", threads), probe("32-true", threads)
+    if bf16 >= PROBE_BF16_MARGIN * fp32:
+        return "bf16-mixed", f"bf16 matrix products measured {bf16 / fp32:.2f}x float32's on this {facts['arch']} CPU"
+    return "32-true", f"bf16 matrix products measured only {bf16 / fp32:.2f}x float32's on this {facts['arch']} CPU"
+
+
+# -- the peak that perf/mfu divides by ----------------------------------------------------------------------
+PROBE_SIZE = 1024  # [n, n] x [n, n]: 2.1 GFLOP per product, large enough for full speed
+PROBE_SECONDS = 0.6
+
+
+def precision_dtype(precision: str):
+    """The dtype a Lightning precision multiplies in: bf16* -> bfloat16, 16* -> float16, else float32."""
+    import torch
+
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def _other_cpu_seconds(start: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, of this process) from /proc; with ``start``, the seconds other
+    processes used since it. Linux only; (0, 0) elsewhere."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / tick  # minus idle, iowait
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        mine = (int(own[11]) + int(own[12])) / tick
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    if start is None:
+        return busy, mine
+    return (busy - start[0]) - (mine - start[1]), 0.0
+
+
+def probe_flops(precision: str, threads: int, seconds: float = PROBE_SECONDS, size: int = PROBE_SIZE,
+                device: str = "cpu") -> float:
+    """Achievable FLOP/s of a square matrix product in ``precision``'s dtype on ``threads`` threads: the
+    best rate of repeated [n, n] x [n, n] products (2·n³ FLOPs each) over ``seconds``. n is ``size``, or
+    smaller where one product of that size would take more than a tenth of ``seconds`` (a dtype the
+    hardware emulates slowly: float16 on most CPUs), judged from one [256, 256] product first; at most
+    about 2 s in all. Uncached; ``peak_flops`` caches it."""
+    import torch
+
+    dtype = precision_dtype(precision)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+
+    def timed(a, b) -> float:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        return time.perf_counter() - t0
+
+    try:
+        with torch.no_grad():
+            small = torch.randn(256, 256, device=device).to(dtype)
+            timed(small, small)
+            rate = 2.0 * 256 ** 3 / max(timed(small, small), 1e-9)
+            n = int(min(size, max(64, (rate * seconds / 10 / 2.0) ** (1 / 3))) // 64 * 64)
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            timed(a, b)  # warm-up
+            best, t_end = rate, time.perf_counter() + seconds
+            while time.perf_counter() < t_end:
+                best = max(best, 2.0 * n ** 3 / max(timed(a, b), 1e-9))
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _cache_file() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "peak_flops.json"
+
+
+def peak_flops(precision: str, accelerator="cpu", threads: int | None = None, probe=None,
+               cache: Path | None = None) -> tuple[float, str]:
+    """(peak FLOP/s, where it comes from) that ``perf/mfu`` divides the update's FLOP rate by.
+
+    CUDA: the device's nominal dense peak for the precision's dtype (``CUDA_PEAK_TFLOPS``), else a probe on
+    the device. CPU: ``probe_flops`` (about 0.6 s) at the run's dtype and thread count, cached in
+    ``<lit_rl cache>/peak_flops.json`` under the CPU model, torch version, dtype, threads and oneDNN cap; a
+    probe during which other processes used more than a tenth of a core is used for this run only (not
+    cached: a busy machine would understate the peak for every later run). Delete the file to re-probe.
+    """
+    import torch
+
+    dtype = precision_dtype(precision)
+    probe = probe_flops if probe is None else probe
+    if uses_cuda(accelerator) and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        column = {torch.bfloat16: 0, torch.float16: 1}.get(dtype, 2)
+        for key, peaks in CUDA_PEAK_TFLOPS:
+            if key in name and peaks[column] is not None:
+                return peaks[column] * 1e12, f"nominal peak of {name} ({str(dtype).removeprefix('torch.')})"
+        return probe(precision, torch.get_num_threads(), device="cuda"), f"matmul probe on {name}"
+    threads = torch.get_num_threads() if threads is None else threads
+    key = "|".join([cpu_model(), f"torch {torch.__version__}", str(dtype).removeprefix("torch."),
+                    f"threads={threads}", f"onednn_cap={onednn_isa_cap() or 'none'}"])
+    cache = _cache_file() if cache is None else cache
+    try:
+        cached = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if key in cached:
+        return float(cached[key]["flops"]), f"matmul probe (cached {cached[key]['measured']})"
+    start = _other_cpu_seconds()
+    t0 = time.perf_counter()
+    flops = probe(precision, threads)
+    others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+    if others > 0.1:
+        return flops, f"matmul probe (not cached: other processes used {others:.1f} cores meanwhile)"
+    cached[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M")}
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only cache costs a probe per run, nothing else
+    return flops, "matmul probe"

@@ -1,0 +1,237 @@
+"""What ``auto`` makes of the machine (lit_rl.hardware): the precision from the hardware's bf16 facts (mocked
+for the kinds this machine is not, real for the kind it is), threads from the affinity mask and quota, the
+cached peak probe, and start-up validation of both fields."""
+
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lit_rl import hardware
+from lit_rl.config import ConfigError, validate
+from lit_rl.train import precision_plugins, resolve_engine, resolve_hardware
+from test_train import cfg_for
+
+
+def mock_cpu(monkeypatch, avx512_bf16: bool, amx: bool = False, arch: str = "x86_64", model: str = "Test CPU"):
+    """A CPU without CUDA whose facts are ``avx512_bf16``, ``amx``, ``arch``, ``model``."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(hardware.platform, "machine", lambda: arch)
+    monkeypatch.setattr(hardware, "cpu_model", lambda: model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+
+
+def mock_cuda(monkeypatch, name: str, bf16: bool):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16)
+
+
+def test_auto_precision_on_cpus_follows_native_bf16(monkeypatch):
+    """Intel Xeon with AVX-512 but no AVX512-BF16 (the issue's machine) -> 32-true; AVX512-BF16 (this AMD EPYC)
+    or AMX (Sapphire Rapids) -> bf16-mixed; an ISA cap that keeps oneDNN off its bf16 kernels -> 32-true."""
+    mock_cpu(monkeypatch, avx512_bf16=False, model="Intel(R) Xeon(R) CPU @ 2.20GHz")
+    precision, why = hardware.resolve_precision("auto", "cpu")
+    assert precision == "32-true"
+    assert "no AVX512-BF16 or AMX" in why and "Intel(R) Xeon(R)" in why
+    mock_cpu(monkeypatch, avx512_bf16=True, model="AMD EPYC")
+    assert hardware.resolve_precision("auto", "cpu") == ("bf16-mixed", "the CPU multiplies bfloat16 natively "
+                                                                       "(AVX512-BF16; AMD EPYC)")
+    mock_cpu(monkeypatch, avx512_bf16=False, amx=True)
+    assert hardware.resolve_precision("auto", "auto")[0] == "bf16-mixed"
+    mock_cpu(monkeypatch, avx512_bf16=True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core")
+    precision, why = hardware.resolve_precision("auto", "cpu")
+    assert precision == "32-true" and "oneDNN is capped at AVX512_CORE" in why
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert hardware.resolve_precision("auto", "cpu")[0] == "bf16-mixed"
+
+
+def test_auto_precision_on_cuda_follows_bf16_support(monkeypatch):
+    mock_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", bf16=True)
+    assert hardware.resolve_precision("auto", "gpu") == ("bf16-mixed", "CUDA device NVIDIA H100 80GB HBM3 "
+                                                                       "multiplies bfloat16 natively")
+    assert hardware.resolve_precision("auto", "auto")[0] == "bf16-mixed"
+    assert hardware.resolve_precision("auto", "cpu")[0] != "bf16-mixed" or torch.cpu._is_avx512_bf16_supported() \
+        or torch.cpu._is_amx_tile_supported()  # accelerator=cpu asks the CPU, not the GPU
+    mock_cuda(monkeypatch, "Tesla T4", bf16=False)
+    precision, why = hardware.resolve_precision("auto", "gpu")
+    assert precision == "32-true" and "16-mixed" in why
+
+
+def test_an_explicit_precision_is_always_honoured(monkeypatch):
+    mock_cpu(monkeypatch, avx512_bf16=False)
+    for explicit in ("bf16-mixed", "32-true", "16-mixed"):
+        assert hardware.resolve_precision(explicit, "cpu") == (explicit, "set explicitly")
+
+
+def test_other_cpus_decide_by_the_probe(monkeypatch):
+    """An ARM CPU: torch reports no bf16 fact, so both dtypes are timed; bf16 must be 1.2x faster."""
+    mock_cpu(monkeypatch, avx512_bf16=False, arch="aarch64")
+    fast = {"bf16-mixed": 300e9, "32-true": 100e9}
+    assert hardware.resolve_precision("auto", "cpu", probe=lambda p, t: fast[p])[0] == "bf16-mixed"
+    slow = {"bf16-mixed": 110e9, "32-true": 100e9}
+    precision, why = hardware.resolve_precision("auto", "cpu", probe=lambda p, t: slow[p])
+    assert precision == "32-true" and "1.10x" in why
+
+
+def test_auto_precision_with_the_real_probe_here():
+    """This machine's own facts: bf16-mixed exactly where torch reports AVX512-BF16 or AMX."""
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in hardware.NO_BF16_ISA_CAPS:
+        native = False
+    precision, why = hardware.resolve_precision("auto", "cpu")
+    assert precision == ("bf16-mixed" if native else "32-true"), why
+    assert hardware.cpu_model() in why
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bf16-mixed"), (False, "32-true")])
+def test_config_yaml_records_the_choice_and_vllm_dtype_follows(monkeypatch, tmp_path, bf16, expected):
+    """resolve_hardware fills trainer.precision (the reason goes to config.yaml's header) and the vLLM
+    engine's dtype: null follows it: bfloat16 only where bf16-mixed was chosen."""
+    mock_cpu(monkeypatch, avx512_bf16=bf16)
+    cfg = cfg_for("trainer.precision=auto", "engine=vllm")
+    assert cfg.trainer.precision == "auto"
+    lines = resolve_hardware(cfg)
+    assert cfg.trainer.precision == expected
+    assert lines[0].startswith(f"trainer.precision={expected} (auto: ")
+    resolve_engine(cfg)
+    assert cfg.engine.dtype == ("bfloat16" if bf16 else "float32")
+
+
+def test_the_default_precision_and_threads_are_auto():
+    from hydra import compose, initialize_config_dir
+
+    from conftest import ROOT
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        for trainer in ("cpu", "gpu", "ddp", "fsdp"):
+            cfg = compose(config_name="train", overrides=[f"trainer={trainer}"])
+            assert cfg.trainer.precision == "auto" and cfg.threads == "auto", trainer
+
+
+def test_sixteen_mixed_on_cpu_is_float16_with_a_scaler():
+    kwargs = {"precision": "16-mixed", "accelerator": "cpu"}
+    (plugin,) = precision_plugins(kwargs)
+    assert "precision" not in kwargs and plugin.precision == "16-mixed" and plugin.device == "cpu"
+    assert isinstance(plugin.scaler, torch.amp.GradScaler)
+    assert precision_plugins({"precision": "bf16-mixed", "accelerator": "cpu"}) == []
+
+
+# -- threads -------------------------------------------------------------------------------------------------
+def fake_topology(root, cores_of_cpu: dict[int, tuple[int, int]]):
+    for cpu, (package, core) in cores_of_cpu.items():
+        t = root / f"cpu{cpu}" / "topology"
+        t.mkdir(parents=True)
+        (t / "physical_package_id").write_text(f"{package}\n")
+        (t / "core_id").write_text(f"{core}\n")
+    return str(root)
+
+
+def test_available_cores_counts_physical_cores_of_the_affinity_mask_within_the_quota(tmp_path):
+    # 4 CPUs = 2 cores with 2 hyperthreads each; the process may run on CPUs 0, 1, 2
+    sysfs = fake_topology(tmp_path, {0: (0, 0), 1: (0, 0), 2: (0, 1), 3: (0, 1)})
+    assert hardware.available_cores(cpus={0, 1, 2, 3}, sys_root=sysfs, quota=None) == 2
+    assert hardware.available_cores(cpus={0, 1}, sys_root=sysfs, quota=None) == 1
+    assert hardware.available_cores(cpus={0, 2}, sys_root=sysfs, quota=None) == 2
+    assert hardware.available_cores(cpus={0, 2}, sys_root=sysfs, quota=1.5) == 2  # a 1.5-core quota: rounded up
+    assert hardware.available_cores(cpus={0, 2}, sys_root=sysfs, quota=0.5) == 1
+    assert hardware.available_cores(cpus={5, 6, 7}, sys_root=str(tmp_path / "none"), quota=None) == 3  # no sysfs
+    # this process: at most what its affinity mask allows
+    assert 1 <= hardware.available_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_cgroup_quota_is_read_from_cpu_max(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert hardware.cgroup_cpu_limit(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert hardware.cgroup_cpu_limit(str(tmp_path)) is None
+
+
+def test_auto_threads_honours_omp_num_threads_and_shares_cores_among_ranks(monkeypatch):
+    monkeypatch.setattr(hardware, "available_cores", lambda: 8)
+    assert hardware.auto_threads(environ={"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS=3 from the environment")
+    assert hardware.auto_threads(environ={})[0] == 8
+    assert hardware.auto_threads(processes=2, environ={}) == (4, "8 cores available to this process, shared by 2 "
+                                                                 "processes")
+    assert hardware.auto_threads(processes=16, environ={})[0] == 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = cfg_for("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu")
+    previous = torch.get_num_threads()
+    try:
+        lines = resolve_hardware(cfg)
+        assert cfg.threads == 4 and torch.get_num_threads() == 4
+        assert "shared by 2 processes" in lines[1]
+        cfg = cfg_for("threads=1")
+        resolve_hardware(cfg)
+        assert cfg.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_omp_defaults_keep_what_the_user_exported():
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert hardware.set_omp_defaults(env) == {} and env["OMP_WAIT_POLICY"] == "ACTIVE"
+    env = {}
+    assert hardware.set_omp_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"} == env
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["threads=0"], r"threads=0 is not allowed: choose auto or an integer >= 1"),
+    (["threads=many"], r"threads='many' is not allowed"),
+    (["trainer.precision=fp8"], r"trainer.precision='fp8' is not allowed: choose auto \(bf16-mixed where the "
+                                r"hardware multiplies bfloat16 natively, else 32-true\) or one of"),
+])
+def test_bad_threads_and_precision_fail_at_start_up(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(*overrides))
+
+
+# -- the peak probe ------------------------------------------------------------------------------------------
+def test_peak_is_probed_once_per_machine_and_cached(tmp_path, monkeypatch):
+    calls = []
+
+    def probe(precision, threads):
+        calls.append((precision, threads))
+        return 123e9
+
+    monkeypatch.setattr(hardware, "_other_cpu_seconds", lambda start=None: (0.0, 0.0))
+    cache = tmp_path / "peak_flops.json"
+    assert hardware.peak_flops("bf16-mixed", "cpu", threads=2, probe=probe, cache=cache) == (123e9, "matmul probe")
+    flops, source = hardware.peak_flops("bf16-mixed", "cpu", threads=2, probe=probe, cache=cache)
+    assert flops == 123e9 and source.startswith("matmul probe (cached ")
+    assert calls == [("bf16-mixed", 2)]
+    (key,) = json.loads(cache.read_text())
+    assert key == f"{hardware.cpu_model()}|torch {torch.__version__}|bfloat16|threads=2|onednn_cap=none" or \
+        os.environ.get("ONEDNN_MAX_CPU_ISA")
+    hardware.peak_flops("32-true", "cpu", threads=2, probe=probe, cache=cache)  # another dtype: probed
+    hardware.peak_flops("bf16-mixed", "cpu", threads=1, probe=probe, cache=cache)  # other threads: probed
+    assert len(calls) == 3 and len(json.loads(cache.read_text())) == 3
+
+
+def test_a_probe_on_a_busy_machine_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(hardware, "_other_cpu_seconds", lambda start=None: (0.0, 0.0) if start is None else (5.0, 0.0))
+    cache = tmp_path / "peak_flops.json"
+    flops, source = hardware.peak_flops("32-true", "cpu", threads=1, probe=lambda p, t: 1e9, cache=cache)
+    assert flops == 1e9 and "not cached" in source and not cache.exists()
+
+
+def test_cuda_peak_is_the_nominal_one(monkeypatch):
+    mock_cuda(monkeypatch, "NVIDIA A100-SXM4-80GB", bf16=True)
+    assert hardware.peak_flops("bf16-mixed", "gpu") == (312e12, "nominal peak of NVIDIA A100-SXM4-80GB (bfloat16)")
+    assert hardware.peak_flops("32-true", "gpu")[0] == 19.5e12
+
+
+def test_real_probe_is_quick_and_plausible():
+    """The probe on this CPU: well under 2 s, and a rate a CPU core can reach (0.1-10,000 GFLOP/s)."""
+    import time
+
+    t0 = time.perf_counter()
+    flops = hardware.probe_flops("32-true", threads=1)
+    assert time.perf_counter() - t0 < 2.0
+    assert 1e8 < flops < 1e13
+    assert "torch CPU capability" in hardware.describe_cpu()
