@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, find_last
-from .config import ConfigError, check_world_size, validate
+from .config import ConfigError, check_world_size, static_world_size, validate
+from .hardware import auto_threads, configure_threads, omp_summary, peak_flops, resolve_precision, uses_cuda
 from .kernels import kernel_mode
 from .models import ModelSpec, load_policy, resolve_model_path, tiny_config
 from .rollout.datamodule import RolloutDataModule
@@ -120,6 +121,46 @@ def resolve_engine(cfg: DictConfig) -> None:
         if cfg.engine.name == "vllm" and cfg.engine.get("kv_cache_gb") is None and not on_cuda():
             cfg.engine.kv_cache_gb = 1.0  # on CPU vLLM would otherwise reserve a fraction of all RAM
         cfg.engine.seed = cfg.seed
+
+
+def resolve_hardware(cfg: DictConfig) -> list[str]:
+    """Fill the settings ``auto`` leaves to the machine, in place, and set the thread count; returns one line
+    per choice with its reason (printed at start, written at the top of config.yaml).
+
+    ``trainer.precision: auto`` -> ``hardware.resolve_precision`` (bf16-mixed where the hardware multiplies
+    bfloat16 natively, else 32-true). ``threads: auto`` -> ``hardware.auto_threads``: an exported
+    ``OMP_NUM_THREADS``, else the physical cores this process may run on (affinity mask, cgroup quota),
+    shared out among the ranks of a CPU ``trainer.devices`` > 1 run. An explicit value is always honoured."""
+    lines = []
+    with open_dict(cfg):
+        accelerator = cfg.trainer.get("accelerator", "auto")
+        requested = cfg.trainer.get("precision", "auto")
+        precision, why = resolve_precision(requested, accelerator)
+        cfg.trainer.precision = precision
+        lines.append(f"trainer.precision={precision}" + (f" (auto: {why})" if requested in (None, "auto") else ""))
+        requested = cfg.get("threads", "auto")
+        if requested in (None, "auto"):
+            ranks = static_world_size(cfg.trainer) or 1
+            ranks_here = ranks // int(cfg.trainer.get("num_nodes", 1) or 1) if not uses_cuda(accelerator) else 1
+            cfg.threads, why = auto_threads(ranks_here)
+            why = f"auto: {why}"
+        else:
+            why = "set explicitly"
+        cfg.threads = configure_threads(cfg.threads)
+        lines.append(f"threads={cfg.threads} ({why}; {omp_summary()})")
+    return lines
+
+
+def precision_plugins(trainer_kwargs: dict) -> list:
+    """Lightning precision plugins ``trainer_kwargs`` needs, removing ``precision`` from it when a plugin
+    takes its place. ``16-mixed`` on the CPU is float16 autocast with a ``torch.amp.GradScaler("cpu")``
+    (Lightning would silently run bf16-mixed instead; an explicit precision is honoured)."""
+    if str(trainer_kwargs.get("precision")) in ("16-mixed", "16") and not uses_cuda(trainer_kwargs.get("accelerator")):
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        trainer_kwargs.pop("precision")
+        return [MixedPrecision("16-mixed", "cpu")]
+    return []
 
 
 def build_module(cfg: DictConfig, policy, tokenizer):
@@ -231,6 +272,9 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
     """
     validate(cfg)
+    hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
+    for line in hardware:
+        print(f"lit_rl: {line}", flush=True)
     resolve_engine(cfg)
     # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
@@ -250,8 +294,6 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
             raise ConfigError(f"output folder {out} holds an unfinished run ({started[0].name}); continue it with "
                               f"ckpt_path=last, or choose another folder (hydra.run.dir=...) — lit_rl never mixes "
                               f"two runs in one folder")
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
@@ -264,12 +306,14 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
         trainer_kwargs["max_steps"] *= k
     if "strategy" in trainer_kwargs:
         trainer_kwargs["strategy"] = build_strategy(trainer_kwargs["strategy"])
+    precision = trainer_kwargs.get("precision")
+    plugins = precision_plugins(trainer_kwargs)
     eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
     try:
         trainer = L.Trainer(
             logger=logger,
             callbacks=[checkpoints, StaleRolloutsShutdown()],  # the latter stops an async rollout producer
-            plugins=[AtomicCheckpointIO()],  # a kill mid-write leaves the previous checkpoint whole
+            plugins=[AtomicCheckpointIO(), *plugins],  # a kill mid-write leaves the previous checkpoint whole
             val_check_interval=eval_every,
             check_val_every_n_epoch=None,
             limit_val_batches=1.0 if eval_every else 0,
@@ -286,7 +330,8 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
         config_file = out / "config.yaml"
         if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
             config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        header = "".join(f"# {line}\n" for line in hardware)  # what the auto settings chose here, and why
+        config_file.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
 
     try:  # data and model problems are the user's input too: report them like config errors
         task = build_task_from_cfg(cfg)
@@ -308,6 +353,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     with kernel_mode(cfg.get("kernels", {}).get("name", "default"), policy):
         module = build_module(cfg, policy, tokenizer)
         assert module.updates_per_step == k
+        module.peak_flops, source = peak_flops(precision, trainer_kwargs.get("accelerator", "auto"))
+        if trainer.is_global_zero:
+            print(f"lit_rl: peak {module.peak_flops / 1e12:.3g} TFLOP/s per device at {precision} ({source}): "
+                  f"perf/mfu divides the update's FLOP rate by it", flush=True)
         if ckpt_path is not None:
             check_checkpoint_fits(ckpt_path, module)
         try:

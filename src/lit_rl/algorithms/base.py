@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .. import corrections as corr
 from .. import objectives as obj
+from ..flops import FlopModel
 from ..logprobs import TokenScores, response_logprobs
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
@@ -225,14 +226,56 @@ class RLAlgorithm(L.LightningModule):
         metrics["time/train_s"] = t_train
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics["perf/rollout_tokens"] = int(scored.rollouts.response_mask.sum())
+        metrics.update(self.step_flops(scored, rb))
         metrics = self.reduce_step_metrics(metrics, weights)
         tokens, t_rollout = metrics.pop("perf/rollout_tokens"), metrics["time/rollout_s"]
         metrics["perf/rollout_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
+        metrics.update(self.flop_rates(metrics))
         metrics.update(train_metrics)
         self.write_step_metrics(metrics, rl_step)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb), logger=False)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=len(rb))
         self.log("tok/s", metrics["perf/rollout_tokens_per_s"], prog_bar=True, logger=False, batch_size=len(rb))
+        self.log("mfu", metrics["perf/mfu"], prog_bar=True, logger=False, batch_size=len(rb))
+
+    #: peak FLOP/s of one device at the run's precision (``hardware.peak_flops``), that ``perf/mfu`` divides
+    #: by; ``lit_rl.train.run`` sets it at start-up, else the first step measures it
+    peak_flops: float | None = None
+
+    @property
+    def flop_model(self) -> FlopModel:
+        """The policy's ``FlopModel`` (verl's FlopsCounter convention), built once."""
+        if getattr(self, "_flop_model", None) is None:
+            self._flop_model = FlopModel.from_config(self.policy.config,
+                                                     num_parameters=sum(p.numel() for p in self.policy.parameters()))
+        return self._flop_model
+
+    def step_flops(self, scored: ScoredRollouts, rb: RolloutBatch) -> dict[str, float]:
+        """This rank's FLOPs of the step (``lit_rl.flops``): ``perf/rollout_flops``, generating the scored
+        completions (2·N per generated token + attention), and ``perf/update_flops``, ``epochs`` forward +
+        backward passes over the rows that carry loss (6·N per valid prompt and response token + attention)."""
+        r = scored.rollouts
+        rollout = self.flop_model.rollout_flops([len(p) for p in r.prompt_ids], r.response_length.tolist())
+        response = rb.response_mask.sum(-1)
+        seq = (rb.prompt_mask.sum(-1) + response)[response > 0]
+        return {"perf/rollout_flops": rollout, "perf/update_flops": self.epochs * self.flop_model.update_flops(seq.tolist())}
+
+    def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
+        """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
+        ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
+        and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
+        if self.peak_flops is None:
+            from ..hardware import peak_flops
+
+            accelerator = "cuda" if self.device.type == "cuda" else "cpu"
+            precision = self.trainer.precision if self._trainer is not None else "32-true"
+            self.peak_flops = peak_flops(precision, accelerator)[0]
+        t_train, t_rollout = metrics["time/train_s"], metrics["time/rollout_s"]
+        update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
+        rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
+        peak = self.peak_flops * self.world_size
+        return {"perf/update_tflops": update / 1e12, "perf/rollout_tflops": rollout / 1e12,
+                "perf/peak_tflops": peak / 1e12, "perf/mfu": update / peak if peak > 0 else 0.0}
 
     def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
         """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
@@ -255,7 +298,7 @@ class RLAlgorithm(L.LightningModule):
     #: other rollout/time metric is a mean weighted by ``metric_weights`` (train/* are reduced in ``update``)
     SUMMED_METRICS = ("rollout/reward_errors", "rollout/groups_all_correct", "rollout/groups_all_wrong",
                       "rollout/groups_kept", "perf/rollout_tokens", "rollout/dropped_samples",
-                      "rollout/dropped_samples_total")
+                      "rollout/dropped_samples_total", "perf/update_flops", "perf/rollout_flops")
     MAX_METRICS = ("rollout/staleness_max", "rollout/generation_rounds", "time/rollout_s", "time/train_s",
                    "time/weight_sync_s", "time/step_s")
 
@@ -514,41 +557,66 @@ class RLAlgorithm(L.LightningModule):
         rb.old_head_logprobs[start:start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
 
     def optimizer_step(self, opt, loss: float = 0.0) -> float:
-        """Clip, step, zero; returns the pre-clip gradient norm.
+        """Step ``opt`` (Lightning's optimizer wrapper) on the accumulated gradient, zero it, advance the lr
+        schedule; returns the pre-clip gradient norm (``train/grad_norm``).
+
+        ``opt.step()`` goes through Lightning's precision plugin, which calls ``on_before_optimizer_step``
+        (the clip, below) after unscaling 16-mixed's loss-scaled gradients and before the step; with a
+        gradient scaler the step is the scaler's, which skips an update whose gradient overflowed and lowers
+        the scale. ``loss`` (the step's loss, unscaled) decides, with the gradient, whether the update is kept.
+        """
+        self._step_loss, self._grad_norm = float(loss), float("nan")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()
+        return self._grad_norm
+
+    @property
+    def grad_scaler(self):
+        """The precision plugin's gradient scaler (``torch.amp.GradScaler`` under 16-mixed), else None."""
+        plugin = self.trainer.precision_plugin if self._trainer is not None else None
+        return getattr(plugin, "scaler", None)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Clip the gradient to ``optim.grad_clip`` and keep or drop the update; Lightning calls this inside
+        ``optimizer_step``'s ``opt.step()``, after the precision plugin has unscaled the gradient.
 
         A non-finite loss or gradient drops the update (the step still counts, so Lightning's step counter
         and the RL step stay aligned) and is counted in ``train/skipped_updates``. After
         ``optim.max_nonfinite_updates`` such updates in a row (0 = never) raises ``NonFiniteUpdates``
-        naming the step; the last checkpoint stays the one written before.
+        naming the step; the last checkpoint stays the one written before. Under a gradient scaler
+        (16-mixed) an overflow with a finite loss is the scaler's to handle while its scale is above 1 (it
+        skips the step and halves the scale): counted as skipped, not towards the limit.
         """
-        params = [p for group in opt.param_groups for p in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         max_norm = self.optim_cfg.get("grad_clip", 1.0) or float("inf")  # 0 / None = no clipping (validated >= 0)
         model = self.trainer.model if self._trainer is not None else None
         if isinstance(model, FullyShardedDataParallel):  # each rank holds a shard; FSDP takes the global norm
             norm = float(model.clip_grad_norm_(max_norm))
         else:  # one device, or DDP (after the all-reduce every rank holds the same gradient)
             norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self._grad_norm = norm
+        loss = getattr(self, "_step_loss", 0.0)
         if math.isfinite(norm) and math.isfinite(loss):
             self.nonfinite_in_a_row = 0
-        else:
-            for p in params:
-                p.grad = None  # AdamW skips parameters without a gradient
-            self.skipped_updates += 1
-            self.nonfinite_in_a_row += 1
-            limit = int(self.optim_cfg.get("max_nonfinite_updates", 0) or 0)
-            if limit and self.nonfinite_in_a_row >= limit:
-                raise NonFiniteUpdates(
-                    f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
-                    f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step}"
-                    f" (optimizer step {self.global_step}, optim.max_nonfinite_updates={limit}). "
-                    f"The last checkpoint holds the weights these updates started from: lower optim.lr (or check "
-                    f"the rewards) before continuing from it")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched = self.lr_schedulers()
-        if sched is not None:
-            sched.step()
-        return norm
+            return
+        for p in params:
+            p.grad = None  # AdamW skips parameters without a gradient (a scaler skips the step anyway)
+        self.skipped_updates += 1
+        scaler = self.grad_scaler
+        if scaler is not None and math.isfinite(loss) and scaler.get_scale() > 1.0:
+            return  # a loss-scale overflow: the scaler skips this step and lowers its scale
+        self.nonfinite_in_a_row += 1
+        limit = int(self.optim_cfg.get("max_nonfinite_updates", 0) or 0)
+        if limit and self.nonfinite_in_a_row >= limit:
+            raise NonFiniteUpdates(
+                f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
+                f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step}"
+                f" (optimizer step {self.global_step}, optim.max_nonfinite_updates={limit}). "
+                f"The last checkpoint holds the weights these updates started from: lower optim.lr (or check "
+                f"the rewards) before continuing from it")
 
     skipped_updates: int = 0
     nonfinite_in_a_row: int = 0
@@ -595,6 +663,8 @@ class RLAlgorithm(L.LightningModule):
         out["train/grad_norm"] = sum(norms) / len(norms)
         out["train/lr"] = opt.param_groups[0]["lr"]
         out["train/skipped_updates"] = float(self.skipped_updates)
+        if self.grad_scaler is not None:  # 16-mixed: the loss scale the next step starts from
+            out["train/grad_scale"] = float(self.grad_scaler.get_scale())
         return out
 
     def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
