@@ -61,9 +61,11 @@ class Recorder(L.Callback):
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def fit(cfg, task, steps, seed=0):
+def fit(cfg, task, steps, seed=0, init_seed=None):
+    """Train the tiny model (initialised with ``init_seed``, default ``seed``) for ``steps`` RL steps with
+    sampling and prompt order seeded by ``seed``; returns (each step's logged metrics, the module)."""
     L.seed_everything(seed, verbose=False)
-    policy, tok = load_policy(ModelSpec("tiny", init_seed=seed))
+    policy, tok = load_policy(ModelSpec("tiny", init_seed=seed if init_seed is None else init_seed))
     module = build_module(cfg, policy, tok)
     dm = RolloutDataModule(task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed,
                            eval_examples=0)

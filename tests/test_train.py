@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import GSM8K_DIR, ROOT, read_scalars
+from conftest import ROOT, read_scalars
 from lit_rl.config import ConfigError
 from lit_rl.train import run
 
@@ -20,7 +20,8 @@ FAST = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=
 TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "rollout/truncation_rate",
         "rollout/groups_all_correct", "rollout/groups_all_wrong", "train/loss", "train/pg_clipfrac",
         "train/ppo_kl", "train/entropy", "train/grad_norm", "train/logprob_abs_diff", "eval/accuracy",
-        "time/rollout_s", "time/train_s", "time/step_s", "time/weight_sync_s", "perf/rollout_tokens_per_s"]
+        "time/rollout_s", "time/train_s", "time/step_s", "time/weight_sync_s", "perf/rollout_tokens_per_s",
+        "perf/update_tflops", "perf/rollout_tflops", "perf/mfu"]
 
 
 def cfg_for(*overrides):
@@ -58,7 +59,7 @@ MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "opt
 def test_update_changes_weights_and_is_seeded(tmp_path):
     a = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "a")
     b = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "b")
-    assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s"))}}
+    assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s", "mfu"))}}
     from safetensors.torch import load_file
     from lit_rl.models import ModelSpec, load_policy
     wa = load_file(tmp_path / "a" / "policy" / "model.safetensors")
@@ -69,10 +70,30 @@ def test_update_changes_weights_and_is_seeded(tmp_path):
     assert changed > 0.9 * sum(v.numel() for k, v in wa.items() if k in initial)
 
 
+# GSM8K's format (question, worked answer ending "#### N"), written by the test: a clone has no ../shared
+GSM8K_FIXTURE = [
+    ("Ana has 3 boxes with 4 pens each. How many pens does she have?", "3 * 4 = <<3*4=12>>12\n#### 12"),
+    ("A bus carries 20 people and 7 get off. How many are left?", "20 - 7 = <<20-7=13>>13\n#### 13"),
+    ("Tom reads 15 pages a day for 4 days. How many pages does he read?", "15 * 4 = <<15*4=60>>60\n#### 60"),
+    ("A cake costs $1,250 and a pie $250. What do both cost?", "1250 + 250 = <<1250+250=1500>>1500\n#### 1,500"),
+]
+
+
+def write_gsm8k_fixture(folder):
+    """train.jsonl (all four problems) and test.jsonl (the first two) in GSM8K's format under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train.jsonl", GSM8K_FIXTURE), ("test.jsonl", GSM8K_FIXTURE[:2])):
+        (folder / name).write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    return folder
+
+
 def test_gsm8k_from_jsonl_folder(tmp_path):
-    run(cfg_for("task=gsm8k", f"task.path={GSM8K_DIR}", "trainer.max_steps=1", "eval.num_examples=2"),
-        tmp_path / "g")
-    assert "rollout/reward_mean" in read_scalars(tmp_path / "g" / "tensorboard")
+    data = write_gsm8k_fixture(tmp_path / "gsm8k")
+    run(cfg_for("task=gsm8k", f"task.path={data}", "trainer.max_steps=1", "eval.num_examples=2",
+                "eval.every_n_steps=1"), tmp_path / "g")
+    scalars = read_scalars(tmp_path / "g" / "tensorboard")
+    assert "rollout/reward_mean" in scalars and len(scalars["eval/accuracy"]) == 1
+    assert "task:\n  name: gsm8k" in (tmp_path / "g" / "config.yaml").read_text()
 
 
 def test_multirun_2x2_then_compare(tmp_path):
