@@ -41,7 +41,9 @@ def busy_processes(window_s: float = 2.0, threshold: float = 0.2) -> list[tuple[
 
 
 def ensure_quiet(force: bool = False) -> None:
-    """Exit with a message if other processes are using the CPU (timings would be 7-30x off)."""
+    """Print the machine (``machine()``) at the top of the output, then exit with a message if other processes
+    are using the CPU (timings would be 7-30x off)."""
+    print(f"# {machine()}", flush=True)
     busy = busy_processes()
     if busy and not force:
         print("benchmark: other processes are using the CPU; timings would be meaningless:", file=sys.stderr)
@@ -52,18 +54,15 @@ def ensure_quiet(force: bool = False) -> None:
 
 
 def machine() -> str:
+    """The CPU (model, torch's CPU capability, bf16 support), cores, torch, threads and OpenMP wait policy."""
     import platform
 
     import torch
 
-    model = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (f"{model}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+    from lit_rl.hardware import describe_cpu, omp_summary
+
+    return (f"{describe_cpu()}; {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
+            f"threads, {omp_summary()}), python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
 
 
 def grpo_module(policy, tok, new_tokens: int, group_size: int, logprobs_top_k: int = 0, correction=None):

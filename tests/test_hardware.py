@@ -181,7 +181,7 @@ def test_omp_defaults_keep_what_the_user_exported():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["threads=0"], r"threads=0 is not allowed: choose auto or an integer >= 1"),
+    (["threads=0"], r"threads=0 is not allowed: choose auto, adaptive or an integer >= 1"),
     (["threads=many"], r"threads='many' is not allowed"),
     (["trainer.precision=fp8"], r"trainer.precision='fp8' is not allowed: choose auto \(bf16-mixed where the "
                                 r"hardware multiplies bfloat16 natively, else 32-true\) or one of"),
@@ -235,3 +235,62 @@ def test_real_probe_is_quick_and_plausible():
     assert time.perf_counter() - t0 < 2.0
     assert 1e8 < flops < 1e13
     assert "torch CPU capability" in hardware.describe_cpu()
+
+
+def test_thread_governor_follows_other_processes_load(monkeypatch):
+    """Between two calls, other processes' load = (busy time of our CPUs - our own CPU time) / wall time:
+    a competitor on one of two cores -> 1 thread; when it leaves -> 2 again."""
+    samples = iter([(0.0, 0.0, 0.0),  # (machine busy s, own s, clock s)
+                    (2.0, 2.0, 1.0),  # we used both cores alone: 0 others -> 2 threads
+                    (4.0, 3.0, 2.0),  # 1 core of others -> 1 thread
+                    (5.9, 3.9, 3.0),  # 1.0 core of others -> still 1
+                    (7.9, 5.9, 4.0)])  # alone again -> 2
+    monkeypatch.setattr(hardware, "cpu_busy_seconds", lambda cpus=None: next(samples))
+    previous = torch.get_num_threads()
+    try:
+        gov = hardware.ThreadGovernor(2)
+        assert [gov.update() for _ in range(5)] == [2, 2, 1, 1, 2]
+        assert torch.get_num_threads() == 2 and gov.others == 0.0
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_thread_governor_reads_this_machine():
+    busy, own, clock = hardware.cpu_busy_seconds()
+    assert busy >= own >= 0 and clock > 0
+    previous = torch.get_num_threads()
+    try:
+        gov = hardware.ThreadGovernor(previous)
+        assert gov.update() == previous  # the first call only takes a sample
+        assert 1 <= gov.update() <= previous
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer=ddp", "trainer.devices=2"], "2 data-parallel ranks share the cores"),
+    (["kernels=batch_invariant"], "kernels=batch_invariant keeps its own thread count"),
+    (["engine=vllm", "engine.in_process=false"], "the vLLM engine's worker processes would count as another"),
+])
+def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(overrides, message):
+    from lit_rl.train import adaptive_threads
+
+    cfg = cfg_for("threads=adaptive", *overrides)
+    with pytest.raises(ConfigError, match=f"threads=adaptive is not allowed here: {message}"):
+        adaptive_threads(cfg, "adaptive")
+    assert adaptive_threads(cfg_for("threads=adaptive"), "auto") is None
+
+
+def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
+    from conftest import read_scalars
+    from lit_rl.train import run
+
+    previous = torch.get_num_threads()
+    try:
+        run(cfg_for("threads=adaptive", "trainer.max_steps=2", "eval.num_examples=0"), tmp_path / "r")
+    finally:
+        torch.set_num_threads(previous)
+    config = (tmp_path / "r" / "config.yaml").read_text()
+    assert "adapted per step to the cores other processes leave free" in config.splitlines()[1]
+    threads = [v for _, v in read_scalars(tmp_path / "r" / "tensorboard")["perf/threads"]]
+    assert len(threads) == 2 and all(1 <= t <= hardware.auto_threads()[0] for t in threads)

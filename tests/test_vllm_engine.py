@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import ROOT, chat_prompts, read_scalars
+from lit_rl import hardware
 from lit_rl.logprobs import response_logprobs
 from lit_rl.rollout.types import SamplingParams, left_pad
 
@@ -231,7 +232,7 @@ def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "model=tiny", "engine=vllm", "correction=tis",
            "trainer.max_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=16",
-           "eval.num_examples=4", "eval.every_n_steps=2", f"hydra.run.dir={out}"]
+           "eval.num_examples=4", "eval.every_n_steps=2", "trainer.precision=bf16-mixed", f"hydra.run.dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scalars = read_scalars(out / "tensorboard")
@@ -281,7 +282,9 @@ def test_engine_auto_picks_vllm_where_it_is_installed():
         cfg = compose(config_name="train", overrides=["model=tiny", "engine=auto"])
     resolve_engine(cfg)
     assert cfg.engine.name == "vllm"
-    assert cfg.engine.dtype == "bfloat16"  # under the default bf16-mixed precision
+    # the default precision is auto: bf16-mixed, so a bfloat16 engine, where the CPU multiplies bf16 natively
+    bf16 = hardware.resolve_precision("auto", cfg.trainer.accelerator)[0] == "bf16-mixed"
+    assert cfg.engine.dtype == ("bfloat16" if bf16 else "float32")
     assert cfg.engine.kv_cache_gb == (None if torch.cuda.is_available() else 1.0)
 
 

@@ -195,8 +195,8 @@ def validate(cfg: DictConfig) -> None:
     _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
     threads = cfg.get("threads", "auto")
-    _check(threads in (None, "auto") or (_is_int(threads) and threads >= 1), "threads", threads,
-           "choose auto or an integer >= 1")
+    _check(threads in (None, "auto", "adaptive") or (_is_int(threads) and threads >= 1), "threads", threads,
+           "choose auto, adaptive or an integer >= 1")
     precision = cfg.trainer.get("precision", "auto")
     _check(precision in PRECISIONS, "trainer.precision", precision,
            f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "

@@ -144,6 +144,59 @@ def configure_threads(threads="auto") -> int:
     return n
 
 
+def cpu_busy_seconds(cpus=None) -> tuple[float, float, float]:
+    """(busy CPU seconds of the CPUs ``cpus`` (default: this process's affinity mask) since boot, busy CPU
+    seconds of this process, a monotonic clock) from /proc/stat and /proc/self/stat. Busy = everything but
+    idle and iowait. Raises OSError where /proc is not Linux's."""
+    cpus = os.sched_getaffinity(0) if cpus is None else set(cpus)
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                values = [int(x) for x in fields]
+                busy += sum(values) - values[3] - (values[4] if len(values) > 4 else 0)
+    with open("/proc/self/stat") as f:
+        own = f.read().rsplit(")", 1)[1].split()
+    return busy / tick, (int(own[11]) + int(own[12])) / tick, time.monotonic()
+
+
+class ThreadGovernor:
+    """``threads: auto`` during a run: before each RL step, as many intra-op threads as the cores that other
+    processes left free during the previous step, between 1 and ``max_threads``.
+
+    Other processes' load = (busy time of this process's CPUs - this process's own CPU time) / wall time,
+    from /proc (no sampling thread). On a quiet machine that is ~0 and the run keeps all its threads; when
+    another CPU-bound process takes a core, the next step runs on the cores left, instead of every parallel
+    region waiting for a thread whose core is taken (benchmarks/contention.py). Where /proc cannot be read
+    the thread count stays at ``max_threads``.
+    """
+
+    def __init__(self, max_threads: int):
+        self.max_threads = max(1, int(max_threads))
+        self.threads = self.max_threads
+        self.others = 0.0  # cores other processes used during the last step
+        self._last = None
+
+    def update(self) -> int:
+        """Measure the load since the last call, set torch's thread count from it and return the count."""
+        import torch
+
+        try:
+            now = cpu_busy_seconds()
+        except (OSError, ValueError, IndexError):
+            return self.threads
+        if self._last is not None and now[2] - self._last[2] > 0.05:
+            busy, own, wall = (now[i] - self._last[i] for i in range(3))
+            self.others = max(0.0, (busy - own) / wall)
+            self.threads = max(1, min(self.max_threads, round(self.max_threads - self.others)))
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+        self._last = now
+        return self.threads
+
+
 def omp_summary() -> str:
     """How OpenMP waits in this process, e.g. ``OMP_WAIT_POLICY=PASSIVE``, for start-up lines."""
     policy = os.environ.get("OMP_WAIT_POLICY")

@@ -33,7 +33,8 @@ from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, check_world_size, static_world_size, validate
-from .hardware import auto_threads, configure_threads, omp_summary, peak_flops, resolve_precision, uses_cuda
+from .hardware import (ThreadGovernor, auto_threads, configure_threads, omp_summary, peak_flops, resolve_precision,
+                       uses_cuda)
 from .kernels import kernel_mode
 from .models import ModelSpec, load_policy, resolve_model_path, tiny_config
 from .rollout.datamodule import RolloutDataModule
@@ -104,7 +105,8 @@ def model_head_dim(model_cfg: DictConfig) -> int | None:
 def resolve_engine(cfg: DictConfig) -> None:
     """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm (installed and, on CPU,
     the model's head_dim >= 32, which vLLM's CPU attention needs) or torch (printed); vLLM's ``dtype: null``
-    becomes bfloat16 under a bf16 trainer precision, else ``model.dtype``, and its ``kv_cache_gb: null``
+    becomes bfloat16 under a bf16 trainer precision (``auto`` resolved as ``resolve_hardware`` does), else
+    ``model.dtype``, and its ``kv_cache_gb: null``
     1 GiB on CPU; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model vLLM's CPU
     build cannot run."""
     with open_dict(cfg):
@@ -116,8 +118,8 @@ def resolve_engine(cfg: DictConfig) -> None:
             raise ConfigError(f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
                               f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)")
         if cfg.engine.name == "vllm" and not cfg.engine.get("dtype"):
-            cfg.engine.dtype = "bfloat16" if str(cfg.trainer.get("precision", "32")).startswith("bf16") \
-                else cfg.model.dtype
+            precision, _ = resolve_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator"))
+            cfg.engine.dtype = "bfloat16" if str(precision).startswith("bf16") else cfg.model.dtype
         if cfg.engine.name == "vllm" and cfg.engine.get("kv_cache_gb") is None and not on_cuda():
             cfg.engine.kv_cache_gb = 1.0  # on CPU vLLM would otherwise reserve a fraction of all RAM
         cfg.engine.seed = cfg.seed
@@ -130,7 +132,8 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
     ``trainer.precision: auto`` -> ``hardware.resolve_precision`` (bf16-mixed where the hardware multiplies
     bfloat16 natively, else 32-true). ``threads: auto`` -> ``hardware.auto_threads``: an exported
     ``OMP_NUM_THREADS``, else the physical cores this process may run on (affinity mask, cgroup quota),
-    shared out among the ranks of a CPU ``trainer.devices`` > 1 run. An explicit value is always honoured."""
+    shared out among the ranks of a CPU ``trainer.devices`` > 1 run; ``threads: adaptive`` starts from the
+    same count (``AdaptiveThreads`` then adapts it per step). An explicit value is always honoured."""
     lines = []
     with open_dict(cfg):
         accelerator = cfg.trainer.get("accelerator", "auto")
@@ -139,16 +142,48 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
         cfg.trainer.precision = precision
         lines.append(f"trainer.precision={precision}" + (f" (auto: {why})" if requested in (None, "auto") else ""))
         requested = cfg.get("threads", "auto")
-        if requested in (None, "auto"):
+        if requested in (None, "auto", "adaptive"):
             ranks = static_world_size(cfg.trainer) or 1
             ranks_here = ranks // int(cfg.trainer.get("num_nodes", 1) or 1) if not uses_cuda(accelerator) else 1
             cfg.threads, why = auto_threads(ranks_here)
-            why = f"auto: {why}"
+            why = f"{requested or 'auto'}: {why}" + (", adapted per step to the cores other processes leave free"
+                                                     if requested == "adaptive" else "")
         else:
             why = "set explicitly"
         cfg.threads = configure_threads(cfg.threads)
         lines.append(f"threads={cfg.threads} ({why}; {omp_summary()})")
     return lines
+
+
+class AdaptiveThreads(L.Callback):
+    """``threads: adaptive``: before every RL step ``hardware.ThreadGovernor`` sets as many torch threads as
+    the cores other processes left free during the previous step (at most the start-up count, ``auto``'s).
+    The thread count then depends on the machine's load, and with it the floating-point summation order:
+    two runs (or a run and its resumption) are no longer equal bit for bit."""
+
+    def __init__(self, max_threads: int):
+        self.governor = ThreadGovernor(max_threads)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.governor.update()
+
+
+def adaptive_threads(cfg: DictConfig, requested) -> AdaptiveThreads | None:
+    """The ``AdaptiveThreads`` callback for ``threads: adaptive`` (``requested``), else None. Raises
+    ConfigError where something else must own the thread count: several data-parallel ranks (they share the
+    cores by design, and each would count the others as load), ``kernels=batch_invariant`` (it keeps its
+    thread count), an out-of-process vLLM engine (its workers would count as another process's load)."""
+    if requested != "adaptive":
+        return None
+    ranks = static_world_size(cfg.trainer) or 1
+    kernels = cfg.get("kernels", {}).get("name", "default")
+    for bad, why in ((ranks > 1, f"{ranks} data-parallel ranks share the cores"),
+                     (kernels != "default", f"kernels={kernels} keeps its own thread count"),
+                     (cfg.engine.name in ("vllm", "auto") and not cfg.engine.get("in_process", True),
+                      "the vLLM engine's worker processes would count as another process's load")):
+        if bad:
+            raise ConfigError(f"threads=adaptive is not allowed here: {why}; use threads=auto or a number")
+    return AdaptiveThreads(int(cfg.threads))
 
 
 def precision_plugins(trainer_kwargs: dict) -> list:
@@ -272,7 +307,9 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
     """
     validate(cfg)
+    requested_threads = cfg.get("threads", "auto")
     hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
+    governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
     for line in hardware:
         print(f"lit_rl: {line}", flush=True)
     resolve_engine(cfg)
@@ -309,10 +346,13 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     precision = trainer_kwargs.get("precision")
     plugins = precision_plugins(trainer_kwargs)
     eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
+    callbacks = [checkpoints, StaleRolloutsShutdown()]  # the latter stops an async rollout producer
+    if governor is not None:
+        callbacks.append(governor)
     try:
         trainer = L.Trainer(
             logger=logger,
-            callbacks=[checkpoints, StaleRolloutsShutdown()],  # the latter stops an async rollout producer
+            callbacks=callbacks,
             plugins=[AtomicCheckpointIO(), *plugins],  # a kill mid-write leaves the previous checkpoint whole
             val_check_interval=eval_every,
             check_val_every_n_epoch=None,
