@@ -11,8 +11,8 @@ The whole loop is in lit_rl.algorithms.base.RLAlgorithm.training_step; this file
 import sys
 
 # OpenMP reads its settings once, when torch loads it: set lit_rl's defaults first (an exported value wins).
-# PASSIVE lets torch's waiting threads sleep, so another process on the cores costs this run its share of
-# them and not a multiple (benchmarks/contention.py)
+# OMP_WAIT_POLICY=PASSIVE lets torch's waiting threads sleep: beside another CPU-bound process a step lost
+# 1.4-2.0x instead of 2.9-4.8x, for 10% alone (benchmarks/contention.py, benchmarks/README.md)
 from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()

@@ -157,7 +157,7 @@ def test_auto_threads_honours_omp_num_threads_and_shares_cores_among_ranks(monke
     assert hardware.auto_threads(environ={"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS=3 from the environment")
     assert hardware.auto_threads(environ={})[0] == 8
     assert hardware.auto_threads(processes=2, environ={}) == (4, "8 cores available to this process, shared by 2 "
-                                                                 "processes")
+                                                                 "workers")
     assert hardware.auto_threads(processes=16, environ={})[0] == 1
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = cfg_for("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu")
@@ -165,7 +165,10 @@ def test_auto_threads_honours_omp_num_threads_and_shares_cores_among_ranks(monke
     try:
         lines = resolve_hardware(cfg)
         assert cfg.threads == 4 and torch.get_num_threads() == 4
-        assert "shared by 2 processes" in lines[1]
+        assert "shared by 2 workers" in lines[1]
+        cfg = cfg_for("rollout.mode=async")  # the producer thread and the trainer: half the cores each
+        resolve_hardware(cfg)
+        assert cfg.threads == 4
         cfg = cfg_for("threads=1")
         resolve_hardware(cfg)
         assert cfg.threads == 1 and torch.get_num_threads() == 1

@@ -25,7 +25,9 @@ from pathlib import Path
 
 #: OpenMP settings lit_rl's entry points set before torch loads, unless the environment already sets them.
 #: PASSIVE: a thread that waits at a barrier sleeps instead of spinning. With another process on the cores,
-#: spinning threads burn the time slices the thread they wait for needs (measured: benchmarks/contention.py).
+#: spinning threads burn the time slices the thread they wait for needs: beside a competing process a step
+#: lost 1.4-2.0x with PASSIVE and 2.9-4.8x without; alone PASSIVE costs 10% (the sleeping thread's wake-up
+#: at each small decode product). Measured by benchmarks/contention.py (benchmarks/README.md).
 OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 #: oneDNN CPU ISA caps (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``) that leave out bfloat16 dot products:
@@ -113,14 +115,14 @@ def available_cores(cpus=None, sys_root: str = "/sys/devices/system/cpu", quota:
 
 def auto_threads(processes: int = 1, environ=None) -> tuple[int, str]:
     """(threads, reason) for ``threads: auto``: ``OMP_NUM_THREADS`` when the environment sets it (the user's
-    explicit choice), else ``available_cores()`` shared among ``processes`` processes of this run on this
-    machine (CPU data-parallel ranks), at least 1."""
+    explicit choice), else ``available_cores()`` shared among ``processes`` workers of this run on this
+    machine (CPU data-parallel ranks, an async rollout producer), at least 1."""
     environ = os.environ if environ is None else environ
     env = str(environ.get("OMP_NUM_THREADS", "")).strip()
     if env.isdigit() and int(env) >= 1:
         return int(env), f"OMP_NUM_THREADS={env} from the environment"
     cores = available_cores()
-    shared = f", shared by {processes} processes" if processes > 1 else ""
+    shared = f", shared by {processes} workers" if processes > 1 else ""
     return max(1, cores // max(1, processes)), f"{cores} cores available to this process{shared}"
 
 

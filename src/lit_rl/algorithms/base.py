@@ -226,7 +226,7 @@ class RLAlgorithm(L.LightningModule):
         metrics["time/train_s"] = t_train
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics["perf/rollout_tokens"] = int(scored.rollouts.response_mask.sum())
-        metrics["perf/threads"] = float(torch.get_num_threads())  # threads: auto adapts it per step
+        metrics["perf/threads"] = float(torch.get_num_threads())  # threads=adaptive changes it per step
         metrics.update(self.step_flops(scored, rb))
         metrics = self.reduce_step_metrics(metrics, weights)
         tokens, t_rollout = metrics.pop("perf/rollout_tokens"), metrics["time/rollout_s"]
