@@ -77,13 +77,43 @@ def fit(cfg, task, steps, seed=0, init_seed=None):
     return rec.steps, module
 
 
-@pytest.mark.parametrize("algo", ALGOS)
-def test_each_algorithm_learns_leading_space(algo):
-    steps, _ = fit(cfg_for(algo), LeadingSpaceTask(), steps=25)
+@pytest.fixture(scope="module")
+def untrained_success_rate():
+    """The untrained tiny model's reward on LeadingSpaceTask, from 64 prompts x 16 samples (standard error
+    ~0.016; one training step's 16 samples would be ~0.12, too noisy to measure learning against)."""
+    policy, tok = load_policy(ModelSpec("tiny", init_seed=0))
+    module = build_module(cfg_for("grpo"), policy, tok)
+    task = LeadingSpaceTask()
+    dm = RolloutDataModule(task, tok, 64, 16, seed=0, eval_examples=0)
+    rate = float(dm.collect(module.engine, task.train_examples(), module.sampling, step=0).rewards.mean())
+    assert rate < 0.6  # about 0.56: the task is not solved before training
+    return rate
+
+
+def assert_learns(algo: str, seed: int, untrained: float) -> None:
+    """25 RL steps from the same initial weights (sampling and prompt order seeded by ``seed``): the mean reward
+    of the last 5 steps (80 samples) is >= 0.85 and >= 0.25 above the untrained policy's. Checked over seeds
+    0-9 on the AMD EPYC (AVX512-BF16): the lowest last-5 mean was 0.925 (PPO), 0.975 for the others. PPO takes
+    4 optimizer steps per RL step (ppo_epochs 2 x num_minibatches 2), so it trains at lr 1e-3 instead of 3e-3:
+    at 3e-3 its reward oscillated (last-5 mean 0.887 on one seed here, 0.61 on an AVX-512 Xeon)."""
+    lr = ["optim.lr=1e-3"] if algo == "ppo" else []
+    steps, _ = fit(cfg_for(algo, *lr), LeadingSpaceTask(), steps=25, seed=seed, init_seed=0)
     rewards = [s["rollout/reward_mean"] for s in steps]
-    # rewards[0] is the untrained policy's (about 0.3: among its top-8 tokens, few start with a space)
     last = sum(rewards[-5:]) / 5
-    assert last >= 0.9 and last >= rewards[0] + 0.4, (algo, [round(r, 2) for r in rewards])
+    assert last >= max(0.85, untrained + 0.25), (algo, seed, untrained, [round(r, 2) for r in rewards])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_each_algorithm_learns_leading_space(algo, untrained_success_rate):
+    assert_learns(algo, 0, untrained_success_rate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_each_algorithm_learns_leading_space_on_other_seeds(algo, seed, untrained_success_rate):
+    """The same margin on four more seeds: run it on each new CPU kind (its float path is another seed)."""
+    assert_learns(algo, seed, untrained_success_rate)
 
 
 @pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant"])
