@@ -7,7 +7,8 @@ Each setting runs the recipe (``lit_rl.train.run``) with the main job's defaults
 runs), ``--steps`` RL steps and no evaluation, in this process, under the OpenMP defaults
 ``recipes/train.py`` sets. All settings do the same work (same seed, same prompts; the sampled tokens differ
 only by precision), and step 1 (kernel warm-up) is not counted: a setting's time is the mean of
-``time/step_s`` over steps 2..N, its best over ``--rounds`` rounds, which run the settings in turn. Beside
+``time/step_s`` over steps 2..N, its best over ``--rounds`` rounds, which run the settings in turn (round r
+starts at the r-th setting: later runs in one process were seen slower, so no setting is always last). Beside
 each round the table shows the CPU other processes used meanwhile (cores; should be ~0). ``auto`` must be
 within 1.15x of the fastest explicit precision (issue 16).
 
@@ -79,8 +80,9 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="lit_rl_precision_auto_"))
     rounds: dict[str, list[dict]] = {p: [] for p in ("auto", *EXPLICIT)}
     try:
+        order = list(rounds)
         for r in range(args.rounds):
-            for precision in rounds:
+            for precision in order[r % len(order):] + order[:r % len(order)]:
                 out = tmp / f"{precision}-{r}"
                 rounds[precision].append(measure(precision, args, out))
                 shutil.rmtree(out, ignore_errors=True)
