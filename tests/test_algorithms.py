@@ -6,15 +6,13 @@ import os
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
+from helpers import compose_config
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.tasks import Example, Task
 from lit_rl.train import build_module
 
-CONF = os.path.join(ROOT, "conf")
 ALGOS = ["reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 
 
@@ -46,11 +44,10 @@ class ConstantByPromptTask(LeadingSpaceTask):
 
 
 def cfg_for(algo, *overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=[
-            "model=tiny", f"algo={algo}", "rollout.prompts_per_step=4", "rollout.group_size=4",
-            "rollout.micro_batch_size=8", "sampling.max_new_tokens=4", "sampling.top_k=8", "optim.lr=3e-3", "optim.grad_clip=1.0",
-            *(["algo.overlong.buffer_length=2"] if algo == "dapo" else []), *overrides])
+    return compose_config(
+        "model=tiny", f"algo={algo}", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.micro_batch_size=8", "sampling.max_new_tokens=4", "sampling.top_k=8", "optim.lr=3e-3", "optim.grad_clip=1.0",
+        *(["algo.overlong.buffer_length=2"] if algo == "dapo" else []), *overrides)
 
 
 class Recorder(L.Callback):

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, read_scalars
+from helpers import compose_config
+from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.kernels import KERNELS, BatchInvariantMode, kernel_mode
 from lit_rl.kernels import batch_invariant as bi
@@ -17,7 +17,6 @@ from lit_rl.rollout.torch_engine import TorchEngine
 from lit_rl.rollout.types import SamplingParams, left_pad
 from lit_rl.train import run
 
-CONF = os.path.join(ROOT, "conf")
 MS = list(range(1, 34)) + [47, 64, 100, 255, 256, 257, 500]
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -165,10 +164,9 @@ def test_mode_installs_and_removes_everything(tiny):
 
 
 def test_unknown_kernels_value_is_named_before_any_model_loads():
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["kernels.name=fast"])
-        gpu = compose(config_name="train", overrides=["kernels=batch_invariant", "trainer=gpu"])
-        assert compose(config_name="train").kernels.name == "default"
+    cfg = compose_config("kernels.name=fast")
+    gpu = compose_config("kernels=batch_invariant", "trainer=gpu")
+    assert compose_config().kernels.name == "default"
     with pytest.raises(ConfigError, match=r"kernels='fast' is not allowed: choose one of \['default', 'batch_invariant'\]"):
         validate(cfg)
     with pytest.raises(ConfigError, match="CPU only"):
@@ -285,8 +283,7 @@ def test_ten_step_run_logs_a_zero_gap_at_every_step(tmp_path):
                  "sampling.max_new_tokens=8", "eval.num_examples=0", "checkpoint.every_n_steps=10",
                  "trainer.max_steps=10", "algo=reinforce", "algo.baseline=none", "task.constant_reward=1",
                  "optim.lr=1e-3"]  # bf16-mixed (the default precision); updates that move the weights
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = compose_config(*overrides)
     run(cfg, tmp_path / "bi")
     s = read_scalars(tmp_path / "bi" / "tensorboard")
     gaps = [v for _, v in s["train/logprob_abs_diff"]]

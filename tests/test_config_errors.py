@@ -6,18 +6,15 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
+from helpers import ROOT, compose_config
 from lit_rl.config import ConfigError, validate
 from lit_rl.train import run
 
-CONF = os.path.join(ROOT, "conf")
 
 
 def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=["model=tiny", *overrides])
+    return compose_config("model=tiny", *overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

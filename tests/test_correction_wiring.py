@@ -5,22 +5,20 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, read_scalars
+from helpers import compose_config
+from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.tasks import ArithmeticTask
 from lit_rl.train import build_module, run
 
-CONF = os.path.join(ROOT, "conf")
 BASE = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
         "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=6", "eval.num_examples=0"]
 
 
 def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=[*BASE, *overrides])
+    return compose_config(*BASE, *overrides)
 
 
 def gradient(correction, engine_dtype=None, **sc):

@@ -22,9 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
+from helpers import compose_config
 from lit_rl.corrections import WeightFunction, corrected_policy_loss, exact_score_centering_term, score_centering_term
 from lit_rl.expectation import (
     TabularPolicy,
@@ -38,7 +37,6 @@ from lit_rl.expectation import (
 from lit_rl.objectives import reduce_loss
 from lit_rl.train import build_module
 
-CONF = os.path.join(ROOT, "conf")
 ALGOS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
 ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)
 
@@ -60,8 +58,7 @@ def module_for(policy, algo, correction="none", *overrides):
         base.append("algo.baseline=none")
     if algo == "dapo":
         base.append("algo.overlong.enabled=false")  # a constant length: shaping would only shift rewards
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*base, *overrides])
+    cfg = compose_config(*base, *overrides)
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=policy.vocab_size - 1)
     return build_module(cfg, policy, tokenizer)
 

@@ -9,17 +9,17 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, read_scalars
-from ddp_probe import CASES, STEP_METRICS, make_batch, make_module
+from helpers import FAST, ROOT
+from helpers import fast_config as cfg_for
+from lit_rl.compare import read_scalars
+from helpers.ddp_probe import CASES, STEP_METRICS, make_batch, make_module
 from lit_rl.config import ConfigError, validate
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule, shard
 from lit_rl.train import build_module, build_strategy, build_task_from_cfg, run
-from test_train import FAST, cfg_for
 
-PROBE = os.path.join(ROOT, "tests", "ddp_probe.py")
+PROBE = os.path.join(ROOT, "tests", "helpers", "ddp_probe.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
@@ -41,7 +41,7 @@ def one_process():
     module = make_module(policy, tok)
     out = {}
     for name, (reduction, rank1_empty) in CASES.items():
-        module.loss_cfg["reduction"] = reduction
+        module.loss_cfg.reduction = reduction
         policy.zero_grad()
         stats, loss = module.accumulate_gradients(make_batch(rank1_empty))
         out[name] = {"grads": {n: p.grad.clone() for n, p in policy.named_parameters()},

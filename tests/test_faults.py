@@ -10,13 +10,14 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_scalars
+from helpers import FAST, ROOT
+from helpers import fast_config as cfg_for
+from lit_rl.compare import read_scalars
 from lit_rl.algorithms import GRPO, NonFiniteUpdates
 from lit_rl.checkpoints import AtomicCheckpointIO, find_last
 from lit_rl.train import run
-from test_train import FAST, cfg_for
 
-SCRIPT = os.path.join(ROOT, "tests", "fault_injection.py")
+SCRIPT = os.path.join(ROOT, "tests", "helpers", "fault_injection.py")
 # REINFORCE without a baseline on a constant reward: A = 1 on every token, so every step moves the weights
 # and the optimizer state (on the tiny model the arithmetic reward is always 0 and GRPO would never move)
 MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, read_scalars
+from helpers import FAST, ROOT
+from helpers import fast_config as cfg_for
+from lit_rl.compare import read_scalars
 from lit_rl.algorithms.base import RLAlgorithm
 from lit_rl.config import ConfigError, validate
 from lit_rl.train import run
-from test_train import FAST, cfg_for
 
 # REINFORCE without a baseline on a constant reward: every step moves the weights, so versions differ
 MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3", "eval.num_examples=0"]
@@ -99,7 +100,7 @@ def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
-    script = os.path.join(ROOT, "tests", "staleness_probe.py")
+    script = os.path.join(ROOT, "tests", "helpers", "staleness_probe.py")
     res = subprocess.run([sys.executable, script, "2", str(tmp_path / "i"), *FAST, "trainer.max_steps=6",
                           "rollout.mode=async", "rollout.max_staleness=2", *MOVING],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)

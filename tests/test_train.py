@@ -7,15 +7,13 @@ import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, read_scalars
+from helpers import FAST, ROOT, fast_config
+
+from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
 from lit_rl.train import run
 
-CONF = os.path.join(ROOT, "conf")
-FAST = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=false", "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=8",
-        "eval.num_examples=4", "eval.every_n_steps=2", "checkpoint.every_n_steps=2"]
 
 TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "rollout/truncation_rate",
         "rollout/groups_all_correct", "rollout/groups_all_wrong", "train/loss", "train/pg_clipfrac",
@@ -24,9 +22,7 @@ TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "rollout/truncati
         "perf/update_tflops", "perf/rollout_tflops", "perf/mfu"]
 
 
-def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose(config_name="train", overrides=[*FAST, *overrides])
+cfg_for = fast_config
 
 
 def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):

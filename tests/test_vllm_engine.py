@@ -12,8 +12,10 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, chat_prompts, read_scalars
+from helpers import ROOT, chat_prompts, compose_config
+
 from lit_rl import hardware
+from lit_rl.compare import read_scalars
 from lit_rl.logprobs import response_logprobs
 from lit_rl.rollout.types import SamplingParams, left_pad
 
@@ -249,7 +251,6 @@ def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
 def test_engine_for_a_model_with_small_heads(tmp_path):
     """vLLM's CPU attention needs head_dim >= 32: engine=auto falls back to the embedded engine, engine=vllm
     says why, before anything runs."""
-    from hydra import compose, initialize_config_dir
     from transformers import LlamaForCausalLM
 
     from lit_rl.config import ConfigError
@@ -262,8 +263,7 @@ def test_engine_for_a_model_with_small_heads(tmp_path):
     LlamaForCausalLM(tiny_config(100, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
                      ).config.save_pretrained(folder)
     for engine in ("auto", "vllm"):
-        with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-            cfg = compose(config_name="train", overrides=[f"model.name_or_path={folder}", f"engine={engine}"])
+        cfg = compose_config(f"model.name_or_path={folder}", f"engine={engine}")
         if engine == "auto":
             resolve_engine(cfg)
             assert cfg.engine.name == "torch"
@@ -274,12 +274,9 @@ def test_engine_for_a_model_with_small_heads(tmp_path):
 
 
 def test_engine_auto_picks_vllm_where_it_is_installed():
-    from hydra import compose, initialize_config_dir
-
     from lit_rl.train import resolve_engine
 
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["model=tiny", "engine=auto"])
+    cfg = compose_config("model=tiny", "engine=auto")
     resolve_engine(cfg)
     assert cfg.engine.name == "vllm"
     # the default precision is auto: bf16-mixed, so a bfloat16 engine, where the CPU multiplies bf16 natively

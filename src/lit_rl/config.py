@@ -9,17 +9,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from .algorithms import ALGORITHMS
+from .corrections import CORRECTIONS
+from .kernels import KERNELS
 from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES
+from .rollout.engines import ENGINE_CHOICES as ENGINES
+from .rollout.staleness import ON_STALE, ROLLOUT_MODES
+from .tasks import TASKS
 
-ALGORITHMS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
-ENGINES = ("torch", "vllm", "auto")
-TASKS = ("arithmetic", "gsm8k")
-CORRECTIONS = ("none", "tis", "mis", "sc", "sc+tis", "sc+mis")
 DTYPES = ("float32", "bfloat16")
-ROLLOUT_MODES = ("sync", "lagged", "async")
-ON_STALE = ("block", "drop")
-KERNELS = ("default", "batch_invariant")
-GROUP_BASELINE_ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 #: trainer.precision: auto (lit_rl.hardware.resolve_precision) or one of Lightning's values
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
               "32", "bf16", "16", "64", 32, 16, 64)
@@ -53,21 +51,21 @@ def check_vllm_engine(cfg: DictConfig) -> None:
 
     e = cfg.engine
     for key in ("sleep_mode", "cuda_graphs"):
-        value = e.get(key, "auto")
+        value = e[key]
         _check(value in ("auto", True, False), f"engine.{key}", value, "choose auto, true or false")
         _check(value is not True or torch.cuda.is_available(), f"engine.{key}", value,
                "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false")
-    _check_int(e.get("tensor_parallel_size", 1), "engine.tensor_parallel_size", 1)
-    _check(e.get("tensor_parallel_size", 1) == 1 or not e.get("in_process", True), "engine.tensor_parallel_size",
-           e.get("tensor_parallel_size"), "> 1 needs engine.in_process=false (tensor-parallel workers are processes)")
-    util = e.get("gpu_memory_utilization", 0.3)
+    _check_int(e.tensor_parallel_size, "engine.tensor_parallel_size", 1)
+    _check(e.tensor_parallel_size == 1 or not e.in_process, "engine.tensor_parallel_size",
+           e.tensor_parallel_size, "> 1 needs engine.in_process=false (tensor-parallel workers are processes)")
+    util = e.gpu_memory_utilization
     _check(_is_number(util) and 0 < util <= 1, "engine.gpu_memory_utilization", util, "must lie in (0, 1]")
-    kv = e.get("kv_cache_gb")
+    kv = e.kv_cache_gb
     _check(kv is None or (_is_number(kv) and kv > 0), "engine.kv_cache_gb", kv, "must be null or a number of GiB > 0")
-    length = e.get("max_model_len")
+    length = e.max_model_len
     _check(length is None or (_is_int(length) and length > cfg.sampling.max_new_tokens), "engine.max_model_len",
            length, f"must be null or an integer > sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
-    strategy = str(cfg.trainer.get("strategy", "auto"))
+    strategy = str(cfg.trainer.get("strategy", "auto"))  # a Lightning Trainer argument: absent = Lightning's auto
     _check(strategy in ("auto", "single_device"), "trainer.strategy", strategy,
            f"engine={e.name} runs one colocated vLLM engine in a single training process; with "
            f"trainer.strategy={strategy} use engine=torch")
@@ -98,7 +96,7 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
            f"choose one of {list(CORRECTIONS)}")
-    kernels = cfg.get("kernels", {}).get("name", "default")
+    kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     if kernels == "batch_invariant":
         _check(cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"), "kernels", kernels,
@@ -112,14 +110,14 @@ def validate(cfg: DictConfig) -> None:
     _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
     _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high),
            "need 0 <= low < high")
-    _check(isinstance(c.mis.get("weighted", True), bool), "correction.mis.weighted", c.mis.get("weighted"),
+    _check(isinstance(c.mis.weighted, bool), "correction.mis.weighted", c.mis.weighted,
            "true (kept tokens keep their weight, IcePop/TRL) or false (mask only, verl's rejection sampling)")
     _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
     _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
     for lvl in ("tis", "mis"):
         _check(c[lvl].level in ("token", "sequence"), f"correction.{lvl}.level", c[lvl].level,
                "choose 'token' or 'sequence'")
-    if cfg.engine.get("dtype"):
+    if cfg.engine.dtype:
         _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
     if cfg.algo.name == "dapo" and cfg.algo.overlong.enabled:
         _check(0 <= cfg.algo.overlong.buffer_length <= cfg.sampling.max_new_tokens,
@@ -143,8 +141,7 @@ def validate(cfg: DictConfig) -> None:
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
-    group_baseline = cfg.algo.name in GROUP_BASELINE_ALGORITHMS or (
-        cfg.algo.name == "reinforce" and cfg.algo.get("baseline") == "rloo")
+    group_baseline = ALGORITHMS[cfg.algo.name].group_baseline(cfg.algo)
     if group_baseline:
         _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
                f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
@@ -165,7 +162,7 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
     _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
     a = cfg.algo
-    _check(a.get("ppo_epochs", 1) >= 1, "algo.ppo_epochs", a.get("ppo_epochs"), "must be >= 1")
+    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
     if a.name == "reinforce":
         _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
     if a.name == "ppo":
@@ -178,35 +175,35 @@ def validate(cfg: DictConfig) -> None:
             value = a.gae[key]
             _check(_is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
     if a.name == "reinforce":
-        _check(a.get("ppo_epochs", 1) == 1 and a.get("num_minibatches", 1) == 1, "algo.ppo_epochs x algo.num_minibatches",
-               (a.get("ppo_epochs", 1), a.get("num_minibatches", 1)),
+        _check(a.ppo_epochs == 1 and a.num_minibatches == 1, "algo.ppo_epochs x algo.num_minibatches",
+               (a.ppo_epochs, a.num_minibatches),
                "must be 1 x 1 for reinforce: it has no importance ratio or clip, so every update after the "
                "first would be an uncorrected off-policy step (use ppo, grpo or cispo for several updates)")
     o = cfg.optim
     _check(_is_number(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    clip_norm = o.get("grad_clip")
+    clip_norm = o.grad_clip
     _check(clip_norm is None or (_is_number(clip_norm) and clip_norm >= 0), "optim.grad_clip", clip_norm,
            "must be >= 0 (0 or null = no clipping)")
-    _check_int(o.get("warmup_steps", 0), "optim.warmup_steps", 0)
-    _check_int(o.get("max_nonfinite_updates", 0), "optim.max_nonfinite_updates", 0, " (0 = never stop)")
+    _check_int(o.warmup_steps, "optim.warmup_steps", 0)
+    _check_int(o.max_nonfinite_updates, "optim.max_nonfinite_updates", 0, " (0 = never stop)")
     _check_int(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", 1)
     _check_int(cfg.eval.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
     _check_int(cfg.eval.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
     _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
-    threads = cfg.get("threads", "auto")
+    threads = cfg.threads
     _check(threads in (None, "auto", "adaptive") or (_is_int(threads) and threads >= 1), "threads", threads,
            "choose auto, adaptive or an integer >= 1")
     precision = cfg.trainer.get("precision", "auto")
     _check(precision in PRECISIONS, "trainer.precision", precision,
            f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
            f"{[p for p in PRECISIONS if isinstance(p, str) and p != 'auto' and '-' in p]}")
-    timeout = cfg.get("reward_timeout_s", 10.0)
+    timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
-    constant = cfg.task.get("constant_reward")
+    constant = cfg.task.constant_reward
     _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
-    if cfg.task.name == "gsm8k" and cfg.task.get("path"):
+    if cfg.task.name == "gsm8k" and cfg.task.path:
         path = Path(cfg.task.path).expanduser()
         _check(path.is_dir(), "task.path", cfg.task.path, "must be a folder holding train.jsonl and test.jsonl")
     name = cfg.model.name_or_path
@@ -218,18 +215,18 @@ def validate(cfg: DictConfig) -> None:
 def check_rollout_mode(ro: DictConfig) -> None:
     """The stale-rollout fields of ``rollout`` (``rollout.staleness``): mode, lag, max_staleness, on_stale,
     buffer_size and the two switches."""
-    mode = ro.get("mode", "sync")
+    mode = ro.mode
     _check(mode in ROLLOUT_MODES, "rollout.mode", mode, f"choose one of {list(ROLLOUT_MODES)}")
-    _check_int(ro.get("lag", 0), "rollout.lag", 0, " (RL steps between the sampling and the trained weights)")
-    _check_int(ro.get("max_staleness", 1), "rollout.max_staleness", 0, " (RL steps a consumed rollout may lag)")
-    _check(ro.get("on_stale", "block") in ON_STALE, "rollout.on_stale", ro.get("on_stale"),
+    _check_int(ro.lag, "rollout.lag", 0, " (RL steps between the sampling and the trained weights)")
+    _check_int(ro.max_staleness, "rollout.max_staleness", 0, " (RL steps a consumed rollout may lag)")
+    _check(ro.on_stale in ON_STALE, "rollout.on_stale", ro.on_stale,
            f"choose one of {list(ON_STALE)}")
-    size = ro.get("buffer_size")
+    size = ro.buffer_size
     _check(size is None or (_is_int(size) and size >= 1), "rollout.buffer_size", size,
            "must be null (= max(1, rollout.max_staleness)) or an integer >= 1")
     for key in ("behaviour_logprobs", "save_history"):
-        _check(isinstance(ro.get(key, True), bool), f"rollout.{key}", ro.get(key), "must be true or false")
-    _check(not ro.get("lag", 0) or mode == "lagged", "rollout.lag", ro.get("lag"),
+        _check(isinstance(ro[key], bool), f"rollout.{key}", ro[key], "must be true or false")
+    _check(not ro.lag or mode == "lagged", "rollout.lag", ro.lag,
            f"is read by rollout.mode=lagged only (rollout.mode={mode}); add rollout.mode=lagged")
 
 
@@ -263,10 +260,10 @@ def check_world_size(cfg: DictConfig, ranks: int) -> None:
         named = f"the {ranks} ranks ({named} x trainer.num_nodes={nodes})"
     _check(ro.prompts_per_step % ranks == 0, "rollout.prompts_per_step", ro.prompts_per_step,
            f"must be divisible by {named}")
-    _check(ro.get("mode", "sync") == "sync" or ranks == 1, "rollout.mode", ro.get("mode"),
+    _check(ro.mode == "sync" or ranks == 1, "rollout.mode", ro.mode,
            f"runs on one device in this version (the weight history is swapped into the trainer's module), "
            f"not on {named}: use rollout.mode=sync there")
     rows = ro.prompts_per_step * ro.group_size // ranks
     per_rank = "" if ranks == 1 else f" / {ranks} ranks"
-    _check(1 <= cfg.algo.get("num_minibatches", 1) <= rows, "algo.num_minibatches", cfg.algo.get("num_minibatches"),
+    _check(1 <= cfg.algo.num_minibatches <= rows, "algo.num_minibatches", cfg.algo.num_minibatches,
            f"must lie in [1, prompts_per_step x group_size{per_rank} = {rows}]")

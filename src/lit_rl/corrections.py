@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from lit_rl.objectives import masked_mean
+from lit_rl.registry import Registry
 
 LEVELS = ("token", "sequence")
 
@@ -546,6 +547,67 @@ def corrected_policy_loss(
                                      old_head_logprobs=old_head_logprobs, rule=rule, context_tis=context_tis,
                                      context_mis=context_mis, head_mask=head_mask)
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The ``correction`` config group: names and wiring
+# ----------------------------------------------------------------------------------------------
+
+#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections; each has its
+#: ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the tests)
+CORRECTIONS: Registry[frozenset] = Registry("correction", {
+    "none": frozenset(), "tis": frozenset({"tis"}), "mis": frozenset({"mis"}), "sc": frozenset({"sc"}),
+    "sc+tis": frozenset({"sc", "tis"}), "sc+mis": frozenset({"sc", "mis"}),
+})
+
+
+def weight_function(correction) -> WeightFunction:
+    """The ``correction`` config group's TIS / MIS settings as the weight function f of the ratio
+    (``WeightFunction``); the identity for ``correction=none|sc``. ``correction``: the group as
+    ``schema.CorrectionConfig`` (or anything with its ``tis`` and ``mis`` attributes)."""
+    tis, mis = correction.tis, correction.mis
+    return WeightFunction(
+        tis_cap=float(tis.cap) if tis.enabled else None, tis_level=tis.level,
+        mis_band=(float(mis.low), float(mis.high)) if mis.enabled else None,
+        mis_level=mis.level, mis_weighted=bool(mis.weighted))
+
+
+def correct_policy_loss(
+    token_loss: Tensor,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    batch,
+    rule: WeightFunction,
+    *,
+    score_centering: bool = False,
+    logprobs_head: Optional[Tensor] = None,
+    score_coefficients: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+) -> tuple[Tensor, dict]:
+    """``corrected_policy_loss`` for one micro-batch of a ``RolloutBatch``: what an algorithm's update calls.
+
+    Args:
+        token_loss: float [n, T], the objective's per-token loss ℓ_t.
+        logprobs: float [n, T], log π_θ of the sampled tokens (its detached value gives the sampled ratio).
+        old_logprobs: float [n, T], log π_old.
+        batch: the micro-batch (``rollout.types.RolloutBatch``): ``rollout_logprobs``, ``response_mask`` and,
+            for score centering, ``topk_logprobs`` [n, T, k] and ``old_head_logprobs`` (or None).
+        rule: the ``WeightFunction`` (``weight_function`` of the config group).
+        score_centering: subtract the weighted centring term over the engine's head.
+        logprobs_head: float [n, T, k], log π_θ at the head ids (score centering).
+        score_coefficients: ``(log_ratio [n, T, J], sampled_log_ratio [n, T]) -> c [n, T, J]``, the objective's
+            coefficient ∂ℓ_t/∂log π had each head token been sampled (``RLAlgorithm.score_coefficients``).
+
+    Returns:
+        (loss [n, T], metrics of ``correction_weights``), as ``corrected_policy_loss``.
+    """
+    kwargs = {}
+    if score_centering:
+        sampled_log_ratio = logprobs.detach() - old_logprobs.detach()
+        kwargs = dict(score_centering=True, logprobs_head=logprobs_head, rollout_head_logprobs=batch.topk_logprobs,
+                      old_head_logprobs=batch.old_head_logprobs, head_mask=torch.isfinite(batch.topk_logprobs),
+                      coef=lambda log_ratio: score_coefficients(log_ratio, sampled_log_ratio))
+    return corrected_policy_loss(token_loss, old_logprobs, batch.rollout_logprobs, batch.response_mask, rule,
+                                 **kwargs)
 
 
 def score_centered_loss(

@@ -96,7 +96,7 @@ def model_head_dim(model_cfg: DictConfig) -> int | None:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name_or_path),
-                                                trust_remote_code=bool(model_cfg.get("trust_remote_code", False)))
+                                                trust_remote_code=bool(model_cfg.trust_remote_code))
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     except Exception:  # a bad name is reported where the model loads
         return None
@@ -117,10 +117,10 @@ def resolve_engine(cfg: DictConfig) -> None:
         if cfg.engine.name == "vllm" and head_dim is not None and head_dim < 32:
             raise ConfigError(f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
                               f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)")
-        if cfg.engine.name == "vllm" and not cfg.engine.get("dtype"):
+        if cfg.engine.name == "vllm" and not cfg.engine.dtype:
             precision, _ = resolve_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator"))
             cfg.engine.dtype = "bfloat16" if str(precision).startswith("bf16") else cfg.model.dtype
-        if cfg.engine.name == "vllm" and cfg.engine.get("kv_cache_gb") is None and not on_cuda():
+        if cfg.engine.name == "vllm" and cfg.engine.kv_cache_gb is None and not on_cuda():
             cfg.engine.kv_cache_gb = 1.0  # on CPU vLLM would otherwise reserve a fraction of all RAM
         cfg.engine.seed = cfg.seed
 
@@ -134,7 +134,7 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
     ``OMP_NUM_THREADS``, else the physical cores this process may run on (affinity mask, cgroup quota),
     shared out among the ranks of a CPU ``trainer.devices`` > 1 run and, with ``rollout.mode=async`` on the
     CPU, between the rollout producer and the trainer (measured: 1 + 1 threads on 2 cores overlap best,
-    README "Sync versus async rollouts"); ``threads: adaptive`` starts from the
+    benchmarks/README.md, "Sync versus async rollouts"); ``threads: adaptive`` starts from the
     same count (``AdaptiveThreads`` then adapts it per step). An explicit value is always honoured."""
     lines = []
     with open_dict(cfg):
@@ -143,11 +143,11 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
         precision, why = resolve_precision(requested, accelerator)
         cfg.trainer.precision = precision
         lines.append(f"trainer.precision={precision}" + (f" (auto: {why})" if requested in (None, "auto") else ""))
-        requested = cfg.get("threads", "auto")
+        requested = cfg.threads
         if requested in (None, "auto", "adaptive"):
             ranks = static_world_size(cfg.trainer) or 1
             ranks_here = ranks // int(cfg.trainer.get("num_nodes", 1) or 1) if not uses_cuda(accelerator) else 1
-            if cfg.rollout.get("mode", "sync") == "async" and not uses_cuda(accelerator):
+            if cfg.rollout.mode == "async" and not uses_cuda(accelerator):
                 ranks_here *= 2  # the rollout producer thread and the trainer each get their half of the cores
             cfg.threads, why = auto_threads(ranks_here)
             why = f"{requested or 'auto'}: {why}" + (", adapted per step to the cores other processes leave free"
@@ -180,10 +180,10 @@ def adaptive_threads(cfg: DictConfig, requested) -> AdaptiveThreads | None:
     if requested != "adaptive":
         return None
     ranks = static_world_size(cfg.trainer) or 1
-    kernels = cfg.get("kernels", {}).get("name", "default")
+    kernels = cfg.kernels.name
     for bad, why in ((ranks > 1, f"{ranks} data-parallel ranks share the cores"),
                      (kernels != "default", f"kernels={kernels} keeps its own thread count"),
-                     (cfg.engine.name in ("vllm", "auto") and not cfg.engine.get("in_process", True),
+                     (cfg.engine.name in ("vllm", "auto") and not cfg.engine.in_process,
                       "the vLLM engine's worker processes would count as another process's load")):
         if bad:
             raise ConfigError(f"threads=adaptive is not allowed here: {why}; use threads=auto or a number")
@@ -206,13 +206,13 @@ def build_module(cfg: DictConfig, policy, tokenizer):
     """The algorithm's LightningModule for ``cfg`` around an already loaded policy."""
     sampling = OmegaConf.to_container(cfg.sampling, resolve=True)
     correction = OmegaConf.to_container(cfg.correction, resolve=True)
-    sc = correction.get("sc") or {}
-    if sc.get("enabled"):  # the engine must record the head H that score centering sums over
+    sc = cfg.correction.sc
+    if sc.enabled:  # the engine must record the head H that score centering sums over
         vocab = policy.get_output_embeddings().weight.shape[0]
-        top_k = vocab if sc.get("mode", "topk") == "exact" else int(sc.get("top_k", 128))
+        top_k = vocab if sc.mode == "exact" else int(sc.top_k)
         if top_k > vocab:
             raise ConfigError(f"correction.sc.top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
-        sampling["logprobs_top_k"] = max(int(sampling.get("logprobs_top_k", 0)), top_k)
+        sampling["logprobs_top_k"] = max(int(sampling["logprobs_top_k"]), top_k)
     eval_sampling = dict(sampling, temperature=0.0, top_k=0, top_p=1.0, logprobs_top_k=0,
                          max_new_tokens=cfg.eval.max_new_tokens)
     cls = ALGORITHMS[cfg.algo.name]
@@ -311,7 +311,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
     """
     validate(cfg)
-    requested_threads = cfg.get("threads", "auto")
+    requested_threads = cfg.threads
     hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
     governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
     for line in hardware:
@@ -321,7 +321,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     out = Path(out_dir)
-    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), out)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
         raise ConfigError(f"output folder {out} already holds a finished run; choose another "
                           f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one")
@@ -391,10 +391,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     datamodule = RolloutDataModule(task, tokenizer, cfg.rollout.prompts_per_step, cfg.rollout.group_size,
                                    seed=cfg.seed, eval_examples=cfg.eval.num_examples,
                                    eval_batch_size=cfg.eval.batch_size,
-                                   reward_timeout_s=cfg.get("reward_timeout_s", 10.0))
+                                   reward_timeout_s=cfg.reward_timeout_s)
     # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
     # (engine.dtype, the KL reference) inherit it
-    with kernel_mode(cfg.get("kernels", {}).get("name", "default"), policy):
+    with kernel_mode(cfg.kernels.name, policy):
         module = build_module(cfg, policy, tokenizer)
         assert module.updates_per_step == k
         module.peak_flops, source = peak_flops(precision, trainer_kwargs.get("accelerator", "auto"))

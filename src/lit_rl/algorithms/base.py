@@ -22,10 +22,8 @@ import contextlib
 import copy
 import math
 import time
-import zlib
-from collections import defaultdict
-from dataclasses import asdict, replace
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import ClassVar
 
 import lightning as L
 import torch
@@ -40,65 +38,20 @@ from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.staleness import build_stale_rollouts
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
+from ..schema import (AdvantageConfig, AlgoConfig, CorrectionConfig, EngineConfig, KlConfig, LossConfig, OptimConfig,
+                      RolloutConfig, TrainConfig, config_of)
+from . import parallel
+from .parallel import MetricSums
 
 
 class NonFiniteUpdates(RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient (``optim.max_nonfinite_updates``)."""
 
 
-class MetricSums:
-    """Accumulates sums and counts so that a metric is a mean over all valid tokens of the step."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, float] = defaultdict(float)
-
-    def add(self, name: str, values: Tensor, mask: Tensor) -> None:
-        """Add the masked sum of ``values`` (any shape) and the mask's count under ``name``."""
-        self.sums[name] += float(obj.masked_sum(values.detach().float(), mask))
-        self.counts[name] += float(mask.sum())
-
-    def add_means(self, means: dict[str, Tensor | float], mask: Tensor) -> None:
-        """Add metrics already averaged over ``mask``'s valid tokens, weighted by their count."""
-        count = float(mask.sum())
-        for name, value in means.items():
-            self.sums[name] += float(value) * count
-            self.counts[name] += count
-
-    def means(self) -> dict[str, float]:
-        """name -> sum / count (0.0 where the count is 0)."""
-        return {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}
-
-    def touch(self, other: "MetricSums") -> None:
-        """Register ``other``'s names here with zero sum and count (so every rank holds the same names)."""
-        for k in other.sums:
-            self.sums[k] += 0.0
-            self.counts[k] += 0.0
-
-    def all_reduce(self, reduce_sums: Callable[[dict[str, float]], dict[str, float]]) -> "MetricSums":
-        """Sums and counts summed over data-parallel ranks, in place, so ``means`` weighs every rank's
-        tokens (or sequences) alike. ``reduce_sums`` maps a name -> float dict to its sum over ranks
-        (``RLAlgorithm.all_reduce_dict``). Returns self."""
-        flat = {**{f"sum:{k}": v for k, v in self.sums.items()}, **{f"count:{k}": v for k, v in self.counts.items()}}
-        total = reduce_sums(flat)
-        for k in list(self.sums):
-            self.sums[k], self.counts[k] = total[f"sum:{k}"], total[f"count:{k}"]
-        return self
-
-
-def weight_rule(correction: dict) -> corr.WeightFunction:
-    """The ``correction`` config group's TIS / MIS settings as the weight function f of the ratio
-    (``corrections.WeightFunction``); the identity for ``correction=none|sc``."""
-    tis, mis = (correction.get(k) or {} for k in ("tis", "mis"))
-    return corr.WeightFunction(
-        tis_cap=float(tis.get("cap", 2.0)) if tis.get("enabled") else None, tis_level=tis.get("level", "token"),
-        mis_band=(float(mis.get("low", 0.5)), float(mis.get("high", 2.0))) if mis.get("enabled") else None,
-        mis_level=mis.get("level", "token"), mis_weighted=bool(mis.get("weighted", True)))
-
-
-def updates_per_step(algo: dict) -> int:
-    """Optimizer steps per RL step of the ``algo`` config: ``ppo_epochs`` x ``num_minibatches`` (default 1 x 1)."""
-    return int(algo.get("ppo_epochs", 1) or 1) * int(algo.get("num_minibatches", 1) or 1)
+def updates_per_step(algo: AlgoConfig | Mapping) -> int:
+    """Optimizer steps per RL step of the ``algo`` config: ``ppo_epochs`` x ``num_minibatches``."""
+    algo = config_of(AlgoConfig, algo)
+    return int(algo.ppo_epochs) * int(algo.num_minibatches)
 
 
 class RLAlgorithm(L.LightningModule):
@@ -110,25 +63,27 @@ class RLAlgorithm(L.LightningModule):
         sampling: ``SamplingParams`` fields for training rollouts.
         eval_sampling: fields for evaluation (temperature 0 = greedy pass@1).
         group_size: G; micro_batch_size: sequences per forward/backward in the update.
-        advantage: {"alpha": float in [0, 1], "eps": float}.
-        loss: {"reduction": one of objectives.REDUCTION_MODES}.
-        algo: the ``algo`` config group: ``name``, ``clip: {eps_low, eps_high}`` and what the algorithm adds.
-        kl: {"beta": float >= 0, "estimator": "k1"|"k2"|"k3", "track": bool} penalty to the frozen initial
-            policy; ``track`` keeps the reference copy and logs ``train/ref_kl`` even with beta = 0.
-        optim: {"lr", "weight_decay", "betas", "grad_clip", "warmup_steps"}.
+        advantage, loss, algo, kl, optim, correction, engine, rollout_mode: the config groups of the same names
+            (``rollout_mode`` is the ``rollout`` section), each a dataclass of ``lit_rl.schema`` or a mapping
+            of its fields: what a mapping leaves out takes the same default as the YAML files (``algo`` this
+            algorithm's own, ``algo_config``), and a key that is not a field raises TypeError.
         logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
-        correction: the ``correction`` config group: {"tis": {...}, "mis": {...}, "sc": {...}} (see ``correct``).
-        engine: the ``engine`` config group (``name`` "torch" | "vllm", see ``rollout.engines.build_engine``):
-            for the embedded engine a dtype or the int8 round trip gives it its own copy of the weights; the
-            vLLM engine always holds its own, pushed from the trainer at every step.
-        rollout_mode: {"mode": "sync" | "lagged" | "async", "lag", "max_staleness", "on_stale", ...}
-            (``rollout.staleness``); stale modes give the engine its own copy of the weights.
+
+    The engine (``rollout.engines.build_engine``): for the embedded engine a dtype or the int8 round trip gives
+    it its own copy of the weights; the vLLM engine always holds its own, pushed from the trainer at every
+    step; stale rollout modes (``rollout.staleness``) give the engine its own copy too.
     """
 
+    #: this algorithm's ``algo`` defaults (its conf/algo/<name>.yaml, for modules built from Python)
+    algo_config: ClassVar[type[AlgoConfig]] = AlgoConfig
+
     def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
-                 group_size: int, micro_batch_size: int, advantage: dict, loss: dict, algo: dict,
-                 kl: dict, optim: dict, logprob_chunk_tokens: int = 1024, correction: dict | None = None,
-                 engine: dict | None = None, rollout_mode: dict | None = None):
+                 group_size: int, micro_batch_size: int, advantage: AdvantageConfig | Mapping | None = None,
+                 loss: LossConfig | Mapping | None = None, algo: AlgoConfig | Mapping | None = None,
+                 kl: KlConfig | Mapping | None = None, optim: OptimConfig | Mapping | None = None,
+                 logprob_chunk_tokens: int = TrainConfig.logprob_chunk_tokens,
+                 correction: CorrectionConfig | Mapping | None = None, engine: EngineConfig | Mapping | None = None,
+                 rollout_mode: RolloutConfig | Mapping | None = None):
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
         self.automatic_optimization = False
@@ -137,29 +92,38 @@ class RLAlgorithm(L.LightningModule):
         self.sampling = SamplingParams(**sampling)
         self.eval_sampling = SamplingParams(**eval_sampling)
         self.group_size, self.micro_batch_size = group_size, micro_batch_size
-        self.advantage_cfg, self.loss_cfg, self.algo_cfg = dict(advantage), dict(loss), dict(algo)
-        self.clip_cfg = dict(self.algo_cfg.get("clip", {}))
-        self.kl_cfg, self.optim_cfg = dict(kl), dict(optim)
+        self.advantage_cfg = config_of(AdvantageConfig, advantage)
+        self.loss_cfg = config_of(LossConfig, loss)
+        self.algo_cfg = config_of(self.algo_config, algo)
+        self.clip_cfg = self.algo_cfg.clip
+        self.kl_cfg, self.optim_cfg = config_of(KlConfig, kl), config_of(OptimConfig, optim)
         self.chunk_tokens = logprob_chunk_tokens
-        self.correction = dict(correction or {})
-        self.weight_rule = weight_rule(self.correction)
+        self.correction = config_of(CorrectionConfig, correction)
+        self.weight_rule = corr.weight_function(self.correction)
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-        self.stale = build_stale_rollouts(rollout_mode)  # None: sync
-        self.engine = build_engine(dict(engine or {}), policy, tokenizer.pad_token_id, stop_ids,
-                                   max_logprobs=self.sampling.logprobs_top_k, seed=int((engine or {}).get("seed", 0)),
+        self.stale = build_stale_rollouts(config_of(RolloutConfig, rollout_mode))  # None: sync
+        self.engine = build_engine(engine, policy, tokenizer.pad_token_id, stop_ids,
+                                   max_logprobs=self.sampling.logprobs_top_k,
                                    own_copy=self.stale is not None and self.stale.mode == "async")
         self.ref_policy = None
-        if self.kl_cfg.get("beta", 0.0) > 0 or self.kl_cfg.get("track", False):
+        if self.kl_cfg.beta > 0 or self.kl_cfg.track:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
 
     # -- pieces a subclass may replace ---------------------------------------------------------------
+    @classmethod
+    def group_baseline(cls, algo) -> bool:
+        """True when the advantage's baseline is a statistic of the prompt's group (so ``rollout.group_size``
+        must be >= 2: a group of one has zero advantage). ``algo``: the ``algo`` config group. Default: True
+        (``objectives.group_advantages``)."""
+        return True
+
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
         """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
         valid = scored.rollouts.response_length > 0
-        return obj.group_advantages(rewards, scored.group_ids, alpha=self.advantage_cfg.get("alpha", 1.0),
-                                    eps=self.advantage_cfg.get("eps", 1e-6), valid=valid)
+        return obj.group_advantages(rewards, scored.group_ids, alpha=self.advantage_cfg.alpha,
+                                    eps=self.advantage_cfg.eps, valid=valid)
 
     def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
         """[N] rewards the advantages see. Default: the task reward as is."""
@@ -169,7 +133,7 @@ class RLAlgorithm(L.LightningModule):
                     stats: MetricSums) -> Tensor:
         """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
         loss, clip_low, clip_high = obj.ppo_clip_loss(logprobs, old_logprobs, mb.advantages,
-                                                     self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+                                                     self.clip_cfg.eps_low, self.clip_cfg.eps_high)
         mask = mb.response_mask
         stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
         stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
@@ -181,7 +145,7 @@ class RLAlgorithm(L.LightningModule):
         sampled at position t (``sampled_log_ratio`` [n, T]: the sampled tokens'); [n, T, J]. Score
         centering under a correction evaluates it at the engine's head ids (``corrections.centering_term``).
         Default: the PPO clipped surrogate's, −A·r where the clip does not bind (GRPO, DAPO, Dr.GRPO)."""
-        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)
 
     def collect(self, batch: PromptBatch):
         """Generate and score this rank's share of the step's rollouts. Returns (ScoredRollouts, rollout
@@ -189,6 +153,32 @@ class RLAlgorithm(L.LightningModule):
         scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step,
                                          first_index=batch.offset)
         return scored, {}
+
+    # -- what stale rollouts need from the learner (``rollout.staleness.Learner``) ---------------------
+    @property
+    def policy_version(self) -> int:
+        """Optimizer steps taken: the version of the policy's current weights (Lightning's ``global_step``)."""
+        return self.global_step
+
+    def prompt_batch(self, step: int) -> PromptBatch:
+        """This rank's prompts of RL step ``step``."""
+        return self.datamodule.batch_for(step)
+
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """The trainer's precision context (autocast), entered by threads that run the policy for it."""
+        trainer = self._trainer
+        return trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def score_rows(self, rb: RolloutBatch, rows: Tensor) -> Tensor:
+        """float32 [len(rows), T] log-probs of rows ``rows`` (int64 [n]) of ``rb`` [N, T] under the policy's
+        current weights, ``micro_batch_size`` rows at a time; 0 past each micro-batch's longest response."""
+        out = torch.zeros(rows.numel(), rb.response_ids.shape[1], device=rb.response_ids.device)
+        for i in range(0, rows.numel(), self.micro_batch_size):
+            idx = rows[i:i + self.micro_batch_size]
+            lp = self.logprobs_of(self.policy, rb.select(idx), with_entropy=False).logprobs
+            out[i:i + idx.numel(), :lp.shape[1]] = lp.float()
+        return out
 
     # -- the RL step ---------------------------------------------------------------------------------
     @property
@@ -294,14 +284,10 @@ class RLAlgorithm(L.LightningModule):
         if hasattr(experiment, "flush"):
             experiment.flush()
 
-    # -- data parallelism: reductions over ranks ------------------------------------------------------
-    #: step metrics that add up over ranks (counts) and those whose maximum over ranks is logged; every
-    #: other rollout/time metric is a mean weighted by ``metric_weights`` (train/* are reduced in ``update``)
-    SUMMED_METRICS = ("rollout/reward_errors", "rollout/groups_all_correct", "rollout/groups_all_wrong",
-                      "rollout/groups_kept", "perf/rollout_tokens", "rollout/dropped_samples",
-                      "rollout/dropped_samples_total", "perf/update_flops", "perf/rollout_flops")
-    MAX_METRICS = ("rollout/staleness_max", "rollout/generation_rounds", "time/rollout_s", "time/train_s",
-                   "time/weight_sync_s", "time/step_s")
+    # -- data parallelism: reductions over ranks (``parallel``) ---------------------------------------
+    #: step metrics summed / maximised over ranks (``parallel.reduce_step_metrics``); others are weighted means
+    SUMMED_METRICS = parallel.SUMMED_METRICS
+    MAX_METRICS = parallel.MAX_METRICS
 
     @property
     def world_size(self) -> int:
@@ -317,18 +303,8 @@ class RLAlgorithm(L.LightningModule):
         return self.trainer.strategy.reduce(values.detach().to(self.device).clone(), reduce_op=op).to(values.device)
 
     def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
-        """``values`` reduced name by name over the ranks (``op`` as in ``all_reduce``; float64); on one
-        rank unchanged. Raises RuntimeError when the ranks hold different names (checked with one small
-        collective first, so a mismatch fails instead of pairing the wrong numbers or hanging)."""
-        if self.world_size == 1:
-            return dict(values)
-        names = sorted(values)
-        crc = float(zlib.crc32("\n".join(names).encode()))
-        check = self.all_reduce(torch.tensor([crc, -crc], dtype=torch.float64), "max")
-        if check[0].item() != -check[1].item():
-            raise RuntimeError(f"rank {self.global_rank} reduces metrics {names}, another rank different ones")
-        total = self.all_reduce(torch.tensor([float(values[n]) for n in names], dtype=torch.float64), op)
-        return dict(zip(names, total.tolist()))
+        """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
+        return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)
 
     def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
         """The weight of each rank's mean when ``reduce_step_metrics`` averages it over ranks. Default: the
@@ -336,29 +312,12 @@ class RLAlgorithm(L.LightningModule):
         return {name: float(len(scored.rewards)) for name in metrics}
 
     def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
-        """Combine this rank's step metrics with the other ranks': names in ``SUMMED_METRICS`` are summed,
-        in ``MAX_METRICS`` maximised, every other one is a mean weighted by ``weights`` (default 1). On one
-        rank ``metrics`` is returned as is. A collective (every rank calls it once per step)."""
+        """This rank's step metrics combined with the other ranks' (``parallel.reduce_step_metrics`` with this
+        class's ``SUMMED_METRICS`` and ``MAX_METRICS``). A collective (every rank calls it once per step)."""
         if self.world_size == 1:
             return dict(metrics)
-        sums, maxima = {}, {}
-        for name, value in metrics.items():
-            if name in self.MAX_METRICS:
-                maxima[name] = float(value)
-            elif name in self.SUMMED_METRICS:
-                sums[name] = float(value)
-            else:
-                w = float(weights.get(name, 1.0))
-                sums[f"sum:{name}"], sums[f"weight:{name}"] = float(value) * w, w
-        sums, maxima = self.all_reduce_dict(sums, "sum"), self.all_reduce_dict(maxima, "max")
-        out = {}
-        for name in metrics:
-            if name in maxima or name in sums:
-                out[name] = maxima.get(name, sums.get(name))
-            else:
-                w = sums[f"weight:{name}"]
-                out[name] = sums[f"sum:{name}"] / w if w else 0.0
-        return out
+        return parallel.reduce_step_metrics(metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS,
+                                   maxima=self.MAX_METRICS)
 
     def build_batch(self, scored: ScoredRollouts) -> RolloutBatch:
         """Pad the scored rollouts into a ``RolloutBatch`` with advantages."""
@@ -381,7 +340,7 @@ class RLAlgorithm(L.LightningModule):
     def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch, **kwargs) -> TokenScores:
         """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
         distribution: its temperature and its top-k / top-p truncation."""
-        head_ids = mb.topk_ids if self.correction.get("sc", {}).get("enabled") and model is self.policy else None
+        head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
         return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                  temperature=self.sampling.temperature, top_k=self.sampling.top_k,
                                  top_p=self.sampling.top_p, chunk_tokens=self.chunk_tokens,
@@ -406,17 +365,11 @@ class RLAlgorithm(L.LightningModule):
         the same weight, so ``sc+tis`` and ``sc+mis`` stay centred (SPEC test vector 15). Tokens MIS drops
         keep their place in the step's denominators. Logs tis / tis_abs / tis_clipfrac / mis_maskfrac.
         """
-        m = mb.response_mask
-        kwargs = {}
-        if (self.correction.get("sc") or {}).get("enabled"):
-            sampled_log_ratio = scores.logprobs.detach() - old_logprobs.detach()
-            kwargs = dict(score_centering=True, logprobs_head=scores.head_logprobs,
-                          rollout_head_logprobs=mb.topk_logprobs, old_head_logprobs=mb.old_head_logprobs,
-                          head_mask=torch.isfinite(mb.topk_logprobs),
-                          coef=lambda log_ratio: self.score_coefficients(log_ratio, sampled_log_ratio, mb))
-        loss, metrics = corr.corrected_policy_loss(pg_loss, old_logprobs, mb.rollout_logprobs, m, self.weight_rule,
-                                                   **kwargs)
-        stats.add_means({f"train/{k}": v for k, v in metrics.items()}, m)
+        loss, metrics = corr.correct_policy_loss(
+            pg_loss, scores.logprobs, old_logprobs, mb, self.weight_rule,
+            score_centering=self.correction.sc.enabled, logprobs_head=scores.head_logprobs,
+            score_coefficients=lambda log_ratio, sampled: self.score_coefficients(log_ratio, sampled, mb))
+        stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
         return loss
 
     def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
@@ -428,11 +381,11 @@ class RLAlgorithm(L.LightningModule):
         logprobs = scores.logprobs
         if extra_loss is not None:
             token_loss = token_loss + extra_loss
-        beta = self.kl_cfg.get("beta", 0.0)
+        beta = self.kl_cfg.beta
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
-            kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.get("estimator", "k3"))
+            kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.estimator)
             if beta > 0:
                 token_loss = token_loss + beta * kl
             stats.add("train/ref_kl", kl, m)
@@ -447,7 +400,7 @@ class RLAlgorithm(L.LightningModule):
             mb.rollout_logprobs, p_o, logprobs.detach(), m).items()}, m)
         # tokens MIS drops leave the numerator only (``correct`` zeroes their weight): every reduction keeps the
         # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
-        return obj.reduce_loss(token_loss, m, self.loss_cfg["reduction"], num_tokens=num_tokens,
+        return obj.reduce_loss(token_loss, m, self.loss_cfg.reduction, num_tokens=num_tokens,
                                num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
 
     def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
@@ -499,34 +452,18 @@ class RLAlgorithm(L.LightningModule):
         return stats, loss_total
 
     def padding_micro_batch(self, rb: RolloutBatch) -> RolloutBatch:
-        """A one-row micro-batch for a rank that has fewer passes than the others: ``rb``'s first prompt and
-        one pad token as its only valid response token. It runs the same forward and backward as a real
-        micro-batch (so it reaches every parameter the strategy syncs) and its loss is multiplied by 0.
-        Raises ValueError if ``rb`` has no rows."""
-        if len(rb) == 0:
-            raise ValueError("a rank with no rollout rows cannot take part in the update; lower "
-                             "algo.num_minibatches or raise rollout.prompts_per_step")
-        row = rb.select(slice(0, 1))
-        one = lambda x, fill=0.0: None if x is None else x.new_full((1, 1, *x.shape[2:]), fill)  # noqa: E731
-        return replace(
-            row, response_ids=row.response_ids.new_full((1, 1), self.tokenizer.pad_token_id),
-            response_mask=row.response_mask.new_ones((1, 1)), rollout_logprobs=row.rollout_logprobs.new_zeros((1, 1)),
-            advantages=row.advantages if row.advantages.dim() == 1 else row.advantages.new_zeros((1, 1)),
-            old_logprobs=one(row.old_logprobs), behaviour_logprobs=one(row.behaviour_logprobs),
-            ref_logprobs=one(row.ref_logprobs), topk_ids=one(row.topk_ids, 0),
-            topk_logprobs=one(row.topk_logprobs, float("-inf")),
-            old_head_logprobs=one(row.old_head_logprobs, float("-inf")), old_values=one(row.old_values),
-            returns=one(row.returns))
+        """``parallel.padding_micro_batch`` of ``rb`` with this tokenizer's pad id."""
+        return parallel.padding_micro_batch(rb, self.tokenizer.pad_token_id)
 
     @property
     def epochs(self) -> int:
-        """Passes over each rollout batch (``algo.ppo_epochs``, default 1)."""
-        return int(self.algo_cfg.get("ppo_epochs", 1))
+        """Passes over each rollout batch (``algo.ppo_epochs``)."""
+        return int(self.algo_cfg.ppo_epochs)
 
     @property
     def num_minibatches(self) -> int:
-        """Optimizer steps per pass (``algo.num_minibatches``, default 1)."""
-        return int(self.algo_cfg.get("num_minibatches", 1))
+        """Optimizer steps per pass (``algo.num_minibatches``)."""
+        return int(self.algo_cfg.num_minibatches)
 
     @property
     def updates_per_step(self) -> int:
@@ -592,7 +529,7 @@ class RLAlgorithm(L.LightningModule):
         skips the step and halves the scale): counted as skipped, not towards the limit.
         """
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        max_norm = self.optim_cfg.get("grad_clip", 1.0) or float("inf")  # 0 / None = no clipping (validated >= 0)
+        max_norm = self.optim_cfg.grad_clip or float("inf")  # 0 / None = no clipping (validated >= 0)
         model = self.trainer.model if self._trainer is not None else None
         if isinstance(model, FullyShardedDataParallel):  # each rank holds a shard; FSDP takes the global norm
             norm = float(model.clip_grad_norm_(max_norm))
@@ -610,7 +547,7 @@ class RLAlgorithm(L.LightningModule):
         if scaler is not None and math.isfinite(loss) and scaler.get_scale() > 1.0:
             return  # a loss-scale overflow: the scaler skips this step and lowers its scale
         self.nonfinite_in_a_row += 1
-        limit = int(self.optim_cfg.get("max_nonfinite_updates", 0) or 0)
+        limit = int(self.optim_cfg.max_nonfinite_updates or 0)
         if limit and self.nonfinite_in_a_row >= limit:
             raise NonFiniteUpdates(
                 f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
@@ -730,9 +667,9 @@ class RLAlgorithm(L.LightningModule):
     def configure_optimizers(self):
         """AdamW over ``trainable_parameters`` with a linear warm-up over ``optim.warmup_steps`` optimizer steps."""
         cfg = self.optim_cfg
-        opt = torch.optim.AdamW(self.trainable_parameters(), lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.0),
-                                betas=tuple(cfg.get("betas", (0.9, 0.999))))
-        warmup = int(cfg.get("warmup_steps", 0))
+        opt = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                betas=tuple(cfg.betas))
+        warmup = int(cfg.warmup_steps)
         if warmup <= 0:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))

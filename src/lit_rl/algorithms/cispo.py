@@ -9,14 +9,17 @@ from torch import Tensor
 
 from .. import objectives as obj
 from ..rollout.types import RolloutBatch
+from ..schema import CispoConfig
 from .base import MetricSums, RLAlgorithm
 
 
 class CISPO(RLAlgorithm):
     """Clipped, stop-gradient importance weights times the REINFORCE score, group advantages."""
 
+    algo_config = CispoConfig
+
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
-        eps_low, eps_high = self.clip_cfg["eps_low"], self.clip_cfg["eps_high"]
+        eps_low, eps_high = self.clip_cfg.eps_low, self.clip_cfg.eps_high
         ratio = (logprobs.detach() - old_logprobs).exp()
         stats.add("train/pg_clipfrac_lower", (ratio < 1 - eps_low).float(), mb.response_mask)
         stats.add("train/pg_clipfrac_upper", (ratio > 1 + eps_high).float(), mb.response_mask)
@@ -25,4 +28,4 @@ class CISPO(RLAlgorithm):
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-sg(clip(r_v)) A: the clipped weight of the token's own ratio."""
-        return obj.cispo_coef(log_ratio, mb.advantages, self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+        return obj.cispo_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)

@@ -22,15 +22,18 @@ from torch import Tensor
 
 from .. import objectives as obj
 from ..rollout.datamodule import PromptBatch, ScoredRollouts, concat_scored, select_rows
+from ..schema import DapoConfig
 from .base import RLAlgorithm
 
 
 class DAPO(RLAlgorithm):
     """GRPO with clip-higher, token-mean loss, dynamic sampling and overlong shaping."""
 
+    algo_config = DapoConfig
+
     def collect(self, batch: PromptBatch):
-        ds = self.algo_cfg.get("dynamic_sampling", {}) or {}
-        if not ds.get("enabled", True):
+        ds = self.algo_cfg.dynamic_sampling
+        if not ds.enabled:
             return super().collect(batch)
         target = len(batch.examples)
         dm = self.datamodule
@@ -55,7 +58,7 @@ class DAPO(RLAlgorithm):
                     kept.append(select_rows(scored, rows))
                     n_kept += 1
             rounds += 1
-            if n_kept >= target or rounds >= ds.get("max_rounds", 3):
+            if n_kept >= target or rounds >= ds.max_rounds:
                 break
             offset, examples = dm.shard(dm.prompts_for(batch.step, round=rounds, count=target * world))
         if not kept:  # nothing useful in any round: train on the last round (zero advantages, unless overlong
@@ -79,18 +82,18 @@ class DAPO(RLAlgorithm):
         return weights
 
     def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
-        ol = self.algo_cfg.get("overlong", {}) or {}
-        if not ol.get("enabled", True):
+        ol = self.algo_cfg.overlong
+        if not ol.enabled:
             return scored.rewards
         penalty = obj.overlong_penalty(scored.rollouts.response_length, self.sampling.max_new_tokens,
-                                       ol.get("buffer_length", 16))
-        return scored.rewards + penalty * ol.get("penalty_factor", 1.0)
+                                       ol.buffer_length)
+        return scored.rewards + penalty * ol.penalty_factor
 
     def build_batch(self, scored: ScoredRollouts):
         """Rewards and advantages see every completion; truncated ones then leave the loss (both its
         numerator and its denominator) when ``algo.mask_truncated`` is on."""
         rb = super().build_batch(scored)
-        if self.algo_cfg.get("mask_truncated", False):
+        if self.algo_cfg.mask_truncated:
             truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason], device=rb.response_mask.device)
             rb.response_mask = rb.response_mask & ~truncated[:, None]
         return rb

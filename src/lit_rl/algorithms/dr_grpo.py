@@ -6,8 +6,11 @@ the group's std), and the loss is normalised by a constant, (1/(G * L_max)) sum_
 Both are set in ``conf/algo/dr_grpo.yaml``; the objective is GRPO's PPO clip.
 """
 
+from ..schema import DrGrpoConfig
 from .base import RLAlgorithm
 
 
 class DrGRPO(RLAlgorithm):
     """GRPO with mean-only advantages and a constant loss normaliser (see the module docstring)."""
+
+    algo_config = DrGrpoConfig

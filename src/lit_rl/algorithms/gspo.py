@@ -9,15 +9,18 @@ from torch import Tensor
 
 from .. import objectives as obj
 from ..rollout.types import RolloutBatch
+from ..schema import GspoConfig
 from .base import MetricSums, RLAlgorithm
 
 
 class GSPO(RLAlgorithm):
     """Group-normalised advantages (as GRPO) with a sequence-level clipped ratio."""
 
+    algo_config = GspoConfig
+
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         loss, clip_low, clip_high = obj.gspo_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask,
-                                                 self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+                                                 self.clip_cfg.eps_low, self.clip_cfg.eps_high)
         seq = mb.response_mask.any(-1)
         stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), seq)  # fraction of sequences
         stats.add("train/pg_clipfrac_lower", clip_low.float(), seq)
@@ -27,4 +30,4 @@ class GSPO(RLAlgorithm):
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-A s_i(v), s_i(v) the sequence ratio with v in place of the sampled token, 0 where it is clipped."""
         return obj.gspo_coef(log_ratio, sampled_log_ratio, mb.advantages, mb.response_mask,
-                             self.clip_cfg["eps_low"], self.clip_cfg["eps_high"])
+                             self.clip_cfg.eps_low, self.clip_cfg.eps_high)

@@ -23,17 +23,24 @@ from .. import objectives as obj
 from ..logprobs import TokenScores, position_ids_from_mask
 from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
+from ..schema import PpoConfig
 from .base import MetricSums, RLAlgorithm
 
 
 class PPO(RLAlgorithm):
     """Actor-critic PPO with GAE and several epochs of minibatch updates per rollout batch."""
 
+    algo_config = PpoConfig
+
+    @classmethod
+    def group_baseline(cls, algo) -> bool:
+        """False: the critic's value is the baseline (GAE), not the group."""
+        return False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        value_cfg = self.algo_cfg.get("value", {}) or {}
         hidden = self.policy.config.hidden_size
-        self.value_mode = value_cfg.get("model", "shared")
+        self.value_mode = self.algo_cfg.value.model
         if self.value_mode not in ("shared", "separate"):
             raise ValueError(f"algo.value.model={self.value_mode!r}: choose 'shared' or 'separate'")
         self.critic = copy.deepcopy(self.policy.get_decoder()) if self.value_mode == "separate" else None
@@ -83,9 +90,9 @@ class PPO(RLAlgorithm):
         lengths = mask.sum(-1)
         token_rewards = torch.zeros_like(old_v)
         token_rewards[torch.arange(n, device=device), (lengths - 1).clamp(min=0)] = rb.rewards * (lengths > 0)
-        gcfg = self.algo_cfg.get("gae", {}) or {}
-        adv, returns = obj.gae(token_rewards, old_v, mask, gcfg.get("gamma", 1.0), gcfg.get("lam", 0.95))
-        if self.algo_cfg.get("whiten_advantages", True):
+        gae = self.algo_cfg.gae
+        adv, returns = obj.gae(token_rewards, old_v, mask, gae.gamma, gae.lam)
+        if self.algo_cfg.whiten_advantages:
             adv = self.whiten(adv, mask)
         rb.advantages, rb.old_logprobs, rb.old_values, rb.returns = adv, old_lp, old_v, returns
 
@@ -114,8 +121,8 @@ class PPO(RLAlgorithm):
         m = mb.response_mask
         scores, values = self._forward(mb)
         pg = self.policy_loss(scores.logprobs, mb.old_logprobs, mb, stats)
-        vcfg = self.algo_cfg.get("value", {}) or {}
-        vf = obj.clipped_value_loss(values, mb.old_values, mb.returns, vcfg.get("clip", 0.2))
+        vcfg = self.algo_cfg.value
+        vf = obj.clipped_value_loss(values, mb.old_values, mb.returns, vcfg.clip)
         stats.add("train/value_loss", vf, m)
         return self.finish_loss(pg, scores, mb.old_logprobs, mb, stats, num_tokens, num_seqs,
-                                extra_loss=vcfg.get("coef", 0.1) * vf)
+                                extra_loss=vcfg.coef * vf)

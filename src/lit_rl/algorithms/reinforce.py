@@ -12,16 +12,24 @@ from torch import Tensor
 from .. import objectives as obj
 from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
+from ..schema import ReinforceConfig, config_of
 from .base import MetricSums, RLAlgorithm
 
 
 class Reinforce(RLAlgorithm):
     """Plain policy gradient: no ratio, no clip; only the baseline is a choice."""
 
+    algo_config = ReinforceConfig
+
+    @classmethod
+    def group_baseline(cls, algo) -> bool:
+        """True for ``algo.baseline=rloo`` (the leave-one-out mean of the group), else False."""
+        return config_of(cls.algo_config, algo).baseline == "rloo"
+
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
         """[N] A = R - b. ``batch_mean`` averages over the whole step, all data-parallel ranks; ``rloo``
         needs only the group, which stays on one rank."""
-        baseline = self.algo_cfg.get("baseline", "rloo")
+        baseline = self.algo_cfg.baseline
         if baseline == "batch_mean" and self.world_size > 1:
             total, count = self.all_reduce(torch.stack([rewards.sum().double(),
                                                         torch.tensor(float(len(rewards)), dtype=torch.float64)])).tolist()

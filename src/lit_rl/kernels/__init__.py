@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import contextlib
 
+from ..registry import Registry
 from .batch_invariant import BatchInvariantMode
 
-KERNELS = ("default", "batch_invariant")
+#: ``kernels`` -> what the mode does (``kernel_mode`` builds it); each has its ``conf/kernels/<name>.yaml``
+KERNELS: Registry[str] = Registry("kernels", {
+    "default": "torch's and transformers' own kernels",
+    "batch_invariant": "lit_rl's CPU kernels: rollout log-probs equal the trainer's bit for bit",
+})
 
 
 def kernel_mode(name: str, *models):

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 
 import torch
 
 from ..models import parse_dtype
+from ..registry import Registry
+from ..schema import EngineConfig, VLLMEngineConfig, config_of
 from .torch_engine import TorchEngine
+from .types import RolloutEngine
 
 
 def vllm_installed() -> bool:
@@ -38,31 +42,51 @@ def resolve_switch(value, name: str) -> bool:
     return bool(value)
 
 
-def build_engine(cfg: dict, policy: torch.nn.Module, pad_token_id: int, stop_ids: list[int],
-                 max_logprobs: int = 0, seed: int = 0, own_copy: bool = False):
+def build_torch_engine(cfg: EngineConfig, policy: torch.nn.Module, pad_token_id: int, stop_ids: list[int],
+                       max_logprobs: int = 0, own_copy: bool = False) -> RolloutEngine:
+    """``engine=torch``: the embedded ``TorchEngine`` around the trainer's ``policy`` (``build_engine``)."""
+    return TorchEngine(policy, pad_token_id, stop_ids,
+                       weights_dtype=parse_dtype(cfg.dtype) if cfg.dtype else None,
+                       int8_roundtrip=bool(cfg.int8_roundtrip), own_copy=own_copy)
+
+
+def build_vllm_engine(cfg: VLLMEngineConfig, policy: torch.nn.Module, pad_token_id: int, stop_ids: list[int],
+                      max_logprobs: int = 0, own_copy: bool = False) -> RolloutEngine:
+    """``engine=vllm``: a colocated ``VLLMEngine`` started from the trainer's ``policy`` (``build_engine``)."""
+    from .vllm_engine import VLLMEngine
+
+    dtype = cfg.dtype or str(next(policy.parameters()).dtype).removeprefix("torch.")
+    return VLLMEngine(policy, pad_token_id, stop_ids, dtype=dtype, max_logprobs=max(20, max_logprobs),
+                      gpu_memory_utilization=float(cfg.gpu_memory_utilization),
+                      tensor_parallel_size=int(cfg.tensor_parallel_size),
+                      kv_cache_gb=cfg.kv_cache_gb, max_model_len=cfg.max_model_len,
+                      sleep_mode=resolve_switch(cfg.sleep_mode, "sleep_mode"),
+                      cuda_graphs=resolve_switch(cfg.cuda_graphs, "cuda_graphs"),
+                      in_process=bool(cfg.in_process), int8_roundtrip=bool(cfg.int8_roundtrip), seed=int(cfg.seed))
+
+
+#: ``engine.name`` -> (builder, its config's dataclass): the one list of engines (each has its
+#: ``conf/engine/<name>.yaml``); ``auto`` is not an engine but a choice made at start-up (``resolve_auto``),
+#: so ``ENGINE_CHOICES`` adds it
+ENGINES: Registry[tuple[Callable[..., RolloutEngine], type[EngineConfig]]] = Registry("engine", {
+    "torch": (build_torch_engine, EngineConfig), "vllm": (build_vllm_engine, VLLMEngineConfig)})
+ENGINE_CHOICES = (*ENGINES.choices, "auto")
+
+
+def build_engine(cfg: EngineConfig | Mapping | None, policy: torch.nn.Module, pad_token_id: int,
+                 stop_ids: list[int], max_logprobs: int = 0, own_copy: bool = False) -> RolloutEngine:
     """The engine the ``engine`` config group names, around the trainer's ``policy``.
 
-    cfg: the group as a dict: ``name`` ("torch" | "vllm"; "auto" must be resolved before), ``dtype``,
-    ``int8_roundtrip`` and, for vLLM, ``gpu_memory_utilization``, ``tensor_parallel_size``, ``kv_cache_gb``,
-    ``max_model_len``, ``sleep_mode``, ``cuda_graphs``, ``in_process``. max_logprobs: the largest top-k a
-    request asks for. own_copy: the embedded engine samples with a copy of the weights even without a mismatch
-    injection (async rollouts; vLLM always holds its own). Raises ValueError for an unknown name.
+    cfg: the group (``schema.EngineConfig`` / ``VLLMEngineConfig``, or a mapping of their fields; None = the
+    embedded engine's defaults): ``name`` ("torch" | "vllm"; "auto" must be resolved before), ``dtype``,
+    ``int8_roundtrip``, ``seed`` and vLLM's own fields (``engine=auto`` resolved to torch still carries them:
+    the embedded engine ignores them). max_logprobs: the largest top-k a request asks for. own_copy: the
+    embedded engine samples with a copy of the weights even without a mismatch injection (async rollouts; vLLM
+    always holds its own). Raises ValueError for an unknown name.
     """
-    name = cfg.get("name", "torch")
-    if name == "torch":
-        return TorchEngine(policy, pad_token_id, stop_ids,
-                           weights_dtype=parse_dtype(cfg["dtype"]) if cfg.get("dtype") else None,
-                           int8_roundtrip=bool(cfg.get("int8_roundtrip", False)), own_copy=own_copy)
-    if name == "vllm":
-        from .vllm_engine import VLLMEngine
-
-        dtype = cfg.get("dtype") or str(next(policy.parameters()).dtype).removeprefix("torch.")
-        return VLLMEngine(policy, pad_token_id, stop_ids, dtype=dtype, max_logprobs=max(20, max_logprobs),
-                          gpu_memory_utilization=float(cfg.get("gpu_memory_utilization", 0.3)),
-                          tensor_parallel_size=int(cfg.get("tensor_parallel_size", 1)),
-                          kv_cache_gb=cfg.get("kv_cache_gb"), max_model_len=cfg.get("max_model_len"),
-                          sleep_mode=resolve_switch(cfg.get("sleep_mode"), "sleep_mode"),
-                          cuda_graphs=resolve_switch(cfg.get("cuda_graphs"), "cuda_graphs"),
-                          in_process=bool(cfg.get("in_process", True)),
-                          int8_roundtrip=bool(cfg.get("int8_roundtrip", False)), seed=seed)
-    raise ValueError(f"engine.name={name!r}: choose 'torch' or 'vllm' (resolve 'auto' first)")
+    name = (cfg.name if isinstance(cfg, EngineConfig) else dict(cfg or {}).get("name")) or "torch"
+    if name not in ENGINES:
+        raise ValueError(f"engine.name={name!r}: choose one of {ENGINES.choices} (resolve 'auto' first)")
+    build, schema = ENGINES[name]
+    return build(config_of(schema, cfg, ignore_unknown=True), policy, pad_token_id, stop_ids,
+                 max_logprobs=max_logprobs, own_copy=own_copy)

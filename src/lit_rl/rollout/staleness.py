@@ -35,18 +35,67 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from ..registry import Registry
+from ..schema import RolloutConfig, config_of
+from .types import RolloutEngine
+
 log = logging.getLogger(__name__)
 
-MODES = ("sync", "lagged", "async")
-ON_STALE = ("block", "drop")
+#: ``rollout.mode`` -> what it samples with (the one list of rollout modes)
+ROLLOUT_MODES: Registry[str] = Registry("rollout.mode", {
+    "sync": "the weights about to be trained",
+    "lagged": "the weights of exactly rollout.lag RL steps ago",
+    "async": "the newest weights a producer thread has, at most rollout.max_staleness RL steps old",
+})
+#: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``
+ON_STALE: Registry[str] = Registry("rollout.on_stale", {
+    "block": "the producer waits so that no batch gets too old",
+    "drop": "too-old batches are dropped and counted",
+})
 JOIN_TIMEOUT_S = 60.0
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """What stale rollouts need from the learner (``RLAlgorithm`` implements it; a test checks it): the
+    weights to record and swap, the engine to sample with, the step counter, and three calls. Nothing else
+    of the learner is touched, so the rollout package stays independent of the loss.
+
+    Attributes:
+        policy: the trainer's module (its weights are recorded per version and swapped in and out).
+        engine: the ``RolloutEngine`` stale rollouts sample with.
+        policy_version: optimizer steps taken so far (the version of ``policy``'s current weights).
+        updates_per_step: optimizer steps per RL step (versions count optimizer steps).
+    """
+
+    policy: torch.nn.Module
+    engine: RolloutEngine
+    policy_version: int
+    updates_per_step: int
+
+    def collect(self, batch) -> tuple[Any, dict[str, float]]:
+        """Generate and score a prompt batch with ``engine``: ``(ScoredRollouts, metrics)``."""
+        ...
+
+    def prompt_batch(self, step: int):
+        """The ``PromptBatch`` of RL step ``step`` (this rank's share)."""
+        ...
+
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """The trainer's precision context (autocast is per thread: the producer thread enters its own)."""
+        ...
+
+    def score_rows(self, rb, rows: Tensor) -> Tensor:
+        """float32 [len(rows), T] log-probs of rows ``rows`` of ``rb`` under ``policy``'s current weights."""
+        ...
 
 
 def weights_snapshot(module: torch.nn.Module) -> dict[str, Tensor]:
@@ -126,7 +175,7 @@ class _Item:
 class RolloutProducer:
     """A daemon thread that generates the step stream ahead of the trainer (``rollout.mode=async``).
 
-    ``module`` is the RLAlgorithm: the producer calls ``module.collect(datamodule.batch_for(p))`` for prompt
+    ``module`` is the ``Learner``: the producer calls ``module.collect(module.prompt_batch(p))`` for prompt
     steps p = first_step, first_step + 1, ... with ``module.engine`` (its own copy of the weights), under
     the trainer's precision context (autocast is per thread). The trainer ``publish``-es each new version;
     the producer loads the newest one before each batch. ``lock`` guards the engine: the trainer holds it
@@ -207,10 +256,8 @@ class RolloutProducer:
         from .torch_engine import GenerationCancelled
 
         torch.set_num_threads(self.threads)
-        trainer = self.module._trainer
-        precision = trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
         try:
-            with precision:
+            with self.module.precision_context():
                 while not self.stop_event.is_set():
                     step = self.next_step
                     with self.cond:
@@ -227,7 +274,7 @@ class RolloutProducer:
                             self.engine.sync_weights(version, weights)
                         version = self.engine.version
                         start = time.perf_counter()
-                        scored, metrics = self.module.collect(self.module.datamodule.batch_for(step))
+                        scored, metrics = self.module.collect(self.module.prompt_batch(step))
                         seconds = time.perf_counter() - start
                     finally:
                         self.lock.release()
@@ -270,9 +317,9 @@ class StaleRollouts:
         self.dropped_total = 0
 
     # -- the step's rollouts --------------------------------------------------------------------------
-    def collect(self, module, batch) -> tuple[Any, dict[str, float]]:
-        """This step's ``(ScoredRollouts, metrics)`` for ``module`` (an RLAlgorithm at ``global_step``)."""
-        version_now, per_step = module.global_step, module.updates_per_step
+    def collect(self, module: Learner, batch) -> tuple[Any, dict[str, float]]:
+        """This step's ``(ScoredRollouts, metrics)`` for ``module`` (the ``Learner`` at ``policy_version``)."""
+        version_now, per_step = module.policy_version, module.updates_per_step
         if self.mode == "lagged":
             current = self.history.record(version_now, module.policy)
             target = max(version_now - self.lag * per_step, self.history.oldest())
@@ -302,12 +349,12 @@ class StaleRollouts:
         return item.scored, metrics
 
     @torch.no_grad()
-    def score_behaviour(self, module, rb) -> None:
+    def score_behaviour(self, module: Learner, rb) -> None:
         """Fill ``rb.behaviour_logprobs`` with the trainer's log-probs under each stale row's generating
         weights; rows of the trained version hold NaN (their p_o is the update's own ``old_logprobs``).
         No-op when no row is stale or the option is off. The trainer's weights are swapped in place and
         restored exactly (one device only: ``config.validate`` refuses several ranks)."""
-        version_now = module.global_step
+        version_now = module.policy_version
         stale_versions = sorted({int(v) for v in rb.policy_version.tolist()} - {version_now})
         if not self.behaviour_logprobs or not stale_versions:
             return
@@ -320,10 +367,7 @@ class StaleRollouts:
         for v in stale_versions:
             rows = (rb.policy_version == v).nonzero().squeeze(-1)
             with swapped_weights(module.policy, self.history.versions[v], self.history.versions[version_now]):
-                for i in range(0, rows.numel(), module.micro_batch_size):
-                    idx = rows[i:i + module.micro_batch_size]
-                    lp = module.logprobs_of(module.policy, rb.select(idx), with_entropy=False).logprobs
-                    out[idx, :lp.shape[1]] = lp.float()
+                out[rows] = module.score_rows(rb, rows)
         rb.behaviour_logprobs = out.masked_fill(~rb.response_mask.bool(), 0.0)
 
     # -- evaluation, shutdown, checkpoints ------------------------------------------------------------
@@ -365,16 +409,15 @@ class StaleRollouts:
             self.history.load_state_dict(state["history"], device)
 
 
-def build_stale_rollouts(rollout: dict | None) -> StaleRollouts | None:
-    """The ``StaleRollouts`` of the ``rollout`` config group, or None for ``mode: sync`` (or no mode)."""
-    rollout = dict(rollout or {})
-    mode = rollout.get("mode", "sync") or "sync"
-    if mode == "sync":
+def build_stale_rollouts(rollout: RolloutConfig | Mapping | None) -> StaleRollouts | None:
+    """The ``StaleRollouts`` of the ``rollout`` config section (``schema.RolloutConfig`` or a mapping of its
+    fields), or None for ``mode: sync``."""
+    ro = config_of(RolloutConfig, rollout)
+    if ro.mode == "sync":
         return None
-    return StaleRollouts(mode, lag=rollout.get("lag", 0), max_staleness=rollout.get("max_staleness", 1),
-                         on_stale=rollout.get("on_stale", "block"), buffer_size=rollout.get("buffer_size"),
-                         behaviour_logprobs=rollout.get("behaviour_logprobs", True),
-                         save_history=rollout.get("save_history", True))
+    return StaleRollouts(ro.mode, lag=ro.lag, max_staleness=ro.max_staleness, on_stale=ro.on_stale,
+                         buffer_size=ro.buffer_size, behaviour_logprobs=ro.behaviour_logprobs,
+                         save_history=ro.save_history)
 
 
 class StaleRolloutsShutdown(Callback):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -136,3 +137,41 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
             ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s):] = True
     return ids, mask
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the learner asks of a rollout engine; ``TorchEngine`` (embedded) and ``VLLMEngine`` implement it
+    (``rollout.engines.ENGINES`` builds them; a test checks both against this Protocol).
+
+    An engine knows no loss: it samples completions with a version of the trainer's weights and reports the
+    log-probs it sampled from.
+
+    Attributes:
+        version: the trainer's optimizer step whose weights the engine samples with (-1: none loaded yet).
+        own_copy: True when the engine holds its own copy of the weights (vLLM always; the embedded engine
+            with a mismatch injection or stale rollouts), so ``sync_weights`` may load an older version.
+        cancel: a ``threading.Event`` or None; once set, a ``generate`` in progress may stop early
+            (the embedded engine raises ``GenerationCancelled``; a vLLM batch runs to its end).
+    """
+
+    version: int
+    own_copy: bool
+    cancel: Any
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
+        """One completion per prompt (N token-id lists), seeded per sequence; ``Rollouts`` [N, ...]."""
+        ...
+
+    def sync_weights(self, version: int, weights: dict[str, Tensor] | None = None) -> None:
+        """Sample with the trainer's current weights (of ``version``) or with ``weights`` (a state dict of an
+        older version; own copy only) from now on."""
+        ...
+
+    def sleep(self) -> None:
+        """Release what the engine holds between rollouts (vLLM's sleep mode on GPUs; else a no-op)."""
+        ...
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent)."""
+        ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lit_rl.registry import Registry
 from lit_rl.tasks.arithmetic import ArithmeticTask
 from lit_rl.tasks.base import ConstantReward, Example, Task
 from lit_rl.tasks.gsm8k import Gsm8kTask
@@ -29,7 +30,8 @@ __all__ = [
     "math_reward",
 ]
 
-TASKS: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "gsm8k": Gsm8kTask}
+#: ``task.name`` -> Task class: the one list of tasks (each has its ``conf/task/<name>.yaml``)
+TASKS: Registry[type[Task]] = Registry("task", {"arithmetic": ArithmeticTask, "gsm8k": Gsm8kTask})
 
 
 def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:

@@ -1,6 +1,6 @@
 """One GRPO update of fixed rollout batches on W CPU processes (Lightning DDP, gloo); tests/test_ddp.py runs it.
 
-    python tests/ddp_probe.py <devices> <out_dir>
+    python tests/helpers/ddp_probe.py <devices> <out_dir>
 
 Rank r takes the r-th contiguous half of every batch in ``CASES`` and runs the module's own ``update``
 (``accumulate_gradients``, the strategy's gradient sync, the reductions over ranks, the optimizer step);
@@ -93,7 +93,7 @@ class Probe(GRPO):
         results = {}
         for name, (reduction, rank1_empty) in CASES.items():
             self.policy.load_state_dict(start)
-            self.loss_cfg["reduction"] = reduction
+            self.loss_cfg.reduction = reduction
             rb = make_batch(rank1_empty)
             rows = shard(len(rb), self.global_rank, self.world_size)
             metrics = self.update(rb.select(torch.arange(len(rb))[rows]))

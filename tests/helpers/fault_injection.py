@@ -1,6 +1,6 @@
 """Run the recipe in this process and SIGKILL it at a chosen point; the fault tests launch it.
 
-    python tests/fault_injection.py <fault> <call> <out_dir> [hydra overrides...]
+    python tests/helpers/fault_injection.py <fault> <call> <out_dir> [hydra overrides...]
 
 fault: none | rollout (inside the engine's generate) | update (after backward, before the optimizer step)
 | ckpt_write (half-way through writing a checkpoint file) | ckpt_link (new checkpoint written, the previous
@@ -13,11 +13,9 @@ import signal
 import sys
 
 import torch
-from hydra import compose, initialize_config_dir
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from conftest import ROOT  # noqa: E402  (same thread and offline settings as the tests)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+from helpers import compose_config  # noqa: E402  (and the same thread and offline settings as the tests)
 
 from lit_rl.algorithms.base import RLAlgorithm  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
@@ -70,8 +68,7 @@ def main() -> None:
         kill_on_call(ModelCheckpoint, "_link_checkpoint", call)
     elif fault != "none":
         raise SystemExit(f"unknown fault {fault!r}")
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = compose_config(*overrides)
     run(cfg, out)
 
 

@@ -1,6 +1,6 @@
 """Run the recipe in this process, interrupt it with SIGINT (Ctrl-C) mid-step, then list the live threads.
 
-    python tests/staleness_probe.py <call> <out_dir> [hydra overrides...]
+    python tests/helpers/staleness_probe.py <call> <out_dir> [hydra overrides...]
 
 SIGINT is sent to this process from inside its ``call``-th optimizer step (1-based), so it lands mid-step
 while an async producer is generating or waiting. Lightning shuts down and exits with code 1; on the way out
@@ -13,11 +13,8 @@ import signal
 import sys
 import threading
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from conftest import ROOT  # noqa: E402  (same thread and offline settings as the tests)
-
-from hydra import compose, initialize_config_dir  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
+from helpers import compose_config  # noqa: E402  (and the same thread and offline settings as the tests)
 
 from lit_rl.algorithms.base import RLAlgorithm  # noqa: E402
 from lit_rl.train import run  # noqa: E402
@@ -38,8 +35,7 @@ def main() -> None:
     # Ctrl-C in a terminal raises KeyboardInterrupt; a process started in the background by a non-interactive
     # shell (as CI may start the suite) inherits SIGINT ignored, and the signal below would then do nothing
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+    cfg = compose_config(*overrides)
     try:
         run(cfg, out)
     finally:

@@ -1,0 +1,483 @@
+"""The typed config: one dataclass per config group, with each field's type, default and meaning in one place.
+
+``conf/train.yaml`` starts from ``TrainConfig`` (stored in Hydra's ConfigStore as ``base_train``), so every
+key a config file or preset sets must be a field here: a typo (``algo: {ppo_epoch: 4}``) fails at compose
+time, naming the key and the file, as it does on the command line. The task group's options start from their
+own schema (``base_arithmetic``, ``base_gsm8k``). The YAML files stay the user-facing defaults with their
+comments; the defaults here are the same values (a test composes the default config and compares), so a
+module built from Python (tests, benchmarks, ``lit_rl.expectation``) runs as the recipe does.
+
+Adding a field: add it to its dataclass here (type, default, ``#:`` doc), to the group's YAML file with a
+comment, and read it as an attribute (``cfg.algo.ppo_epochs``); a range check that involves only this field
+goes to ``config.validate`` with the others.
+
+``config_of(cls, mapping)`` turns a plain dict (what ``OmegaConf.to_container`` gives, or what a test
+writes) into the dataclass, filling what the mapping leaves out with the defaults and refusing unknown keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+C = TypeVar("C")
+
+#: a number field: an int stays an int (``optim.grad_clip=1`` is logged and reported as written), a float a float
+Number = Union[int, float]
+
+
+# -- groups chosen in the defaults list ------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """``model``: what to load (``models.ModelSpec`` mirrors it)."""
+
+    #: ``tiny`` (random-init 2-layer Llama), a hub id (org/name) or a local folder
+    name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    #: weights' dtype: float32 (training keeps float32 master weights) | bfloat16
+    dtype: str = "float32"
+    #: sdpa | eager
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    #: recompute layer activations in backward (less memory, ~15% more time)
+    gradient_checkpointing: bool = False
+    #: seed of the random initialisation (``tiny`` only)
+    init_seed: int = 0
+
+
+@dataclass
+class TaskConfig:
+    """``task``: the prompt source and its verifier (``tasks.build_task``); each task adds its own fields."""
+
+    #: one of ``tasks.TASKS``
+    name: str = MISSING
+    #: flexible: '#### N', '\\boxed{N}', else the last number | strict: '#### N' only
+    answer_format: str = "flexible"
+    #: a number: every completion gets it (experiment=constant_reward_drift); null = the verifier's reward.
+    #: Untyped here so that ``config.validate`` names a bad value
+    constant_reward: Any = None
+
+
+@dataclass
+class ArithmeticConfig(TaskConfig):
+    """``task=arithmetic``: problems generated from a seed (``tasks.ArithmeticTask``)."""
+
+    name: str = "arithmetic"
+    seed: int = 0
+    #: digits per operand
+    digits: int = 1
+    operators: list[str] = field(default_factory=lambda: ["+"])
+    num_train: int = 10000
+    num_eval: int = 200
+
+
+@dataclass
+class Gsm8kConfig(TaskConfig):
+    """``task=gsm8k``: GSM8K from the hub or a folder (``tasks.Gsm8kTask``)."""
+
+    name: str = "gsm8k"
+    #: a folder with train.jsonl and test.jsonl; null = the hub dataset
+    path: Optional[str] = None
+    hub_id: str = "openai/gsm8k"
+    hub_config: str = "main"
+    max_train: Optional[int] = None
+    max_eval: Optional[int] = None
+
+
+@dataclass
+class ClipConfig:
+    """``algo.clip``: the ratio's clip range [1 - eps_low, 1 + eps_high]."""
+
+    eps_low: Number = 0.2
+    eps_high: Number = 0.2
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """``algo.dynamic_sampling`` (DAPO): resample until the step holds groups with a nonzero advantage."""
+
+    enabled: bool = False
+    #: generation rounds per step at most (each round draws prompts_per_step prompts)
+    max_rounds: int = 3
+
+
+@dataclass
+class OverlongConfig:
+    """``algo.overlong`` (DAPO): reward penalty ramping from 0 to -penalty_factor over the last
+    ``buffer_length`` tokens before L_max."""
+
+    enabled: bool = False
+    buffer_length: int = 16
+    penalty_factor: Number = 1.0
+
+
+@dataclass
+class GaeConfig:
+    """``algo.gae`` (PPO): generalised advantage estimation."""
+
+    gamma: Number = 1.0
+    lam: Number = 0.95
+
+
+@dataclass
+class ValueConfig:
+    """``algo.value`` (PPO): the critic."""
+
+    #: shared: a Linear head on the policy backbone | separate: its own copy of the backbone
+    model: str = "shared"
+    #: vf_coef, the value loss's weight
+    coef: Number = 0.1
+    #: value clip range around old_values
+    clip: Number = 0.2
+
+
+@dataclass
+class AlgoConfig:
+    """``algo``: the algorithm (``algorithms.ALGORITHMS``) and its options. One schema for all: the fields an
+    algorithm does not read keep their defaults (each ``conf/algo/<name>.yaml`` sets its own)."""
+
+    #: one of ``algorithms.ALGORITHMS``
+    name: str = "grpo"
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    #: passes over each rollout batch (the PPO schedule); 1 x 1 keeps the update on-policy
+    ppo_epochs: int = 1
+    #: optimizer steps per pass
+    num_minibatches: int = 1
+    #: reinforce: none | batch_mean | rloo (``objectives.BASELINES``)
+    baseline: str = "rloo"
+    #: dapo
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    #: dapo
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    #: dapo: completions cut at L_max leave the loss (numerator and denominator)
+    mask_truncated: bool = False
+    #: ppo: whiten the GAE advantages over the batch
+    whiten_advantages: bool = True
+    #: ppo
+    gae: GaeConfig = field(default_factory=GaeConfig)
+    #: ppo
+    value: ValueConfig = field(default_factory=ValueConfig)
+
+
+# Each algorithm's own defaults for ``algo`` (``RLAlgorithm.algo_config``): what its conf/algo/<name>.yaml sets,
+# for modules built from Python (a test checks that the two agree).
+@dataclass
+class ReinforceConfig(AlgoConfig):
+    name: str = "reinforce"
+
+
+@dataclass
+class PpoConfig(AlgoConfig):
+    name: str = "ppo"
+    ppo_epochs: int = 2
+    num_minibatches: int = 2
+
+
+@dataclass
+class DapoConfig(AlgoConfig):
+    name: str = "dapo"
+    clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=0.2, eps_high=0.28))
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig(enabled=True))
+    overlong: OverlongConfig = field(default_factory=lambda: OverlongConfig(enabled=True))
+
+
+@dataclass
+class DrGrpoConfig(AlgoConfig):
+    name: str = "dr_grpo"
+
+
+@dataclass
+class GspoConfig(AlgoConfig):
+    name: str = "gspo"
+    clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=3.0e-4, eps_high=4.0e-4))
+
+
+@dataclass
+class CispoConfig(AlgoConfig):
+    name: str = "cispo"
+    #: eps_low >= 1: no lower bound on the weight, as in the paper
+    clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=1.0, eps_high=0.28))
+
+
+@dataclass
+class EngineConfig:
+    """``engine=torch``: the embedded engine (``rollout.engines.ENGINES``); the base of every engine's fields."""
+
+    #: torch | vllm | auto (``rollout.engines.ENGINE_CHOICES``)
+    name: str = "torch"
+    #: torch: null = share the trainer's module, else sample with an own copy in this dtype (float32 |
+    #: bfloat16); vllm: null = bfloat16 under a bf16 trainer precision, else model.dtype
+    dtype: Optional[str] = None
+    #: mismatch injection: matrices through an int8 round trip at each sync
+    int8_roundtrip: bool = False
+    #: the engine's sampling seed; set to ``seed`` at start-up
+    seed: int = 0
+
+
+@dataclass
+class VLLMEngineConfig(EngineConfig):
+    """``engine=vllm`` (and ``auto``, which may become it): the colocated vLLM engine."""
+
+    name: str = "vllm"
+    #: GPU memory fraction for weights + KV cache (on CPU vLLM reads it as a RAM fraction)
+    gpu_memory_utilization: Number = 0.3
+    #: KV-cache GiB; null = 1 on CPU, from gpu_memory_utilization on GPUs
+    kv_cache_gb: Optional[Number] = None
+    #: > 1 needs in_process=false (weights then travel through a file)
+    tensor_parallel_size: int = 1
+    #: prompt + response tokens per sequence; null = the model's context length
+    max_model_len: Optional[int] = None
+    #: free the engine's GPU memory during the update: auto (on with CUDA) | true | false
+    sleep_mode: Any = "auto"
+    #: CUDA-graph capture for decoding: auto (on with CUDA) | true | false
+    cuda_graphs: Any = "auto"
+    #: engine core in the training process: weights handed over by reference
+    in_process: bool = True
+
+
+@dataclass
+class TisConfig:
+    """``correction.tis``: truncated importance sampling, loss_t *= sg(min(pi_old/mu, cap))."""
+
+    enabled: bool = False
+    cap: Number = 2.0
+    #: token | sequence
+    level: str = "token"
+
+
+@dataclass
+class MisConfig:
+    """``correction.mis``: masked importance sampling (IcePop), loss_t *= w * 1[low <= w <= high]."""
+
+    enabled: bool = False
+    low: Number = 0.5
+    high: Number = 2.0
+    #: token | sequence
+    level: str = "token"
+    #: true: kept tokens keep their weight w (IcePop, TRL); false: mask only (verl's rejection sampling)
+    weighted: bool = True
+
+
+@dataclass
+class ScConfig:
+    """``correction.sc``: score centering, c w_y grad log pi(y) - E_mu[c w grad log pi]."""
+
+    enabled: bool = False
+    #: head H: the engine's top-k per token; the tail is filled with the trainer, rescaled
+    top_k: int = 128
+    #: topk | exact (the full vocabulary; small models only)
+    mode: str = "topk"
+
+
+@dataclass
+class CorrectionConfig:
+    """``correction``: train-inference corrections (``corrections.CORRECTIONS``; docs/corrections.md)."""
+
+    #: one of ``corrections.CORRECTIONS``
+    name: str = "none"
+    tis: TisConfig = field(default_factory=TisConfig)
+    mis: MisConfig = field(default_factory=MisConfig)
+    sc: ScConfig = field(default_factory=ScConfig)
+
+
+@dataclass
+class KernelsConfig:
+    """``kernels``: default | batch_invariant (``kernels.KERNELS``)."""
+
+    name: str = "default"
+
+
+# -- sections of train.yaml ----------------------------------------------------------------------------
+@dataclass
+class RolloutConfig:
+    """``rollout``: how many rollouts a step takes and with which weights (``rollout.staleness``)."""
+
+    #: P prompts per RL step
+    prompts_per_step: int = 8
+    #: G completions per prompt
+    group_size: int = 8
+    #: sequences per forward/backward of the update (does not change the result)
+    micro_batch_size: int = 16
+    #: sync | lagged | async (``rollout.staleness.ROLLOUT_MODES``)
+    mode: str = "sync"
+    #: lagged: RL steps between the sampling weights and the trained ones
+    lag: int = 0
+    #: async: no consumed rollout is more than this many RL steps old
+    max_staleness: int = 1
+    #: async: block | drop (``rollout.staleness.ON_STALE``)
+    on_stale: str = "block"
+    #: async: RL steps of rollouts buffered; null = max(1, max_staleness)
+    buffer_size: Optional[int] = None
+    #: lagged/async: score stale rows with their own weights, so r_num and r_stale split exactly
+    behaviour_logprobs: bool = True
+    #: lagged: keep the lag's weight history in checkpoints (exact resume)
+    save_history: bool = True
+
+
+@dataclass
+class SamplingConfig:
+    """``sampling``: the training rollouts (``rollout.types.SamplingParams``); the trainer scores at the same
+    temperature."""
+
+    temperature: Number = 1.0
+    #: 0 = off
+    top_k: int = 0
+    #: 1.0 = off
+    top_p: Number = 1.0
+    #: L_max, the generation cap (max_response_length)
+    max_new_tokens: int = 64
+    #: top-k log-probs the engine records per token (score centering raises it to its head)
+    logprobs_top_k: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """``eval``: held-out greedy pass@1."""
+
+    every_n_steps: int = 10
+    #: 0 = no evaluation
+    num_examples: int = 64
+    batch_size: int = 64
+    max_new_tokens: int = 64
+
+
+@dataclass
+class AdvantageConfig:
+    """``advantage``: A = (R - mean) / (std + eps)^alpha."""
+
+    #: 1 = GRPO, 0 = Dr.GRPO (mean-only)
+    alpha: Number = 1.0
+    eps: Number = 1.0e-6
+
+
+@dataclass
+class LossConfig:
+    """``loss``: how per-token losses become one number (``objectives.REDUCTION_MODES``)."""
+
+    reduction: str = "seq_mean_token_mean"
+
+
+@dataclass
+class KlConfig:
+    """``kl``: penalty to the frozen initial policy."""
+
+    #: 0 = off (no reference copy kept)
+    beta: Number = 0.0
+    #: k1 | k2 | k3 (``objectives.KL_KINDS``)
+    estimator: str = "k3"
+    #: log train/ref_kl even with beta = 0 (keeps a reference copy)
+    track: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """``optim``: AdamW and the non-finite guard."""
+
+    lr: Number = 2.0e-6
+    weight_decay: Number = 0.0
+    betas: list[Number] = field(default_factory=lambda: [0.9, 0.999])
+    #: max gradient norm; 0 or null = no clipping
+    grad_clip: Optional[Number] = 1.0
+    #: linear warm-up over this many optimizer steps
+    warmup_steps: int = 0
+    #: a non-finite loss/gradient skips the update; this many in a row stop the run (0 = never). Untyped here so
+    #: that ``config.validate`` names a bad value
+    max_nonfinite_updates: Any = 3
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint``: Lightning checkpoints (weights, optimizer, step) in <run>/checkpoints."""
+
+    every_n_steps: int = 10
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    return {"accelerator": "cpu", "devices": 1, "max_steps": 30, "log_every_n_steps": 1,
+            "enable_progress_bar": True, "precision": "auto"}
+
+
+@dataclass
+class TrainConfig:
+    """The whole run (``conf/train.yaml``): the groups chosen in its defaults list and its own sections.
+
+    ``trainer`` is the Lightning Trainer's keyword arguments, left open (Lightning checks them). ``task`` and
+    ``engine`` are typed by their option's own schema (``SCHEMAS``); everything else by the fields below.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: Any = field(default_factory=lambda: {"name": "arithmetic"})
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    engine: Any = field(default_factory=lambda: {"name": "torch"})
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    trainer: dict[str, Any] = field(default_factory=_trainer_defaults)
+    seed: int = 0
+    #: a verifier that raises or runs longer scores 0, counted in rollout/reward_errors
+    reward_timeout_s: Number = 10.0
+    #: torch intra-op threads: auto (the physical cores this process may run on, ``hardware.auto_threads``) |
+    #: adaptive (auto's count, then per step the cores other processes leave free) | an integer
+    threads: Any = "auto"
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    kl: KlConfig = field(default_factory=KlConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    #: resume: a .ckpt path, or "last"
+    ckpt_path: Optional[str] = None
+    #: rows of float32 logits alive at once when the trainer scores tokens (50 MB at V=49152)
+    logprob_chunk_tokens: int = 256
+
+
+#: the schemas stored in Hydra's ConfigStore (``register_configs``): name -> (group, dataclass). The primary
+#: config's base, and the per-option bases of the groups whose options have different fields (task, engine)
+SCHEMAS: dict[str, tuple[str | None, type]] = {
+    "base_train": (None, TrainConfig),
+    "base_arithmetic": ("task", ArithmeticConfig),
+    "base_gsm8k": ("task", Gsm8kConfig),
+    "base_torch": ("engine", EngineConfig),
+    "base_vllm": ("engine", VLLMEngineConfig),
+}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent). ``conf/train.yaml`` lists ``base_train`` first in
+    its defaults, ``conf/task/<name>.yaml`` its ``base_<name>``. Called when this module is imported."""
+    store = ConfigStore.instance()
+    for name, (group, node) in SCHEMAS.items():
+        store.store(name=name, group=group, node=node)
+
+
+def config_of(cls: type[C], values: Mapping | C | None, ignore_unknown: bool = False) -> C:
+    """``values`` (a mapping, e.g. one group of the composed config as a plain dict, or a dataclass instance)
+    as the dataclass ``cls``: what it leaves out takes the field's default, nested mappings become their
+    dataclasses. An instance of ``cls`` is returned as is. Raises TypeError naming a key ``cls`` has no field
+    for, unless ``ignore_unknown`` (then such keys are dropped)."""
+    if isinstance(values, cls):
+        return values
+    if dataclasses.is_dataclass(values):
+        values = dataclasses.asdict(values)
+    values = dict(values or {})
+    kinds = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(kinds))
+    if ignore_unknown:
+        values = {k: v for k, v in values.items() if k in kinds}
+    elif unknown:
+        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r} (fields: {sorted(kinds)})")
+    out = {}
+    for name, value in values.items():
+        default = kinds[name].default_factory() if kinds[name].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default) and isinstance(value, Mapping):
+            value = config_of(type(default), value)
+        out[name] = value
+    return cls(**out)
+
+
+register_configs()

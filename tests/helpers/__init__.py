@@ -1,0 +1,25 @@
+"""Shared test helpers: the test environment, paths, config composition and prompts.
+
+Importing this package sets the environment every test and probe script runs with (threads, offline hub).
+Tests import it as ``helpers`` (``tests/`` is on pytest's ``pythonpath``); the probe scripts here, launched
+as subprocesses, put ``tests/`` on ``sys.path`` themselves.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
+
+from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+
+set_omp_defaults()  # as recipes/train.py does, before torch loads OpenMP
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from .config import CONF, FAST, ROOT, compose_config, fast_config  # noqa: E402
+from .prompts import chat_prompts  # noqa: E402
+
+__all__ = ["CONF", "FAST", "ROOT", "chat_prompts", "compose_config", "fast_config"]

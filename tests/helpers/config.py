@@ -1,0 +1,30 @@
+"""The one way tests compose the recipe's config: Hydra's compose API over ``conf/``, as ``recipes/train.py``."""
+
+from __future__ import annotations
+
+import os
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import lit_rl  # noqa: F401  (importing it stores the typed schemas conf/ starts from in Hydra's ConfigStore)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONF = os.path.join(ROOT, "conf")
+
+#: a few-second run: the tiny model, float32, 2 prompts x 4 completions of 8 tokens, eval and checkpoint every 2 steps
+FAST = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=false", "rollout.prompts_per_step=2",
+        "rollout.group_size=4", "sampling.max_new_tokens=8", "eval.num_examples=4", "eval.every_n_steps=2",
+        "checkpoint.every_n_steps=2"]
+
+
+def compose_config(*overrides: str, config_name: str = "train", conf_dir: str = CONF) -> DictConfig:
+    """``conf/<config_name>.yaml`` composed with the command-line ``overrides``, exactly as the recipe sees it
+    (``conf_dir``: another config folder, e.g. a copy of ``conf/`` a test edits)."""
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides))
+
+
+def fast_config(*overrides: str) -> DictConfig:
+    """``compose_config`` of ``FAST`` plus ``overrides`` (later ones win)."""
+    return compose_config(*FAST, *overrides)
