@@ -1,6 +1,6 @@
 """Each correction's drift, bias, variance and MSE, computed exactly on an enumerable policy.
 
-    python benchmarks/corrections_in_expectation.py                 # the README table (about a minute)
+    python benchmarks/corrections_in_expectation.py                 # the table in docs/corrections.md (about a minute)
     python benchmarks/corrections_in_expectation.py --vocab 4 --length 2 --batch 16
 
 Not a timing benchmark: every number is an exact expectation over all V^L sequences of a tabular policy
