@@ -1,19 +1,38 @@
 """The shared base of every algorithm: one RL step per Lightning training step.
 
-``training_step`` reads top to bottom as the loop in DESIGN.md:
+The class reads in call order. One step, as ``training_step`` runs it (DESIGN.md, "The loop"):
 
-    prompts -> collect (engine + verifier) -> advantages -> RolloutBatch -> micro-batched update -> log
+1. Rollouts. ``engine.sync_weights`` (sync mode; ``rollout.staleness`` for lagged / async), then
+   ``collect``: the engine (a ``RolloutEngine``) samples G completions for this rank's prompts and the
+   task's verifier scores them -> ``ScoredRollouts``; ``rollout_metrics`` and ``metric_weights`` describe them.
+2. The batch. ``build_batch``: ``shape_rewards`` (DAPO's overlong penalty), ``advantages`` (the baseline)
+   -> a padded ``RolloutBatch`` on the device.
+3. The update. ``update`` runs the PPO schedule, ``epochs`` x ``num_minibatches`` optimizer steps (1 x 1 by
+   default; ``start_update`` / ``snapshot`` fix pi_old when there are several). Each optimizer step is
+   ``accumulate_gradients`` over ``micro_batches``: ``micro_batch_loss`` scores the tokens
+   (``logprobs_of``), takes the objective's per-token loss (``policy_loss``) and hands it to ``finish_loss``,
+   which applies the train-inference corrections (``correct`` -> ``corrections.correct_policy_loss``, with
+   the objective's ``score_coefficients``), adds the KL and value terms and reduces to a scalar normalised by
+   the whole step's totals (tokens, sequences), so the gradient does not depend on how the batch is cut.
+   ``optimizer_step`` steps through Lightning's precision plugin (manual optimisation), which calls
+   ``on_before_optimizer_step`` to clip the unscaled gradient and drop a non-finite update.
+4. Logging. ``step_flops`` / ``flop_rates`` add the efficiency metrics (``lit_rl.flops``),
+   ``reduce_step_metrics`` combines the ranks' values (``parallel``), ``write_step_metrics`` writes them at
+   x = the RL step.
 
-The update uses manual optimisation so that the loss of every micro-batch is normalised by the totals of
-the whole optimizer step (tokens, sequences): the gradient does not depend on how the batch is cut.
-A subclass states only what differs: ``advantages`` (the baseline) and ``policy_loss`` (the objective).
+A subclass states only what differs, by overriding the pieces named in steps 1-3: ``advantages`` and
+``group_baseline`` (the baseline), ``policy_loss`` and ``score_coefficients`` (the objective), and where an
+algorithm needs them ``collect`` (DAPO's dynamic sampling), ``shape_rewards``, ``build_batch``,
+``metric_weights``, ``snapshot``, ``micro_batch_loss`` and ``trainable_parameters`` (PPO's critic); its
+``algo`` defaults are ``algo_config`` (``lit_rl.schema``).
 
 Several data-parallel ranks (Lightning's DDP or FSDP, ``trainer=ddp``): each rank samples with its own
 embedded engine on its contiguous share of the step's prompts (whole groups), and the update reproduces the
 single-process gradient of the whole step: the step's totals are summed over ranks, each rank's loss is
 multiplied by the world size (the strategy averages gradients over ranks), and gradients are all-reduced
-once per optimizer step. Every logged value is reduced over ranks (``reduce_step_metrics``) before rank 0
-writes it. All collectives go through Lightning's strategy (``self.all_gather``, ``strategy.reduce``).
+once per optimizer step. Every logged value is reduced over ranks before rank 0 writes it. The bookkeeping
+lives in ``parallel``; all collectives go through Lightning's strategy (``self.all_gather``,
+``strategy.reduce``).
 """
 
 from __future__ import annotations
@@ -74,6 +93,7 @@ class RLAlgorithm(L.LightningModule):
     step; stale rollout modes (``rollout.staleness``) give the engine its own copy too.
     """
 
+    # -- construction and Lightning's set-up -----------------------------------------------------------------------
     #: this algorithm's ``algo`` defaults (its conf/algo/<name>.yaml, for modules built from Python)
     algo_config: ClassVar[type[AlgoConfig]] = AlgoConfig
 
@@ -111,76 +131,24 @@ class RLAlgorithm(L.LightningModule):
         if self.kl_cfg.beta > 0 or self.kl_cfg.track:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
 
-    # -- pieces a subclass may replace ---------------------------------------------------------------
-    @classmethod
-    def group_baseline(cls, algo) -> bool:
-        """True when the advantage's baseline is a statistic of the prompt's group (so ``rollout.group_size``
-        must be >= 2: a group of one has zero advantage). ``algo``: the ``algo`` config group. Default: True
-        (``objectives.group_advantages``)."""
-        return True
+    def configure_optimizers(self):
+        """AdamW over ``trainable_parameters`` with a linear warm-up over ``optim.warmup_steps`` optimizer steps."""
+        cfg = self.optim_cfg
+        opt = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                betas=tuple(cfg.betas))
+        warmup = int(cfg.warmup_steps)
+        if warmup <= 0:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
-        """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
-        valid = scored.rollouts.response_length > 0
-        return obj.group_advantages(rewards, scored.group_ids, alpha=self.advantage_cfg.alpha,
-                                    eps=self.advantage_cfg.eps, valid=valid)
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: the policy's parameters (PPO adds its critic)."""
+        return list(self.policy.parameters())
 
-    def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
-        """[N] rewards the advantages see. Default: the task reward as is."""
-        return scored.rewards
+    def on_fit_start(self) -> None:
+        self.datamodule.set_start_step(lambda: self.global_step // self.updates_per_step)
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch,
-                    stats: MetricSums) -> Tensor:
-        """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
-        loss, clip_low, clip_high = obj.ppo_clip_loss(logprobs, old_logprobs, mb.advantages,
-                                                     self.clip_cfg.eps_low, self.clip_cfg.eps_high)
-        mask = mb.response_mask
-        stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
-        stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
-        stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
-        return loss
-
-    def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
-        """∂ℓ_t/∂log π of ``policy_loss`` had a token with log(π_θ / π_old) = ``log_ratio`` [n, T, J] been
-        sampled at position t (``sampled_log_ratio`` [n, T]: the sampled tokens'); [n, T, J]. Score
-        centering under a correction evaluates it at the engine's head ids (``corrections.centering_term``).
-        Default: the PPO clipped surrogate's, −A·r where the clip does not bind (GRPO, DAPO, Dr.GRPO)."""
-        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)
-
-    def collect(self, batch: PromptBatch):
-        """Generate and score this rank's share of the step's rollouts. Returns (ScoredRollouts, rollout
-        metrics of this rank, reduced over ranks by ``reduce_step_metrics``)."""
-        scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step,
-                                         first_index=batch.offset)
-        return scored, {}
-
-    # -- what stale rollouts need from the learner (``rollout.staleness.Learner``) ---------------------
-    @property
-    def policy_version(self) -> int:
-        """Optimizer steps taken: the version of the policy's current weights (Lightning's ``global_step``)."""
-        return self.global_step
-
-    def prompt_batch(self, step: int) -> PromptBatch:
-        """This rank's prompts of RL step ``step``."""
-        return self.datamodule.batch_for(step)
-
-    def precision_context(self) -> contextlib.AbstractContextManager:
-        """The trainer's precision context (autocast), entered by threads that run the policy for it."""
-        trainer = self._trainer
-        return trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
-
-    @torch.no_grad()
-    def score_rows(self, rb: RolloutBatch, rows: Tensor) -> Tensor:
-        """float32 [len(rows), T] log-probs of rows ``rows`` (int64 [n]) of ``rb`` [N, T] under the policy's
-        current weights, ``micro_batch_size`` rows at a time; 0 past each micro-batch's longest response."""
-        out = torch.zeros(rows.numel(), rb.response_ids.shape[1], device=rb.response_ids.device)
-        for i in range(0, rows.numel(), self.micro_batch_size):
-            idx = rows[i:i + self.micro_batch_size]
-            lp = self.logprobs_of(self.policy, rb.select(idx), with_entropy=False).logprobs
-            out[i:i + idx.numel(), :lp.shape[1]] = lp.float()
-        return out
-
-    # -- the RL step ---------------------------------------------------------------------------------
     @property
     def datamodule(self) -> RolloutDataModule:
         return self.trainer.datamodule
@@ -189,6 +157,7 @@ class RLAlgorithm(L.LightningModule):
         """Prompt batches hold text, not tensors: nothing to move."""
         return batch
 
+    # -- the RL step (Lightning's training_step), then its parts in the order it calls them ------------------------
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         rl_step = self.global_step // self.updates_per_step
@@ -229,96 +198,38 @@ class RLAlgorithm(L.LightningModule):
         self.log("tok/s", metrics["perf/rollout_tokens_per_s"], prog_bar=True, logger=False, batch_size=len(rb))
         self.log("mfu", metrics["perf/mfu"], prog_bar=True, logger=False, batch_size=len(rb))
 
-    #: peak FLOP/s of one device at the run's precision (``hardware.peak_flops``), that ``perf/mfu`` divides
-    #: by; ``lit_rl.train.run`` sets it at start-up, else the first step measures it
-    peak_flops: float | None = None
+    # -- 1. rollouts: this rank's share of the step's prompts, generated and scored --------------------------------
+    def collect(self, batch: PromptBatch):
+        """Generate and score this rank's share of the step's rollouts. Returns (ScoredRollouts, rollout
+        metrics of this rank, reduced over ranks by ``reduce_step_metrics``)."""
+        scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step,
+                                         first_index=batch.offset)
+        return scored, {}
 
-    @property
-    def flop_model(self) -> FlopModel:
-        """The policy's ``FlopModel`` (verl's FlopsCounter convention), built once."""
-        if getattr(self, "_flop_model", None) is None:
-            self._flop_model = FlopModel.from_config(self.policy.config,
-                                                     num_parameters=sum(p.numel() for p in self.policy.parameters()))
-        return self._flop_model
-
-    def step_flops(self, scored: ScoredRollouts, rb: RolloutBatch) -> dict[str, float]:
-        """This rank's FLOPs of the step (``lit_rl.flops``): ``perf/rollout_flops``, generating the scored
-        completions (2·N per generated token + attention), and ``perf/update_flops``, ``epochs`` forward +
-        backward passes over the rows that carry loss (6·N per valid prompt and response token + attention)."""
+    def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
         r = scored.rollouts
-        rollout = self.flop_model.rollout_flops([len(p) for p in r.prompt_ids], r.response_length.tolist())
-        response = rb.response_mask.sum(-1)
-        seq = (rb.prompt_mask.sum(-1) + response)[response > 0]
-        return {"perf/rollout_flops": rollout, "perf/update_flops": self.epochs * self.flop_model.update_flops(seq.tolist())}
-
-    def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
-        """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
-        ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
-        and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
-        if self.peak_flops is None:
-            from ..hardware import peak_flops
-
-            accelerator = "cuda" if self.device.type == "cuda" else "cpu"
-            precision = self.trainer.precision if self._trainer is not None else "32-true"
-            self.peak_flops = peak_flops(precision, accelerator)[0]
-        t_train, t_rollout = metrics["time/train_s"], metrics["time/rollout_s"]
-        update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
-        rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
-        peak = self.peak_flops * self.world_size
-        return {"perf/update_tflops": update / 1e12, "perf/rollout_tflops": rollout / 1e12,
-                "perf/peak_tflops": peak / 1e12, "perf/mfu": update / peak if peak > 0 else 0.0}
-
-    def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
-        """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
-
-        Lightning hands ``self.log`` values to the logger only after the step's checkpoint is written, and
-        TensorBoard buffers them; a kill in between would leave a checkpoint whose step has no metrics, and
-        a resume would never log them. Written here, every checkpointed step has its scalars on disk.
-        ``metrics`` must already be reduced over ranks (``reduce_step_metrics``): Lightning's loggers write
-        on global rank 0 only, so one TensorBoard run holds the values of the whole step.
-        """
-        if self.logger is None:
-            return
-        self.logger.log_metrics(metrics, step=rl_step)
-        experiment = getattr(self.logger, "experiment", None)
-        if hasattr(experiment, "flush"):
-            experiment.flush()
-
-    # -- data parallelism: reductions over ranks (``parallel``) ---------------------------------------
-    #: step metrics summed / maximised over ranks (``parallel.reduce_step_metrics``); others are weighted means
-    SUMMED_METRICS = parallel.SUMMED_METRICS
-    MAX_METRICS = parallel.MAX_METRICS
-
-    @property
-    def world_size(self) -> int:
-        """Data-parallel ranks (1 without a trainer or on one device)."""
-        return self.trainer.world_size if self._trainer is not None else 1
-
-    def all_reduce(self, values: Tensor, op: str = "sum") -> Tensor:
-        """``values`` (any shape) summed (``op="sum"``) or maximised (``"max"``) elementwise over the
-        data-parallel ranks with Lightning's ``strategy.reduce``, on ``values``' device; on one rank the
-        tensor itself. A collective: every rank calls it at the same point with the same shape."""
-        if self.world_size == 1:
-            return values
-        return self.trainer.strategy.reduce(values.detach().to(self.device).clone(), reduce_op=op).to(values.device)
-
-    def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
-        """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
-        return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)
+        lengths = r.response_length.float()
+        groups = scored.group_ids.unique()
+        all_correct = sum(bool((scored.rewards[scored.group_ids == g] >= 1).all()) for g in groups)
+        all_wrong = sum(bool((scored.rewards[scored.group_ids == g] <= 0).all()) for g in groups)
+        return {
+            "rollout/reward_mean": float(scored.rewards.mean()),
+            "rollout/reward_errors": float(scored.reward_errors),
+            "rollout/response_length_mean": float(lengths.mean()),
+            "rollout/truncation_rate": sum(f == "length" for f in r.finish_reason) / max(len(r.finish_reason), 1),
+            "rollout/groups_all_correct": float(all_correct),
+            "rollout/groups_all_wrong": float(all_wrong),
+            # in RL steps: versions count optimizer steps, updates_per_step of them per RL step
+            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean()) / self.updates_per_step,
+            "rollout/staleness_max": float((self.global_step - r.policy_version).max()) / self.updates_per_step,
+        }
 
     def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
         """The weight of each rank's mean when ``reduce_step_metrics`` averages it over ranks. Default: the
         rank's completions (rollout/* means are per completion); a subclass adds what it logs otherwise."""
         return {name: float(len(scored.rewards)) for name in metrics}
 
-    def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
-        """This rank's step metrics combined with the other ranks' (``parallel.reduce_step_metrics`` with this
-        class's ``SUMMED_METRICS`` and ``MAX_METRICS``). A collective (every rank calls it once per step)."""
-        if self.world_size == 1:
-            return dict(metrics)
-        return parallel.reduce_step_metrics(metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS,
-                                   maxima=self.MAX_METRICS)
-
+    # -- 2. the batch: rewards -> advantages -> RolloutBatch -------------------------------------------------------
     def build_batch(self, scored: ScoredRollouts) -> RolloutBatch:
         """Pad the scored rollouts into a ``RolloutBatch`` with advantages."""
         r = scored.rollouts
@@ -331,77 +242,96 @@ class RLAlgorithm(L.LightningModule):
             policy_version=r.policy_version, topk_ids=r.topk_ids, topk_logprobs=r.topk_logprobs,
         ).to(self.device)
 
-    def micro_batches(self, rb: RolloutBatch) -> list[RolloutBatch]:
-        """Split into micro-batches of similar total length (less padding; results do not depend on it)."""
-        lengths = rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)
-        order = torch.argsort(lengths, descending=True, stable=True)
-        return [rb.select(order[i:i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
+    def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
+        """[N] rewards the advantages see. Default: the task reward as is."""
+        return scored.rewards
 
-    def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch, **kwargs) -> TokenScores:
-        """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
-        distribution: its temperature and its top-k / top-p truncation."""
-        head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
-        return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 temperature=self.sampling.temperature, top_k=self.sampling.top_k,
-                                 top_p=self.sampling.top_p, chunk_tokens=self.chunk_tokens,
-                                 head_ids=head_ids, **kwargs)
+    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
+        """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
+        valid = scored.rollouts.response_length > 0
+        return obj.group_advantages(rewards, scored.group_ids, alpha=self.advantage_cfg.alpha,
+                                    eps=self.advantage_cfg.eps, valid=valid)
 
-    def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
-        """The scalar loss of one micro-batch, already divided by the whole step's totals."""
-        scores = self.logprobs_of(self.policy, mb)
-        # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
-        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else scores.logprobs.detach()
-        pg_loss = self.policy_loss(scores.logprobs, old_logprobs, mb, stats)
-        return self.finish_loss(pg_loss, scores, old_logprobs, mb, stats, num_tokens, num_seqs)
+    @classmethod
+    def group_baseline(cls, algo) -> bool:
+        """True when the advantage's baseline is a statistic of the prompt's group (so ``rollout.group_size``
+        must be >= 2: a group of one has zero advantage). ``algo``: the ``algo`` config group. Default: True
+        (``objectives.group_advantages``)."""
+        return True
 
-    def correct(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
-                stats: MetricSums) -> Tensor:
-        """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss [n, T].
+    # -- 3. the update: the PPO schedule of exact micro-batched optimizer steps ------------------------------------
+    def update(self, rb: RolloutBatch) -> dict[str, float]:
+        """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
+        minibatches, one optimizer step each (the PPO schedule; 1 x 1 by default). Returns train/* metrics,
+        reduced over data-parallel ranks (each rank shuffles and cuts its own share)."""
+        opt = self.optimizers()
+        self.start_update(rb)
+        stats = MetricSums()
+        loss_total, norms = 0.0, []
+        gen = torch.Generator().manual_seed(int(self.global_step))
+        for _ in range(self.epochs):
+            order = torch.randperm(len(rb), generator=gen) if self.num_minibatches > 1 else torch.arange(len(rb))
+            for chunk in torch.tensor_split(order, self.num_minibatches):
+                _, part_loss = self.accumulate_gradients(rb.select(chunk), stats)
+                if self.world_size > 1:  # the whole step's loss: every rank then skips a non-finite update alike
+                    part_loss = float(self.all_reduce(torch.tensor(part_loss, dtype=torch.float64)))
+                loss_total += part_loss / self.updates_per_step
+                norms.append(self.optimizer_step(opt, part_loss))
+        if self.world_size > 1:
+            stats.all_reduce(self.all_reduce_dict)
+        out = stats.means()
+        out["train/loss"] = loss_total
+        out["train/grad_norm"] = sum(norms) / len(norms)
+        out["train/lr"] = opt.param_groups[0]["lr"]
+        out["train/skipped_updates"] = float(self.skipped_updates)
+        if self.grad_scaler is not None:  # 16-mixed: the loss scale the next step starts from
+            out["train/grad_scale"] = float(self.grad_scaler.get_scale())
+        return out
 
-        One call to ``corrections.corrected_policy_loss``: the sampled token's loss is weighted by w_y =
-        f(pi_old / mu) (TIS: min(r, cap); MIS: r inside [low, high], 0 outside, or 1 / 0 with
-        ``mis.weighted=false``), and score centering subtracts E_mu[c w grad log pi] over the engine's head
-        (plus the rescaled tail), where c is this objective's own coefficient (``score_coefficients``) and w
-        the same weight, so ``sc+tis`` and ``sc+mis`` stay centred (SPEC test vector 15). Tokens MIS drops
-        keep their place in the step's denominators. Logs tis / tis_abs / tis_clipfrac / mis_maskfrac.
-        """
-        loss, metrics = corr.correct_policy_loss(
-            pg_loss, scores.logprobs, old_logprobs, mb, self.weight_rule,
-            score_centering=self.correction.sc.enabled, logprobs_head=scores.head_logprobs,
-            score_coefficients=lambda log_ratio, sampled: self.score_coefficients(log_ratio, sampled, mb))
-        stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
-        return loss
+    @property
+    def epochs(self) -> int:
+        """Passes over each rollout batch (``algo.ppo_epochs``)."""
+        return int(self.algo_cfg.ppo_epochs)
 
-    def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
-                    stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor, extra_loss: Tensor | None = None) -> Tensor:
-        """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
-        diagnostics, and the reduction to a scalar normalised by the step's totals."""
-        token_loss = self.correct(pg_loss, scores, old_logprobs, mb, stats)
-        m = mb.response_mask
-        logprobs = scores.logprobs
-        if extra_loss is not None:
-            token_loss = token_loss + extra_loss
-        beta = self.kl_cfg.beta
-        if self.ref_policy is not None:
-            with torch.no_grad():
-                ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
-            kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.estimator)
-            if beta > 0:
-                token_loss = token_loss + beta * kl
-            stats.add("train/ref_kl", kl, m)
-        stats.add("train/entropy", scores.entropy, m)
-        stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
-        # the three ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines),
-        # r_stale = pi_theta/p_o (same engine, two weight versions); logged apart, never only the product.
-        # p_o = pi_old unless rows are stale: then the trainer's log-probs under their generating weights
-        p_o = old_logprobs if mb.behaviour_logprobs is None else torch.where(
-            torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
-        stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
-            mb.rollout_logprobs, p_o, logprobs.detach(), m).items()}, m)
-        # tokens MIS drops leave the numerator only (``correct`` zeroes their weight): every reduction keeps the
-        # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
-        return obj.reduce_loss(token_loss, m, self.loss_cfg.reduction, num_tokens=num_tokens,
-                               num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
+    @property
+    def num_minibatches(self) -> int:
+        """Optimizer steps per pass (``algo.num_minibatches``)."""
+        return int(self.algo_cfg.num_minibatches)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per RL step; Lightning's ``global_step`` counts these."""
+        return updates_per_step(self.algo_cfg)
+
+    def start_update(self, rb: RolloutBatch) -> None:
+        """What the update needs before its first optimizer step: pi_old (``snapshot``) when the batch gets
+        several optimizer steps (with one, the training forward itself is pi_old)."""
+        if self.updates_per_step > 1 and rb.old_logprobs is None:
+            self.snapshot(rb)
+
+    @torch.no_grad()
+    def snapshot(self, rb: RolloutBatch) -> None:
+        """Fill ``rb.old_logprobs`` [N, T]: pi_old, the weights this update cycle starts from, fixed for
+        all its epochs and minibatches. (With a single update the training forward itself is pi_old and
+        this pass is skipped.)"""
+        n, t = rb.response_ids.shape
+        rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
+        for i in range(0, n, self.micro_batch_size):
+            mb = rb.select(slice(i, i + self.micro_batch_size))
+            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
+            rb.old_logprobs[i:i + len(mb), :scores.logprobs.shape[1]] = scores.logprobs
+            self.store_old_head(rb, i, scores)
+
+    def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
+        """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout
+        batch gets several optimizer steps): rows ``start:`` of ``rb.old_head_logprobs`` [N, T, k] from a
+        snapshot micro-batch's ``scores``. A no-op without score centering."""
+        if scores.head_logprobs is None:
+            return
+        if rb.old_head_logprobs is None:
+            rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
+        w = scores.head_logprobs.shape[1]
+        rb.old_head_logprobs[start:start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
 
     def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
         """Backward of the whole batch's loss into ``.grad``, one micro-batch at a time.
@@ -451,48 +381,99 @@ class RLAlgorithm(L.LightningModule):
                 stats.touch(mb_stats)  # the same metric names on every rank, with nothing added
         return stats, loss_total
 
+    def micro_batches(self, rb: RolloutBatch) -> list[RolloutBatch]:
+        """Split into micro-batches of similar total length (less padding; results do not depend on it)."""
+        lengths = rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)
+        order = torch.argsort(lengths, descending=True, stable=True)
+        return [rb.select(order[i:i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
+
     def padding_micro_batch(self, rb: RolloutBatch) -> RolloutBatch:
         """``parallel.padding_micro_batch`` of ``rb`` with this tokenizer's pad id."""
         return parallel.padding_micro_batch(rb, self.tokenizer.pad_token_id)
 
-    @property
-    def epochs(self) -> int:
-        """Passes over each rollout batch (``algo.ppo_epochs``)."""
-        return int(self.algo_cfg.ppo_epochs)
+    def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
+        """The scalar loss of one micro-batch, already divided by the whole step's totals."""
+        scores = self.logprobs_of(self.policy, mb)
+        # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
+        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else scores.logprobs.detach()
+        pg_loss = self.policy_loss(scores.logprobs, old_logprobs, mb, stats)
+        return self.finish_loss(pg_loss, scores, old_logprobs, mb, stats, num_tokens, num_seqs)
 
-    @property
-    def num_minibatches(self) -> int:
-        """Optimizer steps per pass (``algo.num_minibatches``)."""
-        return int(self.algo_cfg.num_minibatches)
+    def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch, **kwargs) -> TokenScores:
+        """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
+        distribution: its temperature and its top-k / top-p truncation."""
+        head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
+        return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                 temperature=self.sampling.temperature, top_k=self.sampling.top_k,
+                                 top_p=self.sampling.top_p, chunk_tokens=self.chunk_tokens,
+                                 head_ids=head_ids, **kwargs)
 
-    @property
-    def updates_per_step(self) -> int:
-        """Optimizer steps per RL step; Lightning's ``global_step`` counts these."""
-        return updates_per_step(self.algo_cfg)
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch,
+                    stats: MetricSums) -> Tensor:
+        """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
+        loss, clip_low, clip_high = obj.ppo_clip_loss(logprobs, old_logprobs, mb.advantages,
+                                                     self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        mask = mb.response_mask
+        stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
+        stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
+        stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
+        return loss
 
-    @torch.no_grad()
-    def snapshot(self, rb: RolloutBatch) -> None:
-        """Fill ``rb.old_logprobs`` [N, T]: pi_old, the weights this update cycle starts from, fixed for
-        all its epochs and minibatches. (With a single update the training forward itself is pi_old and
-        this pass is skipped.)"""
-        n, t = rb.response_ids.shape
-        rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
-        for i in range(0, n, self.micro_batch_size):
-            mb = rb.select(slice(i, i + self.micro_batch_size))
-            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
-            rb.old_logprobs[i:i + len(mb), :scores.logprobs.shape[1]] = scores.logprobs
-            self.store_old_head(rb, i, scores)
+    def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
+                    stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor, extra_loss: Tensor | None = None) -> Tensor:
+        """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
+        diagnostics, and the reduction to a scalar normalised by the step's totals."""
+        token_loss = self.correct(pg_loss, scores, old_logprobs, mb, stats)
+        m = mb.response_mask
+        logprobs = scores.logprobs
+        if extra_loss is not None:
+            token_loss = token_loss + extra_loss
+        beta = self.kl_cfg.beta
+        if self.ref_policy is not None:
+            with torch.no_grad():
+                ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+            kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.estimator)
+            if beta > 0:
+                token_loss = token_loss + beta * kl
+            stats.add("train/ref_kl", kl, m)
+        stats.add("train/entropy", scores.entropy, m)
+        stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
+        # the three ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines),
+        # r_stale = pi_theta/p_o (same engine, two weight versions); logged apart, never only the product.
+        # p_o = pi_old unless rows are stale: then the trainer's log-probs under their generating weights
+        p_o = old_logprobs if mb.behaviour_logprobs is None else torch.where(
+            torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
+        stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
+            mb.rollout_logprobs, p_o, logprobs.detach(), m).items()}, m)
+        # tokens MIS drops leave the numerator only (``correct`` zeroes their weight): every reduction keeps the
+        # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
+        return obj.reduce_loss(token_loss, m, self.loss_cfg.reduction, num_tokens=num_tokens,
+                               num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
 
-    def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
-        """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout
-        batch gets several optimizer steps): rows ``start:`` of ``rb.old_head_logprobs`` [N, T, k] from a
-        snapshot micro-batch's ``scores``. A no-op without score centering."""
-        if scores.head_logprobs is None:
-            return
-        if rb.old_head_logprobs is None:
-            rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
-        w = scores.head_logprobs.shape[1]
-        rb.old_head_logprobs[start:start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
+    def correct(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
+                stats: MetricSums) -> Tensor:
+        """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss [n, T].
+
+        One call to ``corrections.corrected_policy_loss``: the sampled token's loss is weighted by w_y =
+        f(pi_old / mu) (TIS: min(r, cap); MIS: r inside [low, high], 0 outside, or 1 / 0 with
+        ``mis.weighted=false``), and score centering subtracts E_mu[c w grad log pi] over the engine's head
+        (plus the rescaled tail), where c is this objective's own coefficient (``score_coefficients``) and w
+        the same weight, so ``sc+tis`` and ``sc+mis`` stay centred (SPEC test vector 15). Tokens MIS drops
+        keep their place in the step's denominators. Logs tis / tis_abs / tis_clipfrac / mis_maskfrac.
+        """
+        loss, metrics = corr.correct_policy_loss(
+            pg_loss, scores.logprobs, old_logprobs, mb, self.weight_rule,
+            score_centering=self.correction.sc.enabled, logprobs_head=scores.head_logprobs,
+            score_coefficients=lambda log_ratio, sampled: self.score_coefficients(log_ratio, sampled, mb))
+        stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
+        return loss
+
+    def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
+        """∂ℓ_t/∂log π of ``policy_loss`` had a token with log(π_θ / π_old) = ``log_ratio`` [n, T, J] been
+        sampled at position t (``sampled_log_ratio`` [n, T]: the sampled tokens'); [n, T, J]. Score
+        centering under a correction evaluates it at the engine's head ids (``corrections.centering_term``).
+        Default: the PPO clipped surrogate's, −A·r where the clip does not bind (GRPO, DAPO, Dr.GRPO)."""
+        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)
 
     def optimizer_step(self, opt, loss: float = 0.0) -> float:
         """Step ``opt`` (Lightning's optimizer wrapper) on the accumulated gradient, zero it, advance the lr
@@ -557,89 +538,126 @@ class RLAlgorithm(L.LightningModule):
                 f"the rewards) before continuing from it")
 
     skipped_updates: int = 0
+
     nonfinite_in_a_row: int = 0
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lit_rl"] = {"skipped_updates": self.skipped_updates, "nonfinite_in_a_row": self.nonfinite_in_a_row}
-        if self.stale is not None:  # lagged: the weight history, so a resumed run samples exactly as before
-            checkpoint["lit_rl"]["stale_rollouts"] = self.stale.state_dict()
+    # -- 4. logging: the step's metrics reduced over data-parallel ranks (``parallel``), then written --------------
+    #: peak FLOP/s of one device at the run's precision (``hardware.peak_flops``), that ``perf/mfu`` divides
+    #: by; ``lit_rl.train.run`` sets it at start-up, else the first step measures it
+    peak_flops: float | None = None
 
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint.get("lit_rl", {})
-        self.skipped_updates = int(state.get("skipped_updates", 0))
-        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-        if self.stale is not None and "stale_rollouts" in state:
-            self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
+    @property
+    def flop_model(self) -> FlopModel:
+        """The policy's ``FlopModel`` (verl's FlopsCounter convention), built once."""
+        if getattr(self, "_flop_model", None) is None:
+            self._flop_model = FlopModel.from_config(self.policy.config,
+                                                     num_parameters=sum(p.numel() for p in self.policy.parameters()))
+        return self._flop_model
 
-    def start_update(self, rb: RolloutBatch) -> None:
-        """What the update needs before its first optimizer step: pi_old (``snapshot``) when the batch gets
-        several optimizer steps (with one, the training forward itself is pi_old)."""
-        if self.updates_per_step > 1 and rb.old_logprobs is None:
-            self.snapshot(rb)
+    def step_flops(self, scored: ScoredRollouts, rb: RolloutBatch) -> dict[str, float]:
+        """This rank's FLOPs of the step (``lit_rl.flops``): ``perf/rollout_flops``, generating the scored
+        completions (2·N per generated token + attention), and ``perf/update_flops``, ``epochs`` forward +
+        backward passes over the rows that carry loss (6·N per valid prompt and response token + attention)."""
+        r = scored.rollouts
+        rollout = self.flop_model.rollout_flops([len(p) for p in r.prompt_ids], r.response_length.tolist())
+        response = rb.response_mask.sum(-1)
+        seq = (rb.prompt_mask.sum(-1) + response)[response > 0]
+        return {"perf/rollout_flops": rollout, "perf/update_flops": self.epochs * self.flop_model.update_flops(seq.tolist())}
 
-    def update(self, rb: RolloutBatch) -> dict[str, float]:
-        """``epochs`` passes over the rollout batch, each cut into ``num_minibatches`` shuffled
-        minibatches, one optimizer step each (the PPO schedule; 1 x 1 by default). Returns train/* metrics,
-        reduced over data-parallel ranks (each rank shuffles and cuts its own share)."""
-        opt = self.optimizers()
-        self.start_update(rb)
-        stats = MetricSums()
-        loss_total, norms = 0.0, []
-        gen = torch.Generator().manual_seed(int(self.global_step))
-        for _ in range(self.epochs):
-            order = torch.randperm(len(rb), generator=gen) if self.num_minibatches > 1 else torch.arange(len(rb))
-            for chunk in torch.tensor_split(order, self.num_minibatches):
-                _, part_loss = self.accumulate_gradients(rb.select(chunk), stats)
-                if self.world_size > 1:  # the whole step's loss: every rank then skips a non-finite update alike
-                    part_loss = float(self.all_reduce(torch.tensor(part_loss, dtype=torch.float64)))
-                loss_total += part_loss / self.updates_per_step
-                norms.append(self.optimizer_step(opt, part_loss))
-        if self.world_size > 1:
-            stats.all_reduce(self.all_reduce_dict)
-        out = stats.means()
-        out["train/loss"] = loss_total
-        out["train/grad_norm"] = sum(norms) / len(norms)
-        out["train/lr"] = opt.param_groups[0]["lr"]
-        out["train/skipped_updates"] = float(self.skipped_updates)
-        if self.grad_scaler is not None:  # 16-mixed: the loss scale the next step starts from
-            out["train/grad_scale"] = float(self.grad_scaler.get_scale())
+    def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
+        """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
+        ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
+        and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
+        if self.peak_flops is None:
+            from ..hardware import peak_flops
+
+            accelerator = "cuda" if self.device.type == "cuda" else "cpu"
+            precision = self.trainer.precision if self._trainer is not None else "32-true"
+            self.peak_flops = peak_flops(precision, accelerator)[0]
+        t_train, t_rollout = metrics["time/train_s"], metrics["time/rollout_s"]
+        update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
+        rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
+        peak = self.peak_flops * self.world_size
+        return {"perf/update_tflops": update / 1e12, "perf/rollout_tflops": rollout / 1e12,
+                "perf/peak_tflops": peak / 1e12, "perf/mfu": update / peak if peak > 0 else 0.0}
+
+    #: step metrics summed / maximised over ranks (``parallel.reduce_step_metrics``); others are weighted means
+    SUMMED_METRICS = parallel.SUMMED_METRICS
+
+    MAX_METRICS = parallel.MAX_METRICS
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (1 without a trainer or on one device)."""
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    def all_reduce(self, values: Tensor, op: str = "sum") -> Tensor:
+        """``values`` (any shape) summed (``op="sum"``) or maximised (``"max"``) elementwise over the
+        data-parallel ranks with Lightning's ``strategy.reduce``, on ``values``' device; on one rank the
+        tensor itself. A collective: every rank calls it at the same point with the same shape."""
+        if self.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values.detach().to(self.device).clone(), reduce_op=op).to(values.device)
+
+    def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
+        """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
+        return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)
+
+    def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+        """This rank's step metrics combined with the other ranks' (``parallel.reduce_step_metrics`` with this
+        class's ``SUMMED_METRICS`` and ``MAX_METRICS``). A collective (every rank calls it once per step)."""
+        if self.world_size == 1:
+            return dict(metrics)
+        return parallel.reduce_step_metrics(metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS,
+                                   maxima=self.MAX_METRICS)
+
+    def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
+        """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
+
+        Lightning hands ``self.log`` values to the logger only after the step's checkpoint is written, and
+        TensorBoard buffers them; a kill in between would leave a checkpoint whose step has no metrics, and
+        a resume would never log them. Written here, every checkpointed step has its scalars on disk.
+        ``metrics`` must already be reduced over ranks (``reduce_step_metrics``): Lightning's loggers write
+        on global rank 0 only, so one TensorBoard run holds the values of the whole step.
+        """
+        if self.logger is None:
+            return
+        self.logger.log_metrics(metrics, step=rl_step)
+        experiment = getattr(self.logger, "experiment", None)
+        if hasattr(experiment, "flush"):
+            experiment.flush()
+
+    # -- what stale rollouts need from the learner (``rollout.staleness.Learner``) ---------------------------------
+    @property
+    def policy_version(self) -> int:
+        """Optimizer steps taken: the version of the policy's current weights (Lightning's ``global_step``)."""
+        return self.global_step
+
+    def prompt_batch(self, step: int) -> PromptBatch:
+        """This rank's prompts of RL step ``step``."""
+        return self.datamodule.batch_for(step)
+
+    def precision_context(self) -> contextlib.AbstractContextManager:
+        """The trainer's precision context (autocast), entered by threads that run the policy for it."""
+        trainer = self._trainer
+        return trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def score_rows(self, rb: RolloutBatch, rows: Tensor) -> Tensor:
+        """float32 [len(rows), T] log-probs of rows ``rows`` (int64 [n]) of ``rb`` [N, T] under the policy's
+        current weights, ``micro_batch_size`` rows at a time; 0 past each micro-batch's longest response."""
+        out = torch.zeros(rows.numel(), rb.response_ids.shape[1], device=rb.response_ids.device)
+        for i in range(0, rows.numel(), self.micro_batch_size):
+            idx = rows[i:i + self.micro_batch_size]
+            lp = self.logprobs_of(self.policy, rb.select(idx), with_entropy=False).logprobs
+            out[i:i + idx.numel(), :lp.shape[1]] = lp.float()
         return out
 
-    def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
-        r = scored.rollouts
-        lengths = r.response_length.float()
-        groups = scored.group_ids.unique()
-        all_correct = sum(bool((scored.rewards[scored.group_ids == g] >= 1).all()) for g in groups)
-        all_wrong = sum(bool((scored.rewards[scored.group_ids == g] <= 0).all()) for g in groups)
-        return {
-            "rollout/reward_mean": float(scored.rewards.mean()),
-            "rollout/reward_errors": float(scored.reward_errors),
-            "rollout/response_length_mean": float(lengths.mean()),
-            "rollout/truncation_rate": sum(f == "length" for f in r.finish_reason) / max(len(r.finish_reason), 1),
-            "rollout/groups_all_correct": float(all_correct),
-            "rollout/groups_all_wrong": float(all_wrong),
-            # in RL steps: versions count optimizer steps, updates_per_step of them per RL step
-            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean()) / self.updates_per_step,
-            "rollout/staleness_max": float((self.global_step - r.policy_version).max()) / self.updates_per_step,
-        }
-
-    def teardown(self, stage: str) -> None:
-        """Shut the rollout engine down (vLLM's engine core and its files) at the end of fit."""
-        self.engine.close()
-
-    # -- evaluation ----------------------------------------------------------------------------------
+    # -- evaluation: greedy pass@1 on the held-out split -----------------------------------------------------------
     def on_validation_start(self) -> None:
         if self.stale is not None:
             self.stale.pause()  # async: the producer finishes its batch and leaves the engine to evaluation
         self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
-
-    def on_validation_end(self) -> None:
-        if self.stale is not None:
-            self.stale.resume()
-
-    def on_train_end(self) -> None:
-        if self.stale is not None:
-            self.stale.close()  # no producer thread outlives the run (exceptions: ``StaleRolloutsShutdown``)
 
     def on_validation_epoch_start(self) -> None:
         self._eval_sums = [0.0, 0.0]  # reward sum, examples (this rank's share of the eval split)
@@ -659,24 +677,22 @@ class RLAlgorithm(L.LightningModule):
         # vLLM has set up a one-process torch.distributed group of its own)
         self.log("eval/accuracy", total / count if count else 0.0, prog_bar=True, sync_dist=True)
 
-    # -- optimisation --------------------------------------------------------------------------------
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """What the optimizer updates: the policy's parameters (PPO adds its critic)."""
-        return list(self.policy.parameters())
+    def on_validation_end(self) -> None:
+        if self.stale is not None:
+            self.stale.resume()
 
-    def configure_optimizers(self):
-        """AdamW over ``trainable_parameters`` with a linear warm-up over ``optim.warmup_steps`` optimizer steps."""
-        cfg = self.optim_cfg
-        opt = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                betas=tuple(cfg.betas))
-        warmup = int(cfg.warmup_steps)
-        if warmup <= 0:
-            return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_rl"] = {"skipped_updates": self.skipped_updates, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        if self.stale is not None:  # lagged: the weight history, so a resumed run samples exactly as before
+            checkpoint["lit_rl"]["stale_rollouts"] = self.stale.state_dict()
 
-    def on_fit_start(self) -> None:
-        self.datamodule.set_start_step(lambda: self.global_step // self.updates_per_step)
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("lit_rl", {})
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        if self.stale is not None and "stale_rollouts" in state:
+            self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 
     def state_dict(self, *args, **kwargs):
         """The policy's weights only (the frozen reference copy is re-derivable and not saved)."""
@@ -692,3 +708,12 @@ class RLAlgorithm(L.LightningModule):
             raise RuntimeError(f"checkpoint does not fit this module: missing {missing[:5]}, "
                                f"unexpected {result.unexpected_keys[:5]}")
         return result
+
+    # -- the end of the run ----------------------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        if self.stale is not None:
+            self.stale.close()  # no producer thread outlives the run (exceptions: ``StaleRolloutsShutdown``)
+
+    def teardown(self, stage: str) -> None:
+        """Shut the rollout engine down (vLLM's engine core and its files) at the end of fit."""
+        self.engine.close()
