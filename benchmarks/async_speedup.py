@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _common import ensure_quiet, machine  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from _common import ensure_quiet, machine  # noqa: E402
 from lit_rl.compare import read_scalars  # noqa: E402
 from lit_rl.train import run  # noqa: E402
 
@@ -45,9 +45,11 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
     run(cfg, out)
     s = read_scalars(out / "tensorboard")
     after_first = lambda tag: [v for step, v in s[tag] if step > 0]  # noqa: E731
-    return {"step": statistics.mean(after_first("time/step_s")), "rollout": statistics.mean(after_first("time/rollout_s")),
+    return {"step": statistics.mean(after_first("time/step_s")),
+            "rollout": statistics.mean(after_first("time/rollout_s")),
             "train": statistics.mean(after_first("time/train_s")),
-            "tokens": statistics.mean(v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/rollout_s"))),
+            "tokens": statistics.mean(v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"),
+                                                            after_first("time/rollout_s"))),
             "staleness": statistics.mean(after_first("rollout/staleness_mean"))}
 
 
@@ -69,7 +71,8 @@ def main():
             "trainer.enable_progress_bar=false"]
     settings = {
         "sync, 1 thread": ["rollout.mode=sync", "threads=1"],
-        "async, 1+1 threads": ["rollout.mode=async", "rollout.max_staleness=1", "rollout.behaviour_logprobs=false", "threads=1"],
+        "async, 1+1 threads": ["rollout.mode=async", "rollout.max_staleness=1", "rollout.behaviour_logprobs=false",
+                               "threads=1"],
         "async, 1+1 threads, scoring stale rows": ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"],
         "sync, 2 threads": ["rollout.mode=sync", "threads=2"],
     }
@@ -86,9 +89,11 @@ def main():
     print(f"\n# {machine()}")
     print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} new tokens, "
           f"GRPO, bf16-mixed, mean of steps 2-{args.steps}")
-    print("| setting | step s | rollout (or wait) s | update s | generated tokens / step | staleness |\n|---|---|---|---|---|---|")
+    print("| setting | step s | rollout (or wait) s | update s | generated tokens / step | staleness |\n"
+          "|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens']:.0f} | {r['staleness']:.1f} |")
+        print(f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens']:.0f} "
+              f"| {r['staleness']:.1f} |")
     base = results["sync, 1 thread"]["step"]
     print()
     for name, r in results.items():

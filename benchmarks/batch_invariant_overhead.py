@@ -28,13 +28,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-
 from _common import as_rollout_batch, ensure_quiet, grpo_module, machine, update  # noqa: E402
+from rollout_throughput import prompts_for  # noqa: E402
+
 from lit_rl.kernels import kernel_mode  # noqa: E402
 from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
 from lit_rl.rollout.types import RolloutBatch  # noqa: E402
-from rollout_throughput import prompts_for  # noqa: E402
 
 
 def build(policy, tok, new_tokens: int, group_size: int):

@@ -29,9 +29,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
+from _common import machine  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from _common import machine  # noqa: E402
 from lit_rl.expectation import TabularPolicy, all_sequences, expected_gradient, prefix_rows, sampler_at_kl  # noqa: E402
 from lit_rl.train import build_module  # noqa: E402
 

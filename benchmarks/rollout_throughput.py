@@ -27,8 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-
 from _common import ensure_quiet, machine  # noqa: E402
+
 from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
 from lit_rl.rollout.types import SamplingParams, left_pad  # noqa: E402
@@ -132,18 +132,20 @@ def report(title, model, bf16, tok, prompts, args):
         ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args.new_tokens, args.repeats)),
     ]
     if not args.no_vllm:
-        rows += [("vLLM (colocated)", "float32", time_vllm(model, tok, prompts, args.new_tokens, "float32", args.repeats)),
+        rows += [("vLLM (colocated)", "float32",
+                  time_vllm(model, tok, prompts, args.new_tokens, "float32", args.repeats)),
                  ("vLLM (colocated)", "bf16 weights",
                   time_vllm(model, tok, prompts, args.new_tokens, "bfloat16", args.repeats))]
     print(f"\n## {args.model}: {title}")
-    print(f"| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
+    print("| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
     tps = {}
     for name, prec, (dt, tokens) in rows:
         tps[(name, prec)] = tokens / dt
         print(f"| {name} | {prec} | {dt:.2f} | {tokens} | {tokens / dt:.1f} |")
     g32, gbf = tps[("transformers generate", "float32")], tps[("transformers generate", "bf16 weights")]
     print(f"\nratio engine/generate, float32: {tps[('embedded engine', 'float32')] / g32:.2f}x")
-    print(f"ratio engine (bf16 autocast)/generate (bf16 weights): {tps[('embedded engine', 'bf16 autocast')] / gbf:.2f}x")
+    engine_bf16 = tps[("embedded engine", "bf16 autocast")]
+    print(f"ratio engine (bf16 autocast)/generate (bf16 weights): {engine_bf16 / gbf:.2f}x")
     print(f"ratio engine (bf16 weights)/generate (bf16 weights): {tps[('embedded engine', 'bf16 weights')] / gbf:.2f}x")
     print(f"ratio engine (bf16 autocast)/generate (float32): {tps[('embedded engine', 'bf16 autocast')] / g32:.2f}x")
     if not args.no_vllm:

@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-
 from _common import as_rollout_batch, ensure_quiet, grpo_module, machine, update  # noqa: E402
-from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
 from rollout_throughput import prompts_for  # noqa: E402
+
+from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
 
 
 def build(policy, tok, top_k: int, new_tokens: int, group_size: int):

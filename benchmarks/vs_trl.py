@@ -62,10 +62,9 @@ def trl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW
     """Two steps of TRL's GRPOTrainer on the recipe's model, prompts and reward; the second step's figures."""
     import torch
     from datasets import Dataset
+    from omegaconf import OmegaConf
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from omegaconf import OmegaConf
 
     from lit_rl.models import ModelSpec, load_policy
     from lit_rl.rollout.datamodule import RolloutDataModule
@@ -87,7 +86,8 @@ def trl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW
                       per_device_train_batch_size=min(MICRO, prompts * g),
                       gradient_accumulation_steps=max(1, prompts * g // MICRO),
                       num_generations=g, max_completion_length=new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                      beta=0.0, num_iterations=1, learning_rate=2e-6, lr_scheduler_type="constant", max_steps=2, logging_steps=1,
+                      beta=0.0, num_iterations=1, learning_rate=2e-6, lr_scheduler_type="constant", max_steps=2,
+                      logging_steps=1,
                       save_strategy="no", report_to=[], shuffle_dataset=False, disable_dropout=True,
                       dataloader_num_workers=0, seed=0)
     trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok)

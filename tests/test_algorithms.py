@@ -1,13 +1,12 @@
 """All seven algorithms as LightningModules: exact micro-batching, learning on a learnable task, DAPO's
 dynamic sampling and shaping, PPO's fixed snapshot."""
 
-import os
 
 import lightning as L
 import pytest
 import torch
-
 from helpers import compose_config
+
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.tasks import Example, Task
@@ -46,7 +45,8 @@ class ConstantByPromptTask(LeadingSpaceTask):
 def cfg_for(algo, *overrides):
     return compose_config(
         "model=tiny", f"algo={algo}", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.micro_batch_size=8", "sampling.max_new_tokens=4", "sampling.top_k=8", "optim.lr=3e-3", "optim.grad_clip=1.0",
+        "rollout.micro_batch_size=8", "sampling.max_new_tokens=4", "sampling.top_k=8", "optim.lr=3e-3",
+        "optim.grad_clip=1.0",
         *(["algo.overlong.buffer_length=2"] if algo == "dapo" else []), *overrides)
 
 

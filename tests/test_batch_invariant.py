@@ -1,13 +1,12 @@
 """Batch-invariant kernels (``kernels=batch_invariant``): each kernel's f(x[:m]) == f(x)[:m], and the engine's
 rollout_logprobs == the trainer's old_logprobs bit for bit (torch.equal, never allclose)."""
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import compose_config
+
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.kernels import KERNELS, BatchInvariantMode, kernel_mode
@@ -167,7 +166,8 @@ def test_unknown_kernels_value_is_named_before_any_model_loads():
     cfg = compose_config("kernels.name=fast")
     gpu = compose_config("kernels=batch_invariant", "trainer=gpu")
     assert compose_config().kernels.name == "default"
-    with pytest.raises(ConfigError, match=r"kernels='fast' is not allowed: choose one of \['default', 'batch_invariant'\]"):
+    with pytest.raises(ConfigError,
+                       match=r"kernels='fast' is not allowed: choose one of \['default', 'batch_invariant'\]"):
         validate(cfg)
     with pytest.raises(ConfigError, match="CPU only"):
         validate(gpu)

@@ -6,11 +6,10 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import ROOT, compose_config
+
 from lit_rl.config import ConfigError, validate
 from lit_rl.train import run
-
 
 
 def cfg_for(*overrides):

@@ -1,12 +1,11 @@
 """Corrections wired into the algorithms: metrics logged, mismatch injection measurable, score
 centering a no-op on-policy and active under mismatch, TIS/MIS changing the gradient only under mismatch."""
 
-import os
 
 import pytest
 import torch
-
 from helpers import compose_config
+
 from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule

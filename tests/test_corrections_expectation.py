@@ -17,13 +17,12 @@ The identities (SPEC "Composition", test vectors 14-16):
 """
 
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import compose_config
+
 from lit_rl.corrections import WeightFunction, corrected_policy_loss, exact_score_centering_term, score_centering_term
 from lit_rl.expectation import (
     TabularPolicy,
@@ -324,7 +323,8 @@ def random_reward(seqs):
 def test_untruncated_sequence_importance_sampling_is_unbiased(algo):
     policy = TabularPolicy(3, 2, seed=8)
     mu, _ = sampler_at_kl(policy.table(), 0.2, seed=9)
-    table_reward = {tuple(s.tolist()): float(r) for s, r in zip(all_sequences(3, 2), torch.rand(9, generator=torch.Generator().manual_seed(10)))}
+    draws = torch.rand(9, generator=torch.Generator().manual_seed(10))
+    table_reward = {tuple(s.tolist()): float(r) for s, r in zip(all_sequences(3, 2), draws)}
     reward = lambda seqs: torch.tensor([table_reward[tuple(s.tolist())] for s in seqs])  # noqa: E731
     fixed = lambda rb: rb.rewards.clone() if algo != "ppo" else rb.rewards[:, None].expand_as(rb.response_mask).clone()  # noqa: E731
     on_policy = expected(policy, algo, "none", policy.table(), reward=reward, advantages=fixed)

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
-
 from helpers import FAST, ROOT
 from helpers import fast_config as cfg_for
-from lit_rl.compare import read_scalars
 from helpers.ddp_probe import CASES, STEP_METRICS, make_batch, make_module
+
+from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule, shard

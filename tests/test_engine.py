@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import chat_prompts
+
 from lit_rl.logprobs import process_logits, response_logprobs
 from lit_rl.rollout.torch_engine import TorchEngine, sample_rows
 from lit_rl.rollout.types import SamplingParams, left_pad

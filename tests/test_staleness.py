@@ -9,12 +9,12 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from helpers import FAST, ROOT
 from helpers import fast_config as cfg_for
-from lit_rl.compare import read_scalars
+from safetensors.torch import load_file
+
 from lit_rl.algorithms.base import RLAlgorithm
+from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.train import run
 
@@ -119,7 +119,8 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
     (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1 is not allowed"),
     (["rollout.mode=async", "rollout.on_stale=wait"], "rollout.on_stale='wait' is not allowed: choose one of"),
     (["rollout.mode=async", "rollout.buffer_size=0"], "rollout.buffer_size=0 is not allowed"),
-    (["rollout.mode=async", "trainer=ddp", "trainer.devices=2"], "rollout.mode='async' is not allowed: runs on one device"),
+    (["rollout.mode=async", "trainer=ddp", "trainer.devices=2"],
+     "rollout.mode='async' is not allowed: runs on one device"),
 ])
 def test_bad_rollout_mode_fields_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -166,7 +166,8 @@ def validate(cfg: DictConfig) -> None:
     if a.name == "reinforce":
         _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
     if a.name == "ppo":
-        _check(a.value.model in ("shared", "separate"), "algo.value.model", a.value.model, "choose 'shared' or 'separate'")
+        _check(a.value.model in ("shared", "separate"), "algo.value.model", a.value.model,
+               "choose 'shared' or 'separate'")
     if a.name == "dapo":
         _check(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", a.dynamic_sampling.max_rounds,
                "must be >= 1")

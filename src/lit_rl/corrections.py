@@ -506,7 +506,8 @@ def corrected_policy_loss(
     old_head_logprobs: Optional[Tensor] = None,
     head_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, dict]:
-    """The corrected per-token policy-gradient loss L_t = w_y · ℓ_t − [SC] Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) log π_v.
+    """The corrected per-token policy-gradient loss
+    L_t = w_y · ℓ_t − [SC] Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) log π_v.
 
     The one place where TIS, MIS and score centering meet an objective (module docstring,
     "Composition"; SPEC test vector 15): the sampled token's loss ℓ_t is weighted by w_y = f(π_old / μ)

@@ -20,7 +20,6 @@ benchmarks/corrections_in_expectation.py (drift, bias and variance per correctio
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Iterable, Optional

@@ -151,7 +151,7 @@ def resolve_model_path(name_or_path: str) -> str:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(name_or_path, local_files_only=True)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not in the cache (or no hub client): try the next source
         pass
     if name_or_path in PACKAGED_GGUF and (converted_gguf_folder(name_or_path) / "config.json").is_file():
         return str(converted_gguf_folder(name_or_path))

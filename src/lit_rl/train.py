@@ -98,7 +98,7 @@ def model_head_dim(model_cfg: DictConfig) -> int | None:
             config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name_or_path),
                                                 trust_remote_code=bool(model_cfg.trust_remote_code))
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    except Exception:  # a bad name is reported where the model loads
+    except Exception:  # noqa: BLE001 - a bad name is reported where the model loads
         return None
 
 

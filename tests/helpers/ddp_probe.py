@@ -66,7 +66,8 @@ def make_module(policy, tok, module_cls=GRPO, **kwargs):
     """A GRPO module around ``policy``: no gradient clipping (the raw gradient is compared), float32."""
     return module_cls(policy=policy, tokenizer=tok, sampling={"max_new_tokens": max(RESPONSE_LENGTHS)},
                       eval_sampling={}, group_size=4, micro_batch_size=MICRO_BATCH, advantage={},
-                      loss={"reduction": "token_mean"}, algo={"name": "grpo", "clip": {"eps_low": 0.2, "eps_high": 0.2}},
+                      loss={"reduction": "token_mean"},
+                      algo={"name": "grpo", "clip": {"eps_low": 0.2, "eps_high": 0.2}},
                       kl={}, optim={"lr": 1e-3, "grad_clip": 0.0}, **kwargs)
 
 

@@ -19,4 +19,5 @@ ALGORITHMS: Registry[type[RLAlgorithm]] = Registry("algo", {
     "cispo": CISPO,
 })
 
-__all__ = ["ALGORITHMS", "CISPO", "DAPO", "DrGRPO", "GRPO", "GSPO", "NonFiniteUpdates", "PPO", "RLAlgorithm", "Reinforce"]
+__all__ = ["ALGORITHMS", "CISPO", "DAPO", "DrGRPO", "GRPO", "GSPO", "NonFiniteUpdates", "PPO", "RLAlgorithm",
+           "Reinforce"]

@@ -57,8 +57,18 @@ from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.staleness import build_stale_rollouts
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
-from ..schema import (AdvantageConfig, AlgoConfig, CorrectionConfig, EngineConfig, KlConfig, LossConfig, OptimConfig,
-                      RolloutConfig, TrainConfig, config_of)
+from ..schema import (
+    AdvantageConfig,
+    AlgoConfig,
+    CorrectionConfig,
+    EngineConfig,
+    KlConfig,
+    LossConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    config_of,
+)
 from . import parallel
 from .parallel import MetricSums
 
@@ -220,7 +230,8 @@ class RLAlgorithm(L.LightningModule):
             "rollout/groups_all_correct": float(all_correct),
             "rollout/groups_all_wrong": float(all_wrong),
             # in RL steps: versions count optimizer steps, updates_per_step of them per RL step
-            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean()) / self.updates_per_step,
+            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean())
+            / self.updates_per_step,
             "rollout/staleness_max": float((self.global_step - r.policy_version).max()) / self.updates_per_step,
         }
 
@@ -420,7 +431,8 @@ class RLAlgorithm(L.LightningModule):
         return loss
 
     def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
-                    stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor, extra_loss: Tensor | None = None) -> Tensor:
+                    stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor,
+                    extra_loss: Tensor | None = None) -> Tensor:
         """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
         diagnostics, and the reduction to a scalar normalised by the step's totals."""
         token_loss = self.correct(pg_loss, scores, old_logprobs, mb, stats)

@@ -68,7 +68,8 @@ class DAPO(RLAlgorithm):
         generated = torch.cat(rewards_seen)
         # these replace the base's rollout metrics: reward over everything generated (comparable with the
         # other algorithms), the dropped groups' counts, and the reward of the groups kept for training
-        metrics = {"rollout/reward_mean": float(generated.mean()), "rollout/reward_mean_kept": float(out.rewards.mean()),
+        metrics = {"rollout/reward_mean": float(generated.mean()),
+                   "rollout/reward_mean_kept": float(out.rewards.mean()),
                    "rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
                    "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept),
                    "rollout/reward_errors": float(errors)}
@@ -78,7 +79,8 @@ class DAPO(RLAlgorithm):
         """rollout/reward_mean averages every generated completion: rounds x this rank's prompts x G."""
         weights = super().metric_weights(batch, scored, metrics)
         if "rollout/generation_rounds" in metrics:
-            weights["rollout/reward_mean"] = metrics["rollout/generation_rounds"] * len(batch.examples) * self.group_size
+            rounds = metrics["rollout/generation_rounds"]
+            weights["rollout/reward_mean"] = rounds * len(batch.examples) * self.group_size
         return weights
 
     def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
@@ -94,6 +96,7 @@ class DAPO(RLAlgorithm):
         numerator and its denominator) when ``algo.mask_truncated`` is on."""
         rb = super().build_batch(scored)
         if self.algo_cfg.mask_truncated:
-            truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason], device=rb.response_mask.device)
+            truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason],
+                                     device=rb.response_mask.device)
             rb.response_mask = rb.response_mask & ~truncated[:, None]
         return rb

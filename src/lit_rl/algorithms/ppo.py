@@ -105,7 +105,8 @@ class PPO(RLAlgorithm):
             mean = obj.masked_mean(adv, mask)
             std = obj.masked_mean((adv - mean) ** 2, mask).sqrt()
         else:  # the same two passes with sums and counts over ranks
-            count, total = self.all_reduce(torch.stack([mask.sum().double(), obj.masked_sum(adv, mask).double()])).tolist()
+            sums = torch.stack([mask.sum().double(), obj.masked_sum(adv, mask).double()])
+            count, total = self.all_reduce(sums).tolist()
             if count <= 1:
                 return adv
             mean = adv.new_tensor(total / count)

@@ -31,8 +31,8 @@ class Reinforce(RLAlgorithm):
         needs only the group, which stays on one rank."""
         baseline = self.algo_cfg.baseline
         if baseline == "batch_mean" and self.world_size > 1:
-            total, count = self.all_reduce(torch.stack([rewards.sum().double(),
-                                                        torch.tensor(float(len(rewards)), dtype=torch.float64)])).tolist()
+            sums = torch.stack([rewards.sum().double(), torch.tensor(float(len(rewards)), dtype=torch.float64)])
+            total, count = self.all_reduce(sums).tolist()
             return rewards.float() - rewards.new_tensor(total / count, dtype=torch.float32)
         return obj.baseline_advantages(rewards, scored.group_ids, baseline)
 

@@ -270,7 +270,8 @@ class RolloutDataModule(L.LightningDataModule):
             skip_special_tokens=True,
         )
         verifier = getattr(self.task, "eval_task", self.task) if split == "eval" else self.task
-        scores = [guarded_reward(verifier.reward, text, examples[gid - group_offset - first_index], self.reward_timeout_s)
+        scores = [guarded_reward(verifier.reward, text, examples[gid - group_offset - first_index],
+                                 self.reward_timeout_s)
                   for text, gid in zip(texts, group_ids)]
         rewards = torch.tensor([r for r, _ in scores], dtype=torch.float32)
         return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts,

@@ -117,7 +117,8 @@ class RolloutBatch:
         keep_r = self.response_mask.any(0)
         t1 = int(keep_r.nonzero()[-1]) + 1 if keep_r.any() else 0
         changes = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
-        for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "behaviour_logprobs", "ref_logprobs",
+        for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "behaviour_logprobs",
+                     "ref_logprobs",
                      "topk_ids", "topk_logprobs", "old_head_logprobs", "old_values", "returns"):
             value = getattr(self, name)
             if value is not None:

@@ -232,7 +232,8 @@ class VLLMEngine:
         Returns ``Rollouts`` (shapes in its docstring); log-probs are float32 nats of the processed
         distribution. temperature 0 means greedy decoding.
         Raises ValueError if len(seeds) != len(prompts), max_new_tokens <= 0, ``logprobs_top_k`` exceeds
-        ``max_logprobs`` or a prompt plus max_new_tokens exceeds ``max_model_len``; RuntimeError if the engine was never synced.
+        ``max_logprobs`` or a prompt plus max_new_tokens exceeds ``max_model_len``; RuntimeError if the engine was
+        never synced.
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
