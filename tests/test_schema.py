@@ -83,3 +83,26 @@ def test_a_mapping_with_an_unknown_key_is_refused_naming_it():
     with pytest.raises(TypeError, match="OptimConfig has no field 'max_nonfinite_update'"):
         config_of(OptimConfig, {"lr": 1e-3, "max_nonfinite_update": 0})
     assert config_of(OptimConfig, {"lr": 1e-3, "max_nonfinite_update": 0}, ignore_unknown=True).lr == 1e-3
+
+
+def test_the_constructors_built_from_a_config_default_to_the_schema():
+    """ModelSpec, SamplingParams and the task classes take a config group's fields as keyword arguments:
+    their defaults are the schema's, so leaving a field out means the same thing everywhere."""
+    from lit_rl.models import ModelSpec
+    from lit_rl.rollout.types import SamplingParams
+    from lit_rl.schema import ModelConfig, SamplingConfig
+    from lit_rl.tasks import ArithmeticTask, Gsm8kTask
+
+    def defaults(fn):
+        return {n: p.default for n, p in inspect.signature(fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+
+    for cls, schema in ((ModelSpec, ModelConfig), (SamplingParams, SamplingConfig)):
+        built = defaults(cls)
+        assert built == {k: v for k, v in dataclasses.asdict(schema()).items() if k in built}, cls.__name__
+    for cls, schema in ((ArithmeticTask, ArithmeticConfig), (Gsm8kTask, Gsm8kConfig)):
+        fields = dataclasses.asdict(schema())
+        for name, value in defaults(cls.__init__).items():
+            if name in fields:
+                want = fields[name]
+                assert (list(value) if isinstance(value, tuple) else value) == want, (cls.__name__, name)
