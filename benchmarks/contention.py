@@ -63,12 +63,12 @@ def child(args) -> None:
     import copy
 
     import torch
-
     from _common import as_rollout_batch, grpo_module, update
+    from rollout_throughput import prompts_for
+
     from lit_rl.hardware import ThreadGovernor, configure_threads, resolve_precision
     from lit_rl.models import ModelSpec, load_policy
     from lit_rl.rollout.torch_engine import TorchEngine
-    from rollout_throughput import prompts_for
 
     governor = None
     if args.threads == "adaptive":
@@ -183,11 +183,12 @@ def main():
     print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
           f"({first['tokens']} generated), one GRPO update, {first['precision']} (auto); median of {args.steps} "
           f"steps alone, then {args.steps} beside the '{args.competitor}' competitor")
-    print("| setting | threads alone → contended | step alone s | step contended s | contended / alone | rollout contended / alone "
-          "| update contended / alone |\n|---|---|---|---|---|---|---|")
+    print("| setting | threads alone → contended | step alone s | step contended s | contended / alone "
+          "| rollout contended / alone | update contended / alone |\n|---|---|---|---|---|---|---|")
     for name, r in results.items():
         a, c = r["alone"], r["contended"]
-        print(f"| {name} | {r['threads']} | {a['step_s']:.2f} | {c['step_s']:.2f} | **{c['step_s'] / a['step_s']:.2f}x** "
+        print(f"| {name} | {r['threads']} | {a['step_s']:.2f} | {c['step_s']:.2f} "
+              f"| **{c['step_s'] / a['step_s']:.2f}x** "
               f"| {c['rollout_s'] / a['rollout_s']:.2f}x | {c['update_s'] / a['update_s']:.2f}x |")
     best_alone = min(r["alone"]["step_s"] for r in results.values())
     print(f"\ncontended step / the fastest step alone ({best_alone:.2f} s): " + ", ".join(

@@ -1,12 +1,12 @@
 """recipes/compare.py and lit_rl.compare on fake runs written with real TensorBoard writers."""
 
-import json
 import math
 import os
 import subprocess
 import sys
 
 import pytest
+from helpers import write_run
 
 from lit_rl import compare
 
@@ -46,31 +46,6 @@ EXPECTED = {
 }
 TAGS = ["rollout/reward_mean", "train/loss", "eval/accuracy"]
 
-
-def write_run(run_dir, scalars, tensor_writer=False):
-    """A run folder as recipes/train.py leaves it: config.yaml, tensorboard/events..., finished.json."""
-    tb = os.path.join(run_dir, "tensorboard")
-    os.makedirs(tb)
-    if tensor_writer:  # tensorboard's own writer: tensor summaries of the scalars plugin
-        from tensorboard.summary import Writer
-
-        w = Writer(tb)
-        for tag, series in scalars.items():
-            for step, value in series.items():
-                w.add_scalar(tag, value, step)
-        w.close()
-    else:  # what Lightning's TensorBoardLogger writes: classic scalar summaries
-        from torch.utils.tensorboard import SummaryWriter
-
-        w = SummaryWriter(tb)
-        for tag, series in scalars.items():
-            for step, value in series.items():
-                w.add_scalar(tag, value, step)
-        w.close()
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        f.write("seed: 0\n")
-    with open(os.path.join(run_dir, "finished.json"), "w") as f:
-        json.dump({"global_step": 5}, f)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import FAST, ROOT
+from helpers import FAST, MOVING, ROOT
 from helpers import fast_config as cfg_for
 
 from lit_rl.algorithms import GRPO, NonFiniteUpdates
@@ -20,7 +20,6 @@ from lit_rl.train import run
 SCRIPT = os.path.join(ROOT, "tests", "helpers", "fault_injection.py")
 # REINFORCE without a baseline on a constant reward: A = 1 on every token, so every step moves the weights
 # and the optimizer state (on the tiny model the arithmetic reward is always 0 and GRPO would never move)
-MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]
 COMMON = [*FAST, *MOVING, "eval.num_examples=0", "checkpoint.every_n_steps=1", "trainer.max_steps=4"]
 TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm", "train/entropy",
         "train/skipped_updates", "train/logprob_abs_diff"]

@@ -7,12 +7,11 @@ import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from helpers import fast_config as cfg_for
 
 from lit_rl import hardware
 from lit_rl.config import ConfigError, validate
 from lit_rl.train import precision_plugins, resolve_engine, resolve_hardware
-from test_train import cfg_for
 
 
 def mock_cpu(monkeypatch, avx512_bf16: bool, amx: bool = False, arch: str = "x86_64", model: str = "Test CPU"):
@@ -105,13 +104,11 @@ def test_config_yaml_records_the_choice_and_vllm_dtype_follows(monkeypatch, tmp_
 
 
 def test_the_default_precision_and_threads_are_auto():
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_config
 
-    from conftest import ROOT
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        for trainer in ("cpu", "gpu", "ddp", "fsdp"):
-            cfg = compose(config_name="train", overrides=[f"trainer={trainer}"])
-            assert cfg.trainer.precision == "auto" and cfg.threads == "auto", trainer
+    for trainer in ("cpu", "gpu", "ddp", "fsdp"):
+        cfg = compose_config(f"trainer={trainer}")
+        assert cfg.trainer.precision == "auto" and cfg.threads == "auto", trainer
 
 
 def test_sixteen_mixed_on_cpu_is_float16_with_a_scaler():
@@ -285,7 +282,7 @@ def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(
 
 
 def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
-    from conftest import read_scalars
+    from lit_rl.compare import read_scalars
     from lit_rl.train import run
 
     previous = torch.get_num_threads()

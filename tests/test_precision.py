@@ -9,14 +9,15 @@ batch, against the same update in 32-true."""
 import lightning as L
 import pytest
 import torch
+from ddp_probe import make_batch
+from helpers import MOVING
+from helpers import fast_config as cfg_for
 from torch.utils.data import DataLoader
 
-from conftest import read_scalars
-from ddp_probe import make_batch
 from lit_rl.algorithms import GRPO
+from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.train import precision_plugins, run
-from test_train import MOVING, cfg_for
 
 
 class FixedBatchGRPO(GRPO):

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import FAST, ROOT
+from helpers import FAST, MOVING, ROOT
 from helpers import fast_config as cfg_for
 from safetensors.torch import load_file
 
@@ -19,7 +19,7 @@ from lit_rl.config import ConfigError, validate
 from lit_rl.train import run
 
 # REINFORCE without a baseline on a constant reward: every step moves the weights, so versions differ
-MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3", "eval.num_examples=0"]
+MOVING = [*MOVING, "eval.num_examples=0"]
 PRODUCER = "lit_rl-rollout-producer"
 
 
@@ -130,7 +130,7 @@ def test_bad_rollout_mode_fields_are_named(overrides, message):
 
 def test_compare_plots_a_tag_against_a_swept_value(tmp_path):
     """``compare --x rollout.lag``: per run the mean of the last N values, seeds averaged, a line per setting."""
-    from test_compare import write_run
+    from helpers import write_run
 
     from lit_rl import compare
 

@@ -7,13 +7,11 @@ import sys
 
 import pytest
 import torch
-
-from helpers import FAST, ROOT, fast_config
+from helpers import FAST, MOVING, ROOT, fast_config
 
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
 from lit_rl.train import run
-
 
 TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "rollout/truncation_rate",
         "rollout/groups_all_correct", "rollout/groups_all_wrong", "train/loss", "train/pg_clipfrac",
@@ -49,7 +47,6 @@ def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):
 
 # REINFORCE without a baseline on a constant reward: A = 1 on every token, so every update moves the weights
 # (on the tiny model the arithmetic reward is always 0, and GRPO's update would be exactly zero)
-MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]
 
 
 def test_update_changes_weights_and_is_seeded(tmp_path):
@@ -57,6 +54,7 @@ def test_update_changes_weights_and_is_seeded(tmp_path):
     b = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "b")
     assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s", "mfu"))}}
     from safetensors.torch import load_file
+
     from lit_rl.models import ModelSpec, load_policy
     wa = load_file(tmp_path / "a" / "policy" / "model.safetensors")
     wb = load_file(tmp_path / "b" / "policy" / "model.safetensors")
@@ -101,8 +99,10 @@ def test_multirun_2x2_then_compare(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     runs = sorted(p for p in os.listdir(sweep) if "advantage.alpha" in p)
     # folders (and TensorBoard run names) are named by what the sweep varies, nothing else
-    assert runs == ["advantage.alpha=0,loss.reduction=seq_mean_token_mean", "advantage.alpha=0,loss.reduction=token_mean",
-                    "advantage.alpha=1,loss.reduction=seq_mean_token_mean", "advantage.alpha=1,loss.reduction=token_mean"]
+    assert runs == ["advantage.alpha=0,loss.reduction=seq_mean_token_mean",
+                    "advantage.alpha=0,loss.reduction=token_mean",
+                    "advantage.alpha=1,loss.reduction=seq_mean_token_mean",
+                    "advantage.alpha=1,loss.reduction=token_mean"]
     for r in runs:
         assert (sweep / r / "finished.json").is_file() and (sweep / r / "config.yaml").is_file()
 
@@ -147,7 +147,8 @@ def test_run_name_keeps_only_swept_keys():
     assert run_name(job, None, argv=["-m", "model=tiny", "algo=grpo,dapo", "seed=0,1", "trainer.max_steps=20"]) \
         == "algo=dapo,seed=1"
     # a preset's hydra.sweeper.params count as swept too
-    assert run_name(["experiment=algo_zoo", "algo=ppo"], {"algo": "reinforce,ppo"}, argv=["experiment=algo_zoo", "-m"]) \
+    assert run_name(["experiment=algo_zoo", "algo=ppo"], {"algo": "reinforce,ppo"},
+                    argv=["experiment=algo_zoo", "-m"]) \
         == "algo=ppo"
     assert run_name(["model=tiny"], None, argv=["model=tiny"]) == "run"
 

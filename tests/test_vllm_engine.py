@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import ROOT, chat_prompts, compose_config
 
 from lit_rl import hardware

@@ -33,8 +33,15 @@ from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, find_last
 from .config import ConfigError, check_world_size, static_world_size, validate
-from .hardware import (ThreadGovernor, auto_threads, configure_threads, omp_summary, peak_flops, resolve_precision,
-                       uses_cuda)
+from .hardware import (
+    ThreadGovernor,
+    auto_threads,
+    configure_threads,
+    omp_summary,
+    peak_flops,
+    resolve_precision,
+    uses_cuda,
+)
 from .kernels import kernel_mode
 from .models import ModelSpec, load_policy, resolve_model_path, tiny_config
 from .rollout.datamodule import RolloutDataModule

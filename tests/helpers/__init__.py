@@ -19,7 +19,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-from .config import CONF, FAST, ROOT, compose_config, fast_config  # noqa: E402
+from .config import CONF, FAST, MOVING, ROOT, compose_config, fast_config  # noqa: E402
 from .prompts import chat_prompts  # noqa: E402
+from .runs import write_run  # noqa: E402
 
-__all__ = ["CONF", "FAST", "ROOT", "chat_prompts", "compose_config", "fast_config"]
+__all__ = ["CONF", "FAST", "MOVING", "ROOT", "chat_prompts", "compose_config", "fast_config", "write_run"]

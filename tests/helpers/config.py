@@ -17,6 +17,9 @@ FAST = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=
         "rollout.group_size=4", "sampling.max_new_tokens=8", "eval.num_examples=4", "eval.every_n_steps=2",
         "checkpoint.every_n_steps=2"]
 
+#: a run whose weights move every step: REINFORCE without baseline on a constant reward of 1 (A = 1), lr 1e-3
+MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]
+
 
 def compose_config(*overrides: str, config_name: str = "train", conf_dir: str = CONF) -> DictConfig:
     """``conf/<config_name>.yaml`` composed with the command-line ``overrides``, exactly as the recipe sees it

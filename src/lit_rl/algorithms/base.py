@@ -574,7 +574,8 @@ class RLAlgorithm(L.LightningModule):
         rollout = self.flop_model.rollout_flops([len(p) for p in r.prompt_ids], r.response_length.tolist())
         response = rb.response_mask.sum(-1)
         seq = (rb.prompt_mask.sum(-1) + response)[response > 0]
-        return {"perf/rollout_flops": rollout, "perf/update_flops": self.epochs * self.flop_model.update_flops(seq.tolist())}
+        update = self.epochs * self.flop_model.update_flops(seq.tolist())
+        return {"perf/rollout_flops": rollout, "perf/update_flops": update}
 
     def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
         """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
