@@ -7,12 +7,13 @@ import pytest
 import torch
 from helpers import compose_config
 
+from lit_rl.algorithms import ALGORITHMS
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.tasks import Example, Task
 from lit_rl.train import build_module
 
-ALGOS = ["reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+ALGOS = list(ALGORITHMS)  # every registered algorithm
 
 
 class LeadingSpaceTask(Task):

@@ -23,6 +23,8 @@ import pytest
 import torch
 from helpers import compose_config
 
+from lit_rl.algorithms import ALGORITHMS
+from lit_rl.corrections import CORRECTIONS as REGISTERED_CORRECTIONS
 from lit_rl.corrections import WeightFunction, corrected_policy_loss, exact_score_centering_term, score_centering_term
 from lit_rl.expectation import (
     TabularPolicy,
@@ -36,14 +38,14 @@ from lit_rl.expectation import (
 from lit_rl.objectives import reduce_loss
 from lit_rl.train import build_module
 
-ALGOS = ("reinforce", "ppo", "grpo", "dapo", "dr_grpo", "gspo", "cispo")
+ALGOS = tuple(ALGORITHMS)  # every registered algorithm
 ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)
 
 # correction name -> extra overrides (mis_mask = mask-only MIS, verl's rejection sampling)
-CORRECTIONS = {
-    "none": [], "tis": [], "mis": [], "mis_mask": ["correction.mis.weighted=false"], "sc": [], "sc+tis": [],
-    "sc+mis": [], "sc+mis_mask": ["correction.mis.weighted=false"],
-}
+#: every registered correction, and MIS's mask-only form of each that has MIS
+CORRECTIONS = {variant: overrides for name in REGISTERED_CORRECTIONS
+               for variant, overrides in ((name, []), (f"{name}_mask", ["correction.mis.weighted=false"]))
+               if variant == name or "mis" in REGISTERED_CORRECTIONS[name]}
 
 
 def module_for(policy, algo, correction="none", *overrides):
