@@ -25,7 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Both ranks' results of tests/ddp_probe.py on 2 DDP processes."""
+    """Both ranks' results of tests/helpers/ddp_probe.py on 2 DDP processes."""
     out = tmp_path_factory.mktemp("probe")
     res = subprocess.run([sys.executable, PROBE, "2", str(out)], capture_output=True, text=True, timeout=600,
                          cwd=ROOT, env=ENV)

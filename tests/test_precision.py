@@ -9,9 +9,9 @@ batch, against the same update in 32-true."""
 import lightning as L
 import pytest
 import torch
-from ddp_probe import make_batch
 from helpers import MOVING
 from helpers import fast_config as cfg_for
+from helpers.ddp_probe import make_batch
 from torch.utils.data import DataLoader
 
 from lit_rl.algorithms import GRPO
