@@ -35,17 +35,25 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process():
-    """The same cases on one process, no trainer: the whole batch's gradient and metric sums."""
-    torch.manual_seed(0)
-    policy, tok = load_policy(ModelSpec("tiny"))
-    module = make_module(policy, tok)
-    out = {}
-    for name, (reduction, rank1_empty) in CASES.items():
-        module.loss_cfg.reduction = reduction
-        policy.zero_grad()
-        stats, loss = module.accumulate_gradients(make_batch(rank1_empty))
-        out[name] = {"grads": {n: p.grad.clone() for n, p in policy.named_parameters()},
-                     "means": stats.means(), "loss": loss}
+    """The same cases on one process, no trainer: the whole batch's gradient and metric sums. At one torch
+    thread, as each rank (tests/helpers/ddp_probe.py): at 2 threads the products' sums are split over the
+    threads, another order than the ranks' (measured: 23 ulps of the gradient's scale where the test allows
+    8), and the count the process had depended on which test ran before."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        policy, tok = load_policy(ModelSpec("tiny"))
+        module = make_module(policy, tok)
+        out = {}
+        for name, (reduction, rank1_empty) in CASES.items():
+            module.loss_cfg.reduction = reduction
+            policy.zero_grad()
+            stats, loss = module.accumulate_gradients(make_batch(rank1_empty))
+            out[name] = {"grads": {n: p.grad.clone() for n, p in policy.named_parameters()},
+                         "means": stats.means(), "loss": loss}
+    finally:
+        torch.set_num_threads(previous)
     return out
 
 
