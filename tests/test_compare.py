@@ -221,13 +221,53 @@ def test_cli_missing_folder(tmp_path):
 
 
 def test_cli_unknown_tag(sweep, tmp_path):
-    res = cli(sweep, "--tags", "rollout/reward_mean,eval/acc", "--out", tmp_path / "o")
+    res = cli(sweep, "--tags", "eval/acc,train/lss", "--out", tmp_path / "o")
     assert res.returncode == 2
-    assert "'eval/acc' not logged by any run" in res.stderr
+    assert "'eval/acc', 'train/lss' not logged by any run" in res.stderr
     for tag in TAGS:  # the tags that exist are listed
         assert tag in res.stderr
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_cli_compares_the_tags_that_exist_and_warns_about_the_rest(tmp_path):
+    """The README's own example on runs too short to have evaluated: eval/accuracy is missing everywhere."""
+    root = tmp_path / "sweep"
+    for name, scalars in RUNS.items():
+        write_run(str(root / name), {t: v for t, v in scalars.items() if t != "eval/accuracy"})
+    res = cli(root, "--tags", "rollout/reward_mean,eval/accuracy", "--out", tmp_path / "o")
+    assert res.returncode == 0, res.stderr
+    assert "compare: warning: tag 'eval/accuracy' not logged by any run, left out" in res.stderr
+    header, rows = table_rows(res.stdout)
+    assert header == ["setting", "seeds", "rollout/reward_mean final", "rollout/reward_mean best (max)"]
+    assert rows["algo=grpo"]["rollout/reward_mean final"] == "0.4"
+    assert (tmp_path / "o" / "rollout_reward_mean.png").exists()
+    assert not (tmp_path / "o" / "eval_accuracy.png").exists()
+    assert "not logged by any run, left out:** eval/accuracy" in (tmp_path / "o" / "summary.md").read_text()
+
+
+def test_runs_that_stopped_at_different_steps_are_compared_at_a_common_step(tmp_path):
+    """dapo,seed=1 stopped after step 2: final compares every run at step 2 (not dapo's step 2 with grpo's
+    step 4), and summary.md says so; the seed-mean curves and best still use every step."""
+    root = tmp_path / "sweep"
+    for name, scalars in RUNS.items():
+        if name == "algo=dapo,seed=1":
+            scalars = {t: {k: v for k, v in series.items() if k <= 2} for t, series in scalars.items()}
+        write_run(str(root / name), scalars)
+    res = cli(root, "--tags", "rollout/reward_mean,eval/accuracy", "--out", tmp_path / "o")
+    assert res.returncode == 0, res.stderr
+    _, rows = table_rows(res.stdout)
+    # at step 2: grpo (0.3 + 0.5) / 2 = 0.4, dapo (0.6 + 0.4) / 2 = 0.5 (last values would give 0.4 and 0.55)
+    assert rows["algo=grpo"]["rollout/reward_mean final"] == "0.4"
+    assert rows["algo=dapo"]["rollout/reward_mean final"] == "0.5"
+    # eval/accuracy: only the grpo runs logged it, both up to step 4: their last values
+    assert rows["algo=grpo"]["eval/accuracy final"] == "0.5"
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    assert ("**rollout/reward_mean: the runs stopped at different steps**; final is each run's value at step 2, "
+            "the last step all of them logged; later steps of algo=dapo,seed=0 (step 4), algo=grpo,seed=0 (step 4), "
+            "algo=grpo,seed=1 (step 4) are left out of final.") in summary
+    assert "eval/accuracy: the runs stopped" not in summary
+    assert "rollout/reward_mean: the runs stopped at different steps" in res.stderr
 
 
 def test_cli_bad_smoothing(sweep):

@@ -10,7 +10,9 @@ with a min–max band across seeds.
 
 Rules (also written under the table in ``summary.md``):
 
-* final — mean over the setting's runs of each run's last logged value of the tag.
+* final — mean over the setting's runs of each run's value of the tag at the last step that every run
+  compared logged (each run's last value when they all ended at the same step; otherwise summary.md says
+  at which step, and which runs went further).
 * best — the maximum over steps of the seed-mean curve, or the minimum for tags that contain ``loss``,
   ``kl``, ``time/`` or ``length`` (case-insensitive), where lower is better. Steps whose mean is not finite
   (a NaN logged by some seed) are skipped.
@@ -185,16 +187,30 @@ class Curve:
     finals: list[float] = field(default_factory=list)  # each run's last value
 
 
-def seed_curve(series: list[list[tuple[int, float]]]) -> Curve:
+def value_at(series: list[tuple[int, float]], step: int) -> float | None:
+    """The value a (step, value) series held at ``step``: its last value logged at or before it (None if none)."""
+    out = None
+    for s, v in series:
+        if s > step:
+            break
+        out = v
+    return out
+
+
+def seed_curve(series: list[list[tuple[int, float]]], final_step: int | None = None) -> Curve:
     """Mean and min–max band across runs per step, over the union of the runs' steps.
 
-    A non-finite value makes that step's mean, min and max NaN (a gap in the plot).
+    A non-finite value makes that step's mean, min and max NaN (a gap in the plot). ``finals``: each run's
+    last value, or its value at ``final_step`` (``value_at``) when given.
     """
     by_step: dict[int, list[float]] = {}
     for s in series:
         for step, value in s:
             by_step.setdefault(step, []).append(value)
-    c = Curve(finals=[s[-1][1] for s in series if s])
+    if final_step is None:
+        c = Curve(finals=[s[-1][1] for s in series if s])
+    else:
+        c = Curve(finals=[v for v in (value_at(s, final_step) for s in series if s) if v is not None])
     for step in sorted(by_step):
         vals = by_step[step]
         finite = all(math.isfinite(v) for v in vals)
@@ -234,14 +250,28 @@ def lower_is_better(tag: str) -> bool:
     return any(k in t for k in LOWER_IS_BETTER)
 
 
-def curves_for(groups: dict[str, list[str]], scalars: dict[str, dict], tag: str) -> dict[str, Curve]:
-    """{setting: Curve} of ``tag`` for the settings with at least one run that logged it."""
+def curves_for(groups: dict[str, list[str]], scalars: dict[str, dict], tag: str,
+               final_step: int | None = None) -> dict[str, Curve]:
+    """{setting: Curve} of ``tag`` for the settings with at least one run that logged it (finals at
+    ``final_step`` when given, see ``seed_curve``)."""
     out = {}
     for setting, names in groups.items():
         series = [scalars[n][tag] for n in names if scalars[n].get(tag)]
         if series:
-            out[setting] = seed_curve(series)
+            out[setting] = seed_curve(series, final_step)
     return out
+
+
+def last_steps(scalars: dict[str, dict], tag: str) -> dict[str, int]:
+    """{run: the last step at which it logged ``tag``} for the runs that logged it."""
+    return {name: s[tag][-1][0] for name, s in scalars.items() if s.get(tag)}
+
+
+def common_step(scalars: dict[str, dict], tag: str) -> int | None:
+    """The last step of ``tag`` that every run which logged it reached (the smallest of their last steps);
+    ``final`` is compared there, so runs that stopped early are not compared with longer ones' ends."""
+    ends = last_steps(scalars, tag)
+    return min(ends.values()) if ends else None
 
 
 # --------------------------------------------------------------------------------------------- summarizing
@@ -249,14 +279,16 @@ def summarize(groups: dict[str, list[str]], scalars: dict[str, dict], tags: list
     """One row per setting: ``{"setting", "seeds", "runs", tag: {"final", "best"} or None}``.
 
     ``seeds`` counts the setting's runs. final = mean over its runs (those that logged the tag) of each
-    run's last value; best = max over steps of the seed-mean curve, min for tags where
+    run's value at the tag's ``common_step`` over all runs compared (its last value when every run ended at
+    the same step); best = max over steps of the seed-mean curve, min for tags where
     :func:`lower_is_better`, ignoring non-finite means (NaN when none is finite). None: no run logged it.
     """
     rows = []
+    final_steps = {tag: common_step(scalars, tag) for tag in tags}
     for setting, names in groups.items():
         row: dict = {"setting": setting, "seeds": len(names), "runs": list(names)}
         for tag in tags:
-            curve = curves_for({setting: names}, scalars, tag).get(setting)
+            curve = curves_for({setting: names}, scalars, tag, final_steps[tag]).get(setting)
             if curve is None:
                 row[tag] = None
                 continue
@@ -287,10 +319,28 @@ def format_table(rows: list[dict], tags: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _notes(rows: list[dict], smoothing: float) -> str:
+def step_notes(scalars: dict[str, dict], tags: list[str]) -> list[str]:
+    """Lines for summary.md, one per tag whose runs stopped at different steps: where ``final`` was taken and
+    which runs went further (their later values are in the plots, not in ``final``)."""
+    lines = []
+    for tag in tags:
+        ends = last_steps(scalars, tag)
+        if len(set(ends.values())) > 1:
+            at = min(ends.values())
+            later = ", ".join(f"{n} (step {e})" for n, e in sorted(ends.items()) if e > at)
+            lines.append(f"- **{tag}: the runs stopped at different steps**; final is each run's value at step {at}, "
+                         f"the last step all of them logged; later steps of {later} are left out of final.")
+    return lines
+
+
+def _notes(rows: list[dict], smoothing: float, scalars: dict[str, dict] | None = None,
+           tags: list[str] = (), missing: list[str] = ()) -> str:
     lines = [
         "",
-        "- final: mean over the setting's runs of each run's last logged value.",
+        *([f"- **not logged by any run, left out:** {', '.join(missing)}"] if missing else []),
+        *(step_notes(scalars, list(tags)) if scalars else []),
+        "- final: mean over the setting's runs of each run's value at the last step that every run logged "
+        "(its last logged value when all runs ended at the same step).",
         "- best: max over steps of the seed-mean curve; min for tags containing "
         + ", ".join(f"`{k}`" for k in LOWER_IS_BETTER) + " (lower is better).",
         f"- plots: solid = seed mean smoothed as TensorBoard does (weight {smoothing:g}), faint = raw seed mean, "
@@ -504,10 +554,14 @@ def _main(args: argparse.Namespace) -> int:
     scalars = {name: read_scalars(d) for name, d in runs.items()}
     known = sorted({t for s in scalars.values() for t in s})
     missing = [t for t in tags if t not in known]
-    if missing:
+    if len(missing) == len(tags):
         raise CompareError(
             f"tag{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing)} not logged by any run; "
             f"tags that exist: {', '.join(known) if known else '(none)'}")
+    if missing:  # e.g. eval/accuracy of runs too short to have evaluated: compare the tags that exist
+        print(f"compare: warning: tag{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing)} "
+              f"not logged by any run, left out (tags that exist: {', '.join(known)})", file=sys.stderr)
+        tags = [t for t in tags if t not in missing]
     for name, d in runs.items():
         if not os.path.exists(os.path.join(d, FINISHED_MARKER)):
             print(f"compare: note: {name} has no {FINISHED_MARKER} (still running, or stopped early)",
@@ -526,8 +580,10 @@ def _main(args: argparse.Namespace) -> int:
     text = format_table(rows, tags)
     summary = os.path.join(out, "summary.md")
     with open(summary, "w") as f:
-        f.write(text + _notes(rows, args.smoothing))
+        f.write(text + _notes(rows, args.smoothing, scalars, tags, missing))
     sys.stdout.write(text)
+    for line in step_notes(scalars, tags):
+        print("compare: note: " + line.removeprefix("- ").replace("**", ""), file=sys.stderr)
     print(f"compare: wrote {summary}", file=sys.stderr)
     if args.x:
         if args.final_steps < 1:
