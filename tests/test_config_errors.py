@@ -46,6 +46,10 @@ def cfg_for(*overrides):
     (["reward_timeout_s=0"], r"reward_timeout_s=0 is not allowed: must be a number of seconds > 0"),
     (["algo=ppo", "algo.gae.lam=2"], r"algo.gae.lam=2 is not allowed: must lie in \[0, 1\]"),
     (["algo=reinforce", "algo.num_minibatches=2"], r"must be 1 x 1 for reinforce: it has no importance ratio"),
+    # REINFORCE's default baseline is rloo: the message names the field that allows groups of one
+    (["algo=reinforce", "rollout.group_size=1"],
+     r"rollout.group_size=1 is not allowed: must be >= 2 for reinforce with algo.baseline=rloo .*for groups of one "
+     r"choose algo.baseline=none or algo.baseline=batch_mean"),
 ])
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -142,7 +142,12 @@ def validate(cfg: DictConfig) -> None:
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
     group_baseline = ALGORITHMS[cfg.algo.name].group_baseline(cfg.algo)
-    if group_baseline:
+    if group_baseline and cfg.algo.name == "reinforce":
+        _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
+               "must be >= 2 for reinforce with algo.baseline=rloo (the leave-one-out mean of the other "
+               "completions of a prompt; a group of one has none); for groups of one choose "
+               "algo.baseline=none or algo.baseline=batch_mean")
+    elif group_baseline:
         _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
                f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
