@@ -3,12 +3,16 @@
     python recipes/train.py                                   # GRPO, SmolLM2-135M-Instruct, arithmetic
     python recipes/train.py task=gsm8k task.path=<dir with train.jsonl/test.jsonl>
     python recipes/train.py -m model=tiny advantage.alpha=0,1  # a Hydra multirun sweep
+    python recipes/train.py --resume <run folder>             # continue a run (its config.yaml, its last checkpoint)
     tensorboard --logdir outputs/
 
 The whole loop is in lit_rl.algorithms.base.RLAlgorithm.training_step; this file is only the front door.
+``--resume <folder>`` is ``resume="<folder>"`` written for the shell: a sweep job's folder
+(``algo=grpo,advantage.alpha=0``) holds ``=`` and ``,``, which Hydra's override grammar needs quoted.
 """
 
 import sys
+import traceback
 
 # OpenMP reads its settings once, when torch loads it: set lit_rl's defaults first (an exported value wins).
 # OMP_WAIT_POLICY=PASSIVE lets torch's waiting threads sleep: beside another CPU-bound process a step lost
@@ -19,26 +23,57 @@ set_omp_defaults()
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_rl.algorithms import NonFiniteUpdates  # noqa: E402
+from lit_rl.checkpoints import OutputWriteError  # noqa: E402
 from lit_rl.config import ConfigError  # noqa: E402
+from lit_rl.sweeps import FAILED  # noqa: E402
 from lit_rl.train import register_resolvers, run  # noqa: E402
 
 register_resolvers()  # ${lit_rl_run_name:...}: multirun folders named by what the sweep varies
 
 
+def resume_flag(argv: list[str]) -> list[str]:
+    """``--resume <folder>`` / ``--resume=<folder>`` -> the override ``resume="<folder>"`` (quoted for Hydra)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--resume" or arg.startswith("--resume="):
+            folder = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not folder:
+                sys.exit("lit_rl: error: --resume needs a run folder")
+            out.append("resume=" + repr(folder).replace("\\\\", "\\"))  # a quoted string in Hydra's grammar
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig):
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        run(cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as err:  # a user's mistake: say what and where, no traceback
-        print(f"lit_rl: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except NonFiniteUpdates as err:  # the run diverged: say where, keep the checkpoints, no traceback
-        print(f"lit_rl: stopped: {err}", file=sys.stderr)
-        sys.exit(1)
+        if multirun and cfg.resume:
+            raise ConfigError("resume=... continues one run; it cannot be swept (-m): continue each job on its own")
+        run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+    except (ConfigError, NonFiniteUpdates, OutputWriteError) as err:
+        kind, code = ("error", 2) if isinstance(err, ConfigError) else ("stopped", 1)
+        print(f"lit_rl: {kind}: {err}", file=sys.stderr)  # a user's mistake or a stopped run: no traceback
+        if not multirun:
+            sys.exit(code)
+        return {FAILED: f"{kind}: {err}"}  # the sweep goes on; lit_rl.sweeps.SweepReport lists it at the end
+    except Exception as err:  # noqa: BLE001 - in a sweep, a crashed job must not end the others
+        if not multirun:
+            raise
+        traceback.print_exc()
+        return {FAILED: f"{type(err).__name__}: {err}"}
+    return None
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = resume_flag(sys.argv[1:])
     main()

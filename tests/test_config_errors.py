@@ -180,3 +180,96 @@ def test_a_tokenizer_without_chat_template_is_named(tmp_path, tiny):
     with pytest.raises(ConfigError, match=rf"model.name_or_path='{folder}': the tokenizer has no chat template, "
                                           r"and task=arithmetic formats prompts with it"):
         run(cfg_for(f"model.name_or_path={folder}"), tmp_path / "out")
+
+
+# -- context limits: checked at start-up, before the weights load -----------------------------------------------
+def small_context_model(tmp_path, tiny, context):
+    """The tiny model saved as a folder whose config declares a context of ``context`` tokens."""
+    import copy
+
+    model, tok = tiny
+    folder = tmp_path / f"context{context}"
+    small = copy.deepcopy(model)
+    small.config.max_position_embeddings = context
+    small.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if the policy's weights are loaded (the checks below must come first)."""
+    import lit_rl.train as train_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the context check")
+    monkeypatch.setattr(train_module, "load_policy", refuse)
+
+
+def test_prompt_plus_new_tokens_beyond_the_model_context_is_named_at_start_up(tmp_path, tiny, no_model_load):
+    folder = small_context_model(tmp_path, tiny, 128)
+    # the arithmetic task's longest chat prompt is 49 tokens with SmolLM2's tokenizer: 49 + 100 > 128
+    with pytest.raises(ConfigError, match=rf"task=arithmetic: the longest train prompt \(train example \d+\) has 49 "
+                                          rf"tokens; with sampling.max_new_tokens=100 it needs 149, more than the "
+                                          rf"context length of model.name_or_path='{folder}' \(128 tokens, "
+                                          rf"max_position_embeddings in its config\): lower sampling.max_new_tokens "
+                                          rf"to at most 79"):
+        run(cfg_for(f"model.name_or_path={folder}", "sampling.max_new_tokens=100"), tmp_path / "out")
+    # the evaluated prompts with eval.max_new_tokens
+    with pytest.raises(ConfigError, match=r"the longest eval prompt \(eval example \d+\) has \d+ tokens; with "
+                                          r"eval.max_new_tokens=120 it needs"):
+        run(cfg_for(f"model.name_or_path={folder}", "sampling.max_new_tokens=8", "eval.max_new_tokens=120"),
+            tmp_path / "out")
+    assert not (tmp_path / "out" / "config.yaml").exists() and not (tmp_path / "out" / "tensorboard").exists()
+
+
+@pytest.mark.parametrize("length, new_tokens, message", [
+    (150, 140, r"with sampling.max_new_tokens=140 it needs 189, more than engine.max_model_len=150: lower "
+               r"sampling.max_new_tokens to at most 101, or raise engine.max_model_len to 189 or more "
+               r"\(at most 2048\)"),
+    (4000, 8, r"engine.max_model_len=4000 is more than the context length of model.name_or_path='tiny' \(2048 tokens"),
+])
+def test_vllm_max_model_len_is_checked_before_the_engine_starts(tmp_path, monkeypatch, no_model_load, length,
+                                                                 new_tokens, message):
+    import lit_rl.rollout.engines as engines
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)  # checked before vLLM would be imported
+    with pytest.raises(ConfigError, match=message):
+        run(cfg_for("engine=vllm", f"engine.max_model_len={length}", f"sampling.max_new_tokens={new_tokens}"),
+            tmp_path / "out")
+
+
+def test_vllm_without_max_model_len_is_held_to_the_model_context(tmp_path, tiny, monkeypatch, no_model_load):
+    import lit_rl.rollout.engines as engines
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    folder = small_context_model(tmp_path, tiny, 128)
+    with pytest.raises(ConfigError, match=r"it needs 149, more than the context length of .*\(128 tokens"):
+        run(cfg_for("engine=vllm", f"model.name_or_path={folder}", "sampling.max_new_tokens=100"), tmp_path / "out")
+
+
+# -- output folders: writable at start-up ------------------------------------------------------------------------
+UNWRITABLE = "/sys/kernel"  # a folder that even root cannot create files in (sysfs)
+
+
+def unwritable_folder():
+    try:
+        with open(os.path.join(UNWRITABLE, "lit_rl_probe"), "wb"):
+            pass
+    except OSError:
+        return UNWRITABLE
+    pytest.skip(f"{UNWRITABLE} is writable here: no folder to test an unwritable output with")
+
+
+@pytest.mark.parametrize("sub", ["checkpoints", "tensorboard", "policy", ""])
+def test_an_output_folder_that_cannot_be_written_is_refused_at_start_up(tmp_path, sub, no_model_load):
+    out = tmp_path / "run"
+    if sub:
+        out.mkdir()
+        os.symlink(unwritable_folder(), out / sub)  # e.g. checkpoints/ on a read-only mount
+    else:
+        out = os.path.join(unwritable_folder(), "run")
+    target = os.path.join(out, sub) if sub else out
+    with pytest.raises(ConfigError, match=rf"output folder {target} cannot be written \(.*\); the run would fail at "
+                                          r"its first checkpoint or at the end: choose another folder"):
+        run(cfg_for(), out)

@@ -132,9 +132,14 @@ def test_continuing_with_another_algorithm_is_a_config_error(tmp_path):
 
     out = tmp_path / "r"
     run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)
+    # the run's folder: its saved config is the run's config, and another algorithm differs from it
+    with pytest.raises(ConfigError, match=r"algo.name \(the run: 'grpo', now: 'ppo'\)"):
+        run(cfg_for("algo=ppo", "trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)
+    # a checkpoint file started from elsewhere: its weights do not fit the new module
     with pytest.raises(ConfigError, match=r"does not fit this config \(it was written by algo=grpo\): missing "
                                           r"\['value_head.weight'"):
-        run(cfg_for("algo=ppo", "trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)
+        run(cfg_for("algo=ppo", "trainer.max_steps=2", "eval.num_examples=0",
+                    f"ckpt_path={find_last(out / 'checkpoints')}"), tmp_path / "elsewhere")
 
 
 def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_path):

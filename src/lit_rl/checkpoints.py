@@ -12,6 +12,7 @@ back to the newest complete checkpoint in the folder.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -23,33 +24,80 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 TMP_SUFFIX = ".partial"
 
 
+class OutputWriteError(RuntimeError):
+    """A checkpoint (or the final policy) could not be written; the message names the file and the reason, and
+    the checkpoints written before are whole (the run stops at that step, ``ckpt_path=last`` continues it)."""
+
+
+class _RecordingWriter:
+    """A binary file for ``torch.save`` that keeps the first ``OSError`` of a write (``error``): torch's zip
+    writer turns a failed or short write (full disk, file size limit) into ``RuntimeError: unexpected pos``,
+    which does not say why."""
+
+    def __init__(self, f) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            view = memoryview(data).cast("B")
+            written = 0
+            while written < len(view):
+                n = self.f.write(view[written:])
+                if not n:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += n
+            return written
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose ``save_checkpoint`` is atomic on a local file system.
 
     Writes ``<path>.partial-<pid>`` in the target's folder, flushes and fsyncs it, then ``os.replace``s it
     onto ``path`` and fsyncs the folder. A leftover ``.partial-*`` file (a kill mid-write) is never read.
+    A write that fails (``OSError``) raises ``OutputWriteError`` at that step, the partial file removed.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}{TMP_SUFFIX}-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    writer = _RecordingWriter(f)
+                    try:
+                        torch.save(checkpoint, writer)
+                    except RuntimeError as err:  # torch's zip writer reports a failed write as a position
+                        if writer.error is None:  # mismatch; the OSError behind it is the reason to name
+                            raise
+                        raise writer.error from err
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as err:  # full disk, file size limit, lost permission, ...: stop at this step
+            previous = find_last(path.parent) if path.parent.is_dir() else None
+            raise OutputWriteError(
+                f"could not write the checkpoint of global step {checkpoint.get('global_step', '?')} to {path} "
+                f"({err.strerror or err}); the run stops here. "
+                + (f"The previous checkpoint {previous} is whole: continue with ckpt_path=last once the "
+                   f"checkpoint folder can be written" if previous else "No earlier checkpoint was written")) from err
 
 
 def find_last(folder: str | os.PathLike) -> Path | None:

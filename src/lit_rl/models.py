@@ -165,6 +165,26 @@ def resolve_model_path(name_or_path: str) -> str:
     )
 
 
+def context_length(config) -> int | None:
+    """The context length a transformers model config declares (``max_position_embeddings``, or the older
+    ``n_positions``/``max_sequence_length``/``seq_length``), in tokens; None when it declares none."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def load_model_config(name_or_path: str, trust_remote_code: bool = False):
+    """The transformers config of ``name_or_path`` without its weights (``tiny``: ``tiny_config``), for checks
+    that run before the model loads. Raises FileNotFoundError like ``resolve_model_path``."""
+    if name_or_path == TINY_ID:
+        return tiny_config(1)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)
+
+
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """Load the tokenizer of ``name_or_path`` (``tiny`` uses SmolLM2's); sets ``pad_token`` and left padding."""
     from transformers import AutoTokenizer
@@ -209,15 +229,17 @@ class ModelSpec:
     init_seed: int = 0  # used by ``tiny`` only
 
 
-def load_policy(spec: ModelSpec):
+def load_policy(spec: ModelSpec, tokenizer=None):
     """Load ``(model, tokenizer)`` for ``spec``; the model is in ``spec.dtype`` on CPU, in train mode.
+    ``tokenizer``: one already loaded with ``load_tokenizer`` for this model (loaded here when None).
 
     Raises FileNotFoundError (see ``resolve_model_path``) or ValueError for an unknown dtype.
     """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     dtype = parse_dtype(spec.dtype)
-    tokenizer = load_tokenizer(spec.name_or_path, spec.trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(spec.name_or_path, spec.trust_remote_code)
     if spec.name_or_path == TINY_ID:
         config = tiny_config(len(tokenizer))
         config.pad_token_id = tokenizer.pad_token_id

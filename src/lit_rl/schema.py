@@ -430,8 +430,10 @@ class TrainConfig:
     kl: KlConfig = field(default_factory=KlConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    #: resume: a .ckpt path, or "last"
+    #: resume: a .ckpt path, or "last" (with hydra.run.dir=<the run>)
     ckpt_path: Optional[str] = None
+    #: a run folder to continue (``train.resumed_config``): its saved config.yaml, its last checkpoint, its folder
+    resume: Optional[str] = None
     #: rows of float32 logits alive at once when the trainer scores tokens (50 MB at V=49152)
     logprob_chunk_tokens: int = 256
 

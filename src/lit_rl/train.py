@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
-from .checkpoints import AtomicCheckpointIO, find_last
+from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .config import ConfigError, check_world_size, static_world_size, validate
 from .hardware import (
     ThreadGovernor,
@@ -43,7 +43,7 @@ from .hardware import (
     uses_cuda,
 )
 from .kernels import kernel_mode
-from .models import ModelSpec, load_policy, resolve_model_path, tiny_config
+from .models import ModelSpec, context_length, load_model_config, load_policy, load_tokenizer
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.staleness import StaleRolloutsShutdown
@@ -88,25 +88,101 @@ def run_name(task_overrides, sweeper_params=None, argv=None) -> str:
     return ",".join(parts) or "run"
 
 
+def run_dir(resume, default: str) -> str:
+    """``hydra.run.dir``: the folder of ``resume=<folder>`` (the run continues where it is), else ``default``."""
+    return str(resume) if resume not in (None, "", "null") else default
+
+
+def hydra_subdir(resume, ckpt_path) -> str:
+    """``hydra.output_subdir``: ``.hydra`` for a new run; ``.hydra/resume-<time>`` when a run is continued, so
+    the record of the command that started it (``.hydra/overrides.yaml``) is kept, not overwritten."""
+    if resume in (None, "", "null") and ckpt_path in (None, "", "null"):
+        return ".hydra"
+    return f".hydra/resume-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def register_resolvers() -> None:
-    """Register ``lit_rl_run_name`` (used by ``hydra.sweep.subdir``) once."""
-    if not OmegaConf.has_resolver("lit_rl_run_name"):
-        OmegaConf.register_new_resolver("lit_rl_run_name", run_name)
+    """Register ``lit_rl_run_name`` (``hydra.sweep.subdir``), ``lit_rl_run_dir`` (``hydra.run.dir``) and
+    ``lit_rl_hydra_subdir`` (``hydra.output_subdir``) once."""
+    for name, fn in (("lit_rl_run_name", run_name), ("lit_rl_run_dir", run_dir), ("lit_rl_hydra_subdir", hydra_subdir)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def model_config(model_cfg: DictConfig):
+    """The configured model's transformers config, read without its weights; None if it cannot be read (a bad
+    name is reported where the model loads)."""
+    try:
+        return load_model_config(model_cfg.name_or_path, bool(model_cfg.trust_remote_code))
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def model_head_dim(model_cfg: DictConfig) -> int | None:
     """Attention head size of the configured model, read from its config (no weights loaded); None if unknown."""
+    config = model_config(model_cfg)
     try:
-        if model_cfg.name_or_path == "tiny":
-            config = tiny_config(1)
-        else:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.name_or_path),
-                                                trust_remote_code=bool(model_cfg.trust_remote_code))
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    except Exception:  # noqa: BLE001 - a bad name is reported where the model loads
+    except Exception:  # noqa: BLE001 - no config (a bad name is reported where the model loads)
         return None
+
+
+def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
+    """ConfigError unless every prompt of the run plus its ``max_new_tokens`` fits the context: the engine's
+    ``engine.max_model_len`` when set (vLLM), else the model's context length (``max_position_embeddings`` of
+    its config; vLLM takes it for ``max_model_len: null``, and the embedded engine would generate past it
+    into positions the model never saw). Training prompts count with ``sampling.max_new_tokens``, the
+    evaluated ones with ``eval.max_new_tokens``. Runs at start-up, after the tokenizer and before the weights
+    load; the message names the prompt, both numbers and the fields to change."""
+    context = context_length(config) if config is not None else None
+    model = f"model.name_or_path={cfg.model.name_or_path!r}"
+    max_len = cfg.engine.max_model_len if cfg.engine.name == "vllm" else None
+    if max_len is not None and context is not None and max_len > context:
+        raise ConfigError(f"engine.max_model_len={max_len} is more than the context length of {model} "
+                          f"({context} tokens, max_position_embeddings in its config): at most {context}")
+    if max_len is not None:
+        limit, where = max_len, f"engine.max_model_len={max_len}"
+    elif context is not None:
+        limit = context
+        where = f"the context length of {model} ({context} tokens, max_position_embeddings in its config)"
+    else:
+        return
+    checks = [("train", "sampling.max_new_tokens", cfg.sampling.max_new_tokens)]
+    if cfg.eval.num_examples > 0:
+        checks.append(("eval", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    for split, field, new_tokens in checks:
+        tokens, example = datamodule.longest_prompt(split)
+        if example is None or tokens + new_tokens <= limit:
+            continue
+        fix = (f"lower {field} to at most {limit - tokens}" if tokens < limit
+               else "use shorter prompts (the prompt alone fills the context)")
+        if max_len is not None and context is not None and tokens + new_tokens <= context:
+            fix += f", or raise engine.max_model_len to {tokens + new_tokens} or more (at most {context})"
+        raise ConfigError(f"task={cfg.task.name}: the longest {split} prompt ({split} example {example.id}) has "
+                          f"{tokens} tokens; with {field}={new_tokens} it needs {tokens + new_tokens}, more than "
+                          f"{where}: {fix}")
+
+
+def check_output_folders(out: Path) -> None:
+    """ConfigError unless the run folder can be written, and with it the ``checkpoints/``, ``tensorboard/``
+    and ``policy/`` folders the run writes into later: each that exists already must be a writable folder.
+    A probe file is written, flushed and removed in each, so a read-only mount, a missing permission or a
+    file in a folder's place fails here, before the model loads, and not at the first checkpoint."""
+    for folder in (out, out / "checkpoints", out / "tensorboard", out / "policy"):
+        if folder != out and not os.path.lexists(folder):
+            continue  # created later inside ``out``, which is checked
+        probe = folder / f".lit_rl-write-probe-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"lit_rl")
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"output folder {folder} cannot be written ({err.strerror or err}); the run would "
+                              f"fail at its first checkpoint or at the end: choose another folder "
+                              f"(hydra.run.dir=...) or make it writable") from err
 
 
 def resolve_engine(cfg: DictConfig) -> None:
@@ -260,6 +336,100 @@ def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
     return str(path)
 
 
+#: fields a continued run may change (applied from the command line, named when they differ from the run's)
+SAFE_ON_RESUME = ("trainer.max_steps", "trainer.enable_progress_bar", "threads", "checkpoint.every_n_steps",
+                  "eval.every_n_steps", "eval.batch_size")
+#: values the run resolves itself (``resolve_engine``, ``resolve_hardware``): they agree with the value it resolved to
+AUTO_VALUES = {"engine.name": ("auto",), "trainer.precision": ("auto",), "threads": ("auto", "adaptive")}
+#: fields that say how to continue, not what the run is
+RESUME_KEYS = ("ckpt_path", "resume")
+
+
+def _leaves(node, prefix: str = "") -> dict[str, object]:
+    """{dotted key: value} of every leaf of a plain (resolved) config container; lists are leaves."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def overridden_keys(overrides) -> list[str] | None:
+    """The config keys (or group names) that the command-line ``overrides`` set, as Hydra parses them, without
+    ``hydra.*`` and ``ckpt_path``/``resume``; None when ``overrides`` is None (a library call: the whole config
+    given counts)."""
+    if overrides is None:
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    keys = []
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group.lstrip("+~")
+        if not key.startswith("hydra.") and key not in RESUME_KEYS:
+            keys.append(key)
+    return keys
+
+
+def resumed_config(cfg: DictConfig, out: Path, overrides=None) -> DictConfig:
+    """The config of a run continued in ``out``: its saved ``config.yaml`` (the run's config; a resumed DAPO run
+    stays DAPO, with its learning rate), the fields of ``SAFE_ON_RESUME`` taken from ``cfg`` where the command
+    line set them, and ``ckpt_path``/``resume`` from ``cfg``.
+
+    ``overrides``: the command line's override strings (``recipes/train.py``); only the fields they name are
+    compared (a group override, ``algo=dapo``, compares the group's fields). None (a library call): every field
+    of ``cfg`` is compared. A compared field whose value differs from the run's is refused: ConfigError naming
+    each field with both values. Fields ``cfg`` leaves null (filled in by the run, e.g. ``engine.dtype``) and
+    ``engine=auto`` agree with any value; fields the saved config predates are taken from ``cfg``.
+    """
+    saved_file = out / "config.yaml"
+    try:
+        saved = OmegaConf.load(saved_file)
+    except Exception as err:  # noqa: BLE001 - a truncated or hand-edited file: the user's to fix
+        raise ConfigError(f"{saved_file}: cannot read the run's config ({err})") from err
+    new = _leaves(OmegaConf.to_container(cfg, resolve=True))
+    old = _leaves(OmegaConf.to_container(saved, resolve=True))
+    keys = overridden_keys(overrides)
+    if keys is None:
+        compared = list(new)
+    else:
+        compared = []
+        for key in keys:
+            inside = [k for k in new if k == key or k.startswith(key + ".")]
+            if not inside:
+                raise ConfigError(f"{key}: cannot be given when a run is continued (its config is {saved_file}; "
+                                  f"a preset or a new field would change it): drop it, or start a new run")
+            compared += inside
+    differ, applied = [], []
+    for key in dict.fromkeys(compared):
+        if key in RESUME_KEYS or key not in old or new[key] is None or new[key] in AUTO_VALUES.get(key, ()):
+            continue
+        if new[key] == old[key]:
+            continue
+        if key in SAFE_ON_RESUME:
+            applied.append(key)
+        else:
+            differ.append(f"{key} (the run: {old[key]!r}, now: {new[key]!r})")
+    if differ:
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path or 'last'} continues the run in {out} with its saved "
+                          f"config.yaml, and {len(differ)} field{'s differ' if len(differ) > 1 else ' differs'} "
+                          f"from it: {'; '.join(differ)}. A continued run may change only "
+                          f"{', '.join(SAFE_ON_RESUME)}: drop the other overrides, or start a new run in another "
+                          f"folder")
+    result = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    for key in applied:
+        OmegaConf.update(result, key, new[key], force_add=True)
+    for key, value in new.items():  # fields this version has and the saved config predates
+        if key not in old and OmegaConf.select(result, key, default="__missing__") == "__missing__":
+            OmegaConf.update(result, key, value, force_add=True)
+    for key in RESUME_KEYS:
+        OmegaConf.update(result, key, cfg[key], force_add=True)
+    if applied:
+        print(f"lit_rl: continuing {out} with its config.yaml; changed: "
+              + ", ".join(f"{k}={new[k]}" for k in applied), flush=True)
+    return result
+
+
 def build_strategy(name):
     """The Lightning strategy for ``trainer.strategy``: ``fsdp`` becomes an ``FSDPStrategy`` that shards
     each transformer block (every transformers decoder layer is a ``GradientCheckpointingLayer``) as one
@@ -312,11 +482,27 @@ def save_final_checkpoint(trainer: L.Trainer, checkpoints: ModelCheckpoint) -> N
     trainer.strategy.barrier()
 
 
-def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
+def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None = None) -> dict[str, float]:
     """Train with ``cfg`` writing TensorBoard logs, checkpoints and the final policy under ``out_dir``.
 
-    Raises ConfigError for a bad config or an ``out_dir`` that already holds a finished run.
+    Continuing a run (``ckpt_path`` set, or ``resume=<run folder>``, which replaces ``out_dir`` and means
+    ``ckpt_path=last``): the run folder's saved config.yaml is the config (``resumed_config``; ``overrides``,
+    the command line's override strings, say which fields the user set).
+
+    Raises ConfigError for a bad config, an ``out_dir`` that already holds a finished run or cannot be
+    written, or prompts that do not fit the context; OutputWriteError when a checkpoint or the policy export
+    cannot be written during the run (the checkpoints written before stay whole).
     """
+    out = Path(out_dir)
+    if cfg.resume:
+        out = Path(str(cfg.resume)).expanduser()
+        if not (out / "config.yaml").is_file():
+            raise ConfigError(f"resume={cfg.resume!r}: no lit_rl run there (no config.yaml); give the folder of a "
+                              f"run (outputs/<date>/<time>, or a sweep job's folder, quoted: see docs/reliability.md)")
+        with open_dict(cfg):
+            cfg.ckpt_path = cfg.ckpt_path or "last"
+    if cfg.ckpt_path not in (None, "", "null") and (out / "config.yaml").is_file():
+        cfg = resumed_config(cfg, out, overrides)
     validate(cfg)
     requested_threads = cfg.threads
     hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
@@ -327,7 +513,6 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    out = Path(out_dir)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
         raise ConfigError(f"output folder {out} already holds a finished run; choose another "
@@ -377,19 +562,15 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
     check_world_size(cfg, trainer.world_size)  # devices=auto is known only now
 
     if trainer.is_global_zero:
-        out.mkdir(parents=True, exist_ok=True)
-        config_file = out / "config.yaml"
-        if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
-            config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-        header = "".join(f"# {line}\n" for line in hardware)  # what the auto settings chose here, and why
-        config_file.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
+        check_output_folders(out)
 
     try:  # data and model problems are the user's input too: report them like config errors
         task = build_task_from_cfg(cfg)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"task={cfg.task.name}: {err}") from err
+    spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
     try:
-        policy, tokenizer = load_policy(ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True)))
+        tokenizer = load_tokenizer(spec.name_or_path, spec.trust_remote_code)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from err
     if getattr(tokenizer, "chat_template", None) is None:
@@ -399,6 +580,18 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
                                    seed=cfg.seed, eval_examples=cfg.eval.num_examples,
                                    eval_batch_size=cfg.eval.batch_size,
                                    reward_timeout_s=cfg.reward_timeout_s)
+    check_context(cfg, datamodule, model_config(cfg.model))  # before the weights load
+
+    if trainer.is_global_zero:
+        config_file = out / "config.yaml"
+        if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
+            config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+        header = "".join(f"# {line}\n" for line in hardware)  # what the auto settings chose here, and why
+        config_file.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
+    try:
+        policy, tokenizer = load_policy(spec, tokenizer)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from err
     # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
     # (engine.dtype, the KL reference) inherit it
     with kernel_mode(cfg.kernels.name, policy):
@@ -426,8 +619,14 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike) -> dict[str, float]:
         weights = {name[len("policy."):]: v for name, v in full.items() if name.startswith("policy.")}
     if trainer.is_global_zero:
         export = out / "policy"
-        policy.save_pretrained(export, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(export)
-        (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
-                                                      indent=2))
+        try:
+            policy.save_pretrained(export, state_dict=weights, safe_serialization=True)
+            tokenizer.save_pretrained(export)
+            (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
+                                                          indent=2))
+        except OSError as err:
+            last = find_last(out / "checkpoints")
+            raise OutputWriteError(f"could not write the trained policy to {export} ({err.strerror or err}); the "
+                                   f"run's last checkpoint {last} is complete: once there is room, export it by "
+                                   f"continuing the run (ckpt_path=last)") from err
     return metrics

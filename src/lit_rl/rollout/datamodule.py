@@ -245,6 +245,20 @@ class RolloutDataModule(L.LightningDataModule):
             self._encoded[key] = list(ids)
         return self._encoded[key]
 
+    def longest_prompt(self, split: str = "train") -> tuple[int, Example | None]:
+        """(tokens, example) of the longest chat-formatted prompt of ``split``: "train" (every training
+        example a step may draw) or "eval" (the ``eval_examples`` evaluated); (0, None) when it is empty.
+        The prompts are rendered with the chat template and tokenised in one batch (GSM8K's 7473 training
+        prompts: about 2 s), the same ids ``encode`` gives one by one."""
+        examples = self._train if split == "train" else self._eval
+        if not examples:
+            return 0, None
+        texts = [self.tokenizer.apply_chat_template(self.task.messages(ex), add_generation_prompt=True,
+                                                    tokenize=False) for ex in examples]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        return lengths[i], examples[i]
+
     # -- rollouts ------------------------------------------------------------------------------------
     def collect(self, engine, examples: list[Example], params: SamplingParams, step: int, round: int = 0,
                 group_size: int | None = None, split: str = "train", group_offset: int = 0,
