@@ -92,6 +92,26 @@ def test_per_request_seeds(tiny, tiny_engine):
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
+def test_a_rollout_above_the_cpu_step_budget_keeps_per_request_seeds(tiny, tiny_engine):
+    """48 prompts of 100 tokens (4800 prompt tokens, more than the 4096 tokens the CPU build schedules per step).
+    With vLLM's chunked prefill a prompt was split over two steps and the rewind of its seeded generator
+    stopped step 1 with ``RuntimeError: CPU Generator does not use offset``; with whole-prompt prefill the
+    rollout completes, a prompt's completion is the one it gets alone with its seed, and the log-probs are
+    the trainer's."""
+    model, tok = tiny
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, len(tok) - 10, (100,), generator=g).tolist() for _ in range(48)]
+    assert sum(map(len, prompts)) > 4096
+    params = SamplingParams(max_new_tokens=6)
+    r = tiny_engine.generate(prompts, params, seeds=list(range(48)))
+    assert r.response_mask.sum(-1).min() >= 1
+    for i in (0, 47):  # the first and the last prompt of the batch, alone with the same seed
+        alone = tiny_engine.generate(prompts[i:i + 1], params, seeds=[i])
+        w = alone.response_ids.shape[1]
+        assert torch.equal(alone.response_ids[0], r.response_ids[i, :w])
+    assert gap(model, tok, r, params) < TOL
+
+
 def test_stop_tokens_end_sequences(tiny):
     model, tok = tiny
     # every token stops: one token per sequence, reason "stop"; a cap of 3 tokens and no stop: "length"

@@ -35,8 +35,28 @@ from pathlib import Path
 
 import torch
 
+from ..models import context_length
 from .torch_engine import GenerationStats, int8_roundtrip
 from .types import Rollouts, SamplingParams
+
+#: vLLM's CPU default of tokens per engine step (``EngineArgs`` for the ``LLM`` class: 4096 per worker)
+CPU_BATCHED_TOKENS = 4096
+
+
+def cpu_scheduling(max_model_len: int | None) -> dict:
+    """vLLM arguments for the CPU build: chunked prefill off, and a step budget that holds a whole prompt.
+
+    Why: with chunked prefill (vLLM's default) a rollout whose prompts add up to more than the step's token
+    budget (``max_num_batched_tokens``, 4096 on CPU) has a prompt prefilled over two steps. The token sampled
+    after the first part is discarded, and vLLM rewinds that request's seeded generator with
+    ``Generator.set_offset`` (``GPUModelRunner._bookkeeping_sync``) — a Philox (CUDA) operation that a CPU
+    generator refuses: ``RuntimeError: CPU Generator does not use offset``, in step 1 of a GSM8K run. Without
+    chunked prefill a prompt is always prefilled in one step (one that does not fit waits for the next), so
+    no sample is discarded and each request's generator draws exactly once per generated token: per-request
+    seeds stay reproducible, whatever the batch. vLLM requires ``max_num_batched_tokens >= max_model_len``
+    then (it would reject longer sequences otherwise)."""
+    return dict(enable_chunked_prefill=False,
+                max_num_batched_tokens=max(CPU_BATCHED_TOKENS, int(max_model_len or 0)))
 
 
 class WeightSyncExtension:
@@ -132,6 +152,8 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(o["kv_cache_gb"] * (1 << 30))
         if o["max_model_len"] is not None:
             kwargs["max_model_len"] = int(o["max_model_len"])
+        if not torch.cuda.is_available():
+            kwargs.update(cpu_scheduling(o["max_model_len"] or context_length(self.source.config)))
         # vLLM's CPU worker replaces torch.set_num_threads in the hosting process (it pins its threads);
         # the trainer keeps the real one.
         set_num_threads = torch.set_num_threads
