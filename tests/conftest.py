@@ -1,5 +1,7 @@
 import helpers  # noqa: F401  (the test environment: threads, offline hub; before torch is used)
 import pytest
+import torch
+from helpers import THREADS
 
 from lit_rl.models import ModelSpec, load_policy
 
@@ -14,3 +16,24 @@ def tiny():
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct from the packaged GGUF (float32)."""
     return load_policy(ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+@pytest.fixture(autouse=True)
+def _same_thread_count_for_every_test():
+    """Every test starts at the suite's thread count and none leaks another to the tests after it: a run with
+    ``threads=1`` or vLLM's in-process CPU worker (which sets torch to 1 thread) used to leave the process at 1
+    thread, so the batch-invariant tests passed inside the suite and failed alone at 2 threads."""
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(THREADS)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true", default=False,
+                     help="run the collected tests in reverse order (scripts/test.sh runs the batch-invariant "
+                          "tests so a second time: their results must not depend on what ran before)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()

@@ -1,11 +1,15 @@
 """Batch-invariant kernels (``kernels=batch_invariant``): each kernel's f(x[:m]) == f(x)[:m], and the engine's
 rollout_logprobs == the trainer's old_logprobs bit for bit (torch.equal, never allclose)."""
 
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compose_config
+from helpers import ROOT, compose_config
 
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
@@ -26,6 +30,8 @@ def autocast(precision):
 
 
 # -- property tests: f(x[:m]) == f(x)[:m] for each kernel -----------------------------------------------
+# Every test of this file runs at the suite's thread count (helpers.THREADS, torch's default here), set by
+# conftest before each test; the tests marked with ``threads`` run at several counts.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (64, 32)])
 def test_mm_rows_do_not_depend_on_how_many_rows_share_the_call(dtype, k, n):
@@ -290,3 +296,40 @@ def test_ten_step_run_logs_a_zero_gap_at_every_step(tmp_path):
     assert len(gaps) == 10 and all(v == 0.0 for v in gaps), gaps
     assert len({v for _, v in s["train/grad_norm"]}) > 1  # the weights moved between steps
     assert "batch_invariant" not in __import__("transformers").AttentionInterface._global_mapping
+
+
+# -- other CPUs' kernel paths: the report came from an Intel Xeon without AVX512-BF16 --------------------------
+INTEL_CPU_SHIM = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
+PATH_TESTS = "mm_rows or linear_under or attention_decode or rms_norm"
+
+
+def intel_mkl_preload(folder):
+    """A preload library telling MKL it runs on an Intel CPU, or None without a C compiler. MKL takes its
+    AVX-512 GEMM paths on Intel CPUs only; torch's wheel links MKL into libtorch_cpu.so and calls this check
+    through the PLT, so the preload reaches MKL's Intel path on an AMD CPU (on an Intel CPU it changes
+    nothing)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    (folder / "intel_cpu.c").write_text(INTEL_CPU_SHIM)
+    lib = folder / "libintel_cpu.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(folder / "intel_cpu.c")], check=True)
+    return lib
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_kernels_hold_on_the_cpu_paths_of_an_intel_xeon_without_avx512_bf16(tmp_path, threads):
+    """The kernel property tests above, in a child process on the paths the report's CPU takes: MKL's Intel
+    path (preloaded, see ``intel_mkl_preload``) and oneDNN's bf16 kernels capped at AVX512_CORE (no AVX512-BF16:
+    bf16 products emulated in float32). There, with the first version's kernels (one padded call below 16
+    rows, one native call above), 2 threads gave other bits for 64-128-row float32 products with K=1536 (MKL
+    split the sum over K between the threads) and for bf16 products of odd row counts, and the attention
+    differed between a batch and a sequence alone."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE", LIT_RL_TEST_THREADS=str(threads))
+    lib = intel_mkl_preload(tmp_path)
+    if lib is not None:
+        env["LD_PRELOAD"] = f"{lib} {env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(lib)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", PATH_TESTS],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert " passed" in res.stdout and " failed" not in res.stdout

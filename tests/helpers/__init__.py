@@ -17,10 +17,12 @@ set_omp_defaults()  # as recipes/train.py does, before torch loads OpenMP
 
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+#: the suite's torch thread count (torch's own default is one per physical core; 2 on the project's machines)
+THREADS = int(os.environ.get("LIT_RL_TEST_THREADS", 0)) or min(2, os.cpu_count() or 1)
+torch.set_num_threads(THREADS)
 
 from .config import CONF, FAST, MOVING, ROOT, compose_config, fast_config  # noqa: E402
 from .prompts import chat_prompts  # noqa: E402
 from .runs import write_run  # noqa: E402
 
-__all__ = ["CONF", "FAST", "MOVING", "ROOT", "chat_prompts", "compose_config", "fast_config", "write_run"]
+__all__ = ["CONF", "FAST", "MOVING", "ROOT", "THREADS", "chat_prompts", "compose_config", "fast_config", "write_run"]

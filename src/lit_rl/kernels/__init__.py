@@ -23,6 +23,13 @@ def kernel_mode(name: str, *models):
     if name == "default":
         return contextlib.nullcontext()
     if name == "batch_invariant":
+        import torch
+
+        from .batch_invariant import GEMM_ROWS
+
+        print(f"lit_rl: kernels=batch_invariant: matrix products in fixed blocks of {GEMM_ROWS} rows at "
+              f"{torch.get_num_threads()} torch threads (the thread count stays fixed for the run); "
+              f"CPU only", flush=True)
         return BatchInvariantMode(*models)
     raise ValueError(f"kernels={name!r} is not allowed: choose one of {list(KERNELS)}")
 

@@ -11,16 +11,19 @@ Inference" (2025) and its ``batch_invariant_ops`` (GEMM with a fixed tiling, RMS
 row, attention with a fixed split over keys); the seeds in ``../shared/seeds/`` (the slides' table of
 batch-variant ops, the article's "bitwise consistency" section on vLLM's batch-invariant mode).
 
-What each kernel fixes, as measured on this project's CPU (torch 2.13, MKL, 2 threads, SmolLM2-135M shapes):
+What each kernel fixes (measured with torch 2.13, MKL and oneDNN, SmolLM2-135M shapes):
 
-* **matrix products** (``aten::mm``, ``aten::addmm`` for the CPU dispatch key): float32 products of fewer
-  than 12 rows take MKL's small-matrix paths, whose rows differ from the same rows in a larger product
-  (1, 2, 3, 5, 6, 7, 9, 10 and 11 rows did); from 12 rows up every row of ``x @ W.T`` equalled the same row
-  of a 2048-row product. A product of fewer than ``MIN_GEMM_ROWS`` rows is computed on a zero-padded block
-  of ``MIN_GEMM_ROWS`` rows, so every call runs the blocked kernel whose per-row reduction over K does not
-  depend on M. (Measured equal, bit for bit, to a strict fixed partition into 16-row blocks, which costs
-  up to 30% more on the update's 1600-row products.) bfloat16 products (oneDNN, AVX512-BF16) were
-  invariant at every size and pass through.
+* **matrix products** (``aten::mm``, ``aten::addmm`` for the CPU dispatch key): every float product of a
+  forward pass runs as native calls of one shape per weight matrix, [``GEMM_ROWS``, K] x [K, N] (rows in
+  blocks, the last one zero-padded), at one thread count for the whole run. A BLAS library chooses its
+  kernel, its split of the work over threads and whether it splits the sum over K from the call's shape
+  and the thread count, so the same row can get other bits in a call of another size: on this AMD EPYC
+  (MKL's AMD path, AVX512-BF16) products of 1-11 rows differed from larger ones; on the path of an Intel
+  Xeon without AVX512-BF16 (reproduced here by telling MKL it runs on an Intel CPU and capping oneDNN at
+  AVX512_CORE) 2 threads split the sum over K=1536 for 64-128-row products, and bf16 products of odd row
+  counts took other tail kernels. With one shape and one thread count a run's calls are all computed the
+  same way, whatever the CPU. The thread count is recorded when the mode is enabled and a product at
+  another count raises (``_check_threads``); the start-up message says so.
 * **RMSNorm**: each row's mean of squares is a float32 reduction over that row alone (never split across
   rows or threads; a single row is computed inside a block of two). Installed on the model's RMSNorm
   classes, so a fused kernel that a transformers version may swap in never replaces it.
@@ -30,9 +33,10 @@ What each kernel fixes, as measured on this project's CPU (torch 2.13, MKL, 2 th
   ``AttentionMaskInterface`` as ``"batch_invariant"``): one function for the trainer's full-sequence
   forward, the engine's prefill and its one-token decode. Keys and values are re-laid out so that each
   sequence's first real token sits at index 0 (left padding removed), cut into blocks of ``KEY_BLOCK``
-  keys; the scores of a query against a block are one float32 [rows, d] x [d, KEY_BLOCK] product of at
-  least ``MIN_QUERY_ROWS`` rows; softmax uses the exact row maximum, and the value sums are accumulated
-  block after block in key order. A query's numbers are therefore a function of its own sequence's real
+  keys; the query rows of a key head are cut into blocks of ``QUERY_ROWS``, so every score product is
+  one float32 [QUERY_ROWS, d] x [d, KEY_BLOCK] matrix of a batched call and every value product one
+  [QUERY_ROWS, KEY_BLOCK] x [KEY_BLOCK, d]; softmax uses the exact row maximum, and the value sums are
+  accumulated block after block in key order. A query's numbers are therefore a function of its own sequence's real
   keys only: the amount of left padding, the keys after it (masked to exact zeros) and the other queries
   of the call cannot change them.
 
@@ -47,19 +51,22 @@ sampler. ``enable`` raises for a model on any device other than the CPU rather t
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import torch
 from torch import Tensor
 
 NAME = "batch_invariant"
-#: float32 products with fewer rows than this run on a zero-padded block of this many rows
-MIN_GEMM_ROWS = 16
+#: every float matrix product of a forward pass runs as [GEMM_ROWS, K] x [K, N] calls: rows in blocks of this
+#: many (the last one zero-padded), whatever M is. 64: the engine's decode of a GRPO step (P x G = 64 rows)
+#: is one call, the update's 1600-row products 25 (16 cost 1.5x the default kernels on a whole step here, 64 1.3x)
+GEMM_ROWS = 64
 #: keys per attention block (the fixed split over keys; the N of every score product)
 KEY_BLOCK = 64
-#: query rows per attention product at least (float32 bmm of few rows takes MKL's small-matrix paths, as mm:
-#: with a batch of one, 1-3, 5-7 and 9-11 rows differ from larger products; with larger batches 1-3 rows)
-MIN_QUERY_ROWS = MIN_GEMM_ROWS
+#: query rows per attention product: every score product is [QUERY_ROWS, d] x [d, KEY_BLOCK] and every value
+#: product [QUERY_ROWS, KEY_BLOCK] x [KEY_BLOCK, d] (a decode step's 3 query heads per key head: one block)
+QUERY_ROWS = 16
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -68,34 +75,113 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
     return out
 
 
-# -- matrix products ---------------------------------------------------------------------------------
-def mm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for a [M, K] and b [K, N] (any float dtype) whose rows do not depend on M.
+def _in_backward() -> bool:
+    """True while autograd runs a backward function (the mode leaves the backward pass to torch's kernels)."""
+    return torch._C._current_autograd_node() is not None
 
-    float32 with M < ``MIN_GEMM_ROWS``: computed on a zero-padded [MIN_GEMM_ROWS, K] block, the rows cut
-    back out. Other dtypes and larger M: the native kernel (``aten::mm.out``, not the overridden op).
-    Returns [M, N] in the inputs' dtype.
+
+def _row_blocks(a: Tensor, rows: int) -> Tensor:
+    """``a`` [M, K] as a contiguous, 64-byte aligned [ceil(M / rows) * rows, K] buffer (zero rows appended)."""
+    m = a.shape[0]
+    total = -(-m // rows) * rows
+    if total == m and a.is_contiguous() and a.data_ptr() % 64 == 0:
+        return a
+    out = a.new_zeros((total, a.shape[1]))
+    out[:m] = a
+    return out
+
+
+# -- the thread count the mode runs at --------------------------------------------------------------------
+_threads: list[int] = []  # the torch thread count recorded by BatchInvariantMode.enable (empty: not enabled)
+_native_bf16: list[bool] = []  # native_bf16(), read at import and by BatchInvariantMode.enable
+
+
+def _check_threads() -> None:
+    """RuntimeError when the calling thread's torch thread count differs from the one the mode was enabled at.
+
+    A BLAS library splits a call's work over its threads by the call's shape *and the thread count*; the mode
+    fixes the shapes, so the thread count must stay fixed too, for the engine's calls and the trainer's alike
+    (an async rollout producer copies the trainer's count)."""
+    if _threads and torch.get_num_threads() != _threads[0]:
+        raise RuntimeError(f"kernels=batch_invariant was enabled at {_threads[0]} torch threads and a product now "
+                           f"runs at {torch.get_num_threads()}: the bits of a product depend on the thread count, "
+                           f"so the mode needs one count for the whole run (the config's `threads`)")
+
+
+# -- matrix products ---------------------------------------------------------------------------------
+#: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) that keep its native bf16 dot products (AVX512-BF16, AMX)
+_NATIVE_BF16_ISAS = {"ALL", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX",
+                     "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2"}
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN computes bf16 products with the CPU's own bf16 dot products (AVX512-BF16 or AMX) and not
+    with its float32 emulation (AVX-512 without BF16: an Intel Xeon before Cooper Lake, or
+    ``ONEDNN_MAX_CPU_ISA`` capped below AVX512_CORE_BF16). The emulation's rows depend on their position in
+    the call at thread counts that do not divide its work evenly (3, 5 and 6 threads, measured here with
+    the cap), so the mode computes bf16 products in float32 there (``_blocked_product``)."""
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return cap is None or cap.strip().upper() in _NATIVE_BF16_ISAS
+
+
+_native_bf16[:] = [native_bf16()]
+
+
+def _blocked_product(a: Tensor, b: Tensor, bias: Tensor | None = None, beta=1, alpha=1) -> Tensor:
+    """``a @ b`` (or ``beta * bias + alpha * a @ b``) as native calls of one shape per ``b``: the rows of ``a``
+    in blocks of ``GEMM_ROWS`` (the last one zero-padded), each block one [GEMM_ROWS, K] x [K, N] call into a
+    64-byte aligned slice of the output."""
+    _check_threads()
+    if a.dtype == torch.bfloat16 and not _native_bf16[0]:  # bf16 values are exact in float32; MKL's float32
+        # products have no position dependence; the result is rounded to bf16 as oneDNN rounds its own
+        return _blocked_product(a.float(), b.float(), None if bias is None else bias.float(), beta,
+                                alpha).to(torch.bfloat16)
+    m, n = a.shape[0], b.shape[1]
+    padded = _row_blocks(a, GEMM_ROWS)
+    per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1
+    if per_row:  # a per-row bias is cut into the same blocks
+        bias = _row_blocks(bias.expand(m, n), GEMM_ROWS)
+    out = a.new_empty((padded.shape[0], n))
+    for r0 in range(0, padded.shape[0], GEMM_ROWS):
+        r1 = r0 + GEMM_ROWS
+        if bias is None:
+            torch.ops.aten.mm.out(padded[r0:r1], b, out=out[r0:r1])
+        else:
+            torch.ops.aten.addmm.out(bias[r0:r1] if per_row else bias, padded[r0:r1], b, beta=beta, alpha=alpha,
+                                     out=out[r0:r1])
+    return out if out.shape[0] == m else out[:m]
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for a [M, K] and b [K, N] (any float dtype) whose rows depend only on their own values,
+    whatever M is, at the thread count the mode was enabled at.
+
+    The rows of ``a`` are cut into blocks of ``GEMM_ROWS`` (the last one zero-padded) and each block is one
+    native ``aten::mm.out`` call of shape [GEMM_ROWS, K] x [K, N]. A BLAS library picks its kernel, its split
+    of the work over threads and whether it splits the sum over K from the call's shape and the thread
+    count: measured on MKL's Intel path (MKL told it runs on an Intel CPU with AVX-512, 2 threads), one call
+    of 64-128 rows with K=1536 split the sum over K and gave every row other bits than a 16-row or a
+    256-row call; oneDNN's bf16 kernels without AVX512-BF16 did the same for odd M. With one shape per weight
+    matrix and one thread count (``_check_threads``) every call of a run is computed the same way, so a
+    row's bits cannot depend on the rows beside it. Integer dtypes, M = 0 and the backward pass
+    (``_in_backward``) use the native kernel. Returns [M, N] in the inputs' dtype.
     """
     m = a.shape[0]
-    if a.is_floating_point() and 0 < m < MIN_GEMM_ROWS:
-        out = a.new_empty((MIN_GEMM_ROWS, b.shape[1]))
-        torch.ops.aten.mm.out(_pad_rows(a, MIN_GEMM_ROWS), b, out=out)
-        return out[:m].clone()
-    out = a.new_empty((m, b.shape[1]))
-    return torch.ops.aten.mm.out(a, b, out=out)
+    if not a.is_floating_point() or m == 0 or _in_backward():
+        out = a.new_empty((m, b.shape[1]))
+        return torch.ops.aten.mm.out(a, b, out=out)
+    return _blocked_product(a, b)
 
 
 def addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
-    """``beta * bias + alpha * (a @ b)`` with ``mm``'s row guarantee (bias broadcast to [M, N])."""
+    """``beta * bias + alpha * (a @ b)`` with ``mm``'s row guarantee (bias [N], [1, N] or [M, N])."""
     m = a.shape[0]
-    if a.is_floating_point() and 0 < m < MIN_GEMM_ROWS:
-        if bias.dim() == 2 and bias.shape[0] == m and m > 1:  # a per-row bias: pad it with the rows
-            bias = _pad_rows(bias, MIN_GEMM_ROWS)
-        out = a.new_empty((MIN_GEMM_ROWS, b.shape[1]))
-        torch.ops.aten.addmm.out(bias, _pad_rows(a, MIN_GEMM_ROWS), b, beta=beta, alpha=alpha, out=out)
-        return out[:m].clone()
-    out = a.new_empty((m, b.shape[1]))
-    return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
+    if not a.is_floating_point() or m == 0 or _in_backward():
+        out = a.new_empty((m, b.shape[1]))
+        return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
+    return _blocked_product(a, b, bias, beta, alpha)
 
 
 # -- row reductions ----------------------------------------------------------------------------------
@@ -224,30 +310,37 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask:
         rows = ((torch.arange(bh, device=device) * lk)[:, None] + pos.repeat_interleave(kvh, dim=0)).reshape(-1)
         k = key.reshape(bh * lk, d).index_select(0, rows).view(bh, nblk, KEY_BLOCK, d).float()
         v = value.reshape(bh * lk, d).index_select(0, rows).view(bh, nblk, KEY_BLOCK, d).float()
-        # the query heads sharing a key/value head are rows of one product: [B*KVH, rows, d], padded to
-        # MIN_QUERY_ROWS rows; one [rows, d] x [d, KEY_BLOCK] product per key block (batched over blocks)
+        # the query heads sharing a key/value head are the rows of one [B*KVH, rows, d] matrix, cut into
+        # blocks of QUERY_ROWS rows (zero rows appended): every score product is [QUERY_ROWS, d] x [d, KEY_BLOCK]
+        # and every value product [QUERY_ROWS, KEY_BLOCK] x [KEY_BLOCK, d], whatever Lq, the batch or the
+        # number of key blocks (one batched call per key block, each batch item one query block)
         n_rows = rep * lq
-        m = max(n_rows, MIN_QUERY_ROWS)
+        nq = -(-n_rows // QUERY_ROWS)
+        m = nq * QUERY_ROWS
         q = query.float().reshape(bh, n_rows, d)
         visible = count[:, None, None, :].expand(b, kvh, rep, lq).reshape(bh, n_rows)
         if m > n_rows:
             q = torch.cat([q, q.new_zeros(bh, m - n_rows, d)], dim=1)
             visible = torch.cat([visible, visible.new_zeros(bh, m - n_rows)], dim=1)
-        qb = q.unsqueeze(1).expand(bh, nblk, m, d).reshape(bh * nblk, m, d)
-        scores = torch.bmm(qb, k.view(bh * nblk, KEY_BLOCK, d).transpose(1, 2)).view(bh, nblk, m, KEY_BLOCK)
+        q = q.reshape(bh * nq, QUERY_ROWS, d)
+        scores = torch.stack([  # [nblk, B*KVH, rows, KEY_BLOCK]
+            torch.bmm(q, k[:, j].transpose(1, 2)[:, None].expand(bh, nq, d, KEY_BLOCK).reshape(bh * nq, d, KEY_BLOCK))
+            .view(bh, m, KEY_BLOCK) for j in range(nblk)])
         scores.mul_(scale)
-        key_pos = torch.arange(width, device=device).view(1, nblk, 1, KEY_BLOCK)
-        scores.masked_fill_(key_pos >= visible[:, None, :, None], float("-inf"))
+        key_pos = torch.arange(width, device=device).view(nblk, 1, 1, KEY_BLOCK)
+        scores.masked_fill_(key_pos >= visible[None, :, :, None], float("-inf"))
         # the exact row maximum (order-free); softmax does not depend on the shift, so no gradient through it
-        peak = scores.detach().amax(dim=(1, 3), keepdim=True)
+        peak = scores.detach().amax(dim=(0, 3), keepdim=True)
         peak = torch.where(torch.isfinite(peak), peak, 0.0)
         p = scores.sub_(peak).exp_()  # masked keys: exactly 0
-        parts = torch.bmm(p.view(bh * nblk, m, KEY_BLOCK), v.view(bh * nblk, KEY_BLOCK, d)).view(bh, nblk, m, d)
-        sums = p.sum(-1)  # [B*KVH, nblk, m]: each block's row sums
-        acc, total = parts[:, 0], sums[:, 0]
-        for j in range(1, nblk):  # fixed order over key blocks; blocks past a query's keys add exact zeros
-            acc = acc + parts[:, j]
-            total = total + sums[:, j]
+        sums = p.sum(-1)  # [nblk, B*KVH, rows]: each block's row sums
+        acc, total = None, sums[0]
+        for j in range(nblk):  # fixed order over key blocks; blocks past a query's keys add exact zeros
+            vj = v[:, j][:, None].expand(bh, nq, KEY_BLOCK, d).reshape(bh * nq, KEY_BLOCK, d)
+            part = torch.bmm(p[j].view(bh * nq, QUERY_ROWS, KEY_BLOCK), vj).view(bh, m, d)
+            acc = part if acc is None else acc + part
+            if j:
+                total = total + sums[j]
         # a query without keys (left padding) has acc = 0 and total = 0: 0 / tiny = 0
         out = acc / total.unsqueeze(-1).clamp(min=torch.finfo(torch.float32).tiny)
         out = out[:, :n_rows].reshape(b, kvh, rep, lq, d).reshape(b, h, lq, d)
@@ -322,6 +415,8 @@ class BatchInvariantMode:
             lib.impl("addmm", addmm, "CPU")
             lib.impl("_log_softmax", log_softmax, "CPU")
         self._lib = lib
+        _threads[:] = [torch.get_num_threads()]
+        _native_bf16[:] = [native_bf16()]
         BatchInvariantMode._active = self
         return self
 
@@ -329,6 +424,7 @@ class BatchInvariantMode:
         if not self.enabled:
             return
         self._lib._destroy()
+        _threads.clear()
         self._lib = None
         for cls, forward in self._saved_forward.items():
             if forward is None:
