@@ -298,6 +298,24 @@ def test_ten_step_run_logs_a_zero_gap_at_every_step(tmp_path):
     assert "batch_invariant" not in __import__("transformers").AttentionInterface._global_mapping
 
 
+def test_async_rollouts_keep_a_zero_gap_with_the_producer_at_the_trainer_s_thread_count(tmp_path):
+    """``rollout.mode=async``: the rollout producer thread generates while the trainer updates, both under the
+    mode and at one thread count (the producer copies the trainer's; ``_check_threads`` would raise at a
+    product run at another). The rollouts are stale (older weights), yet the gap between the engine's
+    logprobs and the trainer's under the same weights (``train/r_num_abs``) is exactly 0 at every step."""
+    overrides = ["model=tiny", "kernels=batch_invariant", "trainer.enable_progress_bar=false",
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=8",
+                 "eval.num_examples=0", "checkpoint.every_n_steps=10", "trainer.max_steps=4", "algo=reinforce",
+                 "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3", "rollout.mode=async",
+                 "rollout.max_staleness=1"]
+    run(compose_config(*overrides), tmp_path / "async")
+    s = read_scalars(tmp_path / "async" / "tensorboard")
+    r_num = [v for _, v in s["train/r_num_abs"]]
+    assert len(r_num) == 4 and all(v == 0.0 for v in r_num), r_num
+    assert max(v for _, v in s["rollout/staleness_max"]) > 0  # the producer ran ahead of the trainer
+    assert "batch_invariant" not in __import__("transformers").AttentionInterface._global_mapping
+
+
 # -- other CPUs' kernel paths: the report came from an Intel Xeon without AVX512-BF16 --------------------------
 INTEL_CPU_SHIM = "int mkl_serv_intel_cpu_true(void) { return 1; }\n"
 PATH_TESTS = "mm_rows or linear_under or attention_decode or rms_norm"

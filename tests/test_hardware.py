@@ -270,14 +270,18 @@ def test_thread_governor_reads_this_machine():
 @pytest.mark.parametrize("overrides, message", [
     (["trainer=ddp", "trainer.devices=2"], "2 data-parallel ranks share the cores"),
     (["kernels=batch_invariant"], "kernels=batch_invariant keeps its own thread count"),
+    (["kernels=batch_invariant", "rollout.mode=async"], "kernels=batch_invariant keeps its own thread count"),
     (["engine=vllm", "engine.in_process=false"], "the vLLM engine's worker processes would count as another"),
 ])
 def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(overrides, message):
+    """Refused by ``validate``: at start-up, before any model loads, and for every job of a sweep."""
+    from lit_rl.config import validate
     from lit_rl.train import adaptive_threads
 
-    cfg = cfg_for("threads=adaptive", *overrides)
     with pytest.raises(ConfigError, match=f"threads=adaptive is not allowed here: {message}"):
-        adaptive_threads(cfg, "adaptive")
+        validate(cfg_for("threads=adaptive", *overrides))
+    for ok in (["threads=adaptive"], ["threads=auto", *overrides]):
+        validate(cfg_for(*ok))
     assert adaptive_threads(cfg_for("threads=adaptive"), "auto") is None
 
 

@@ -200,6 +200,8 @@ def validate(cfg: DictConfig) -> None:
     threads = cfg.threads
     _check(threads in (None, "auto", "adaptive") or (_is_int(threads) and threads >= 1), "threads", threads,
            "choose auto, adaptive or an integer >= 1")
+    if threads == "adaptive":
+        check_adaptive_threads(cfg)
     precision = cfg.trainer.get("precision", "auto")
     _check(precision in PRECISIONS, "trainer.precision", precision,
            f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
@@ -234,6 +236,25 @@ def check_rollout_mode(ro: DictConfig) -> None:
         _check(isinstance(ro[key], bool), f"rollout.{key}", ro[key], "must be true or false")
     _check(not ro.lag or mode == "lagged", "rollout.lag", ro.lag,
            f"is read by rollout.mode=lagged only (rollout.mode={mode}); add rollout.mode=lagged")
+
+
+def check_adaptive_threads(cfg: DictConfig) -> None:
+    """Raise ConfigError for ``threads: adaptive`` where something else must own the thread count (called by
+    ``validate``, so a sweep's jobs are checked before the first starts): several data-parallel ranks (they
+    share the cores by design, and each would count the others as load); ``kernels=batch_invariant`` (a
+    matrix product's bits depend on the thread count, so the mode keeps the start-up count for the whole
+    run, for the trainer and an async rollout producer alike, and raises at a product run at another);
+    an out-of-process vLLM engine (its workers would count as another process's load)."""
+    ranks = static_world_size(cfg.trainer) or 1
+    kernels = cfg.kernels.name
+    for bad, why in ((ranks > 1, f"{ranks} data-parallel ranks share the cores"),
+                     (kernels == "batch_invariant",
+                      "kernels=batch_invariant keeps its own thread count (a product's bits depend on the thread "
+                      "count, so the mode needs one count for the whole run)"),
+                     (cfg.engine.name in ("vllm", "auto") and not cfg.engine.in_process,
+                      "the vLLM engine's worker processes would count as another process's load")):
+        if bad:
+            raise ConfigError(f"threads=adaptive is not allowed here: {why}; use threads=auto or a number")
 
 
 def static_world_size(trainer: DictConfig) -> int | None:

@@ -256,20 +256,12 @@ class AdaptiveThreads(L.Callback):
 
 
 def adaptive_threads(cfg: DictConfig, requested) -> AdaptiveThreads | None:
-    """The ``AdaptiveThreads`` callback for ``threads: adaptive`` (``requested``), else None. Raises
-    ConfigError where something else must own the thread count: several data-parallel ranks (they share the
-    cores by design, and each would count the others as load), ``kernels=batch_invariant`` (it keeps its
-    thread count), an out-of-process vLLM engine (its workers would count as another process's load)."""
+    """The ``AdaptiveThreads`` callback for ``threads: adaptive`` (``requested``: the value before
+    ``resolve_hardware`` made it a count), else None. Where ``threads: adaptive`` is refused (several ranks,
+    ``kernels=batch_invariant``, an out-of-process vLLM engine) ``config.validate`` has already raised
+    (``config.check_adaptive_threads``)."""
     if requested != "adaptive":
         return None
-    ranks = static_world_size(cfg.trainer) or 1
-    kernels = cfg.kernels.name
-    for bad, why in ((ranks > 1, f"{ranks} data-parallel ranks share the cores"),
-                     (kernels != "default", f"kernels={kernels} keeps its own thread count"),
-                     (cfg.engine.name in ("vllm", "auto") and not cfg.engine.in_process,
-                      "the vLLM engine's worker processes would count as another process's load")):
-        if bad:
-            raise ConfigError(f"threads=adaptive is not allowed here: {why}; use threads=auto or a number")
     return AdaptiveThreads(int(cfg.threads))
 
 
