@@ -55,6 +55,10 @@ class _RecordingWriter:
     def flush(self) -> None:
         self.f.flush()
 
+    def fileno(self) -> int:
+        """The file's descriptor (for ``os.fsync`` by whoever holds the writer, e.g. tests/fault_injection.py)."""
+        return self.f.fileno()
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose ``save_checkpoint`` is atomic on a local file system.
