@@ -61,18 +61,31 @@ def machine() -> str:
 
     from lit_rl.hardware import describe_cpu, omp_summary
 
-    return (f"{describe_cpu()}; {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
-            f"threads, {omp_summary()}), python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+    return (
+        f"{describe_cpu()}; {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
+        f"threads, {omp_summary()}), python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+    )
 
 
 def grpo_module(policy, tok, new_tokens: int, group_size: int, logprobs_top_k: int = 0, correction=None):
     """A GRPO module around ``policy`` with the benchmarks' shared settings (micro-batches of 16, lr 1e-6)."""
     from lit_rl.algorithms import GRPO
 
-    return GRPO(policy, tok, sampling={"max_new_tokens": new_tokens, "logprobs_top_k": logprobs_top_k},
-                eval_sampling={}, group_size=group_size, micro_batch_size=16, advantage={},
-                loss={"reduction": "seq_mean_token_mean"}, algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={},
-                optim={"lr": 1e-6}, logprob_chunk_tokens=256, correction=correction)
+    return GRPO(
+        policy,
+        tok,
+        sampling={"max_new_tokens": new_tokens, "logprobs_top_k": logprobs_top_k},
+        eval_sampling={},
+        group_size=group_size,
+        micro_batch_size=16,
+        advantage={},
+        loss={"reduction": "seq_mean_token_mean"},
+        algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}},
+        kl={},
+        optim={"lr": 1e-6},
+        logprob_chunk_tokens=256,
+        correction=correction,
+    )
 
 
 def as_rollout_batch(module, r, group_size: int):
@@ -83,11 +96,19 @@ def as_rollout_batch(module, r, group_size: int):
 
     pids, pmask = left_pad(r.prompt_ids, module.tokenizer.pad_token_id)
     n = len(r.prompt_ids)
-    return RolloutBatch(prompt_ids=pids, prompt_mask=pmask, response_ids=r.response_ids,
-                        response_mask=r.response_mask, rollout_logprobs=r.rollout_logprobs,
-                        rewards=torch.zeros(n), advantages=torch.randn(n, generator=torch.Generator().manual_seed(0)),
-                        group_ids=torch.arange(n) // group_size, policy_version=r.policy_version,
-                        topk_ids=r.topk_ids, topk_logprobs=r.topk_logprobs)
+    return RolloutBatch(
+        prompt_ids=pids,
+        prompt_mask=pmask,
+        response_ids=r.response_ids,
+        response_mask=r.response_mask,
+        rollout_logprobs=r.rollout_logprobs,
+        rewards=torch.zeros(n),
+        advantages=torch.randn(n, generator=torch.Generator().manual_seed(0)),
+        group_ids=torch.arange(n) // group_size,
+        policy_version=r.policy_version,
+        topk_ids=r.topk_ids,
+        topk_logprobs=r.topk_logprobs,
+    )
 
 
 def update(module, opt, rb) -> None:

@@ -45,12 +45,15 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
     run(cfg, out)
     s = read_scalars(out / "tensorboard")
     after_first = lambda tag: [v for step, v in s[tag] if step > 0]  # noqa: E731
-    return {"step": statistics.mean(after_first("time/step_s")),
-            "rollout": statistics.mean(after_first("time/rollout_s")),
-            "train": statistics.mean(after_first("time/train_s")),
-            "tokens": statistics.mean(v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"),
-                                                            after_first("time/rollout_s"))),
-            "staleness": statistics.mean(after_first("rollout/staleness_mean"))}
+    return {
+        "step": statistics.mean(after_first("time/step_s")),
+        "rollout": statistics.mean(after_first("time/rollout_s")),
+        "train": statistics.mean(after_first("time/train_s")),
+        "tokens": statistics.mean(
+            v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/rollout_s"))
+        ),
+        "staleness": statistics.mean(after_first("rollout/staleness_mean")),
+    }
 
 
 def main():
@@ -61,18 +64,32 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default="smollm2-135m", help="the model group (smollm2-135m, tiny)")
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
-    ap.add_argument("--skip-two-threads", action="store_true",
-                    help="leave out 'sync, 2 threads' (under CPU contention two spinning threads can be 10-50x slower)")
+    ap.add_argument(
+        "--skip-two-threads",
+        action="store_true",
+        help="leave out 'sync, 2 threads' (under CPU contention two spinning threads can be 10-50x slower)",
+    )
     args = ap.parse_args()
     ensure_quiet(args.force)
-    work = [f"model={args.model}", f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
-            f"rollout.micro_batch_size={args.prompts * args.group_size}", f"sampling.max_new_tokens={args.new_tokens}",
-            f"trainer.max_steps={args.steps}", f"checkpoint.every_n_steps={args.steps}", "eval.num_examples=0",
-            "trainer.enable_progress_bar=false"]
+    work = [
+        f"model={args.model}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.micro_batch_size={args.prompts * args.group_size}",
+        f"sampling.max_new_tokens={args.new_tokens}",
+        f"trainer.max_steps={args.steps}",
+        f"checkpoint.every_n_steps={args.steps}",
+        "eval.num_examples=0",
+        "trainer.enable_progress_bar=false",
+    ]
     settings = {
         "sync, 1 thread": ["rollout.mode=sync", "threads=1"],
-        "async, 1+1 threads": ["rollout.mode=async", "rollout.max_staleness=1", "rollout.behaviour_logprobs=false",
-                               "threads=1"],
+        "async, 1+1 threads": [
+            "rollout.mode=async",
+            "rollout.max_staleness=1",
+            "rollout.behaviour_logprobs=false",
+            "threads=1",
+        ],
         "async, 1+1 threads, scoring stale rows": ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"],
         "sync, 2 threads": ["rollout.mode=sync", "threads=2"],
     }
@@ -87,13 +104,19 @@ def main():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n# {machine()}")
-    print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} new tokens, "
-          f"GRPO, bf16-mixed, mean of steps 2-{args.steps}")
-    print("| setting | step s | rollout (or wait) s | update s | generated tokens / step | staleness |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} new tokens, "
+        f"GRPO, bf16-mixed, mean of steps 2-{args.steps}"
+    )
+    print(
+        "| setting | step s | rollout (or wait) s | update s | generated tokens / step | staleness |\n"
+        "|---|---|---|---|---|---|"
+    )
     for name, r in results.items():
-        print(f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens']:.0f} "
-              f"| {r['staleness']:.1f} |")
+        print(
+            f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens']:.0f} "
+            f"| {r['staleness']:.1f} |"
+        )
     base = results["sync, 1 thread"]["step"]
     print()
     for name, r in results.items():

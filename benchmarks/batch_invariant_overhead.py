@@ -65,8 +65,12 @@ def main():
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--precision", choices=["bf16", "float32"], default="bf16",
-                    help="bf16 = trainer.precision=bf16-mixed (the default), float32 = 32-true")
+    ap.add_argument(
+        "--precision",
+        choices=["bf16", "float32"],
+        default="bf16",
+        help="bf16 = trainer.precision=bf16-mixed (the default), float32 = 32-true",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     args = ap.parse_args()
@@ -91,9 +95,11 @@ def main():
             if r:
                 times[name].append(measured)
     print(f"# {machine()}")
-    print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
-          f"(no stop tokens), {'bf16 autocast' if args.precision == 'bf16' else 'float32'}, "
-          f"micro-batches of 16, median of {args.repeats}")
+    print(
+        f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
+        f"(no stop tokens), {'bf16 autocast' if args.precision == 'bf16' else 'float32'}, "
+        f"micro-batches of 16, median of {args.repeats}"
+    )
     print("| kernels | rollout s | update s | step s | tokens |\n|---|---|---|---|---|")
     med = {}
     for name, rows in times.items():
@@ -101,8 +107,10 @@ def main():
         med[name] = (ro, up, ro + up)
         print(f"| {name} | {ro:.2f} | {up:.2f} | {ro + up:.2f} | {rows[0][2]} |")
     a, b = med["default"], med["batch_invariant"]
-    print(f"\nbatch_invariant / default: rollout {b[0] / a[0]:.2f}x, update {b[1] / a[1]:.2f}x, "
-          f"whole step {b[2] / a[2]:.2f}x (target <= 1.3x)")
+    print(
+        f"\nbatch_invariant / default: rollout {b[0] / a[0]:.2f}x, update {b[1] / a[1]:.2f}x, "
+        f"whole step {b[2] / a[2]:.2f}x (target <= 1.3x)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ SETTINGS = {  # name: (environment changes (None = remove), threads argument)
 
 COMPETITORS = {
     "busy": "while True: pass",
-    "torch": ("import torch\na = torch.randn(256, 576); b = torch.randn(1536, 576)\n"
-              "while True: torch.nn.functional.linear(a, b)"),
+    "torch": (
+        "import torch\na = torch.randn(256, 576); b = torch.randn(1536, 576)\n"
+        "while True: torch.nn.functional.linear(a, b)"
+    ),
 }
 
 
@@ -95,8 +97,17 @@ def child(args) -> None:
             t2 = time.perf_counter()
         policy.load_state_dict(initial)
         opt.state.clear()
-        print(json.dumps({"rollout_s": t1 - t0, "update_s": t2 - t1, "tokens": int(r.response_mask.sum()),
-                          "threads": torch.get_num_threads()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "rollout_s": t1 - t0,
+                    "update_s": t2 - t1,
+                    "tokens": int(r.response_mask.sum()),
+                    "threads": torch.get_num_threads(),
+                }
+            ),
+            flush=True,
+        )
 
 
 def run_setting(name: str, args, competitor: str) -> dict:
@@ -104,8 +115,21 @@ def run_setting(name: str, args, competitor: str) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for key, value in changes.items():
         env.pop(key, None) if value is None else env.__setitem__(key, value)
-    cmd = [sys.executable, HERE, "--child", "--threads", threads, "--model", args.model, "--prompts",
-           str(args.prompts), "--group-size", str(args.group_size), "--new-tokens", str(args.new_tokens)]
+    cmd = [
+        sys.executable,
+        HERE,
+        "--child",
+        "--threads",
+        threads,
+        "--model",
+        args.model,
+        "--prompts",
+        str(args.prompts),
+        "--group-size",
+        str(args.group_size),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def step() -> dict:
@@ -119,8 +143,10 @@ def run_setting(name: str, args, competitor: str) -> dict:
         alone = [step() for _ in range(args.steps)]
         if args.alone_only:
             return summarize(info, alone, None)
-        rival = subprocess.Popen([sys.executable, "-c", COMPETITORS[competitor]],
-                                 env={k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))})
+        rival = subprocess.Popen(
+            [sys.executable, "-c", COMPETITORS[competitor]],
+            env={k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))},
+        )
         try:
             time.sleep(1.0)  # let it get going (torch: import and first products)
             contended = [step() for _ in range(args.steps)]
@@ -137,8 +163,11 @@ def summarize(info: dict, alone: list[dict], contended: list[dict] | None) -> di
     """Medians of each phase's step times and the thread counts used."""
     median = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     threads = lambda rows: "/".join(sorted({str(r["threads"]) for r in rows}))  # noqa: E731
-    out = {"threads": threads(alone) + (f" → {threads(contended)}" if contended else ""),
-           "precision": info["precision"], "tokens": alone[0]["tokens"]}
+    out = {
+        "threads": threads(alone) + (f" → {threads(contended)}" if contended else ""),
+        "precision": info["precision"],
+        "tokens": alone[0]["tokens"],
+    }
     for label, rows in (("alone", alone), ("contended", contended or alone)):
         out[label] = {k: median(rows, k) for k in ("rollout_s", "update_s")}
         out[label]["step_s"] = statistics.median(r["rollout_s"] + r["update_s"] for r in rows)
@@ -153,8 +182,11 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3, help="timed steps alone and beside the competitor, per setting")
     ap.add_argument("--competitor", choices=list(COMPETITORS), default="busy")
-    ap.add_argument("--settings", default="old default,PASSIVE,PASSIVE + adaptive threads,1 thread",
-                    help=f"comma-separated names of {list(SETTINGS)}")
+    ap.add_argument(
+        "--settings",
+        default="old default,PASSIVE,PASSIVE + adaptive threads,1 thread",
+        help=f"comma-separated names of {list(SETTINGS)}",
+    )
     ap.add_argument("--alone-only", action="store_true", help="no competitor: what each setting costs alone")
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -169,30 +201,42 @@ def main():
     first = next(iter(results.values()))
     if args.alone_only:
         print(f"\n# {machine()}")
-        print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
-              f"({first['tokens']} generated), one GRPO update, {first['precision']} (auto); median of {args.steps} "
-              f"steps, nothing else running\n| setting | threads | step s | rollout s | update s | step / "
-              f"old default |\n|---|---|---|---|---|---|")
+        print(
+            f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
+            f"({first['tokens']} generated), one GRPO update, {first['precision']} (auto); median of {args.steps} "
+            f"steps, nothing else running\n| setting | threads | step s | rollout s | update s | step / "
+            f"old default |\n|---|---|---|---|---|---|"
+        )
         base = next(iter(results.values()))["alone"]["step_s"]
         for name, r in results.items():
             a = r["alone"]
-            print(f"| {name} | {r['threads']} | {a['step_s']:.2f} | {a['rollout_s']:.2f} | {a['update_s']:.2f} "
-                  f"| {a['step_s'] / base:.2f}x |")
+            print(
+                f"| {name} | {r['threads']} | {a['step_s']:.2f} | {a['rollout_s']:.2f} | {a['update_s']:.2f} "
+                f"| {a['step_s'] / base:.2f}x |"
+            )
         return
     print(f"\n# {machine()}")
-    print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
-          f"({first['tokens']} generated), one GRPO update, {first['precision']} (auto); median of {args.steps} "
-          f"steps alone, then {args.steps} beside the '{args.competitor}' competitor")
-    print("| setting | threads alone → contended | step alone s | step contended s | contended / alone "
-          "| rollout contended / alone | update contended / alone |\n|---|---|---|---|---|---|---|")
+    print(
+        f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens "
+        f"({first['tokens']} generated), one GRPO update, {first['precision']} (auto); median of {args.steps} "
+        f"steps alone, then {args.steps} beside the '{args.competitor}' competitor"
+    )
+    print(
+        "| setting | threads alone → contended | step alone s | step contended s | contended / alone "
+        "| rollout contended / alone | update contended / alone |\n|---|---|---|---|---|---|---|"
+    )
     for name, r in results.items():
         a, c = r["alone"], r["contended"]
-        print(f"| {name} | {r['threads']} | {a['step_s']:.2f} | {c['step_s']:.2f} "
-              f"| **{c['step_s'] / a['step_s']:.2f}x** "
-              f"| {c['rollout_s'] / a['rollout_s']:.2f}x | {c['update_s'] / a['update_s']:.2f}x |")
+        print(
+            f"| {name} | {r['threads']} | {a['step_s']:.2f} | {c['step_s']:.2f} "
+            f"| **{c['step_s'] / a['step_s']:.2f}x** "
+            f"| {c['rollout_s'] / a['rollout_s']:.2f}x | {c['update_s'] / a['update_s']:.2f}x |"
+        )
     best_alone = min(r["alone"]["step_s"] for r in results.values())
-    print(f"\ncontended step / the fastest step alone ({best_alone:.2f} s): " + ", ".join(
-        f"{name} {r['contended']['step_s'] / best_alone:.2f}x" for name, r in results.items()))
+    print(
+        f"\ncontended step / the fastest step alone ({best_alone:.2f} s): "
+        + ", ".join(f"{name} {r['contended']['step_s'] / best_alone:.2f}x" for name, r in results.items())
+    )
 
 
 if __name__ == "__main__":

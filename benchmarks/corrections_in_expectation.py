@@ -52,9 +52,18 @@ CORRECTIONS = {  # row label -> overrides
 
 def module(policy, overrides):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            "model=tiny", "trainer.precision=32-true", "algo=reinforce", "algo.baseline=none",
-            f"sampling.max_new_tokens={policy.length}", f"correction.sc.top_k={policy.vocab_size}", *overrides])
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "model=tiny",
+                "trainer.precision=32-true",
+                "algo=reinforce",
+                "algo.baseline=none",
+                f"sampling.max_new_tokens={policy.length}",
+                f"correction.sc.top_k={policy.vocab_size}",
+                *overrides,
+            ],
+        )
     return build_module(cfg, policy, SimpleNamespace(pad_token_id=0, eos_token_id=policy.vocab_size - 1))
 
 
@@ -88,9 +97,11 @@ def main() -> None:
     modules = {label: module(policy, ov) for label, ov in CORRECTIONS.items()}
     g = expected_gradient(modules["none"], policy, policy.table(), reward, head_size=head).mean
     g_norm = float(g.norm())
-    print(f"# tabular policy V={args.vocab}, L={args.length} ({len(seqs)} sequences), REINFORCE without baseline, "
-          f"head k=V, TIS cap 2, MIS band [0.5, 2]; |g| = {g_norm:.4g} (on-policy, random reward); "
-          f"variance of a batch of N={args.batch}")
+    print(
+        f"# tabular policy V={args.vocab}, L={args.length} ({len(seqs)} sequences), REINFORCE without baseline, "
+        f"head k=V, TIS cap 2, MIS band [0.5, 2]; |g| = {g_norm:.4g} (on-policy, random reward); "
+        f"variance of a batch of N={args.batch}"
+    )
     print("| KL(π‖μ) | correction | drift / \\|g\\| | bias / \\|g\\| | var / \\|g\\|² | mse / \\|g\\|² | clip | drop |")
     print("|---|---|---|---|---|---|---|---|")
     for kl in (float(x) for x in args.kls.split(",")):
@@ -100,10 +111,13 @@ def main() -> None:
             drift = float(expected_gradient(m, policy, mu, reward, head_size=head, advantages=ones).mean.norm())
             mom = expected_gradient(m, policy, mu, reward, head_size=head, per_batch=True)
             bias = float((mom.mean - g).norm()) / g_norm
-            var = mom.variance / args.batch / g_norm ** 2
-            print(f"| {kl:g} | {label} | {drift / g_norm:.4f} | {bias:.4f} | {var:.4f} | {bias ** 2 + var:.4f} | "
-                  f"{clip if 'tis' in label else math.nan:.4f} | {drop if 'mis' in label else math.nan:.4f} |"
-                  .replace("nan", "–"))
+            var = mom.variance / args.batch / g_norm**2
+            print(
+                f"| {kl:g} | {label} | {drift / g_norm:.4f} | {bias:.4f} | {var:.4f} | {bias**2 + var:.4f} | "
+                f"{clip if 'tis' in label else math.nan:.4f} | {drop if 'mis' in label else math.nan:.4f} |".replace(
+                    "nan", "–"
+                )
+            )
     print(f"# logit noise σ per KL found by bisection (seed {args.seed + 2}); clip/drop: token-level fractions")
 
 

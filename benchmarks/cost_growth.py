@@ -32,16 +32,21 @@ def main():
         for factor in (2, 4):
             points.append({**BASE, knob: BASE[knob] * factor})
     print(f"# {machine()}")
-    print("\n| prompts | G | max new tokens | generated tokens | rollout s | update s | step s | "
-          "ms per token | peak RSS GB |\n|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| prompts | G | max new tokens | generated tokens | rollout s | update s | step s | "
+        "ms per token | peak RSS GB |\n|---|---|---|---|---|---|---|---|---|"
+    )
     base_rate = None
     for p in points:
         r = measure("lit_rl", p["prompts"], p["G"], p["new_tokens"])
         rate = 1000 * r["step_s"] / r["tokens"]
         base_rate = base_rate or rate
-        print(f"| {p['prompts']} | {p['G']} | {p['new_tokens']} | {r['tokens']:.0f} | {r['rollout_s']:.1f} | "
-              f"{r['update_s']:.1f} | {r['step_s']:.1f} | {rate:.1f} ({rate / base_rate:.2f}x base) | "
-              f"{r['peak_rss_gb']:.2f} |", flush=True)
+        print(
+            f"| {p['prompts']} | {p['G']} | {p['new_tokens']} | {r['tokens']:.0f} | {r['rollout_s']:.1f} | "
+            f"{r['update_s']:.1f} | {r['step_s']:.1f} | {rate:.1f} ({rate / base_rate:.2f}x base) | "
+            f"{r['peak_rss_gb']:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -45,25 +45,42 @@ def measure(precision: str, args, out: Path) -> dict:
     from lit_rl.train import run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[
-            f"trainer.precision={precision}", f"trainer.max_steps={args.steps}", "eval.num_examples=0",
-            "checkpoint.every_n_steps=1000", "trainer.enable_progress_bar=false", *args.overrides])
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                f"trainer.precision={precision}",
+                f"trainer.max_steps={args.steps}",
+                "eval.num_examples=0",
+                "checkpoint.every_n_steps=1000",
+                "trainer.enable_progress_bar=false",
+                *args.overrides,
+            ],
+        )
     start = cpu_busy_seconds()
     run(cfg, out)
     end = cpu_busy_seconds()
     others = ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
     s = read_scalars(out / "tensorboard")
     mean = lambda tag: statistics.mean(v for step, v in s[tag] if step >= 1)  # noqa: E731
-    return {"used": cfg.trainer.precision, "step_s": mean("time/step_s"), "rollout_s": mean("time/rollout_s"),
-            "update_s": mean("time/train_s"), "mfu": mean("perf/mfu"), "others": others}
+    return {
+        "used": cfg.trainer.precision,
+        "step_s": mean("time/step_s"),
+        "rollout_s": mean("time/rollout_s"),
+        "update_s": mean("time/train_s"),
+        "mfu": mean("perf/mfu"),
+        "others": others,
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2, help="RL steps per run (the first is not counted)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (auto, bf16-mixed, 32-true); best kept")
-    ap.add_argument("--emulate-no-bf16", action="store_true",
-                    help="ONEDNN_MAX_CPU_ISA=AVX512_CORE (bf16 matrix products emulated), before torch loads")
+    ap.add_argument(
+        "--emulate-no-bf16",
+        action="store_true",
+        help="ONEDNN_MAX_CPU_ISA=AVX512_CORE (bf16 matrix products emulated), before torch loads",
+    )
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides for every run, e.g. rollout.prompts_per_step=4")
     args = ap.parse_args()
@@ -82,7 +99,7 @@ def main():
     try:
         order = list(rounds)
         for r in range(args.rounds):
-            for precision in order[r % len(order):] + order[:r % len(order)]:
+            for precision in order[r % len(order) :] + order[: r % len(order)]:
                 out = tmp / f"{precision}-{r}"
                 rounds[precision].append(measure(precision, args, out))
                 shutil.rmtree(out, ignore_errors=True)
@@ -90,21 +107,29 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
     label = " — EMULATED no-bf16 CPU (ONEDNN_MAX_CPU_ISA=AVX512_CORE)" if args.emulate_no_bf16 else ""
     print(f"\n# {machine()}")
-    print(f"\n## the main job ({' '.join(args.overrides) or 'defaults'}), mean of steps 2-{args.steps}, best of "
-          f"{args.rounds} rounds{label}")
-    print("| trainer.precision | runs as | step s (each round) | best step s | rollout s | update s | perf/mfu "
-          "| other processes, cores |\n|---|---|---|---|---|---|---|---|")
+    print(
+        f"\n## the main job ({' '.join(args.overrides) or 'defaults'}), mean of steps 2-{args.steps}, best of "
+        f"{args.rounds} rounds{label}"
+    )
+    print(
+        "| trainer.precision | runs as | step s (each round) | best step s | rollout s | update s | perf/mfu "
+        "| other processes, cores |\n|---|---|---|---|---|---|---|---|"
+    )
     best = {}
     for name, runs in rounds.items():
         b = best[name] = min(runs, key=lambda x: x["step_s"])
         steps = " / ".join(f"{x['step_s']:.2f}" for x in runs)
         others = " / ".join(f"{x['others']:.2f}" for x in runs)
-        print(f"| {name} | {b['used']} | {steps} | {b['step_s']:.2f} | {b['rollout_s']:.2f} | {b['update_s']:.2f} "
-              f"| {b['mfu']:.3f} | {others} |")
+        print(
+            f"| {name} | {b['used']} | {steps} | {b['step_s']:.2f} | {b['rollout_s']:.2f} | {b['update_s']:.2f} "
+            f"| {b['mfu']:.3f} | {others} |"
+        )
     fastest = min(EXPLICIT, key=lambda p: best[p]["step_s"])
     ratio = best["auto"]["step_s"] / best[fastest]["step_s"]
-    print(f"\nauto ({best['auto']['used']}) / fastest explicit ({fastest}): **{ratio:.2f}x** step time "
-          f"(target <= 1.15x){label}")
+    print(
+        f"\nauto ({best['auto']['used']}) / fastest explicit ({fastest}): **{ratio:.2f}x** step time "
+        f"(target <= 1.15x){label}"
+    )
 
 
 if __name__ == "__main__":

@@ -82,11 +82,19 @@ def time_generate(model, tok, prompts, new_tokens, repeats):
         torch.manual_seed(r)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
         dt = time.perf_counter() - t
-        gen = out[:, ids.shape[1]:]
+        gen = out[:, ids.shape[1] :]
         # valid tokens: up to and including the first stop token of each row
         is_eos = gen == tok.eos_token_id
         after = (is_eos.cumsum(-1) - is_eos.long()) > 0
@@ -119,8 +127,14 @@ def main():
     report(f"{args.prompts} distinct prompts x {args.new_tokens} new tokens", model, bf16, tok, prompts, args)
     g = args.group_size
     grouped = [p for p in prompts[: args.prompts // g] for _ in range(g)]
-    report(f"RL layout: {args.prompts // g} prompts x G={g} samples x {args.new_tokens} new tokens", model, bf16,
-           tok, grouped, args)
+    report(
+        f"RL layout: {args.prompts // g} prompts x G={g} samples x {args.new_tokens} new tokens",
+        model,
+        bf16,
+        tok,
+        grouped,
+        args,
+    )
 
 
 def report(title, model, bf16, tok, prompts, args):
@@ -132,10 +146,14 @@ def report(title, model, bf16, tok, prompts, args):
         ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args.new_tokens, args.repeats)),
     ]
     if not args.no_vllm:
-        rows += [("vLLM (colocated)", "float32",
-                  time_vllm(model, tok, prompts, args.new_tokens, "float32", args.repeats)),
-                 ("vLLM (colocated)", "bf16 weights",
-                  time_vllm(model, tok, prompts, args.new_tokens, "bfloat16", args.repeats))]
+        rows += [
+            ("vLLM (colocated)", "float32", time_vllm(model, tok, prompts, args.new_tokens, "float32", args.repeats)),
+            (
+                "vLLM (colocated)",
+                "bf16 weights",
+                time_vllm(model, tok, prompts, args.new_tokens, "bfloat16", args.repeats),
+            ),
+        ]
     print(f"\n## {args.model}: {title}")
     print("| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
     tps = {}
@@ -151,8 +169,10 @@ def report(title, model, bf16, tok, prompts, args):
     if not args.no_vllm:
         v32, vbf = tps[("vLLM (colocated)", "float32")], tps[("vLLM (colocated)", "bf16 weights")]
         print(f"ratio vLLM/generate, float32: {v32 / g32:.2f}x; bf16 weights: {vbf / gbf:.2f}x")
-        print(f"ratio vLLM/embedded engine, float32: {v32 / tps[('embedded engine', 'float32')]:.2f}x; "
-              f"vLLM (bf16 weights)/engine (bf16 autocast): {vbf / tps[('embedded engine', 'bf16 autocast')]:.2f}x")
+        print(
+            f"ratio vLLM/embedded engine, float32: {v32 / tps[('embedded engine', 'float32')]:.2f}x; "
+            f"vLLM (bf16 weights)/engine (bf16 autocast): {vbf / tps[('embedded engine', 'bf16 autocast')]:.2f}x"
+        )
 
 
 if __name__ == "__main__":

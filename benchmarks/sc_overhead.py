@@ -63,8 +63,10 @@ def main():
     initial = copy.deepcopy(policy.state_dict())
     prompts = [p for p in prompts_for(tok, args.prompts) for _ in range(args.group_size)]
     seeds = list(range(len(prompts)))
-    settings = {"correction=none": build(policy, tok, 0, args.new_tokens, args.group_size),
-                f"correction=sc (k={args.top_k})": build(policy, tok, args.top_k, args.new_tokens, args.group_size)}
+    settings = {
+        "correction=none": build(policy, tok, 0, args.new_tokens, args.group_size),
+        f"correction=sc (k={args.top_k})": build(policy, tok, args.top_k, args.new_tokens, args.group_size),
+    }
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     times: dict[str, list[tuple[float, float, int]]] = {k: [] for k in settings}
     for r in range(args.repeats + 1):
@@ -75,8 +77,10 @@ def main():
             if r:
                 times[name].append(measured)
     print(f"# {machine()}")
-    print(f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens, "
-          f"bf16 autocast, median of {args.repeats}")
+    print(
+        f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x {args.new_tokens} new tokens, "
+        f"bf16 autocast, median of {args.repeats}"
+    )
     print("| setting | rollout s | update s | step s | tokens |\n|---|---|---|---|---|")
     med = {}
     for name, rows in times.items():
@@ -84,8 +88,10 @@ def main():
         med[name] = (ro, up, ro + up)
         print(f"| {name} | {ro:.2f} | {up:.2f} | {ro + up:.2f} | {rows[0][2]} |")
     (a, b) = med.values()
-    print(f"\nSC / none: rollout {b[0] / a[0]:.3f}x, update {b[1] / a[1]:.3f}x, "
-          f"whole step {b[2] / a[2]:.3f}x ({100 * (b[2] / a[2] - 1):+.1f}%)")
+    print(
+        f"\nSC / none: rollout {b[0] / a[0]:.3f}x, update {b[1] / a[1]:.3f}x, "
+        f"whole step {b[2] / a[2]:.3f}x ({100 * (b[2] / a[2] - 1):+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

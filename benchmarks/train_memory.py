@@ -41,19 +41,35 @@ def child(cfg: dict) -> None:
     n, p, t = cfg["n"], 32, 128
     g = torch.Generator().manual_seed(0)
     rb = RolloutBatch(
-        prompt_ids=torch.randint(0, 40000, (n, p), generator=g), prompt_mask=torch.ones(n, p, dtype=torch.bool),
-        response_ids=torch.randint(0, 40000, (n, t), generator=g), response_mask=torch.ones(n, t, dtype=torch.bool),
-        rollout_logprobs=torch.zeros(n, t), rewards=torch.zeros(n), advantages=torch.randn(n, generator=g),
-        group_ids=torch.arange(n) // 8, policy_version=torch.zeros(n, dtype=torch.long))
-    module = GRPO(policy, tok, sampling={"max_new_tokens": t}, eval_sampling={}, group_size=8,
-                  micro_batch_size=cfg["micro"], advantage={}, loss={"reduction": "seq_mean_token_mean"},
-                  algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={}, optim={"lr": 1e-6},
-                  logprob_chunk_tokens=cfg.get("chunk", 1024))
+        prompt_ids=torch.randint(0, 40000, (n, p), generator=g),
+        prompt_mask=torch.ones(n, p, dtype=torch.bool),
+        response_ids=torch.randint(0, 40000, (n, t), generator=g),
+        response_mask=torch.ones(n, t, dtype=torch.bool),
+        rollout_logprobs=torch.zeros(n, t),
+        rewards=torch.zeros(n),
+        advantages=torch.randn(n, generator=g),
+        group_ids=torch.arange(n) // 8,
+        policy_version=torch.zeros(n, dtype=torch.long),
+    )
+    module = GRPO(
+        policy,
+        tok,
+        sampling={"max_new_tokens": t},
+        eval_sampling={},
+        group_size=8,
+        micro_batch_size=cfg["micro"],
+        advantage={},
+        loss={"reduction": "seq_mean_token_mean"},
+        algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}},
+        kl={},
+        optim={"lr": 1e-6},
+        logprob_chunk_tokens=cfg.get("chunk", 1024),
+    )
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     t0 = time.perf_counter()
     if cfg.get("naive"):
         ids = torch.cat([rb.prompt_ids, rb.response_ids], 1)
-        logits = policy(input_ids=ids).logits[:, p - 1:-1].float()  # [N, T, V] float32
+        logits = policy(input_ids=ids).logits[:, p - 1 : -1].float()  # [N, T, V] float32
         lp = torch.log_softmax(logits, -1).gather(-1, rb.response_ids[..., None]).squeeze(-1)
         (-(lp * rb.advantages[:, None]).mean()).backward()
     else:
@@ -63,8 +79,16 @@ def child(cfg: dict) -> None:
     n_params = sum(x.numel() for x in policy.parameters())
     with open("/proc/self/status") as f:
         rss_now = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1e6
-    print(json.dumps({"rss_end_gb": rss_now, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-                      "seconds": dt, "params": n_params}))
+    print(
+        json.dumps(
+            {
+                "rss_end_gb": rss_now,
+                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                "seconds": dt,
+                "params": n_params,
+            }
+        )
+    )
 
 
 def main() -> None:

@@ -37,11 +37,23 @@ def recipe_cfg(prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS)
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with initialize_config_dir(config_dir=os.path.join(root, "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=[
-            "trainer.precision=32-true", "trainer.max_steps=2", "trainer.enable_progress_bar=false", "threads=2",
-            f"rollout.prompts_per_step={prompts}", f"rollout.group_size={g}", f"rollout.micro_batch_size={MICRO}",
-            f"sampling.max_new_tokens={new_tokens}", "eval.num_examples=0", "checkpoint.every_n_steps=1000",
-            "kl.beta=0", "model.gradient_checkpointing=false"])
+        return compose(
+            config_name="train",
+            overrides=[
+                "trainer.precision=32-true",
+                "trainer.max_steps=2",
+                "trainer.enable_progress_bar=false",
+                "threads=2",
+                f"rollout.prompts_per_step={prompts}",
+                f"rollout.group_size={g}",
+                f"rollout.micro_batch_size={MICRO}",
+                f"sampling.max_new_tokens={new_tokens}",
+                "eval.num_examples=0",
+                "checkpoint.every_n_steps=1000",
+                "kl.beta=0",
+                "model.gradient_checkpointing=false",
+            ],
+        )
 
 
 def lit_rl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS) -> dict:
@@ -52,10 +64,15 @@ def lit_rl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = 
     cfg = recipe_cfg(prompts, g, new_tokens)
     run(cfg, out)
     s = read_scalars(os.path.join(out, "tensorboard"))
-    last = {tag: s[tag][-1][1] for tag in ("time/rollout_s", "time/train_s", "time/step_s",
-                                           "rollout/response_length_mean")}
-    return {"rollout_s": last["time/rollout_s"], "update_s": last["time/train_s"], "step_s": last["time/step_s"],
-            "tokens": last["rollout/response_length_mean"] * prompts * g}
+    last = {
+        tag: s[tag][-1][1] for tag in ("time/rollout_s", "time/train_s", "time/step_s", "rollout/response_length_mean")
+    }
+    return {
+        "rollout_s": last["time/rollout_s"],
+        "update_s": last["time/train_s"],
+        "step_s": last["time/step_s"],
+        "tokens": last["rollout/response_length_mean"] * prompts * g,
+    }
 
 
 def trl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS) -> dict:
@@ -79,17 +96,36 @@ def trl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW
     ds = Dataset.from_list([{"prompt": task.messages(ex), "idx": i} for i, ex in enumerate(examples)])
 
     def reward(prompts, completions, idx, **kwargs):
-        return [task.reward(c[0]["content"] if isinstance(c, list) else c, examples[i])
-                for c, i in zip(completions, idx)]
+        return [
+            task.reward(c[0]["content"] if isinstance(c, list) else c, examples[i]) for c, i in zip(completions, idx)
+        ]
 
-    args = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-                      per_device_train_batch_size=min(MICRO, prompts * g),
-                      gradient_accumulation_steps=max(1, prompts * g // MICRO),
-                      num_generations=g, max_completion_length=new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-                      beta=0.0, num_iterations=1, learning_rate=2e-6, lr_scheduler_type="constant", max_steps=2,
-                      logging_steps=1,
-                      save_strategy="no", report_to=[], shuffle_dataset=False, disable_dropout=True,
-                      dataloader_num_workers=0, seed=0)
+    args = GRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=min(MICRO, prompts * g),
+        gradient_accumulation_steps=max(1, prompts * g // MICRO),
+        num_generations=g,
+        max_completion_length=new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        learning_rate=2e-6,
+        lr_scheduler_type="constant",
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        shuffle_dataset=False,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
     trainer = GRPOTrainer(model=policy, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok)
     times: dict[str, list[float]] = {"step": [], "rollout": [], "tokens": []}
     original = trainer._generate_and_score_completions
@@ -128,12 +164,16 @@ def child(which: str, *shape: int) -> None:
 def measure(which: str, *shape: int) -> dict:
     """``child(which, *shape)`` in a fresh process, so peak RSS is this system's alone."""
     env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", which, *map(str, shape)],
-                         capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", which, *map(str, shape)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if res.returncode != 0 or line is None:
         sys.exit(f"{which} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main():
@@ -151,18 +191,24 @@ def main():
 
     rows = {"lit_rl": measure("lit_rl"), f"TRL {trl.__version__} GRPOTrainer": measure("trl")}
     print(f"# {machine()}")
-    print(f"\n## one GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G} x <= {NEW_TOKENS} new tokens, "
-          f"float32, micro-batch {MICRO}, second step of two")
+    print(
+        f"\n## one GRPO step, SmolLM2-135M-Instruct, {PROMPTS} prompts x G={G} x <= {NEW_TOKENS} new tokens, "
+        f"float32, micro-batch {MICRO}, second step of two"
+    )
     print("| system | rollout s | update s | step s | generated tokens | s per 1k tokens | peak RSS GB |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['rollout_s']:.1f} | {r['update_s']:.1f} | {r['step_s']:.1f} | {r['tokens']:.0f} | "
-              f"{1000 * r['step_s'] / r['tokens']:.2f} | {r['peak_rss_gb']:.2f} |")
+        print(
+            f"| {name} | {r['rollout_s']:.1f} | {r['update_s']:.1f} | {r['step_s']:.1f} | {r['tokens']:.0f} | "
+            f"{1000 * r['step_s'] / r['tokens']:.2f} | {r['peak_rss_gb']:.2f} |"
+        )
     a, b = rows.values()
-    print(f"\nlit_rl / TRL: step time {a['step_s'] / b['step_s']:.2f}x, "
-          f"per generated token {(a['step_s'] / a['tokens']) / (b['step_s'] / b['tokens']):.2f}x, "
-          f"rollout {a['rollout_s'] / b['rollout_s']:.2f}x, update {a['update_s'] / b['update_s']:.2f}x, "
-          f"peak RSS {a['peak_rss_gb'] / b['peak_rss_gb']:.2f}x   (targets: step <= 0.5x, RSS < 1x)")
+    print(
+        f"\nlit_rl / TRL: step time {a['step_s'] / b['step_s']:.2f}x, "
+        f"per generated token {(a['step_s'] / a['tokens']) / (b['step_s'] / b['tokens']):.2f}x, "
+        f"rollout {a['rollout_s'] / b['rollout_s']:.2f}x, update {a['update_s'] / b['update_s']:.2f}x, "
+        f"peak RSS {a['peak_rss_gb'] / b['peak_rss_gb']:.2f}x   (targets: step <= 0.5x, RSS < 1x)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,13 @@ def _same_thread_count_for_every_test():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--reverse", action="store_true", default=False,
-                     help="run the collected tests in reverse order (scripts/test.sh runs the batch-invariant "
-                          "tests so a second time: their results must not depend on what ran before)")
+    parser.addoption(
+        "--reverse",
+        action="store_true",
+        default=False,
+        help="run the collected tests in reverse order (scripts/test.sh runs the batch-invariant "
+        "tests so a second time: their results must not depend on what ran before)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,6 @@
 """All seven algorithms as LightningModules: exact micro-batching, learning on a learnable task, DAPO's
 dynamic sampling and shaping, PPO's fixed snapshot."""
 
-
 import lightning as L
 import pytest
 import torch
@@ -45,10 +44,18 @@ class ConstantByPromptTask(LeadingSpaceTask):
 
 def cfg_for(algo, *overrides):
     return compose_config(
-        "model=tiny", f"algo={algo}", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.micro_batch_size=8", "sampling.max_new_tokens=4", "sampling.top_k=8", "optim.lr=3e-3",
+        "model=tiny",
+        f"algo={algo}",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.micro_batch_size=8",
+        "sampling.max_new_tokens=4",
+        "sampling.top_k=8",
+        "optim.lr=3e-3",
         "optim.grad_clip=1.0",
-        *(["algo.overlong.buffer_length=2"] if algo == "dapo" else []), *overrides)
+        *(["algo.overlong.buffer_length=2"] if algo == "dapo" else []),
+        *overrides,
+    )
 
 
 class Recorder(L.Callback):
@@ -65,12 +72,19 @@ def fit(cfg, task, steps, seed=0, init_seed=None):
     L.seed_everything(seed, verbose=False)
     policy, tok = load_policy(ModelSpec("tiny", init_seed=seed if init_seed is None else init_seed))
     module = build_module(cfg, policy, tok)
-    dm = RolloutDataModule(task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed,
-                           eval_examples=0)
+    dm = RolloutDataModule(task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed, eval_examples=0)
     rec = Recorder()
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps * module.updates_per_step, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps * module.updates_per_step,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[rec],
+    )
     trainer.fit(module, datamodule=dm)
     return rec.steps, module
 
@@ -152,8 +166,9 @@ def test_dapo_dynamic_sampling_drops_uniform_groups_and_counts_them(tiny):
 
 
 def test_dapo_keeps_exactly_the_target_number_of_useful_groups():
-    steps, _ = fit(cfg_for("dapo", "algo.dynamic_sampling.max_rounds=6", "rollout.group_size=8"),
-                   LeadingSpaceTask(), steps=2)
+    steps, _ = fit(
+        cfg_for("dapo", "algo.dynamic_sampling.max_rounds=6", "rollout.group_size=8"), LeadingSpaceTask(), steps=2
+    )
     for s in steps:
         assert s["rollout/groups_kept"] == 4
 
@@ -204,6 +219,7 @@ class FaultyVerifierTask(LeadingSpaceTask):
             raise RuntimeError("verifier crashed")
         if ex.id == 1:
             import time
+
             time.sleep(30)
         return super().reward(completion, ex)
 
@@ -233,8 +249,9 @@ def test_dapo_counts_reward_errors_over_all_its_rounds():
     """Every 4th prompt's verifier raises; DAPO logs those errors like GRPO does (it logged 0 once it kept a
     group), summed over its generation rounds."""
     grpo, _ = fit(cfg_for("grpo", "reward_timeout_s=0.2"), RaisingEvery4th(), steps=1)
-    dapo, _ = fit(cfg_for("dapo", "reward_timeout_s=0.2", "algo.dynamic_sampling.max_rounds=1"), RaisingEvery4th(),
-                  steps=1)
+    dapo, _ = fit(
+        cfg_for("dapo", "reward_timeout_s=0.2", "algo.dynamic_sampling.max_rounds=1"), RaisingEvery4th(), steps=1
+    )
     # 4 prompts per step, ids 0..3 in some order: exactly one prompt (id % 4 == 0) raises for its G=4 samples
     assert grpo[0]["rollout/reward_errors"] == 4.0
     assert dapo[0]["rollout/reward_errors"] == 4.0
@@ -267,12 +284,20 @@ def test_mis_dropped_tokens_keep_the_original_denominators(tiny):
     rollout = old.clone()
     rollout[0, 1:3] = -100.0  # weight pi_old / mu = e^~100: outside [0.5, 2], dropped
     for reduction in ("seq_mean_token_mean", "token_mean"):
-        module = build_module(cfg_for("grpo", "correction=mis", f"loss.reduction={reduction}",
-                                      "sampling.top_k=0"), policy, tok)
-        rb = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=torch.ones(2, 3, dtype=torch.bool),
-                          response_ids=response_ids, response_mask=ones, rollout_logprobs=rollout,
-                          rewards=torch.tensor([1.0, 0.0]), advantages=torch.tensor([1.0, 1.0]),
-                          group_ids=torch.tensor([0, 0]), policy_version=torch.zeros(2, dtype=torch.long))
+        module = build_module(
+            cfg_for("grpo", "correction=mis", f"loss.reduction={reduction}", "sampling.top_k=0"), policy, tok
+        )
+        rb = RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=torch.ones(2, 3, dtype=torch.bool),
+            response_ids=response_ids,
+            response_mask=ones,
+            rollout_logprobs=rollout,
+            rewards=torch.tensor([1.0, 0.0]),
+            advantages=torch.tensor([1.0, 1.0]),
+            group_ids=torch.tensor([0, 0]),
+            policy_version=torch.zeros(2, dtype=torch.long),
+        )
         stats, loss = module.accumulate_gradients(rb)
         policy.zero_grad(set_to_none=True)
         assert loss == pytest.approx(-0.75, abs=1e-6), reduction

@@ -44,7 +44,7 @@ def test_mm_rows_do_not_depend_on_how_many_rows_share_the_call(dtype, k, n):
         assert torch.equal(bi.mm(x[:m].clone(), w.t()), full[:m]), m
         assert torch.equal(bi.addmm(bias, x[:m].clone(), w.t()), full_b[:m]), m
         s = (600 - m) // 2  # a block from the middle, not only prefixes
-        assert torch.equal(bi.mm(x[s:s + m].clone(), w.t()), full[s:s + m]), m
+        assert torch.equal(bi.mm(x[s : s + m].clone(), w.t()), full[s : s + m]), m
     assert torch.allclose(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=2e-1)
 
 
@@ -92,8 +92,8 @@ def _attention_inputs(lengths, lq_total, h=9, kvh=3, d=64, seed=0):
     mask2d = torch.zeros(b, lq_total, dtype=torch.long)
     for i, n in enumerate(lengths):
         q[i, :, -n:] = real[i, :h, :n]
-        k[i, :, -n:] = real[i, h:h + kvh, :n]
-        v[i, :, -n:] = real[i, h + kvh:, :n]
+        k[i, :, -n:] = real[i, h : h + kvh, :n]
+        v[i, :, -n:] = real[i, h + kvh :, :n]
         mask2d[i, -n:] = 1
     return q, k, v, mask2d
 
@@ -119,8 +119,14 @@ def test_attention_decode_equals_prefill_whatever_the_padding_or_batch():
             assert torch.equal(alone[0, -n:], full[i, -n:]), (n, extra_pad)
             for t in (0, n // 2, n - 1):  # decode: the query at real position t against the cache so far
                 lk = extra_pad + t + 1
-                dec, _ = bi.attention(None, qi[:, :, lk - 1:lk], ki[:, :, :lk], vi[:, :, :lk],
-                                      _causal_padded_mask(mi[:, :lk], 1), scaling=0.125)
+                dec, _ = bi.attention(
+                    None,
+                    qi[:, :, lk - 1 : lk],
+                    ki[:, :, :lk],
+                    vi[:, :, :lk],
+                    _causal_padded_mask(mi[:, :lk], 1),
+                    scaling=0.125,
+                )
                 assert torch.equal(dec[0, 0], full[i, 140 - n + t]), (n, extra_pad, t)
     # batch prefixes: f(x[:m]) == f(x)[:m]
     for m in range(1, len(lengths) + 1):
@@ -128,8 +134,8 @@ def test_attention_decode_equals_prefill_whatever_the_padding_or_batch():
         assert torch.equal(part, full[:m])
     # and it is attention: close to torch's SDPA on the real rows
     rep = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=_causal_padded_mask(mask2d, 140),
-        scale=0.125).transpose(1, 2)
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=_causal_padded_mask(mask2d, 140), scale=0.125
+    ).transpose(1, 2)
     for i, n in enumerate(lengths):
         assert torch.allclose(full[i, -n:], rep[i, -n:], atol=1e-5)
 
@@ -172,8 +178,9 @@ def test_unknown_kernels_value_is_named_before_any_model_loads():
     cfg = compose_config("kernels.name=fast")
     gpu = compose_config("kernels=batch_invariant", "trainer=gpu")
     assert compose_config().kernels.name == "default"
-    with pytest.raises(ConfigError,
-                       match=r"kernels='fast' is not allowed: choose one of \['default', 'batch_invariant'\]"):
+    with pytest.raises(
+        ConfigError, match=r"kernels='fast' is not allowed: choose one of \['default', 'batch_invariant'\]"
+    ):
         validate(cfg)
     with pytest.raises(ConfigError, match="CPU only"):
         validate(gpu)
@@ -202,10 +209,11 @@ def engine_and_trainer_logprobs(model, tok, prompts, precision, micro_batch_size
             order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(j))
             lp = torch.zeros_like(r.rollout_logprobs)
             for s in range(0, len(prompts), mbs):
-                rows = order[s:s + mbs]
+                rows = order[s : s + mbs]
                 with torch.set_grad_enabled(j == 0):
-                    out = response_logprobs(model, pids[rows], pmask[rows], r.response_ids[rows],
-                                            r.response_mask[rows], chunk_tokens=64).logprobs
+                    out = response_logprobs(
+                        model, pids[rows], pmask[rows], r.response_ids[rows], r.response_mask[rows], chunk_tokens=64
+                    ).logprobs
                 lp[rows] = out.detach()
             scored.append(lp)
     return r, scored
@@ -284,11 +292,22 @@ def test_smollm2_default_kernels_show_a_gap(smollm2, precision):
 
 # -- the recipe: 10 steps with kernels=batch_invariant log a zero gap at every step ---------------------
 def test_ten_step_run_logs_a_zero_gap_at_every_step(tmp_path):
-    overrides = ["model=tiny", "kernels=batch_invariant", "trainer.enable_progress_bar=false",
-                 "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.micro_batch_size=3",
-                 "sampling.max_new_tokens=8", "eval.num_examples=0", "checkpoint.every_n_steps=10",
-                 "trainer.max_steps=10", "algo=reinforce", "algo.baseline=none", "task.constant_reward=1",
-                 "optim.lr=1e-3"]  # bf16-mixed (the default precision); updates that move the weights
+    overrides = [
+        "model=tiny",
+        "kernels=batch_invariant",
+        "trainer.enable_progress_bar=false",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "rollout.micro_batch_size=3",
+        "sampling.max_new_tokens=8",
+        "eval.num_examples=0",
+        "checkpoint.every_n_steps=10",
+        "trainer.max_steps=10",
+        "algo=reinforce",
+        "algo.baseline=none",
+        "task.constant_reward=1",
+        "optim.lr=1e-3",
+    ]  # bf16-mixed (the default precision); updates that move the weights
     cfg = compose_config(*overrides)
     run(cfg, tmp_path / "bi")
     s = read_scalars(tmp_path / "bi" / "tensorboard")
@@ -303,11 +322,23 @@ def test_async_rollouts_keep_a_zero_gap_with_the_producer_at_the_trainer_s_threa
     mode and at one thread count (the producer copies the trainer's; ``_check_threads`` would raise at a
     product run at another). The rollouts are stale (older weights), yet the gap between the engine's
     logprobs and the trainer's under the same weights (``train/r_num_abs``) is exactly 0 at every step."""
-    overrides = ["model=tiny", "kernels=batch_invariant", "trainer.enable_progress_bar=false",
-                 "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=8",
-                 "eval.num_examples=0", "checkpoint.every_n_steps=10", "trainer.max_steps=4", "algo=reinforce",
-                 "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3", "rollout.mode=async",
-                 "rollout.max_staleness=1"]
+    overrides = [
+        "model=tiny",
+        "kernels=batch_invariant",
+        "trainer.enable_progress_bar=false",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "sampling.max_new_tokens=8",
+        "eval.num_examples=0",
+        "checkpoint.every_n_steps=10",
+        "trainer.max_steps=4",
+        "algo=reinforce",
+        "algo.baseline=none",
+        "task.constant_reward=1",
+        "optim.lr=1e-3",
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+    ]
     run(compose_config(*overrides), tmp_path / "async")
     s = read_scalars(tmp_path / "async" / "tensorboard")
     r_num = [v for _, v in s["train/r_num_abs"]]
@@ -352,7 +383,13 @@ def test_kernels_hold_on_the_cpu_paths_of_an_intel_xeon_without_avx512_bf16(tmp_
     lib = intel_mkl_preload(tmp_path)
     if lib is not None:
         env["LD_PRELOAD"] = f"{lib} {env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(lib)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", PATH_TESTS],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", PATH_TESTS],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-4000:]
     assert " passed" in res.stdout and " failed" not in res.stdout

@@ -47,7 +47,6 @@ EXPECTED = {
 TAGS = ["rollout/reward_mean", "train/loss", "eval/accuracy"]
 
 
-
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """A multirun sweep folder with 2 settings x 2 seeds; algo=dapo,seed=1 written as tensor summaries."""
@@ -59,8 +58,9 @@ def sweep(tmp_path_factory):
 
 def cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def table_rows(text):
@@ -84,8 +84,10 @@ def test_find_runs_and_grouping(sweep):
     for name, d in runs.items():
         assert os.path.samefile(d, sweep / name)  # the run folder, not its tensorboard/ subfolder
     groups = compare.group_runs(runs)
-    assert groups == {"algo=dapo": ["algo=dapo,seed=0", "algo=dapo,seed=1"],
-                      "algo=grpo": ["algo=grpo,seed=0", "algo=grpo,seed=1"]}
+    assert groups == {
+        "algo=dapo": ["algo=dapo,seed=0", "algo=dapo,seed=1"],
+        "algo=grpo": ["algo=grpo,seed=0", "algo=grpo,seed=1"],
+    }
     assert len(compare.group_runs(runs, group_by_seed=False)) == 4
 
 
@@ -112,16 +114,19 @@ def test_same_names_in_two_folders_are_prefixed(tmp_path):
     assert compare.group_runs(runs) == {"a": ["a/seed=0"], "b": ["b/seed=0"]}
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("algo=dapo,seed=1", ("algo=dapo", 1)),
-    ("seed=12,algo=grpo,model=tiny", ("algo=grpo,model=tiny", 12)),
-    ("algo=grpo", ("algo=grpo", None)),
-    ("seed=0", ("(default)", 0)),
-    ("sweepA/algo=grpo,+seed=3", ("sweepA/algo=grpo", 3)),
-    ("sweepA/seed=3", ("sweepA", 3)),
-    ("data.seed=3,algo=grpo", ("data.seed=3,algo=grpo", None)),  # only the top-level seed key
-    ("10-00-00", ("10-00-00", None)),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("algo=dapo,seed=1", ("algo=dapo", 1)),
+        ("seed=12,algo=grpo,model=tiny", ("algo=grpo,model=tiny", 12)),
+        ("algo=grpo", ("algo=grpo", None)),
+        ("seed=0", ("(default)", 0)),
+        ("sweepA/algo=grpo,+seed=3", ("sweepA/algo=grpo", 3)),
+        ("sweepA/seed=3", ("sweepA", 3)),
+        ("data.seed=3,algo=grpo", ("data.seed=3,algo=grpo", None)),  # only the top-level seed key
+        ("10-00-00", ("10-00-00", None)),
+    ],
+)
 def test_setting_of(name, expected):
     assert compare.setting_of(name) == expected
 
@@ -175,10 +180,16 @@ def test_cli_writes_pngs_and_summary(sweep, tmp_path):
     res = cli(sweep, "--tags", ",".join(TAGS), "--out", out)
     assert res.returncode == 0, res.stderr
     header, rows = table_rows(res.stdout)
-    assert header == ["setting", "seeds",
-                      "rollout/reward_mean final", "rollout/reward_mean best (max)",
-                      "train/loss final", "train/loss best (min)",
-                      "eval/accuracy final", "eval/accuracy best (max)"]
+    assert header == [
+        "setting",
+        "seeds",
+        "rollout/reward_mean final",
+        "rollout/reward_mean best (max)",
+        "train/loss final",
+        "train/loss best (min)",
+        "eval/accuracy final",
+        "eval/accuracy best (max)",
+    ]
     assert rows == {
         "algo=dapo": dict(zip(header, ["algo=dapo", "2", "0.6", "0.7", "0.875", "0.875", "n/a", "n/a"])),
         "algo=grpo": dict(zip(header, ["algo=grpo", "2", "0.4", "0.5", "0.8", "0.6", "0.5", "0.5"])),
@@ -263,9 +274,11 @@ def test_runs_that_stopped_at_different_steps_are_compared_at_a_common_step(tmp_
     # eval/accuracy: only the grpo runs logged it, both up to step 4: their last values
     assert rows["algo=grpo"]["eval/accuracy final"] == "0.5"
     summary = (tmp_path / "o" / "summary.md").read_text()
-    assert ("**rollout/reward_mean: the runs stopped at different steps**; final is each run's value at step 2, "
-            "the last step all of them logged; later steps of algo=dapo,seed=0 (step 4), algo=grpo,seed=0 (step 4), "
-            "algo=grpo,seed=1 (step 4) are left out of final.") in summary
+    assert (
+        "**rollout/reward_mean: the runs stopped at different steps**; final is each run's value at step 2, "
+        "the last step all of them logged; later steps of algo=dapo,seed=0 (step 4), algo=grpo,seed=0 (step 4), "
+        "algo=grpo,seed=1 (step 4) are left out of final."
+    ) in summary
     assert "eval/accuracy: the runs stopped" not in summary
     assert "rollout/reward_mean: the runs stopped at different steps" in res.stderr
 

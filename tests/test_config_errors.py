@@ -16,48 +16,65 @@ def cfg_for(*overrides):
     return compose_config("model=tiny", *overrides)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algo.clip.eps_low=0"], r"algo.clip.eps_low=0 is not allowed: must be > 0"),
-    (["algo.clip.eps_low=1.0"], r"algo.clip.eps_low=1.0 is not allowed: must be < 1"),
-    (["algo.clip.eps_high=-0.1"], r"algo.clip.eps_high=-0.1 is not allowed: must be > 0"),
-    (["advantage.alpha=1.5"], r"advantage.alpha=1.5 is not allowed: must lie in \[0, 1\]"),
-    (["advantage.alpha=-0.1"], r"advantage.alpha=-0.1 is not allowed"),
-    (["rollout.group_size=1"], r"rollout.group_size=1 is not allowed: must be >= 2 for grpo"),
-    (["algo=dapo", "rollout.group_size=1"], r"rollout.group_size=1 is not allowed: must be >= 2 for dapo"),
-    (["sampling.max_new_tokens=0"], r"sampling.max_new_tokens=0 is not allowed: must be > 0"),
-    (["sampling.temperature=0"], r"sampling.temperature=0 is not allowed: must be > 0"),
-    (["trainer.devices=3"], r"rollout.prompts_per_step=8 is not allowed: must be divisible by trainer.devices=3"),
-    (["loss.reduction=mean"], r"loss.reduction='mean' is not allowed: choose one of \['token_mean'"),
-    (["task=gsm8k", "task.path=/no/such/dir"], r"task.path='/no/such/dir' is not allowed: must be a folder"),
-    (["model.name_or_path=/no/such/model"], r"model.name_or_path='/no/such/model' is not allowed: no such folder"),
-    (["correction.mis.low=2", "correction.mis.high=1"], r"correction.mis.low/high=\(2, 1\) is not allowed"),
-    (["algo=dapo", "algo.overlong.buffer_length=100"], r"algo.overlong.buffer_length=100 is not allowed"),
-    (["optim.grad_clip=-1"], r"optim.grad_clip=-1 is not allowed: must be >= 0 \(0 or null = no clipping\)"),
-    (["model.dtype=bfloat16"], r"model.dtype='bfloat16' is not allowed: training keeps float32 weights"),
-    (["checkpoint.every_n_steps=-1"], r"checkpoint.every_n_steps=-1 is not allowed: must be an integer >= 1"),
-    (["eval.batch_size=0"], r"eval.batch_size=0 is not allowed: must be an integer >= 1"),
-    (["eval.every_n_steps=0"], r"eval.every_n_steps=0 is not allowed: must be an integer >= 1"),
-    (["eval.num_examples=-1"], r"eval.num_examples=-1 is not allowed: must be an integer >= 0"),
-    (["logprob_chunk_tokens=0"], r"logprob_chunk_tokens=0 is not allowed: must be an integer >= 1"),
-    (["optim.max_nonfinite_updates=abc"], r"optim.max_nonfinite_updates='abc' is not allowed: must be an integer"),
-    (["algo=reinforce", "algo.baseline=none", "rollout.group_size=0"],
-     r"rollout.group_size=0 is not allowed: must be an integer >= 1"),
-    (["task.constant_reward=abc"], r"task.constant_reward='abc' is not allowed: must be null or a number"),
-    (["reward_timeout_s=0"], r"reward_timeout_s=0 is not allowed: must be a number of seconds > 0"),
-    (["algo=ppo", "algo.gae.lam=2"], r"algo.gae.lam=2 is not allowed: must lie in \[0, 1\]"),
-    (["algo=reinforce", "algo.num_minibatches=2"], r"must be 1 x 1 for reinforce: it has no importance ratio"),
-    # REINFORCE's default baseline is rloo: the message names the field that allows groups of one
-    (["algo=reinforce", "rollout.group_size=1"],
-     r"rollout.group_size=1 is not allowed: must be >= 2 for reinforce with algo.baseline=rloo .*for groups of one "
-     r"choose algo.baseline=none or algo.baseline=batch_mean"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algo.clip.eps_low=0"], r"algo.clip.eps_low=0 is not allowed: must be > 0"),
+        (["algo.clip.eps_low=1.0"], r"algo.clip.eps_low=1.0 is not allowed: must be < 1"),
+        (["algo.clip.eps_high=-0.1"], r"algo.clip.eps_high=-0.1 is not allowed: must be > 0"),
+        (["advantage.alpha=1.5"], r"advantage.alpha=1.5 is not allowed: must lie in \[0, 1\]"),
+        (["advantage.alpha=-0.1"], r"advantage.alpha=-0.1 is not allowed"),
+        (["rollout.group_size=1"], r"rollout.group_size=1 is not allowed: must be >= 2 for grpo"),
+        (["algo=dapo", "rollout.group_size=1"], r"rollout.group_size=1 is not allowed: must be >= 2 for dapo"),
+        (["sampling.max_new_tokens=0"], r"sampling.max_new_tokens=0 is not allowed: must be > 0"),
+        (["sampling.temperature=0"], r"sampling.temperature=0 is not allowed: must be > 0"),
+        (["trainer.devices=3"], r"rollout.prompts_per_step=8 is not allowed: must be divisible by trainer.devices=3"),
+        (["loss.reduction=mean"], r"loss.reduction='mean' is not allowed: choose one of \['token_mean'"),
+        (["task=gsm8k", "task.path=/no/such/dir"], r"task.path='/no/such/dir' is not allowed: must be a folder"),
+        (["model.name_or_path=/no/such/model"], r"model.name_or_path='/no/such/model' is not allowed: no such folder"),
+        (["correction.mis.low=2", "correction.mis.high=1"], r"correction.mis.low/high=\(2, 1\) is not allowed"),
+        (["algo=dapo", "algo.overlong.buffer_length=100"], r"algo.overlong.buffer_length=100 is not allowed"),
+        (["optim.grad_clip=-1"], r"optim.grad_clip=-1 is not allowed: must be >= 0 \(0 or null = no clipping\)"),
+        (["model.dtype=bfloat16"], r"model.dtype='bfloat16' is not allowed: training keeps float32 weights"),
+        (["checkpoint.every_n_steps=-1"], r"checkpoint.every_n_steps=-1 is not allowed: must be an integer >= 1"),
+        (["eval.batch_size=0"], r"eval.batch_size=0 is not allowed: must be an integer >= 1"),
+        (["eval.every_n_steps=0"], r"eval.every_n_steps=0 is not allowed: must be an integer >= 1"),
+        (["eval.num_examples=-1"], r"eval.num_examples=-1 is not allowed: must be an integer >= 0"),
+        (["logprob_chunk_tokens=0"], r"logprob_chunk_tokens=0 is not allowed: must be an integer >= 1"),
+        (["optim.max_nonfinite_updates=abc"], r"optim.max_nonfinite_updates='abc' is not allowed: must be an integer"),
+        (
+            ["algo=reinforce", "algo.baseline=none", "rollout.group_size=0"],
+            r"rollout.group_size=0 is not allowed: must be an integer >= 1",
+        ),
+        (["task.constant_reward=abc"], r"task.constant_reward='abc' is not allowed: must be null or a number"),
+        (["reward_timeout_s=0"], r"reward_timeout_s=0 is not allowed: must be a number of seconds > 0"),
+        (["algo=ppo", "algo.gae.lam=2"], r"algo.gae.lam=2 is not allowed: must lie in \[0, 1\]"),
+        (["algo=reinforce", "algo.num_minibatches=2"], r"must be 1 x 1 for reinforce: it has no importance ratio"),
+        # REINFORCE's default baseline is rloo: the message names the field that allows groups of one
+        (
+            ["algo=reinforce", "rollout.group_size=1"],
+            r"rollout.group_size=1 is not allowed: must be >= 2 for reinforce with algo.baseline=rloo "
+            r".*for groups of one "
+            r"choose algo.baseline=none or algo.baseline=batch_mean",
+        ),
+    ],
+)
 def test_bad_values_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_for(*overrides))
 
 
-@pytest.mark.parametrize("group, option", [("algo", "ppo2"), ("correction", "sc+foo"), ("engine", "sglang"),
-                                           ("task", "mmlu"), ("model", "llama-70b"), ("trainer", "tpu")])
+@pytest.mark.parametrize(
+    "group, option",
+    [
+        ("algo", "ppo2"),
+        ("correction", "sc+foo"),
+        ("engine", "sglang"),
+        ("task", "mmlu"),
+        ("model", "llama-70b"),
+        ("trainer", "tpu"),
+    ],
+)
 def test_unknown_group_option_lists_the_choices(group, option):
     from hydra.errors import MissingConfigException
 
@@ -71,30 +88,51 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
     import lit_rl.rollout.engines as engines
 
     monkeypatch.setattr(engines, "vllm_installed", lambda: False)  # as on a machine without vLLM
-    with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM, which is not installed: install it with "
-                                          r"`LIT_RL_VLLM=1 bash scripts/setup.sh`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"engine=vllm needs vLLM, which is not installed: install it with "
+        r"`LIT_RL_VLLM=1 bash scripts/setup.sh`",
+    ):
         validate(cfg_for("engine=vllm"))
     validate(cfg_for("engine=auto"))  # auto falls back to the embedded engine instead
     validate(cfg_for("engine=auto", "trainer=ddp"))  # ... so nothing vLLM-only is refused
     validate(cfg_for("engine=auto", "kernels=batch_invariant"))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["engine.sleep_mode=true"], r"engine.sleep_mode=True is not allowed: needs a CUDA device \(vLLM's CPU build "
-                                 r"has no sleep mode and no CUDA graphs\); use auto or false"),
-    (["engine.cuda_graphs=true"], r"engine.cuda_graphs=True is not allowed: needs a CUDA device"),
-    (["engine.sleep_mode=maybe"], r"engine.sleep_mode='maybe' is not allowed: choose auto, true or false"),
-    (["engine.tensor_parallel_size=2"], r"engine.tensor_parallel_size=2 is not allowed: > 1 needs "
-                                        r"engine.in_process=false"),
-    (["engine.tensor_parallel_size=0", "engine.in_process=false"], r"engine.tensor_parallel_size=0 is not allowed"),
-    (["engine.gpu_memory_utilization=1.5"], r"engine.gpu_memory_utilization=1.5 is not allowed: must lie in \(0, 1\]"),
-    (["engine.kv_cache_gb=0"], r"engine.kv_cache_gb=0 is not allowed: must be null or a number of GiB > 0"),
-    (["engine.max_model_len=32"], r"engine.max_model_len=32 is not allowed: must be null or an integer > "
-                                  r"sampling.max_new_tokens=64"),
-    (["trainer=ddp"], r"trainer.strategy='ddp' is not allowed: engine=vllm runs one colocated vLLM engine"),
-    (["kernels=batch_invariant"], r"kernels='batch_invariant' is not allowed: batch-invariant kernels are lit_rl's "
-                                  r"own, for the embedded engine and the trainer; with engine=vllm"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["engine.sleep_mode=true"],
+            r"engine.sleep_mode=True is not allowed: needs a CUDA device \(vLLM's CPU build "
+            r"has no sleep mode and no CUDA graphs\); use auto or false",
+        ),
+        (["engine.cuda_graphs=true"], r"engine.cuda_graphs=True is not allowed: needs a CUDA device"),
+        (["engine.sleep_mode=maybe"], r"engine.sleep_mode='maybe' is not allowed: choose auto, true or false"),
+        (
+            ["engine.tensor_parallel_size=2"],
+            r"engine.tensor_parallel_size=2 is not allowed: > 1 needs "
+            r"engine.in_process=false",
+        ),
+        (["engine.tensor_parallel_size=0", "engine.in_process=false"], r"engine.tensor_parallel_size=0 is not allowed"),
+        (
+            ["engine.gpu_memory_utilization=1.5"],
+            r"engine.gpu_memory_utilization=1.5 is not allowed: must lie in \(0, 1\]",
+        ),
+        (["engine.kv_cache_gb=0"], r"engine.kv_cache_gb=0 is not allowed: must be null or a number of GiB > 0"),
+        (
+            ["engine.max_model_len=32"],
+            r"engine.max_model_len=32 is not allowed: must be null or an integer > "
+            r"sampling.max_new_tokens=64",
+        ),
+        (["trainer=ddp"], r"trainer.strategy='ddp' is not allowed: engine=vllm runs one colocated vLLM engine"),
+        (
+            ["kernels=batch_invariant"],
+            r"kernels='batch_invariant' is not allowed: batch-invariant kernels are lit_rl's "
+            r"own, for the embedded engine and the trainer; with engine=vllm",
+        ),
+    ],
+)
 @pytest.mark.parametrize("engine", ["vllm", "auto"])
 def test_bad_vllm_engine_values_are_named(engine, overrides, message, monkeypatch):
     import torch
@@ -130,8 +168,13 @@ def test_score_centering_top_k_larger_than_vocabulary(tmp_path):
 
 
 def test_cli_prints_the_message_without_traceback(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "model=tiny", "advantage.alpha=2",
-           f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "train.py"),
+        "model=tiny",
+        "advantage.alpha=2",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     assert "lit_rl: error: advantage.alpha=2 is not allowed: must lie in [0, 1]" in res.stderr
@@ -153,8 +196,11 @@ def test_finished_run_folder_is_never_overwritten(tmp_path):
 def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").write_bytes(b"x")
-    with pytest.raises(ConfigError, match=r"holds an unfinished run \(epoch=0-step=6.ckpt\); continue it with "
-                                          r"ckpt_path=last"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds an unfinished run \(epoch=0-step=6.ckpt\); continue it with "
+        r"ckpt_path=last",
+    ):
         run(cfg_for(), tmp_path)
     assert (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").read_bytes() == b"x"
 
@@ -162,8 +208,11 @@ def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_pat
 def test_a_folder_whose_run_stopped_before_a_checkpoint_does_not_suggest_resuming(tmp_path):
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
-    with pytest.raises(ConfigError, match=r"holds a run that stopped before its first checkpoint "
-                                          r"\(events.out.tfevents.1\); choose another folder"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run that stopped before its first checkpoint "
+        r"\(events.out.tfevents.1\); choose another folder",
+    ):
         run(cfg_for(), tmp_path)
     assert (tmp_path / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"x"
 
@@ -173,12 +222,16 @@ def test_a_tokenizer_without_chat_template_is_named(tmp_path, tiny):
     folder = tmp_path / "no_template"
     model.save_pretrained(folder, safe_serialization=True)
     import copy
+
     plain = copy.deepcopy(tok)
     plain.chat_template = None
     plain.save_pretrained(folder)
     assert not any(p.name.startswith("chat_template") for p in folder.iterdir())
-    with pytest.raises(ConfigError, match=rf"model.name_or_path='{folder}': the tokenizer has no chat template, "
-                                          r"and task=arithmetic formats prompts with it"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"model.name_or_path='{folder}': the tokenizer has no chat template, "
+        r"and task=arithmetic formats prompts with it",
+    ):
         run(cfg_for(f"model.name_or_path={folder}"), tmp_path / "out")
 
 
@@ -203,40 +256,63 @@ def no_model_load(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the context check")
+
     monkeypatch.setattr(train_module, "load_policy", refuse)
 
 
 def test_prompt_plus_new_tokens_beyond_the_model_context_is_named_at_start_up(tmp_path, tiny, no_model_load):
     folder = small_context_model(tmp_path, tiny, 128)
     # the arithmetic task's longest chat prompt is 49 tokens with SmolLM2's tokenizer: 49 + 100 > 128
-    with pytest.raises(ConfigError, match=rf"task=arithmetic: the longest train prompt \(train example \d+\) has 49 "
-                                          rf"tokens; with sampling.max_new_tokens=100 it needs 149, more than the "
-                                          rf"context length of model.name_or_path='{folder}' \(128 tokens, "
-                                          rf"max_position_embeddings in its config\): lower sampling.max_new_tokens "
-                                          rf"to at most 79"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"task=arithmetic: the longest train prompt \(train example \d+\) has 49 "
+        rf"tokens; with sampling.max_new_tokens=100 it needs 149, more than the "
+        rf"context length of model.name_or_path='{folder}' \(128 tokens, "
+        rf"max_position_embeddings in its config\): lower sampling.max_new_tokens "
+        rf"to at most 79",
+    ):
         run(cfg_for(f"model.name_or_path={folder}", "sampling.max_new_tokens=100"), tmp_path / "out")
     # the evaluated prompts with eval.max_new_tokens
-    with pytest.raises(ConfigError, match=r"the longest eval prompt \(eval example \d+\) has \d+ tokens; with "
-                                          r"eval.max_new_tokens=120 it needs"):
-        run(cfg_for(f"model.name_or_path={folder}", "sampling.max_new_tokens=8", "eval.max_new_tokens=120"),
-            tmp_path / "out")
+    with pytest.raises(
+        ConfigError,
+        match=r"the longest eval prompt \(eval example \d+\) has \d+ tokens; with "
+        r"eval.max_new_tokens=120 it needs",
+    ):
+        run(
+            cfg_for(f"model.name_or_path={folder}", "sampling.max_new_tokens=8", "eval.max_new_tokens=120"),
+            tmp_path / "out",
+        )
     assert not (tmp_path / "out" / "config.yaml").exists() and not (tmp_path / "out" / "tensorboard").exists()
 
 
-@pytest.mark.parametrize("length, new_tokens, message", [
-    (150, 140, r"with sampling.max_new_tokens=140 it needs 189, more than engine.max_model_len=150: lower "
-               r"sampling.max_new_tokens to at most 101, or raise engine.max_model_len to 189 or more "
-               r"\(at most 2048\)"),
-    (4000, 8, r"engine.max_model_len=4000 is more than the context length of model.name_or_path='tiny' \(2048 tokens"),
-])
-def test_vllm_max_model_len_is_checked_before_the_engine_starts(tmp_path, monkeypatch, no_model_load, length,
-                                                                 new_tokens, message):
+@pytest.mark.parametrize(
+    "length, new_tokens, message",
+    [
+        (
+            150,
+            140,
+            r"with sampling.max_new_tokens=140 it needs 189, more than engine.max_model_len=150: lower "
+            r"sampling.max_new_tokens to at most 101, or raise engine.max_model_len to 189 or more "
+            r"\(at most 2048\)",
+        ),
+        (
+            4000,
+            8,
+            r"engine.max_model_len=4000 is more than the context length of model.name_or_path='tiny' \(2048 tokens",
+        ),
+    ],
+)
+def test_vllm_max_model_len_is_checked_before_the_engine_starts(
+    tmp_path, monkeypatch, no_model_load, length, new_tokens, message
+):
     import lit_rl.rollout.engines as engines
 
     monkeypatch.setattr(engines, "vllm_installed", lambda: True)  # checked before vLLM would be imported
     with pytest.raises(ConfigError, match=message):
-        run(cfg_for("engine=vllm", f"engine.max_model_len={length}", f"sampling.max_new_tokens={new_tokens}"),
-            tmp_path / "out")
+        run(
+            cfg_for("engine=vllm", f"engine.max_model_len={length}", f"sampling.max_new_tokens={new_tokens}"),
+            tmp_path / "out",
+        )
 
 
 def test_vllm_without_max_model_len_is_held_to_the_model_context(tmp_path, tiny, monkeypatch, no_model_load):
@@ -270,6 +346,9 @@ def test_an_output_folder_that_cannot_be_written_is_refused_at_start_up(tmp_path
     else:
         out = os.path.join(unwritable_folder(), "run")
     target = os.path.join(out, sub) if sub else out
-    with pytest.raises(ConfigError, match=rf"output folder {target} cannot be written \(.*\); the run would fail at "
-                                          r"its first checkpoint or at the end: choose another folder"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"output folder {target} cannot be written \(.*\); the run would fail at "
+        r"its first checkpoint or at the end: choose another folder",
+    ):
         run(cfg_for(), out)

@@ -1,7 +1,6 @@
 """Corrections wired into the algorithms: metrics logged, mismatch injection measurable, score
 centering a no-op on-policy and active under mismatch, TIS/MIS changing the gradient only under mismatch."""
 
-
 import pytest
 import torch
 from helpers import compose_config
@@ -12,8 +11,15 @@ from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.tasks import ArithmeticTask
 from lit_rl.train import build_module, run
 
-BASE = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=6", "eval.num_examples=0"]
+BASE = [
+    "model=tiny",
+    "trainer.precision=32-true",
+    "trainer.enable_progress_bar=false",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "sampling.max_new_tokens=6",
+    "eval.num_examples=0",
+]
 
 
 def cfg_for(*overrides):
@@ -45,8 +51,8 @@ def test_on_policy_score_centering_and_tis_are_no_ops():
     g_sc, _ = gradient("sc", mode="exact")
     g_tis, m_tis = gradient("tis")
     assert m["train/logprob_abs_diff"] < 1e-5
-    assert rel(g_sc, g_none) < 1e-5      # exact s_bar = E_pi[grad log pi] = 0 when mu = pi (measured 1.4e-7)
-    assert rel(g_tis, g_none) < 1e-4     # weights are 1
+    assert rel(g_sc, g_none) < 1e-5  # exact s_bar = E_pi[grad log pi] = 0 when mu = pi (measured 1.4e-7)
+    assert rel(g_tis, g_none) < 1e-4  # weights are 1
     assert abs(m_tis["train/tis"] - 1.0) < 1e-4 and m_tis["train/tis_clipfrac"] == 0.0
 
 
@@ -54,7 +60,7 @@ def test_injected_mismatch_is_measured_and_corrected():
     g_none, m = gradient("none", engine_dtype="bfloat16")
     assert m["train/logprob_abs_diff"] > 1e-4  # a bf16 sampler against a float32 trainer (float32: ~1e-7)
     assert m["train/r_num_abs"] == pytest.approx(m["train/logprob_abs_diff"])
-    assert m["train/r_stale_abs"] == 0.0       # one update per batch: no staleness
+    assert m["train/r_stale_abs"] == 0.0  # one update per batch: no staleness
     g_sc, _ = gradient("sc", engine_dtype="bfloat16", mode="exact")
     g_tis, m_tis = gradient("tis", engine_dtype="bfloat16")
     # SC now subtracts a nonzero s_bar: measured 6.2e-5 relative, 450x the on-policy residual. (The
@@ -65,10 +71,19 @@ def test_injected_mismatch_is_measured_and_corrected():
 
 
 def test_run_logs_correction_metrics(tmp_path):
-    run(cfg_for("correction=sc+tis", "engine.dtype=bfloat16", "trainer.max_steps=2",
-                "correction.sc.top_k=32"), tmp_path / "r")
+    run(
+        cfg_for("correction=sc+tis", "engine.dtype=bfloat16", "trainer.max_steps=2", "correction.sc.top_k=32"),
+        tmp_path / "r",
+    )
     s = read_scalars(tmp_path / "r" / "tensorboard")
-    for tag in ["train/tis", "train/tis_abs", "train/tis_clipfrac", "train/r_num_abs", "train/r_stale_abs",
-                "train/logprob_abs_diff", "train/train_inference_kl"]:
+    for tag in [
+        "train/tis",
+        "train/tis_abs",
+        "train/tis_clipfrac",
+        "train/r_num_abs",
+        "train/r_stale_abs",
+        "train/logprob_abs_diff",
+        "train/train_inference_kl",
+    ]:
         assert tag in s, tag
     assert all(v > 1e-4 for _, v in s["train/logprob_abs_diff"])

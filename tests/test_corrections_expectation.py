@@ -43,18 +43,28 @@ ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on ev
 
 # correction name -> extra overrides (mis_mask = mask-only MIS, verl's rejection sampling)
 #: every registered correction, and MIS's mask-only form of each that has MIS
-CORRECTIONS = {variant: overrides for name in REGISTERED_CORRECTIONS
-               for variant, overrides in ((name, []), (f"{name}_mask", ["correction.mis.weighted=false"]))
-               if variant == name or "mis" in REGISTERED_CORRECTIONS[name]}
+CORRECTIONS = {
+    variant: overrides
+    for name in REGISTERED_CORRECTIONS
+    for variant, overrides in ((name, []), (f"{name}_mask", ["correction.mis.weighted=false"]))
+    if variant == name or "mis" in REGISTERED_CORRECTIONS[name]
+}
 
 
 def module_for(policy, algo, correction="none", *overrides):
     """The algorithm's LightningModule built from the real Hydra config around a tabular policy."""
     name = correction.replace("_mask", "")
-    base = ["model=tiny", "trainer.precision=32-true", f"sampling.max_new_tokens={policy.length}",
-            "rollout.micro_batch_size=4096", "logprob_chunk_tokens=4096",
-            f"algo={algo}", f"correction={name}", f"correction.sc.top_k={policy.vocab_size}",
-            *CORRECTIONS[correction]]
+    base = [
+        "model=tiny",
+        "trainer.precision=32-true",
+        f"sampling.max_new_tokens={policy.length}",
+        "rollout.micro_batch_size=4096",
+        "logprob_chunk_tokens=4096",
+        f"algo={algo}",
+        f"correction={name}",
+        f"correction.sc.top_k={policy.vocab_size}",
+        *CORRECTIONS[correction],
+    ]
     if algo == "reinforce":
         base.append("algo.baseline=none")
     if algo == "dapo":
@@ -67,8 +77,9 @@ def module_for(policy, algo, correction="none", *overrides):
 def expected(policy, algo, correction, sampler, overrides=(), **kwargs):
     module = module_for(policy, algo, correction, *overrides)
     kwargs.setdefault("reward", lambda seqs: torch.ones(len(seqs)))
-    return expected_gradient(module, policy, sampler, head_size=kwargs.pop("head_size", policy.vocab_size),
-                             **kwargs).mean
+    return expected_gradient(
+        module, policy, sampler, head_size=kwargs.pop("head_size", policy.vocab_size), **kwargs
+    ).mean
 
 
 def close(a, b, scale, rtol=1e-6):
@@ -84,11 +95,11 @@ V15 = [
     ("none", [], (-0.1, 0.1)),
     ("tis", ["correction.tis.cap=2"], (0.0, 0.0)),
     ("sc", [], (0.0, 0.0)),
-    ("sc+tis", ["correction.tis.cap=2"], (0.0, 0.0)),       # (+0.1, -0.1) when the centred score was multiplied by w_y
+    ("sc+tis", ["correction.tis.cap=2"], (0.0, 0.0)),  # (+0.1, -0.1) when the centred score was multiplied by w_y
     ("sc+mis", ["correction.mis.low=0.5", "correction.mis.high=2"], (0.0, 0.0)),
-    ("tis", ["correction.tis.cap=1.1"], (-0.03, 0.03)),      # the cap binds: TIS leaks the drift back
+    ("tis", ["correction.tis.cap=1.1"], (-0.03, 0.03)),  # the cap binds: TIS leaks the drift back
     ("sc+tis", ["correction.tis.cap=1.1"], (0.0, 0.0)),
-    ("mis", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.25, -0.25)),       # token 0 (w = 5/6) masked
+    ("mis", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.25, -0.25)),  # token 0 (w = 5/6) masked
     ("mis_mask", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.2, -0.2)),
     ("sc+mis", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.0, 0.0)),
     ("sc+mis_mask", ["correction.mis.low=0.9", "correction.mis.high=1.5"], (0.0, 0.0)),
@@ -170,8 +181,10 @@ def reference_drift(policy, sampler, rule, centred, reduction_weight):
         for t in range(policy.length):
             h = int(rows[i, t])
             pi_h, mu_h = logpi[h].exp(), logmu[h].exp()
-            ctx = {lvl: (float(log_r[i].sum() - log_r[i, t]) if lvl == "sequence" else 0.0)
-                   for lvl in ("token", "sequence")}
+            ctx = {
+                lvl: (float(log_r[i].sum() - log_r[i, t]) if lvl == "sequence" else 0.0)
+                for lvl in ("token", "sequence")
+            }
             lr_v = logpi[h] - logmu[h]  # [V]
             w_v = f(lr_v + ctx[rule.tis_level], lr_v + ctx[rule.mis_level])
             y = int(s[t])
@@ -183,16 +196,24 @@ def reference_drift(policy, sampler, rule, centred, reduction_weight):
 
 
 def rule_for(correction, level="token", cap=2.0, band=(0.5, 2.0)):
-    return WeightFunction(tis_cap=cap if "tis" in correction else None, tis_level=level,
-                          mis_band=band if "mis" in correction else None, mis_level=level,
-                          mis_weighted=not correction.endswith("_mask"))
+    return WeightFunction(
+        tis_cap=cap if "tis" in correction else None,
+        tis_level=level,
+        mis_band=band if "mis" in correction else None,
+        mis_level=level,
+        mis_weighted=not correction.endswith("_mask"),
+    )
 
 
 SETTINGS = {  # name -> (overrides, the matching WeightFunction keywords)
-    "loose": (["correction.tis.cap=1e6", "correction.mis.low=1e-6", "correction.mis.high=1e6"],
-              dict(cap=1e6, band=(1e-6, 1e6))),
-    "binding": (["correction.tis.cap=1.05", "correction.mis.low=0.9", "correction.mis.high=1.1"],
-                dict(cap=1.05, band=(0.9, 1.1))),
+    "loose": (
+        ["correction.tis.cap=1e6", "correction.mis.low=1e-6", "correction.mis.high=1e6"],
+        dict(cap=1e6, band=(1e-6, 1e6)),
+    ),
+    "binding": (
+        ["correction.tis.cap=1.05", "correction.mis.low=0.9", "correction.mis.high=1.1"],
+        dict(cap=1.05, band=(0.9, 1.1)),
+    ),
 }
 
 
@@ -201,8 +222,9 @@ def drift_setup():
     """V = 4, L = 2; a sampler with logit noise (KL(π‖μ) = 0.1 per prefix) and a stale one (an older θ)."""
     policy = TabularPolicy(4, 2, seed=2)
     noisy, _ = sampler_at_kl(policy.table(), 0.1, seed=3)
-    stale = policy.table() - 0.5 * torch.randn(policy.table().shape, generator=torch.Generator().manual_seed(4),
-                                               dtype=torch.float64)
+    stale = policy.table() - 0.5 * torch.randn(
+        policy.table().shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64
+    )
     return policy, {"noise": noisy, "stale": stale}
 
 
@@ -330,8 +352,15 @@ def test_untruncated_sequence_importance_sampling_is_unbiased(algo):
     reward = lambda seqs: torch.tensor([table_reward[tuple(s.tolist())] for s in seqs])  # noqa: E731
     fixed = lambda rb: rb.rewards.clone() if algo != "ppo" else rb.rewards[:, None].expand_as(rb.response_mask).clone()  # noqa: E731
     on_policy = expected(policy, algo, "none", policy.table(), reward=reward, advantages=fixed)
-    seq_is = expected(policy, algo, "tis", mu, ["correction.tis.level=sequence", "correction.tis.cap=1e9"],
-                      reward=reward, advantages=fixed)
+    seq_is = expected(
+        policy,
+        algo,
+        "tis",
+        mu,
+        ["correction.tis.level=sequence", "correction.tis.cap=1e9"],
+        reward=reward,
+        advantages=fixed,
+    )
     token_is = expected(policy, algo, "tis", mu, ["correction.tis.cap=1e9"], reward=reward, advantages=fixed)
     off_policy = expected(policy, algo, "none", mu, reward=reward, advantages=fixed)
     scale = float(on_policy.abs().max())
@@ -353,6 +382,6 @@ def test_centring_term_with_the_full_head_is_the_enumerated_expected_score():
     (grad_exact,) = torch.autograd.grad(exact_score_centering_term(logits, mu).sum(), logits)
     # Σ_v μ_v ∇_z log π_v = Σ_v μ_v (e_v − π), enumerated
     pi = logpi.detach().exp()
-    enumerated = sum(mu.exp()[..., v:v + 1] * (torch.eye(vocab, dtype=torch.float64)[v] - pi) for v in range(vocab))
+    enumerated = sum(mu.exp()[..., v : v + 1] * (torch.eye(vocab, dtype=torch.float64)[v] - pi) for v in range(vocab))
     torch.testing.assert_close(grad_topk, enumerated)
     torch.testing.assert_close(grad_exact, enumerated)

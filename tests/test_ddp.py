@@ -27,8 +27,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", 
 def two_ranks(tmp_path_factory):
     """Both ranks' results of tests/helpers/ddp_probe.py on 2 DDP processes."""
     out = tmp_path_factory.mktemp("probe")
-    res = subprocess.run([sys.executable, PROBE, "2", str(out)], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT, env=ENV)
+    res = subprocess.run(
+        [sys.executable, PROBE, "2", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
 
@@ -50,8 +51,11 @@ def one_process():
             module.loss_cfg.reduction = reduction
             policy.zero_grad()
             stats, loss = module.accumulate_gradients(make_batch(rank1_empty))
-            out[name] = {"grads": {n: p.grad.clone() for n, p in policy.named_parameters()},
-                         "means": stats.means(), "loss": loss}
+            out[name] = {
+                "grads": {n: p.grad.clone() for n, p in policy.named_parameters()},
+                "means": stats.means(),
+                "loss": loss,
+            }
     finally:
         torch.set_num_threads(previous)
     return out
@@ -123,9 +127,22 @@ def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
     the rank, and each value is reduced over ranks with the weights one device would use)."""
     common = [*FAST, "trainer.max_steps=3"]
     out = tmp_path / "ddp"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "train.py"), *common, "trainer=ddp",
-                          "trainer.devices=2", "threads=1", f"hydra.run.dir={out}"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=ENV)
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "recipes", "train.py"),
+            *common,
+            "trainer=ddp",
+            "trainer.devices=2",
+            "threads=1",
+            f"hydra.run.dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert len(events) == 1, events
@@ -152,12 +169,19 @@ def test_trainer_groups_compose_and_the_rank_count_is_checked():
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.accelerator == "gpu"
     strategy = build_strategy(cfg.trainer.strategy)
     from lightning.pytorch.strategies import FSDPStrategy
+
     assert isinstance(strategy, FSDPStrategy)
     assert build_strategy("ddp") == "ddp"
     # prompts are shared out over devices x nodes; every minibatch needs rows on every rank
-    with pytest.raises(ConfigError, match=r"rollout.prompts_per_step=2 is not allowed: must be divisible by "
-                                          r"the 4 ranks \(trainer.devices=2 x trainer.num_nodes=2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.prompts_per_step=2 is not allowed: must be divisible by "
+        r"the 4 ranks \(trainer.devices=2 x trainer.num_nodes=2\)",
+    ):
         validate(cfg_for("trainer=ddp", "trainer.num_nodes=2"))
-    with pytest.raises(ConfigError, match=r"algo.num_minibatches=8 is not allowed: must lie in \[1, "
-                                          r"prompts_per_step x group_size / 2 ranks = 4\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"algo.num_minibatches=8 is not allowed: must lie in \[1, "
+        r"prompts_per_step x group_size / 2 ranks = 4\]",
+    ):
         validate(cfg_for("trainer=ddp", "algo.num_minibatches=8"))

@@ -26,8 +26,9 @@ def test_rollout_logprobs_equal_trainer_forward_float32(tiny):
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS) * 2  # different prompt lengths -> left padding
     for temperature in (1.0, 0.7):
-        r = make_engine(model, tok).generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=24),
-                                             seeds=list(range(len(prompts))))
+        r = make_engine(model, tok).generate(
+            prompts, SamplingParams(temperature=temperature, max_new_tokens=24), seeds=list(range(len(prompts)))
+        )
         assert r.response_mask.sum() > 0
         lp = trainer_logprobs(model, tok, r, temperature)
         diff = (lp - r.rollout_logprobs).abs()[r.response_mask]
@@ -58,8 +59,9 @@ def test_finish_reasons_and_stop_token(tiny):
     r = eng.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
     assert r.finish_reason == ["stop", "stop"]
     assert r.response_length.tolist() == [1, 1]
-    r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=5),
-                                         seeds=[0, 1])
+    r = make_engine(model, tok).generate(
+        chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=5), seeds=[0, 1]
+    )
     # the random tiny model essentially never emits <|im_end|> in 5 tokens
     assert r.finish_reason == ["length", "length"] and r.response_length.tolist() == [5, 5]
 
@@ -138,8 +140,8 @@ def test_score_centering_on_the_recorded_truncated_support_vanishes_on_policy(ti
     def grad_norm(**trunc):
         scores = response_logprobs(model, pi, pm, r.response_ids, m, head_ids=r.topk_ids, **trunc)
         term = score_centering_term(scores.head_logprobs, r.topk_logprobs, torch.isfinite(r.topk_logprobs))
-        g_term, = torch.autograd.grad(term[m].sum(), weight, retain_graph=True)
-        g_score, = torch.autograd.grad(scores.logprobs[m].sum(), weight)
+        (g_term,) = torch.autograd.grad(term[m].sum(), weight, retain_graph=True)
+        (g_score,) = torch.autograd.grad(scores.logprobs[m].sum(), weight)
         return (g_term.norm() / g_score.norm()).item()
 
     assert grad_norm(top_k=5) < 1e-4

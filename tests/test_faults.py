@@ -21,13 +21,25 @@ SCRIPT = os.path.join(ROOT, "tests", "helpers", "fault_injection.py")
 # REINFORCE without a baseline on a constant reward: A = 1 on every token, so every step moves the weights
 # and the optimizer state (on the tiny model the arithmetic reward is always 0 and GRPO would never move)
 COMMON = [*FAST, *MOVING, "eval.num_examples=0", "checkpoint.every_n_steps=1", "trainer.max_steps=4"]
-TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm", "train/entropy",
-        "train/skipped_updates", "train/logprob_abs_diff"]
+TAGS = [
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/skipped_updates",
+    "train/logprob_abs_diff",
+]
 
 
 def launch(fault, call, out, *overrides):
-    return subprocess.run([sys.executable, SCRIPT, fault, str(call), str(out), *COMMON, *overrides],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, SCRIPT, fault, str(call), str(out), *COMMON, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +108,7 @@ def nan_advantages_at(steps):
     def advantages(self, scored, rewards):
         adv = original(self, scored, rewards)
         return torch.full_like(adv, math.nan) if self.global_step in steps else adv
+
     return advantages
 
 
@@ -109,8 +122,11 @@ def test_a_non_finite_update_is_skipped_and_counted(tmp_path, monkeypatch):
 
 def test_too_many_non_finite_updates_in_a_row_stop_the_run_naming_the_step(tmp_path, monkeypatch):
     monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1, 2, 3, 4, 5}))
-    with pytest.raises(NonFiniteUpdates, match=r"3 updates in a row .* stopped at RL step 3 .*"
-                                                 r"optim.max_nonfinite_updates=3"):
+    with pytest.raises(
+        NonFiniteUpdates,
+        match=r"3 updates in a row .* stopped at RL step 3 .*"
+        r"optim.max_nonfinite_updates=3",
+    ):
         run(cfg_for("trainer.max_steps=6", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
     # the checkpoints written before stay; the run is not marked finished
     assert find_last(tmp_path / "r" / "checkpoints") is not None
@@ -136,10 +152,17 @@ def test_continuing_with_another_algorithm_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"algo.name \(the run: 'grpo', now: 'ppo'\)"):
         run(cfg_for("algo=ppo", "trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)
     # a checkpoint file started from elsewhere: its weights do not fit the new module
-    with pytest.raises(ConfigError, match=r"does not fit this config \(it was written by algo=grpo\): missing "
-                                          r"\['value_head.weight'"):
-        run(cfg_for("algo=ppo", "trainer.max_steps=2", "eval.num_examples=0",
-                    f"ckpt_path={find_last(out / 'checkpoints')}"), tmp_path / "elsewhere")
+    with pytest.raises(
+        ConfigError,
+        match=r"does not fit this config \(it was written by algo=grpo\): missing "
+        r"\['value_head.weight'",
+    ):
+        run(
+            cfg_for(
+                "algo=ppo", "trainer.max_steps=2", "eval.num_examples=0", f"ckpt_path={find_last(out / 'checkpoints')}"
+            ),
+            tmp_path / "elsewhere",
+        )
 
 
 def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_path):

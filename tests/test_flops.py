@@ -22,8 +22,14 @@ def test_dense_parameters_by_hand():
     assert tiny == FlopModel(dense_params=TINY_N, layers=2, heads=2, head_dim=32)
     # SmolLM2-135M: hidden 576, intermediate 1536, 30 layers, 9 heads / 3 KV heads of 64, vocab 49152:
     # 30*(3*576*1536 + 576*(576 + 192 + 192 + 576)) + 2*49152*576 = 30*3538944 + 56623104 = 162791424
-    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                          num_key_value_heads=3, vocab_size=49152)
+    smollm2 = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    )
     assert FlopModel.from_config(smollm2).dense_params == 162_791_424
     with pytest.raises(ValueError, match="intermediate_size"):
         FlopModel.from_config(type("C", (), {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})())

@@ -39,8 +39,10 @@ def test_auto_precision_on_cpus_follows_native_bf16(monkeypatch):
     assert precision == "32-true"
     assert "no AVX512-BF16 or AMX" in why and "Intel(R) Xeon(R)" in why
     mock_cpu(monkeypatch, avx512_bf16=True, model="AMD EPYC")
-    assert hardware.resolve_precision("auto", "cpu") == ("bf16-mixed", "the CPU multiplies bfloat16 natively "
-                                                                       "(AVX512-BF16; AMD EPYC)")
+    assert hardware.resolve_precision("auto", "cpu") == (
+        "bf16-mixed",
+        "the CPU multiplies bfloat16 natively (AVX512-BF16; AMD EPYC)",
+    )
     mock_cpu(monkeypatch, avx512_bf16=False, amx=True)
     assert hardware.resolve_precision("auto", "auto")[0] == "bf16-mixed"
     mock_cpu(monkeypatch, avx512_bf16=True)
@@ -53,11 +55,16 @@ def test_auto_precision_on_cpus_follows_native_bf16(monkeypatch):
 
 def test_auto_precision_on_cuda_follows_bf16_support(monkeypatch):
     mock_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", bf16=True)
-    assert hardware.resolve_precision("auto", "gpu") == ("bf16-mixed", "CUDA device NVIDIA H100 80GB HBM3 "
-                                                                       "multiplies bfloat16 natively")
+    assert hardware.resolve_precision("auto", "gpu") == (
+        "bf16-mixed",
+        "CUDA device NVIDIA H100 80GB HBM3 multiplies bfloat16 natively",
+    )
     assert hardware.resolve_precision("auto", "auto")[0] == "bf16-mixed"
-    assert hardware.resolve_precision("auto", "cpu")[0] != "bf16-mixed" or torch.cpu._is_avx512_bf16_supported() \
-        or torch.cpu._is_amx_tile_supported()  # accelerator=cpu asks the CPU, not the GPU
+    assert (
+        hardware.resolve_precision("auto", "cpu")[0] != "bf16-mixed"
+        or torch.cpu._is_avx512_bf16_supported()
+        or torch.cpu._is_amx_tile_supported()
+    )  # accelerator=cpu asks the CPU, not the GPU
     mock_cuda(monkeypatch, "Tesla T4", bf16=False)
     precision, why = hardware.resolve_precision("auto", "gpu")
     assert precision == "32-true" and "16-mixed" in why
@@ -153,8 +160,10 @@ def test_auto_threads_honours_omp_num_threads_and_shares_cores_among_ranks(monke
     monkeypatch.setattr(hardware, "available_cores", lambda: 8)
     assert hardware.auto_threads(environ={"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS=3 from the environment")
     assert hardware.auto_threads(environ={})[0] == 8
-    assert hardware.auto_threads(processes=2, environ={}) == (4, "8 cores available to this process, shared by 2 "
-                                                                 "workers")
+    assert hardware.auto_threads(processes=2, environ={}) == (
+        4,
+        "8 cores available to this process, shared by 2 workers",
+    )
     assert hardware.auto_threads(processes=16, environ={})[0] == 1
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = cfg_for("trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu")
@@ -180,12 +189,18 @@ def test_omp_defaults_keep_what_the_user_exported():
     assert hardware.set_omp_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"} == env
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["threads=0"], r"threads=0 is not allowed: choose auto, adaptive or an integer >= 1"),
-    (["threads=many"], r"threads='many' is not allowed"),
-    (["trainer.precision=fp8"], r"trainer.precision='fp8' is not allowed: choose auto \(bf16-mixed where the "
-                                r"hardware multiplies bfloat16 natively, else 32-true\) or one of"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["threads=0"], r"threads=0 is not allowed: choose auto, adaptive or an integer >= 1"),
+        (["threads=many"], r"threads='many' is not allowed"),
+        (
+            ["trainer.precision=fp8"],
+            r"trainer.precision='fp8' is not allowed: choose auto \(bf16-mixed where the "
+            r"hardware multiplies bfloat16 natively, else 32-true\) or one of",
+        ),
+    ],
+)
 def test_bad_threads_and_precision_fail_at_start_up(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_for(*overrides))
@@ -206,8 +221,10 @@ def test_peak_is_probed_once_per_machine_and_cached(tmp_path, monkeypatch):
     assert flops == 123e9 and source.startswith("matmul probe (cached ")
     assert calls == [("bf16-mixed", 2)]
     (key,) = json.loads(cache.read_text())
-    assert key == f"{hardware.cpu_model()}|torch {torch.__version__}|bfloat16|threads=2|onednn_cap=none" or \
-        os.environ.get("ONEDNN_MAX_CPU_ISA")
+    assert (
+        key == f"{hardware.cpu_model()}|torch {torch.__version__}|bfloat16|threads=2|onednn_cap=none"
+        or os.environ.get("ONEDNN_MAX_CPU_ISA")
+    )
     hardware.peak_flops("32-true", "cpu", threads=2, probe=probe, cache=cache)  # another dtype: probed
     hardware.peak_flops("bf16-mixed", "cpu", threads=1, probe=probe, cache=cache)  # other threads: probed
     assert len(calls) == 3 and len(json.loads(cache.read_text())) == 3
@@ -240,11 +257,15 @@ def test_real_probe_is_quick_and_plausible():
 def test_thread_governor_follows_other_processes_load(monkeypatch):
     """Between two calls, other processes' load = (busy time of our CPUs - our own CPU time) / wall time:
     a competitor on one of two cores -> 1 thread; when it leaves -> 2 again."""
-    samples = iter([(0.0, 0.0, 0.0),  # (machine busy s, own s, clock s)
-                    (2.0, 2.0, 1.0),  # we used both cores alone: 0 others -> 2 threads
-                    (4.0, 3.0, 2.0),  # 1 core of others -> 1 thread
-                    (5.9, 3.9, 3.0),  # 1.0 core of others -> still 1
-                    (7.9, 5.9, 4.0)])  # alone again -> 2
+    samples = iter(
+        [
+            (0.0, 0.0, 0.0),  # (machine busy s, own s, clock s)
+            (2.0, 2.0, 1.0),  # we used both cores alone: 0 others -> 2 threads
+            (4.0, 3.0, 2.0),  # 1 core of others -> 1 thread
+            (5.9, 3.9, 3.0),  # 1.0 core of others -> still 1
+            (7.9, 5.9, 4.0),
+        ]
+    )  # alone again -> 2
     monkeypatch.setattr(hardware, "cpu_busy_seconds", lambda cpus=None: next(samples))
     previous = torch.get_num_threads()
     try:
@@ -267,12 +288,15 @@ def test_thread_governor_reads_this_machine():
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer=ddp", "trainer.devices=2"], "2 data-parallel ranks share the cores"),
-    (["kernels=batch_invariant"], "kernels=batch_invariant keeps its own thread count"),
-    (["kernels=batch_invariant", "rollout.mode=async"], "kernels=batch_invariant keeps its own thread count"),
-    (["engine=vllm", "engine.in_process=false"], "the vLLM engine's worker processes would count as another"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer=ddp", "trainer.devices=2"], "2 data-parallel ranks share the cores"),
+        (["kernels=batch_invariant"], "kernels=batch_invariant keeps its own thread count"),
+        (["kernels=batch_invariant", "rollout.mode=async"], "kernels=batch_invariant keeps its own thread count"),
+        (["engine=vllm", "engine.in_process=false"], "the vLLM engine's worker processes would count as another"),
+    ],
+)
 def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(overrides, message):
     """Refused by ``validate``: at start-up, before any model loads, and for every job of a sweep."""
     from lit_rl.config import validate

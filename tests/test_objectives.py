@@ -163,9 +163,7 @@ def test_group_advantages_interleaved_layout():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # p1: [1, 0], p2: [0, 1]
     advantages = group_advantages(rewards, group_ids)
     torch.testing.assert_close(advantages, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(
-        group_advantages(rewards, group_ids, alpha=0.0), torch.tensor([0.5, -0.5, -0.5, 0.5])
-    )
+    torch.testing.assert_close(group_advantages(rewards, group_ids, alpha=0.0), torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
 def test_group_advantages_excludes_empty_completion():
@@ -590,8 +588,10 @@ def test_coefficients_equal_the_losses_gradients_clipped_or_not():
         assert (got == 0).any() and (got != 0).any()  # both branches
         got = cispo_coef(log_ratio, a, 0.2, 0.28).squeeze(-1)
         torch.testing.assert_close(got, _autograd_coef(lambda lp: cispo_loss(lp, old, a, 0.2, 0.28), logprobs))
-        torch.testing.assert_close(reinforce_coef(log_ratio, a).squeeze(-1), _autograd_coef(
-            lambda lp: -(a if a.dim() == 2 else a[:, None]) * lp, logprobs))
+        torch.testing.assert_close(
+            reinforce_coef(log_ratio, a).squeeze(-1),
+            _autograd_coef(lambda lp: -(a if a.dim() == 2 else a[:, None]) * lp, logprobs),
+        )
     # GSPO: the sequence ratio; eps small enough that some sequences clip
     for eps in (0.05, 10.0):
         got = gspo_coef(log_ratio, logprobs - old, adv, mask, eps, eps).squeeze(-1)

@@ -39,17 +39,33 @@ def update_on_fixed_batch(precision: str, steps: int = 1, scaler=None):
     torch.manual_seed(0)
     policy, tok = load_policy(ModelSpec("tiny"))
     start = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
-    module = FixedBatchGRPO(policy=policy, tokenizer=tok, sampling={"max_new_tokens": 12}, eval_sampling={},
-                            group_size=4, micro_batch_size=4, advantage={}, loss={"reduction": "token_mean"},
-                            algo={"name": "grpo", "clip": {"eps_low": 0.2, "eps_high": 0.2}}, kl={},
-                            optim={"lr": 1e-3, "grad_clip": 1.0, "max_nonfinite_updates": 3})
+    module = FixedBatchGRPO(
+        policy=policy,
+        tokenizer=tok,
+        sampling={"max_new_tokens": 12},
+        eval_sampling={},
+        group_size=4,
+        micro_batch_size=4,
+        advantage={},
+        loss={"reduction": "token_mean"},
+        algo={"name": "grpo", "clip": {"eps_low": 0.2, "eps_high": 0.2}},
+        kl={},
+        optim={"lr": 1e-3, "grad_clip": 1.0, "max_nonfinite_updates": 3},
+    )
     module.fixed, module.results = make_batch(), []
     kwargs = {"precision": precision, "accelerator": "cpu"}
     plugins = precision_plugins(kwargs)
     if scaler is not None:
         plugins[0].scaler = scaler
-    trainer = L.Trainer(**kwargs, plugins=plugins, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        **kwargs,
+        plugins=plugins,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module)
     return module.results, torch.cat([p.detach().flatten() for p in policy.parameters()]) - start
 
@@ -76,10 +92,10 @@ def test_the_scaler_skips_overflowing_steps_and_the_run_goes_on(float32_step):
     scale by 2^-8, so steps 1-3 are skipped and step 4 (scale 2^16) is float32's first step. Three overflows
     in a row do not stop the run (optim.max_nonfinite_updates=3): the scaler handles them while its scale > 1."""
     (ref,), ref_delta = float32_step
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-8)
     results, delta = update_on_fixed_batch("16-mixed", steps=4, scaler=scaler)
     assert [r["train/skipped_updates"] for r in results] == [1.0, 2.0, 3.0, 3.0]
-    assert [r["train/grad_scale"] for r in results] == [2.0 ** 32, 2.0 ** 24, 2.0 ** 16, 2.0 ** 16]
+    assert [r["train/grad_scale"] for r in results] == [2.0**32, 2.0**24, 2.0**16, 2.0**16]
     assert results[3]["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=0.01)
     assert float(delta.norm()) == pytest.approx(float(ref_delta.norm()), rel=0.01)  # one real step
 

@@ -28,10 +28,16 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in Path(CONF, group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group, names", [
-    ("algo", list(ALGORITHMS)), ("task", list(TASKS)), ("engine", list(ENGINE_CHOICES)),
-    ("correction", list(CORRECTIONS)), ("kernels", list(KERNELS)),
-])
+@pytest.mark.parametrize(
+    "group, names",
+    [
+        ("algo", list(ALGORITHMS)),
+        ("task", list(TASKS)),
+        ("engine", list(ENGINE_CHOICES)),
+        ("correction", list(CORRECTIONS)),
+        ("kernels", list(KERNELS)),
+    ],
+)
 def test_each_registry_matches_its_config_group_file_for_file(group, names):
     assert options(group) == sorted(names)
     for name in names:  # and each file names its own choice
@@ -78,9 +84,15 @@ def test_every_preset_composes_and_validates_with_each_swept_value(preset):
             validate(compose_config(f"experiment={preset}", f"{key}={value.strip()}"))
 
 
-@pytest.mark.parametrize("group, option", [(g, o) for g in sorted(os.listdir(CONF))
-                                           if os.path.isdir(os.path.join(CONF, g)) and g != "experiment"
-                                           for o in options(g)])
+@pytest.mark.parametrize(
+    "group, option",
+    [
+        (g, o)
+        for g in sorted(os.listdir(CONF))
+        if os.path.isdir(os.path.join(CONF, g)) and g != "experiment"
+        for o in options(g)
+    ],
+)
 def test_every_group_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"] + ([] if group == "model" else ["model=tiny"])
     if (group, option) == ("engine", "vllm"):
@@ -119,5 +131,13 @@ def test_the_learner_implements_what_stale_rollouts_need(tiny):
     for name in ("policy_version", "updates_per_step"):
         assert isinstance(getattr(RLAlgorithm, name), property), name
     members = {n for n in vars(Learner) if not n.startswith("_")} | set(Learner.__annotations__)
-    assert members == {"policy", "engine", "policy_version", "updates_per_step", "collect", "prompt_batch",
-                       "precision_context", "score_rows"}
+    assert members == {
+        "policy",
+        "engine",
+        "policy_version",
+        "updates_per_step",
+        "collect",
+        "prompt_batch",
+        "precision_context",
+        "score_rows",
+    }

@@ -18,17 +18,36 @@ from lit_rl.config import ConfigError
 from lit_rl.train import run
 
 SCRIPT = os.path.join(ROOT, "recipes", "train.py")
-FAST_CLI = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=false",
-            "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=8", "eval.num_examples=0"]
+FAST_CLI = [
+    "model=tiny",
+    "trainer.precision=32-true",
+    "trainer.enable_progress_bar=false",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "sampling.max_new_tokens=8",
+    "eval.num_examples=0",
+]
 # the run to continue: DAPO with its own learning rate, one step, checkpointed
-DAPO = ["algo=dapo", "algo.overlong.buffer_length=4", "optim.lr=1e-5", "eval.num_examples=0",
-        "checkpoint.every_n_steps=1"]
+DAPO = [
+    "algo=dapo",
+    "algo.overlong.buffer_length=4",
+    "optim.lr=1e-5",
+    "eval.num_examples=0",
+    "checkpoint.every_n_steps=1",
+]
 
 
 def cli(*args, preexec_fn=None, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=ROOT, preexec_fn=preexec_fn)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+        preexec_fn=preexec_fn,
+    )
 
 
 def saved(folder, name="config.yaml"):
@@ -60,15 +79,21 @@ def test_continuing_without_overrides_keeps_the_run_s_algorithm_and_learning_rat
     assert [s for s, _ in scalars["rollout/reward_mean_kept"]] == [0, 1]  # DAPO's own metric at both steps
 
 
-@pytest.mark.parametrize("given, named", [
-    (["algo=grpo"], r"algo.name \(the run: 'dapo', now: 'grpo'\)"),
-    (["optim.lr=0.001"], r"optim.lr \(the run: 1e-05, now: 0.001\)"),
-])
+@pytest.mark.parametrize(
+    "given, named",
+    [
+        (["algo=grpo"], r"algo.name \(the run: 'dapo', now: 'grpo'\)"),
+        (["optim.lr=0.001"], r"optim.lr \(the run: 1e-05, now: 0.001\)"),
+    ],
+)
 def test_continuing_with_an_override_that_changes_the_run_is_refused(dapo_run, given, named):
     overrides = [*given, "ckpt_path=last"]
-    with pytest.raises(ConfigError, match=rf"ckpt_path=last continues the run in {re.escape(str(dapo_run))} with its "
-                                          rf"saved config.yaml, and \d+ fields? differs? from it: (.*; )?{named}(; .*)?"
-                                          r"\. A continued run may change only trainer.max_steps, "):
+    with pytest.raises(
+        ConfigError,
+        match=rf"ckpt_path=last continues the run in {re.escape(str(dapo_run))} with its "
+        rf"saved config.yaml, and \d+ fields? differs? from it: (.*; )?{named}(; .*)?"
+        r"\. A continued run may change only trainer.max_steps, ",
+    ):
         run(cfg_for(*overrides), dapo_run, overrides=overrides)
     assert not list(dapo_run.glob("config.resume-*.yaml"))  # refused before anything was written
 
@@ -99,8 +124,9 @@ def test_resume_flag_continues_a_sweep_job_by_its_folder(dapo_run):
 
 
 def test_resume_of_a_folder_without_a_run_is_named(tmp_path):
-    with pytest.raises(ConfigError,
-                       match=rf"resume='{re.escape(str(tmp_path))}': no lit_rl run there \(no config.yaml\)"):
+    with pytest.raises(
+        ConfigError, match=rf"resume='{re.escape(str(tmp_path))}': no lit_rl run there \(no config.yaml\)"
+    ):
         run(cfg_for(f"resume={tmp_path}"), tmp_path / "ignored")
 
 
@@ -113,8 +139,13 @@ def limit_file_size():
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_at_that_step(tmp_path):
     out = tmp_path / "run"
-    res = cli(*FAST_CLI, "trainer.max_steps=3", "checkpoint.every_n_steps=1", f"hydra.run.dir={out}",
-              preexec_fn=limit_file_size)
+    res = cli(
+        *FAST_CLI,
+        "trainer.max_steps=3",
+        "checkpoint.every_n_steps=1",
+        f"hydra.run.dir={out}",
+        preexec_fn=limit_file_size,
+    )
     assert res.returncode == 1, res.stderr[-3000:]
     assert f"lit_rl: stopped: could not write the checkpoint of global step 1 to {out / 'checkpoints'}" in res.stderr
     assert "File too large" in res.stderr and "No earlier checkpoint was written" in res.stderr
@@ -129,8 +160,9 @@ def test_a_sweep_with_an_invalid_job_starts_no_job_and_lists_it(tmp_path):
     res = cli("-m", *FAST_CLI, "advantage.alpha=7,0.5,1", "rollout.group_size=4,1", f"hydra.sweep.dir={tmp_path}")
     assert res.returncode == 2, res.stderr[-3000:]
     assert "lit_rl: error: 4 of the sweep's 6 jobs have invalid configs; no job was started:" in res.stderr
-    assert ("#0 advantage.alpha=7,rollout.group_size=4: advantage.alpha=7 is not allowed: must lie in [0, 1]"
-            in res.stderr)
+    assert (
+        "#0 advantage.alpha=7,rollout.group_size=4: advantage.alpha=7 is not allowed: must lie in [0, 1]" in res.stderr
+    )
     assert "#5 advantage.alpha=1,rollout.group_size=1: rollout.group_size=1 is not allowed" in res.stderr
     assert "#2 " not in res.stderr  # advantage.alpha=0.5,rollout.group_size=4 is valid
     assert "Traceback" not in res.stderr

@@ -15,12 +15,15 @@ from lit_rl.logprobs import response_logprobs
 from lit_rl.schema import ArithmeticConfig, EngineConfig, Gsm8kConfig, TrainConfig, VLLMEngineConfig, config_of
 
 
-@pytest.mark.parametrize("relative, text, key", [
-    ("experiment/typo.yaml", "# @package _global_\nalgo:\n  ppo_epoch: 4\n", "ppo_epoch"),
-    ("experiment/typo.yaml", "# @package _global_\noptim:\n  max_nonfinite_update: 0\n", "max_nonfinite_update"),
-    ("task/typo.yaml", "defaults:\n  - base_arithmetic\n  - _self_\nname: arithmetic\ndigit: 3\n", "digit"),
-    ("correction/typo.yaml", "defaults:\n  - none\n  - _self_\nname: tis\ntis:\n  enable: true\n", "enable"),
-])
+@pytest.mark.parametrize(
+    "relative, text, key",
+    [
+        ("experiment/typo.yaml", "# @package _global_\nalgo:\n  ppo_epoch: 4\n", "ppo_epoch"),
+        ("experiment/typo.yaml", "# @package _global_\noptim:\n  max_nonfinite_update: 0\n", "max_nonfinite_update"),
+        ("task/typo.yaml", "defaults:\n  - base_arithmetic\n  - _self_\nname: arithmetic\ndigit: 3\n", "digit"),
+        ("correction/typo.yaml", "defaults:\n  - none\n  - _self_\nname: tis\ntis:\n  enable: true\n", "enable"),
+    ],
+)
 def test_a_typo_in_a_config_file_fails_at_compose_naming_the_file_and_the_key(tmp_path, relative, text, key):
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
@@ -51,8 +54,9 @@ def test_each_algorithm_built_from_python_gets_its_yaml_defaults(name):
     assert dataclasses.asdict(config_of(ALGORITHMS[name].algo_config, {})) == composed
 
 
-@pytest.mark.parametrize("option, schema", [("torch", EngineConfig), ("vllm", VLLMEngineConfig),
-                                            ("auto", VLLMEngineConfig)])
+@pytest.mark.parametrize(
+    "option, schema", [("torch", EngineConfig), ("vllm", VLLMEngineConfig), ("auto", VLLMEngineConfig)]
+)
 def test_each_engine_file_holds_its_schema_defaults(option, schema):
     composed = _plain(compose_config(f"engine={option}").engine)
     assert composed == dict(dataclasses.asdict(schema()), name=option)
@@ -94,8 +98,11 @@ def test_the_constructors_built_from_a_config_default_to_the_schema():
     from lit_rl.tasks import ArithmeticTask, Gsm8kTask
 
     def defaults(fn):
-        return {n: p.default for n, p in inspect.signature(fn).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+        return {
+            n: p.default
+            for n, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
 
     for cls, schema in ((ModelSpec, ModelConfig), (SamplingParams, SamplingConfig)):
         built = defaults(cls)

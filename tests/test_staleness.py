@@ -65,15 +65,29 @@ def test_lagged_resume_continues_exactly(tmp_path):
     run(cfg_for("trainer.max_steps=3", *common), tmp_path / "resumed")
     run(cfg_for("trainer.max_steps=5", "ckpt_path=last", *common), tmp_path / "resumed")
     a, b = read_scalars(tmp_path / "straight" / "tensorboard"), read_scalars(tmp_path / "resumed" / "tensorboard")
-    for tag in ["rollout/staleness_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
-                "train/r_stale_abs", "train/entropy"]:
+    for tag in [
+        "rollout/staleness_mean",
+        "rollout/response_length_mean",
+        "train/loss",
+        "train/grad_norm",
+        "train/r_stale_abs",
+        "train/entropy",
+    ]:
         assert b[tag] == a[tag], tag
 
 
 @pytest.mark.parametrize("on_stale, bound", [("block", 1), ("drop", 0)])
 def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_stale, bound):
-    run(cfg_for("trainer.max_steps=6", "rollout.mode=async", f"rollout.max_staleness={bound}",
-                f"rollout.on_stale={on_stale}", *MOVING), tmp_path / "a")
+    run(
+        cfg_for(
+            "trainer.max_steps=6",
+            "rollout.mode=async",
+            f"rollout.max_staleness={bound}",
+            f"rollout.on_stale={on_stale}",
+            *MOVING,
+        ),
+        tmp_path / "a",
+    )
     s = read_scalars(tmp_path / "a" / "tensorboard")
     assert len(s["rollout/staleness_max"]) == 6
     assert all(v <= bound for v in values(s, "rollout/staleness_max")), s["rollout/staleness_max"]
@@ -101,9 +115,23 @@ def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):
 
 def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
     script = os.path.join(ROOT, "tests", "helpers", "staleness_probe.py")
-    res = subprocess.run([sys.executable, script, "2", str(tmp_path / "i"), *FAST, "trainer.max_steps=6",
-                          "rollout.mode=async", "rollout.max_staleness=2", *MOVING],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "2",
+            str(tmp_path / "i"),
+            *FAST,
+            "trainer.max_steps=6",
+            "rollout.mode=async",
+            "rollout.max_staleness=2",
+            *MOVING,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]  # Lightning's graceful shutdown after KeyboardInterrupt
     assert "Detected KeyboardInterrupt" in out
@@ -112,16 +140,21 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
     assert PRODUCER not in live, live
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.mode=stale"], "rollout.mode='stale' is not allowed: choose one of ['sync', 'lagged', 'async']"),
-    (["rollout.mode=lagged", "rollout.lag=-1"], "rollout.lag=-1 is not allowed: must be an integer >= 0"),
-    (["rollout.lag=2"], "rollout.lag=2 is not allowed: is read by rollout.mode=lagged only"),
-    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1 is not allowed"),
-    (["rollout.mode=async", "rollout.on_stale=wait"], "rollout.on_stale='wait' is not allowed: choose one of"),
-    (["rollout.mode=async", "rollout.buffer_size=0"], "rollout.buffer_size=0 is not allowed"),
-    (["rollout.mode=async", "trainer=ddp", "trainer.devices=2"],
-     "rollout.mode='async' is not allowed: runs on one device"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.mode=stale"], "rollout.mode='stale' is not allowed: choose one of ['sync', 'lagged', 'async']"),
+        (["rollout.mode=lagged", "rollout.lag=-1"], "rollout.lag=-1 is not allowed: must be an integer >= 0"),
+        (["rollout.lag=2"], "rollout.lag=2 is not allowed: is read by rollout.mode=lagged only"),
+        (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1 is not allowed"),
+        (["rollout.mode=async", "rollout.on_stale=wait"], "rollout.on_stale='wait' is not allowed: choose one of"),
+        (["rollout.mode=async", "rollout.buffer_size=0"], "rollout.buffer_size=0 is not allowed"),
+        (
+            ["rollout.mode=async", "trainer=ddp", "trainer.devices=2"],
+            "rollout.mode='async' is not allowed: runs on one device",
+        ),
+    ],
+)
 def test_bad_rollout_mode_fields_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:
         validate(cfg_for(*overrides))
@@ -135,16 +168,32 @@ def test_compare_plots_a_tag_against_a_swept_value(tmp_path):
     from lit_rl import compare
 
     runs = {  # run name -> final two rewards
-        "correction=tis,rollout.lag=0,seed=0": [0.4, 0.6], "correction=tis,rollout.lag=0,seed=1": [0.6, 0.8],
+        "correction=tis,rollout.lag=0,seed=0": [0.4, 0.6],
+        "correction=tis,rollout.lag=0,seed=1": [0.6, 0.8],
         "correction=tis,rollout.lag=4,seed=0": [0.2, 0.4],
-        "correction=sc,rollout.lag=0,seed=0": [0.5, 0.5], "correction=sc,rollout.lag=4,seed=0": [0.3, 0.5],
+        "correction=sc,rollout.lag=0,seed=0": [0.5, 0.5],
+        "correction=sc,rollout.lag=4,seed=0": [0.3, 0.5],
     }
     for name, (a, b) in runs.items():
         write_run(str(tmp_path / "sweep" / name), {"rollout/reward_mean": {0: 0.0, 1: a, 2: b}})
     assert compare.split_key("correction=tis,rollout.lag=4", "rollout.lag") == ("correction=tis", 4.0)
     out = tmp_path / "cmp"
-    assert compare.main([str(tmp_path / "sweep"), "--tags", "rollout/reward_mean", "--x", "rollout.lag",
-                         "--final-steps", "2", "--out", str(out)]) == 0
+    assert (
+        compare.main(
+            [
+                str(tmp_path / "sweep"),
+                "--tags",
+                "rollout/reward_mean",
+                "--x",
+                "rollout.lag",
+                "--final-steps",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert (out / "rollout_reward_mean_vs_rollout.lag.png").read_bytes().startswith(b"\x89PNG")
     scalars = {n: compare.read_scalars(tmp_path / "sweep" / n) for n in runs}
     lines = compare.versus(scalars, "rollout.lag", "rollout/reward_mean", last=2)
@@ -159,12 +208,26 @@ def test_compare_shift_by_staleness_aligns_rollouts_with_their_version():
     s - staleness(s); the window then averages the same versions for every lag."""
     from lit_rl import compare
 
-    lag2 = {"rollout/reward_mean": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4), (4, 0.5)],
-            "rollout/staleness_mean": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 2.0), (4, 2.0)]}
-    assert compare.shifted(lag2["rollout/reward_mean"], lag2["rollout/staleness_mean"]) == \
-        [(0, 0.1), (0, 0.2), (0, 0.3), (1, 0.4), (2, 0.5)]
-    lag0 = {"rollout/reward_mean": [(0, 0.0), (1, 0.6), (2, 0.8), (3, 0.9), (4, 1.0)],
-            "rollout/staleness_mean": [(s, 0.0) for s in range(5)]}
-    lines = compare.versus({"rollout.lag=0": lag0, "rollout.lag=2": lag2}, "rollout.lag", "rollout/reward_mean",
-                           window=(1, 2), shift_by="rollout/staleness_mean")
+    lag2 = {
+        "rollout/reward_mean": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4), (4, 0.5)],
+        "rollout/staleness_mean": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 2.0), (4, 2.0)],
+    }
+    assert compare.shifted(lag2["rollout/reward_mean"], lag2["rollout/staleness_mean"]) == [
+        (0, 0.1),
+        (0, 0.2),
+        (0, 0.3),
+        (1, 0.4),
+        (2, 0.5),
+    ]
+    lag0 = {
+        "rollout/reward_mean": [(0, 0.0), (1, 0.6), (2, 0.8), (3, 0.9), (4, 1.0)],
+        "rollout/staleness_mean": [(s, 0.0) for s in range(5)],
+    }
+    lines = compare.versus(
+        {"rollout.lag=0": lag0, "rollout.lag=2": lag2},
+        "rollout.lag",
+        "rollout/reward_mean",
+        window=(1, 2),
+        shift_by="rollout/staleness_mean",
+    )
     assert lines["(default)"] == [(0.0, pytest.approx(0.7), 1), (2.0, pytest.approx(0.45), 1)]

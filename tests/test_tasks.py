@@ -185,9 +185,7 @@ def test_arithmetic_sizes_ids_and_question_text():
     assert bare.train_examples()[0].question.endswith("?")
 
 
-@pytest.mark.parametrize(
-    "digits, low, high", [(1, 0, 9), (2, 10, 99), (3, 100, 999)]
-)
+@pytest.mark.parametrize("digits, low, high", [(1, 0, 9), (2, 10, 99), (3, 100, 999)])
 def test_arithmetic_digits_respected(digits, low, high):
     task = ArithmeticTask(seed=1, num_train=400, num_eval=50, digits=digits)
     seen = set()
@@ -248,9 +246,7 @@ def test_arithmetic_reward_and_messages():
         {"role": "system", "content": "You are a calculator."},
         {"role": "user", "content": "What is 7 + 5?"},
     ]
-    assert ArithmeticTask(num_train=1, num_eval=1).messages(ex) == [
-        {"role": "user", "content": "What is 7 + 5?"}
-    ]
+    assert ArithmeticTask(num_train=1, num_eval=1).messages(ex) == [{"role": "user", "content": "What is 7 + 5?"}]
     strict = ArithmeticTask(num_train=1, num_eval=1, answer_format="strict")
     assert strict.reward("The answer is 12", ex) == 0.0
     assert strict.reward("#### 12", ex) == 1.0

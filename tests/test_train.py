@@ -13,11 +13,28 @@ from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
 from lit_rl.train import run
 
-TAGS = ["rollout/reward_mean", "rollout/response_length_mean", "rollout/truncation_rate",
-        "rollout/groups_all_correct", "rollout/groups_all_wrong", "train/loss", "train/pg_clipfrac",
-        "train/ppo_kl", "train/entropy", "train/grad_norm", "train/logprob_abs_diff", "eval/accuracy",
-        "time/rollout_s", "time/train_s", "time/step_s", "time/weight_sync_s", "perf/rollout_tokens_per_s",
-        "perf/update_tflops", "perf/rollout_tflops", "perf/mfu"]
+TAGS = [
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "rollout/truncation_rate",
+    "rollout/groups_all_correct",
+    "rollout/groups_all_wrong",
+    "train/loss",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/entropy",
+    "train/grad_norm",
+    "train/logprob_abs_diff",
+    "eval/accuracy",
+    "time/rollout_s",
+    "time/train_s",
+    "time/step_s",
+    "time/weight_sync_s",
+    "perf/rollout_tokens_per_s",
+    "perf/update_tflops",
+    "perf/rollout_tflops",
+    "perf/mfu",
+]
 
 
 cfg_for = fast_config
@@ -56,6 +73,7 @@ def test_update_changes_weights_and_is_seeded(tmp_path):
     from safetensors.torch import load_file
 
     from lit_rl.models import ModelSpec, load_policy
+
     wa = load_file(tmp_path / "a" / "policy" / "model.safetensors")
     wb = load_file(tmp_path / "b" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -83,8 +101,12 @@ def write_gsm8k_fixture(folder):
 
 def test_gsm8k_from_jsonl_folder(tmp_path):
     data = write_gsm8k_fixture(tmp_path / "gsm8k")
-    run(cfg_for("task=gsm8k", f"task.path={data}", "trainer.max_steps=1", "eval.num_examples=2",
-                "eval.every_n_steps=1"), tmp_path / "g")
+    run(
+        cfg_for(
+            "task=gsm8k", f"task.path={data}", "trainer.max_steps=1", "eval.num_examples=2", "eval.every_n_steps=1"
+        ),
+        tmp_path / "g",
+    )
     scalars = read_scalars(tmp_path / "g" / "tensorboard")
     assert "rollout/reward_mean" in scalars and len(scalars["eval/accuracy"]) == 1
     assert "task:\n  name: gsm8k" in (tmp_path / "g" / "config.yaml").read_text()
@@ -92,24 +114,45 @@ def test_gsm8k_from_jsonl_folder(tmp_path):
 
 def test_multirun_2x2_then_compare(tmp_path):
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "-m", *FAST, "trainer.max_steps=2",
-           "eval.num_examples=0", "advantage.alpha=0,1", "loss.reduction=token_mean,seq_mean_token_mean",
-           f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "train.py"),
+        "-m",
+        *FAST,
+        "trainer.max_steps=2",
+        "eval.num_examples=0",
+        "advantage.alpha=0,1",
+        "loss.reduction=token_mean,seq_mean_token_mean",
+        f"hydra.sweep.dir={sweep}",
+    ]
     res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     runs = sorted(p for p in os.listdir(sweep) if "advantage.alpha" in p)
     # folders (and TensorBoard run names) are named by what the sweep varies, nothing else
-    assert runs == ["advantage.alpha=0,loss.reduction=seq_mean_token_mean",
-                    "advantage.alpha=0,loss.reduction=token_mean",
-                    "advantage.alpha=1,loss.reduction=seq_mean_token_mean",
-                    "advantage.alpha=1,loss.reduction=token_mean"]
+    assert runs == [
+        "advantage.alpha=0,loss.reduction=seq_mean_token_mean",
+        "advantage.alpha=0,loss.reduction=token_mean",
+        "advantage.alpha=1,loss.reduction=seq_mean_token_mean",
+        "advantage.alpha=1,loss.reduction=token_mean",
+    ]
     for r in runs:
         assert (sweep / r / "finished.json").is_file() and (sweep / r / "config.yaml").is_file()
 
     out = tmp_path / "cmp"
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "compare.py"), str(sweep), "--tags",
-                          "rollout/reward_mean,train/entropy", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "recipes", "compare.py"),
+            str(sweep),
+            "--tags",
+            "rollout/reward_mean,train/entropy",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "rollout_reward_mean.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "summary.md").read_text()
@@ -130,11 +173,17 @@ def test_resume_from_last_checkpoint_continues_exactly(tmp_path):
     run(cfg_for("trainer.max_steps=4", "ckpt_path=last", *common), tmp_path / "resumed")
     a = read_scalars(tmp_path / "straight" / "tensorboard")
     b = read_scalars(tmp_path / "resumed" / "tensorboard")
-    for tag in ["rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm",
-                "train/entropy"]:
+    for tag in [
+        "rollout/reward_mean",
+        "rollout/response_length_mean",
+        "train/loss",
+        "train/grad_norm",
+        "train/entropy",
+    ]:
         assert [s for s, _ in b[tag]] == [s for s, _ in a[tag]], tag
         assert [v for _, v in b[tag]] == pytest.approx([v for _, v in a[tag]], rel=1e-5, abs=1e-7), tag
     from safetensors.torch import load_file
+
     wa = load_file(tmp_path / "straight" / "policy" / "model.safetensors")
     wb = load_file(tmp_path / "resumed" / "policy" / "model.safetensors")
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa)
@@ -144,20 +193,33 @@ def test_run_name_keeps_only_swept_keys():
     from lit_rl.train import run_name
 
     job = ["model=tiny", "algo=dapo", "seed=1", "trainer.max_steps=20"]
-    assert run_name(job, None, argv=["-m", "model=tiny", "algo=grpo,dapo", "seed=0,1", "trainer.max_steps=20"]) \
+    assert (
+        run_name(job, None, argv=["-m", "model=tiny", "algo=grpo,dapo", "seed=0,1", "trainer.max_steps=20"])
         == "algo=dapo,seed=1"
+    )
     # a preset's hydra.sweeper.params count as swept too
-    assert run_name(["experiment=algo_zoo", "algo=ppo"], {"algo": "reinforce,ppo"},
-                    argv=["experiment=algo_zoo", "-m"]) \
+    assert (
+        run_name(["experiment=algo_zoo", "algo=ppo"], {"algo": "reinforce,ppo"}, argv=["experiment=algo_zoo", "-m"])
         == "algo=ppo"
+    )
     assert run_name(["model=tiny"], None, argv=["model=tiny"]) == "run"
 
 
 def test_constant_reward_and_tracked_kl_to_the_initial_policy(tmp_path):
     """task.constant_reward rewards every completion alike; kl.track logs KL to the initial policy at
     beta = 0: exactly 0 before the first update, > 0 once the weights moved."""
-    run(cfg_for("algo=reinforce", "algo.baseline=none", "task.constant_reward=1.0", "kl.track=true",
-                "optim.lr=1e-3", "trainer.max_steps=2", "eval.num_examples=0"), tmp_path / "c")
+    run(
+        cfg_for(
+            "algo=reinforce",
+            "algo.baseline=none",
+            "task.constant_reward=1.0",
+            "kl.track=true",
+            "optim.lr=1e-3",
+            "trainer.max_steps=2",
+            "eval.num_examples=0",
+        ),
+        tmp_path / "c",
+    )
     s = read_scalars(tmp_path / "c" / "tensorboard")
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0, 1.0]
     assert s["train/ref_kl"][0][1] == 0.0 and s["train/ref_kl"][1][1] > 0.0
@@ -167,8 +229,10 @@ def test_constant_reward_and_tracked_kl_to_the_initial_policy(tmp_path):
 def test_warmup_counts_optimizer_steps_for_every_algorithm(tmp_path, algo, expected):
     """optim.warmup_steps=8 ramps the lr linearly per optimizer step: GRPO takes 1 per RL step, PPO 2x2 = 4;
     train/lr is logged after the step's updates (LambdaLR factor (s + 1) / 8 after s scheduler steps)."""
-    run(cfg_for(f"algo={algo}", "optim.lr=1e-4", "optim.warmup_steps=8", "trainer.max_steps=2",
-                "eval.num_examples=0"), tmp_path / algo)
+    run(
+        cfg_for(f"algo={algo}", "optim.lr=1e-4", "optim.warmup_steps=8", "trainer.max_steps=2", "eval.num_examples=0"),
+        tmp_path / algo,
+    )
     lrs = [v for _, v in read_scalars(tmp_path / algo / "tensorboard")["train/lr"]]
     assert lrs == pytest.approx([1e-4 * e for e in expected], rel=1e-6)
 
@@ -178,7 +242,9 @@ def test_run_name_reads_sweeps_the_way_hydra_parses_them():
 
     assert run_name(["seed=1", "model=tiny"], None, argv=["-m", "seed=range(2)", "model=tiny"]) == "seed=1"
     assert run_name(["algo=grpo"], None, argv=["--multirun", "algo=glob(g*)"]) == "algo=grpo"
-    assert run_name(["optim.betas=[0.9,0.99]", "seed=0"], None,
-                    argv=["-m", "optim.betas=[0.9,0.99],[0.8,0.9]", "seed=0"]) == "optim.betas=[0.9,0.99]"
+    assert (
+        run_name(["optim.betas=[0.9,0.99]", "seed=0"], None, argv=["-m", "optim.betas=[0.9,0.99],[0.8,0.9]", "seed=0"])
+        == "optim.betas=[0.9,0.99]"
+    )
     # a list value alone is not a sweep
     assert run_name(["optim.betas=[0.9,0.99]"], None, argv=["optim.betas=[0.9,0.99]"]) == "run"

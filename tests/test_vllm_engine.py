@@ -43,8 +43,18 @@ def trainer_scores(model, tok, r, params):
     """The trainer's log-probs of the engine's tokens, and of its top-k ids, for the sampled distribution."""
     pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
     with torch.no_grad():
-        s = response_logprobs(model, pi, pm, r.response_ids, r.response_mask, temperature=params.temperature,
-                              top_k=params.top_k, top_p=params.top_p, head_ids=r.topk_ids, with_entropy=False)
+        s = response_logprobs(
+            model,
+            pi,
+            pm,
+            r.response_ids,
+            r.response_mask,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            head_ids=r.topk_ids,
+            with_entropy=False,
+        )
     return s
 
 
@@ -61,9 +71,16 @@ def tiny_engine(tiny):
     engine.close()
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, 0, 1.0, 24, 5), SamplingParams(0.7, 0, 1.0, 24, 5),
-                                    SamplingParams(1.0, 5, 1.0, 24, 5), SamplingParams(1.0, 0, 0.9, 24, 5)],
-                         ids=["t1", "t0.7", "topk5", "topp0.9"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(1.0, 0, 1.0, 24, 5),
+        SamplingParams(0.7, 0, 1.0, 24, 5),
+        SamplingParams(1.0, 5, 1.0, 24, 5),
+        SamplingParams(1.0, 0, 0.9, 24, 5),
+    ],
+    ids=["t1", "t0.7", "topk5", "topp0.9"],
+)
 def test_tiny_float32_logprobs_and_topk_equal_the_trainer(tiny, tiny_engine, params):
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS) * 2  # different prompt lengths
@@ -106,7 +123,7 @@ def test_a_rollout_above_the_cpu_step_budget_keeps_per_request_seeds(tiny, tiny_
     r = tiny_engine.generate(prompts, params, seeds=list(range(48)))
     assert r.response_mask.sum(-1).min() >= 1
     for i in (0, 47):  # the first and the last prompt of the batch, alone with the same seed
-        alone = tiny_engine.generate(prompts[i:i + 1], params, seeds=[i])
+        alone = tiny_engine.generate(prompts[i : i + 1], params, seeds=[i])
         w = alone.response_ids.shape[1]
         assert torch.equal(alone.response_ids[0], r.response_ids[i, :w])
     assert gap(model, tok, r, params) < TOL
@@ -115,18 +132,23 @@ def test_a_rollout_above_the_cpu_step_budget_keeps_per_request_seeds(tiny, tiny_
 def test_stop_tokens_end_sequences(tiny):
     model, tok = tiny
     # every token stops: one token per sequence, reason "stop"; a cap of 3 tokens and no stop: "length"
-    engine = VLLMEngine(model, tok.pad_token_id, list(range(len(tok))), dtype="float32", kv_cache_gb=0.25,
-                        max_model_len=512)
+    engine = VLLMEngine(
+        model, tok.pad_token_id, list(range(len(tok))), dtype="float32", kv_cache_gb=0.25, max_model_len=512
+    )
     try:
         engine.sync_weights(0)
         r = engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
         assert r.finish_reason == ["stop", "stop"] and r.response_length.tolist() == [1, 1]
     finally:
         engine.close()
-    with pytest.raises(ValueError, match=r"engine.max_model_len=20 is too small: a prompt of \d+ tokens plus "
-                                         r"max_new_tokens=8 needs"):  # checked before vLLM starts
+    with pytest.raises(
+        ValueError,
+        match=r"engine.max_model_len=20 is too small: a prompt of \d+ tokens plus "
+        r"max_new_tokens=8 needs",
+    ):  # checked before vLLM starts
         VLLMEngine(model, tok.pad_token_id, [0], max_model_len=20).generate(
-            chat_prompts(tok, QUESTIONS[:1]), SamplingParams(max_new_tokens=8), [0])
+            chat_prompts(tok, QUESTIONS[:1]), SamplingParams(max_new_tokens=8), [0]
+        )
     with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
         VLLMEngine(model, tok.pad_token_id, [0]).generate([[1]], SamplingParams(max_new_tokens=0), [0])
 
@@ -229,8 +251,9 @@ def test_smollm2_float32_logprobs_topk_stops_and_sync(smollm2):
     model = copy.deepcopy(model)
     engine = start(model, tok, max_logprobs=20)
     try:
-        prompts = chat_prompts(tok, ["What is 2 + 3? Answer with a number.", "Say hi.", "What is 12 + 30?",
-                                     "Name a colour."])
+        prompts = chat_prompts(
+            tok, ["What is 2 + 3? Answer with a number.", "Say hi.", "What is 12 + 30?", "Name a colour."]
+        )
         params = SamplingParams(temperature=1.0, max_new_tokens=32, logprobs_top_k=20)
         r = engine.generate(prompts, params, seeds=[0, 1, 2, 3])
         s = trainer_scores(model, tok, r, params)
@@ -251,14 +274,35 @@ def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "model=tiny", "engine=vllm", "correction=tis",
-           "trainer.max_steps=3", "rollout.prompts_per_step=2", "rollout.group_size=4", "sampling.max_new_tokens=16",
-           "eval.num_examples=4", "eval.every_n_steps=2", "trainer.precision=bf16-mixed", f"hydra.run.dir={out}"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "train.py"),
+        "model=tiny",
+        "engine=vllm",
+        "correction=tis",
+        "trainer.max_steps=3",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "sampling.max_new_tokens=16",
+        "eval.num_examples=4",
+        "eval.every_n_steps=2",
+        "trainer.precision=bf16-mixed",
+        f"hydra.run.dir={out}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scalars = read_scalars(out / "tensorboard")
-    for tag in ("train/logprob_abs_diff", "train/tis", "train/tis_abs", "train/tis_clipfrac", "train/r_num_abs",
-                "rollout/reward_mean", "perf/rollout_tokens_per_s", "time/weight_sync_s", "eval/accuracy"):
+    for tag in (
+        "train/logprob_abs_diff",
+        "train/tis",
+        "train/tis_abs",
+        "train/tis_clipfrac",
+        "train/r_num_abs",
+        "rollout/reward_mean",
+        "perf/rollout_tokens_per_s",
+        "time/weight_sync_s",
+        "eval/accuracy",
+    ):
         assert tag in scalars, tag
     steps = [v for _, v in scalars["train/logprob_abs_diff"]]
     assert len(steps) == 3
@@ -279,16 +323,20 @@ def test_engine_for_a_model_with_small_heads(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the limit is the CPU build's")
     folder = tmp_path / "hd16"
-    LlamaForCausalLM(tiny_config(100, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
-                     ).config.save_pretrained(folder)
+    LlamaForCausalLM(
+        tiny_config(100, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+    ).config.save_pretrained(folder)
     for engine in ("auto", "vllm"):
         cfg = compose_config(f"model.name_or_path={folder}", f"engine={engine}")
         if engine == "auto":
             resolve_engine(cfg)
             assert cfg.engine.name == "torch"
         else:
-            with pytest.raises(ConfigError, match="engine=vllm: vLLM's CPU attention needs head_dim >= 32 and "
-                                                  "model.name_or_path=.* has 16; use engine=torch"):
+            with pytest.raises(
+                ConfigError,
+                match="engine=vllm: vLLM's CPU attention needs head_dim >= 32 and "
+                "model.name_or_path=.* has 16; use engine=torch",
+            ):
                 resolve_engine(cfg)
 
 
@@ -311,14 +359,31 @@ def test_lagged_rollouts_with_vllm_keep_the_engine_gap_apart_from_staleness(tmp_
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "model=tiny", "engine=vllm", "correction=tis",
-           "rollout.mode=lagged", "rollout.lag=2", "algo=reinforce", "algo.baseline=none", "task.constant_reward=1",
-           "optim.lr=1e-3", "trainer.max_steps=4", "rollout.prompts_per_step=2", "rollout.group_size=4",
-           "sampling.max_new_tokens=12", "eval.num_examples=0", "threads=1", f"hydra.run.dir={out}"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "train.py"),
+        "model=tiny",
+        "engine=vllm",
+        "correction=tis",
+        "rollout.mode=lagged",
+        "rollout.lag=2",
+        "algo=reinforce",
+        "algo.baseline=none",
+        "task.constant_reward=1",
+        "optim.lr=1e-3",
+        "trainer.max_steps=4",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "sampling.max_new_tokens=12",
+        "eval.num_examples=0",
+        "threads=1",
+        f"hydra.run.dir={out}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = {k: [v for _, v in vals] for k, vals in read_scalars(out / "tensorboard").items()}
     assert s["rollout/staleness_max"] == [0.0, 1.0, 2.0, 2.0]
     assert all(v < 0.01 for v in s["train/r_num_abs"]), s["train/r_num_abs"]
-    assert s["train/r_stale_abs"][0] == 0.0 and all(v > 0.01 for v in s["train/r_stale_abs"][1:]), \
-        s["train/r_stale_abs"]
+    assert s["train/r_stale_abs"][0] == 0.0 and all(v > 0.01 for v in s["train/r_stale_abs"][1:]), s[
+        "train/r_stale_abs"
+    ]

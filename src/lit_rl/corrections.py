@@ -544,9 +544,16 @@ def corrected_policy_loss(
     if score_centering:
         if logprobs_head is None or rollout_head_logprobs is None:
             raise ValueError("score centering needs the trainer's and the engine's log-probs at the head ids")
-        loss = loss - centering_term(logprobs_head, rollout_head_logprobs, coef=coef,
-                                     old_head_logprobs=old_head_logprobs, rule=rule, context_tis=context_tis,
-                                     context_mis=context_mis, head_mask=head_mask)
+        loss = loss - centering_term(
+            logprobs_head,
+            rollout_head_logprobs,
+            coef=coef,
+            old_head_logprobs=old_head_logprobs,
+            rule=rule,
+            context_tis=context_tis,
+            context_mis=context_mis,
+            head_mask=head_mask,
+        )
     return loss, metrics
 
 
@@ -556,10 +563,17 @@ def corrected_policy_loss(
 
 #: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections; each has its
 #: ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the tests)
-CORRECTIONS: Registry[frozenset] = Registry("correction", {
-    "none": frozenset(), "tis": frozenset({"tis"}), "mis": frozenset({"mis"}), "sc": frozenset({"sc"}),
-    "sc+tis": frozenset({"sc", "tis"}), "sc+mis": frozenset({"sc", "mis"}),
-})
+CORRECTIONS: Registry[frozenset] = Registry(
+    "correction",
+    {
+        "none": frozenset(),
+        "tis": frozenset({"tis"}),
+        "mis": frozenset({"mis"}),
+        "sc": frozenset({"sc"}),
+        "sc+tis": frozenset({"sc", "tis"}),
+        "sc+mis": frozenset({"sc", "mis"}),
+    },
+)
 
 
 def weight_function(correction) -> WeightFunction:
@@ -568,9 +582,12 @@ def weight_function(correction) -> WeightFunction:
     ``schema.CorrectionConfig`` (or anything with its ``tis`` and ``mis`` attributes)."""
     tis, mis = correction.tis, correction.mis
     return WeightFunction(
-        tis_cap=float(tis.cap) if tis.enabled else None, tis_level=tis.level,
+        tis_cap=float(tis.cap) if tis.enabled else None,
+        tis_level=tis.level,
         mis_band=(float(mis.low), float(mis.high)) if mis.enabled else None,
-        mis_level=mis.level, mis_weighted=bool(mis.weighted))
+        mis_level=mis.level,
+        mis_weighted=bool(mis.weighted),
+    )
 
 
 def correct_policy_loss(
@@ -604,11 +621,15 @@ def correct_policy_loss(
     kwargs = {}
     if score_centering:
         sampled_log_ratio = logprobs.detach() - old_logprobs.detach()
-        kwargs = dict(score_centering=True, logprobs_head=logprobs_head, rollout_head_logprobs=batch.topk_logprobs,
-                      old_head_logprobs=batch.old_head_logprobs, head_mask=torch.isfinite(batch.topk_logprobs),
-                      coef=lambda log_ratio: score_coefficients(log_ratio, sampled_log_ratio))
-    return corrected_policy_loss(token_loss, old_logprobs, batch.rollout_logprobs, batch.response_mask, rule,
-                                 **kwargs)
+        kwargs = dict(
+            score_centering=True,
+            logprobs_head=logprobs_head,
+            rollout_head_logprobs=batch.topk_logprobs,
+            old_head_logprobs=batch.old_head_logprobs,
+            head_mask=torch.isfinite(batch.topk_logprobs),
+            coef=lambda log_ratio: score_coefficients(log_ratio, sampled_log_ratio),
+        )
+    return corrected_policy_loss(token_loss, old_logprobs, batch.rollout_logprobs, batch.response_mask, rule, **kwargs)
 
 
 def score_centered_loss(

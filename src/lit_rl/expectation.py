@@ -33,7 +33,7 @@ from .rollout.types import RolloutBatch, Rollouts
 
 def num_prefixes(vocab_size: int, length: int) -> int:
     """S = Σ_{l<L} V^l: the prefixes that predict a token (the empty one included)."""
-    return sum(vocab_size ** n for n in range(length))
+    return sum(vocab_size**n for n in range(length))
 
 
 def prefix_index(prefix: Iterable[int], vocab_size: int) -> int:
@@ -51,8 +51,14 @@ class _PrefixOneHot(nn.Module):
         self.vocab_size, self.length = vocab_size, length
         self.num_states = num_prefixes(vocab_size, length)
 
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, position_ids=None,
-                use_cache: bool = False, **_):
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        position_ids=None,
+        use_cache: bool = False,
+        **_,
+    ):
         """input_ids [N, 1 + T] (one prompt token, then the response) -> last_hidden_state [N, 1 + T, S]."""
         response = input_ids[:, 1:]
         n, t = response.shape
@@ -150,17 +156,24 @@ def rollouts_from(sequences: Tensor, sampler_table: Tensor, head_size: int = 0) 
         lp_rows = logmu[rows]  # [N, L, V]
         topk_lp, topk_ids = lp_rows.topk(head_size, dim=-1)
         topk_lp = topk_lp.float()
-    return Rollouts(prompt_ids=[[0]] * n, response_ids=sequences.clone(),
-                    response_mask=torch.ones(n, length, dtype=torch.bool),
-                    rollout_logprobs=logmu[rows, sequences].float(), finish_reason=["length"] * n,
-                    policy_version=torch.zeros(n, dtype=torch.long), topk_ids=topk_ids, topk_logprobs=topk_lp)
+    return Rollouts(
+        prompt_ids=[[0]] * n,
+        response_ids=sequences.clone(),
+        response_mask=torch.ones(n, length, dtype=torch.bool),
+        rollout_logprobs=logmu[rows, sequences].float(),
+        finish_reason=["length"] * n,
+        policy_version=torch.zeros(n, dtype=torch.long),
+        topk_ids=topk_ids,
+        topk_logprobs=topk_lp,
+    )
 
 
 def scored_from(rollouts: Rollouts, rewards: Tensor, group_size: int) -> ScoredRollouts:
     """``ScoredRollouts`` with the given rewards [N]; consecutive rows in groups of ``group_size``."""
     n = len(rollouts.prompt_ids)
-    return ScoredRollouts(rollouts=rollouts, rewards=rewards.float(),
-                          group_ids=torch.arange(n) // group_size, examples=[], texts=[""] * n)
+    return ScoredRollouts(
+        rollouts=rollouts, rewards=rewards.float(), group_ids=torch.arange(n) // group_size, examples=[], texts=[""] * n
+    )
 
 
 @dataclass
@@ -177,12 +190,16 @@ class Moments:
     @property
     def variance(self) -> float:
         """E‖ĝ − E ĝ‖² of one batch (≥ 0 up to rounding)."""
-        return max(self.second - float((self.mean ** 2).sum()), 0.0)
+        return max(self.second - float((self.mean**2).sum()), 0.0)
 
 
-def batch_gradient(module, policy: TabularPolicy, rb: RolloutBatch,
-                   advantages: Optional[Callable[[RolloutBatch], Tensor]] = None,
-                   before: Optional[Callable[[RolloutBatch], None]] = None) -> Tensor:
+def batch_gradient(
+    module,
+    policy: TabularPolicy,
+    rb: RolloutBatch,
+    advantages: Optional[Callable[[RolloutBatch], Tensor]] = None,
+    before: Optional[Callable[[RolloutBatch], None]] = None,
+) -> Tensor:
     """∇_θ of the module's loss on one rollout batch, float64 [S, V], through the trainer's own path of the
     first optimizer step: ``start_update`` (π_old and, for PPO, the critic's GAE advantages), then optionally
     the advantages replaced by ``advantages(rb)`` and a hook ``before(rb)`` (e.g. to move θ away from π_old),
@@ -197,10 +214,17 @@ def batch_gradient(module, policy: TabularPolicy, rb: RolloutBatch,
     return policy.gradient()
 
 
-def expected_gradient(module, policy: TabularPolicy, sampler_table: Tensor, reward: Callable[[Tensor], Tensor],
-                      group_size: int = 1, head_size: int = 0,
-                      advantages: Optional[Callable[[RolloutBatch], Tensor]] = None,
-                      before: Optional[Callable[[RolloutBatch], None]] = None, per_batch: bool = False) -> Moments:
+def expected_gradient(
+    module,
+    policy: TabularPolicy,
+    sampler_table: Tensor,
+    reward: Callable[[Tensor], Tensor],
+    group_size: int = 1,
+    head_size: int = 0,
+    advantages: Optional[Callable[[RolloutBatch], Tensor]] = None,
+    before: Optional[Callable[[RolloutBatch], None]] = None,
+    per_batch: bool = False,
+) -> Moments:
     """Exact E_μ[ĝ] of one batch of ``group_size`` completions of one prompt, every completion drawn from the
     sampler ``sampler_table`` [S, V], through the module's real update path.
 
@@ -253,7 +277,7 @@ def expected_gradient(module, policy: TabularPolicy, sampler_table: Tensor, rewa
         rb = module.build_batch(scored_from(rollouts_from(batch, sampler_table, head_size), reward(batch), group_size))
         g = batch_gradient(module, policy, rb, advantages, before)
         mean += prob * g
-        second += prob * float((g ** 2).sum())
+        second += prob * float((g**2).sum())
     return Moments(mean, second, float(probs.sum()))
 
 

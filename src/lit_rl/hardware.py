@@ -102,8 +102,12 @@ def available_cores(cpus=None, sys_root: str = "/sys/devices/system/cpu", quota:
     for cpu in cpus:
         topology = Path(sys_root, f"cpu{cpu}", "topology")
         try:
-            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
-                       topology.joinpath("core_id").read_text().strip()))
+            cores.add(
+                (
+                    topology.joinpath("physical_package_id").read_text().strip(),
+                    topology.joinpath("core_id").read_text().strip(),
+                )
+            )
         except OSError:
             cores.add(("cpu", str(cpu)))  # no topology: count the CPU itself
     n = len(cores)
@@ -239,9 +243,15 @@ def cpu_facts() -> dict:
     cap = onednn_isa_cap()
     avx512_bf16 = bool(torch.cpu._is_avx512_bf16_supported())
     amx = bool(torch.cpu._is_amx_tile_supported())
-    return {"model": cpu_model(), "arch": platform.machine(), "capability": torch.backends.cpu.get_cpu_capability(),
-            "avx512_bf16": avx512_bf16, "amx": amx, "onednn_isa_cap": cap,
-            "bf16_native": (avx512_bf16 or amx) and cap not in NO_BF16_ISA_CAPS}
+    return {
+        "model": cpu_model(),
+        "arch": platform.machine(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": avx512_bf16,
+        "amx": amx,
+        "onednn_isa_cap": cap,
+        "bf16_native": (avx512_bf16 or amx) and cap not in NO_BF16_ISA_CAPS,
+    }
 
 
 def describe_cpu() -> str:
@@ -292,10 +302,15 @@ def resolve_precision(requested, accelerator="cpu", probe=None) -> tuple[str, st
         if facts["bf16_native"]:
             unit = "AMX" if facts["amx"] else "AVX512-BF16"
             return "bf16-mixed", f"the CPU multiplies bfloat16 natively ({unit}; {facts['model']})"
-        why = (f"oneDNN is capped at {facts['onednn_isa_cap']}" if facts["avx512_bf16"] or facts["amx"]
-               else "no AVX512-BF16 or AMX")
-        return "32-true", (f"the CPU has no native bfloat16 matrix products ({why}; {facts['model']}): "
-                           f"bf16 would be emulated, slower than float32")
+        why = (
+            f"oneDNN is capped at {facts['onednn_isa_cap']}"
+            if facts["avx512_bf16"] or facts["amx"]
+            else "no AVX512-BF16 or AMX"
+        )
+        return "32-true", (
+            f"the CPU has no native bfloat16 matrix products ({why}; {facts['model']}): "
+            f"bf16 would be emulated, slower than float32"
+        )
     probe = probe_flops if probe is None else probe
     threads = torch.get_num_threads()
     bf16, fp32 = probe("bf16-mixed", threads), probe("32-true", threads)
@@ -339,8 +354,9 @@ def _other_cpu_seconds(start: tuple[float, float] | None = None) -> tuple[float,
     return (busy - start[0]) - (mine - start[1]), 0.0
 
 
-def probe_flops(precision: str, threads: int, seconds: float = PROBE_SECONDS, size: int = PROBE_SIZE,
-                device: str = "cpu") -> float:
+def probe_flops(
+    precision: str, threads: int, seconds: float = PROBE_SECONDS, size: int = PROBE_SIZE, device: str = "cpu"
+) -> float:
     """Achievable FLOP/s of a square matrix product in ``precision``'s dtype on ``threads`` threads: the
     best rate of repeated [n, n] x [n, n] products (2·n³ FLOPs each) over ``seconds``. n is ``size``, or
     smaller where one product of that size would take more than a tenth of ``seconds`` (a dtype the
@@ -363,14 +379,14 @@ def probe_flops(precision: str, threads: int, seconds: float = PROBE_SECONDS, si
         with torch.no_grad():
             small = torch.randn(256, 256, device=device).to(dtype)
             timed(small, small)
-            rate = 2.0 * 256 ** 3 / max(timed(small, small), 1e-9)
+            rate = 2.0 * 256**3 / max(timed(small, small), 1e-9)
             n = int(min(size, max(64, (rate * seconds / 10 / 2.0) ** (1 / 3))) // 64 * 64)
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
             timed(a, b)  # warm-up
             best, t_end = rate, time.perf_counter() + seconds
             while time.perf_counter() < t_end:
-                best = max(best, 2.0 * n ** 3 / max(timed(a, b), 1e-9))
+                best = max(best, 2.0 * n**3 / max(timed(a, b), 1e-9))
         return best
     finally:
         torch.set_num_threads(previous)
@@ -382,8 +398,9 @@ def _cache_file() -> Path:
     return cache_dir() / "peak_flops.json"
 
 
-def peak_flops(precision: str, accelerator="cpu", threads: int | None = None, probe=None,
-               cache: Path | None = None) -> tuple[float, str]:
+def peak_flops(
+    precision: str, accelerator="cpu", threads: int | None = None, probe=None, cache: Path | None = None
+) -> tuple[float, str]:
     """(peak FLOP/s, where it comes from) that ``perf/mfu`` divides the update's FLOP rate by.
 
     CUDA: the device's nominal dense peak for the precision's dtype (``CUDA_PEAK_TFLOPS``), else a probe on
@@ -404,8 +421,15 @@ def peak_flops(precision: str, accelerator="cpu", threads: int | None = None, pr
                 return peaks[column] * 1e12, f"nominal peak of {name} ({str(dtype).removeprefix('torch.')})"
         return probe(precision, torch.get_num_threads(), device="cuda"), f"matmul probe on {name}"
     threads = torch.get_num_threads() if threads is None else threads
-    key = "|".join([cpu_model(), f"torch {torch.__version__}", str(dtype).removeprefix("torch."),
-                    f"threads={threads}", f"onednn_cap={onednn_isa_cap() or 'none'}"])
+    key = "|".join(
+        [
+            cpu_model(),
+            f"torch {torch.__version__}",
+            str(dtype).removeprefix("torch."),
+            f"threads={threads}",
+            f"onednn_cap={onednn_isa_cap() or 'none'}",
+        ]
+    )
     cache = _cache_file() if cache is None else cache
     try:
         cached = json.loads(cache.read_text())

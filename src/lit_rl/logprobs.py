@@ -70,8 +70,17 @@ class TokenScores:
     hidden: Tensor | None = None
 
 
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
-                    with_entropy: bool, head_ids: Tensor | None, top_k: int = 0, top_p: float = 1.0):
+def _chunk_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    head_ids: Tensor | None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
     logits = F.linear(hidden, weight, bias).float() / temperature
     if top_k or top_p < 1.0:  # the sampler's truncated distribution; the sampled token always in its support
         with torch.no_grad():
@@ -123,9 +132,10 @@ def response_logprobs(
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     position_ids = position_ids_from_mask(attention_mask)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      use_cache=False).last_hidden_state
-    hidden = hidden[:, p - 1: p + t - 1]  # position j predicts response token j
+    hidden = backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    hidden = hidden[:, p - 1 : p + t - 1]  # position j predicts response token j
     lm_head = model.get_output_embeddings()
     flat_h = hidden.reshape(n * t, -1)
     flat_y = response_ids.reshape(n * t)
@@ -137,9 +147,18 @@ def response_logprobs(
     ent = hidden.new_zeros(n * t, dtype=torch.float32)
     head = hidden.new_zeros(n * t, k, dtype=torch.float32)
     for start in range(0, rows.numel(), chunk_tokens):
-        idx = rows[start:start + chunk_tokens]
-        args = (flat_h[idx], lm_head.weight, lm_head.bias, flat_y[idx], temperature, with_entropy,
-                flat_head[idx] if flat_head is not None else None, top_k, top_p)
+        idx = rows[start : start + chunk_tokens]
+        args = (
+            flat_h[idx],
+            lm_head.weight,
+            lm_head.bias,
+            flat_y[idx],
+            temperature,
+            with_entropy,
+            flat_head[idx] if flat_head is not None else None,
+            top_k,
+            top_p,
+        )
         if torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -148,5 +167,6 @@ def response_logprobs(
         ent = ent.index_put((idx,), en)
         if k:
             head = head.index_put((idx,), hd)
-    return TokenScores(logp.view(n, t), ent.view(n, t), head.view(n, t, k) if k else None,
-                       hidden if return_hidden else None)
+    return TokenScores(
+        logp.view(n, t), ent.view(n, t), head.view(n, t, k) if k else None, hidden if return_hidden else None
+    )

@@ -394,9 +394,7 @@ def gspo_loss(
     _check_same_shape(logprobs, old_logprobs, "logprobs", "old_logprobs")
     _check_same_shape(logprobs, mask, "logprobs", "mask")
     if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(
-            f"gspo_loss needs one advantage per sequence [N], got shape {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"gspo_loss needs one advantage per sequence [N], got shape {tuple(advantages.shape)}")
     mask = mask.bool()
     # Replace padding before any arithmetic so that no padding value (even inf) reaches the
     # forward or the backward pass.
@@ -415,9 +413,7 @@ def gspo_loss(
     return loss, clipped_low, clipped_high
 
 
-def cispo_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float
-) -> Tensor:
+def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
     """CISPO per-token loss (MiniMax-M1, 2025): clip the importance weight, not the update.
 
     loss_t = −sg(clip(r_t, 1 − eps_low, 1 + eps_high)) · A · logprobs_t, r_t = exp(logprobs_t −
@@ -718,8 +714,7 @@ def _broadcast_advantages(advantages: Tensor, logprobs: Tensor) -> Tensor:
     if advantages.shape == logprobs.shape:
         return advantages
     raise ValueError(
-        f"advantages must be [N] or [N, T] for logprobs of shape {tuple(logprobs.shape)},"
-        f" got {tuple(advantages.shape)}"
+        f"advantages must be [N] or [N, T] for logprobs of shape {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
     )
 
 
@@ -732,8 +727,10 @@ def _token_advantages(advantages: Tensor, log_ratio: Tensor) -> Tensor:
         return advantages.to(log_ratio.dtype)[:, None, None]
     if advantages.shape == (n, t):
         return advantages.to(log_ratio.dtype).unsqueeze(-1)
-    raise ValueError(f"advantages must be [N] or [N, T] for log_ratio of shape {tuple(log_ratio.shape)}, "
-                     f"got {tuple(advantages.shape)}")
+    raise ValueError(
+        f"advantages must be [N] or [N, T] for log_ratio of shape {tuple(log_ratio.shape)}, "
+        f"got {tuple(advantages.shape)}"
+    )
 
 
 def _safe_div(numerator: Tensor, denominator: Union[float, Tensor]) -> Tensor:

@@ -50,6 +50,7 @@ class Registry(Mapping[str, T], Generic[T]):
         """Add ``entry`` under ``name``; without ``entry`` a decorator that registers what it decorates.
         Raises ValueError when ``name`` is taken (two definitions of one choice)."""
         if entry is None:
+
             def decorate(obj: T) -> T:
                 self.register(name, obj)
                 return obj

@@ -397,8 +397,14 @@ class CheckpointConfig:
 
 
 def _trainer_defaults() -> dict[str, Any]:
-    return {"accelerator": "cpu", "devices": 1, "max_steps": 30, "log_every_n_steps": 1,
-            "enable_progress_bar": True, "precision": "auto"}
+    return {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 30,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": True,
+        "precision": "auto",
+    }
 
 
 @dataclass

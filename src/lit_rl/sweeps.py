@@ -91,8 +91,10 @@ class SweepReport(Callback):
         jobs = sweep_jobs(config)
         bad = check_jobs(config_name, jobs)
         if bad:
-            print(f"lit_rl: error: {len(bad)} of the sweep's {len(jobs)} jobs have invalid configs; no job was "
-                  f"started:", file=sys.stderr)
+            print(
+                f"lit_rl: error: {len(bad)} of the sweep's {len(jobs)} jobs have invalid configs; no job was started:",
+                file=sys.stderr,
+            )
             for number, overrides, message in bad:
                 print(f"  #{number} {job_label(overrides, self.keys)}: {message}", file=sys.stderr)
             sys.exit(2)

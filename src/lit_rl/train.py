@@ -138,8 +138,10 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
     model = f"model.name_or_path={cfg.model.name_or_path!r}"
     max_len = cfg.engine.max_model_len if cfg.engine.name == "vllm" else None
     if max_len is not None and context is not None and max_len > context:
-        raise ConfigError(f"engine.max_model_len={max_len} is more than the context length of {model} "
-                          f"({context} tokens, max_position_embeddings in its config): at most {context}")
+        raise ConfigError(
+            f"engine.max_model_len={max_len} is more than the context length of {model} "
+            f"({context} tokens, max_position_embeddings in its config): at most {context}"
+        )
     if max_len is not None:
         limit, where = max_len, f"engine.max_model_len={max_len}"
     elif context is not None:
@@ -154,13 +156,18 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
         tokens, example = datamodule.longest_prompt(split)
         if example is None or tokens + new_tokens <= limit:
             continue
-        fix = (f"lower {field} to at most {limit - tokens}" if tokens < limit
-               else "use shorter prompts (the prompt alone fills the context)")
+        fix = (
+            f"lower {field} to at most {limit - tokens}"
+            if tokens < limit
+            else "use shorter prompts (the prompt alone fills the context)"
+        )
         if max_len is not None and context is not None and tokens + new_tokens <= context:
             fix += f", or raise engine.max_model_len to {tokens + new_tokens} or more (at most {context})"
-        raise ConfigError(f"task={cfg.task.name}: the longest {split} prompt ({split} example {example.id}) has "
-                          f"{tokens} tokens; with {field}={new_tokens} it needs {tokens + new_tokens}, more than "
-                          f"{where}: {fix}")
+        raise ConfigError(
+            f"task={cfg.task.name}: the longest {split} prompt ({split} example {example.id}) has "
+            f"{tokens} tokens; with {field}={new_tokens} it needs {tokens + new_tokens}, more than "
+            f"{where}: {fix}"
+        )
 
 
 def check_output_folders(out: Path) -> None:
@@ -180,9 +187,11 @@ def check_output_folders(out: Path) -> None:
                 os.fsync(f.fileno())
             probe.unlink()
         except OSError as err:
-            raise ConfigError(f"output folder {folder} cannot be written ({err.strerror or err}); the run would "
-                              f"fail at its first checkpoint or at the end: choose another folder "
-                              f"(hydra.run.dir=...) or make it writable") from err
+            raise ConfigError(
+                f"output folder {folder} cannot be written ({err.strerror or err}); the run would "
+                f"fail at its first checkpoint or at the end: choose another folder "
+                f"(hydra.run.dir=...) or make it writable"
+            ) from err
 
 
 def resolve_engine(cfg: DictConfig) -> None:
@@ -198,8 +207,10 @@ def resolve_engine(cfg: DictConfig) -> None:
             cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), head_dim)
             print(f"lit_rl: engine=auto -> {cfg.engine.name}", flush=True)
         if cfg.engine.name == "vllm" and head_dim is not None and head_dim < 32:
-            raise ConfigError(f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
-                              f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)")
+            raise ConfigError(
+                f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
+                f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)"
+            )
         if cfg.engine.name == "vllm" and not cfg.engine.dtype:
             precision, _ = resolve_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator"))
             cfg.engine.dtype = "bfloat16" if str(precision).startswith("bf16") else cfg.model.dtype
@@ -233,8 +244,9 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
             if cfg.rollout.mode == "async" and not uses_cuda(accelerator):
                 ranks_here *= 2  # the rollout producer thread and the trainer each get their half of the cores
             cfg.threads, why = auto_threads(ranks_here)
-            why = f"{requested or 'auto'}: {why}" + (", adapted per step to the cores other processes leave free"
-                                                     if requested == "adaptive" else "")
+            why = f"{requested or 'auto'}: {why}" + (
+                ", adapted per step to the cores other processes leave free" if requested == "adaptive" else ""
+            )
         else:
             why = "set explicitly"
         cfg.threads = configure_threads(cfg.threads)
@@ -288,12 +300,17 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         if top_k > vocab:
             raise ConfigError(f"correction.sc.top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
         sampling["logprobs_top_k"] = max(int(sampling["logprobs_top_k"]), top_k)
-    eval_sampling = dict(sampling, temperature=0.0, top_k=0, top_p=1.0, logprobs_top_k=0,
-                         max_new_tokens=cfg.eval.max_new_tokens)
+    eval_sampling = dict(
+        sampling, temperature=0.0, top_k=0, top_p=1.0, logprobs_top_k=0, max_new_tokens=cfg.eval.max_new_tokens
+    )
     cls = ALGORITHMS[cfg.algo.name]
     return cls(
-        policy=policy, tokenizer=tokenizer, sampling=sampling, eval_sampling=eval_sampling,
-        group_size=cfg.rollout.group_size, micro_batch_size=cfg.rollout.micro_batch_size,
+        policy=policy,
+        tokenizer=tokenizer,
+        sampling=sampling,
+        eval_sampling=eval_sampling,
+        group_size=cfg.rollout.group_size,
+        micro_batch_size=cfg.rollout.micro_batch_size,
         advantage=OmegaConf.to_container(cfg.advantage, resolve=True),
         loss=OmegaConf.to_container(cfg.loss, resolve=True),
         algo=OmegaConf.to_container(cfg.algo, resolve=True),
@@ -319,8 +336,10 @@ def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
     if ckpt_path == "last":
         path = find_last(out_dir / "checkpoints")
         if path is None:
-            raise ConfigError(f"ckpt_path=last: no checkpoint in {out_dir / 'checkpoints'} "
-                              f"(continue a run with hydra.run.dir=<its folder> ckpt_path=last)")
+            raise ConfigError(
+                f"ckpt_path=last: no checkpoint in {out_dir / 'checkpoints'} "
+                f"(continue a run with hydra.run.dir=<its folder> ckpt_path=last)"
+            )
         return str(path)
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
@@ -329,8 +348,14 @@ def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
 
 
 #: fields a continued run may change (applied from the command line, named when they differ from the run's)
-SAFE_ON_RESUME = ("trainer.max_steps", "trainer.enable_progress_bar", "threads", "checkpoint.every_n_steps",
-                  "eval.every_n_steps", "eval.batch_size")
+SAFE_ON_RESUME = (
+    "trainer.max_steps",
+    "trainer.enable_progress_bar",
+    "threads",
+    "checkpoint.every_n_steps",
+    "eval.every_n_steps",
+    "eval.batch_size",
+)
 #: values the run resolves itself (``resolve_engine``, ``resolve_hardware``): they agree with the value it resolved to
 AUTO_VALUES = {"engine.name": ("auto",), "trainer.precision": ("auto",), "threads": ("auto", "adaptive")}
 #: fields that say how to continue, not what the run is
@@ -389,8 +414,10 @@ def resumed_config(cfg: DictConfig, out: Path, overrides=None) -> DictConfig:
         for key in keys:
             inside = [k for k in new if k == key or k.startswith(key + ".")]
             if not inside:
-                raise ConfigError(f"{key}: cannot be given when a run is continued (its config is {saved_file}; "
-                                  f"a preset or a new field would change it): drop it, or start a new run")
+                raise ConfigError(
+                    f"{key}: cannot be given when a run is continued (its config is {saved_file}; "
+                    f"a preset or a new field would change it): drop it, or start a new run"
+                )
             compared += inside
     differ, applied = [], []
     for key in dict.fromkeys(compared):
@@ -403,11 +430,13 @@ def resumed_config(cfg: DictConfig, out: Path, overrides=None) -> DictConfig:
         else:
             differ.append(f"{key} (the run: {old[key]!r}, now: {new[key]!r})")
     if differ:
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path or 'last'} continues the run in {out} with its saved "
-                          f"config.yaml, and {len(differ)} field{'s differ' if len(differ) > 1 else ' differs'} "
-                          f"from it: {'; '.join(differ)}. A continued run may change only "
-                          f"{', '.join(SAFE_ON_RESUME)}: drop the other overrides, or start a new run in another "
-                          f"folder")
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path or 'last'} continues the run in {out} with its saved "
+            f"config.yaml, and {len(differ)} field{'s differ' if len(differ) > 1 else ' differs'} "
+            f"from it: {'; '.join(differ)}. A continued run may change only "
+            f"{', '.join(SAFE_ON_RESUME)}: drop the other overrides, or start a new run in another "
+            f"folder"
+        )
     result = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
     for key in applied:
         OmegaConf.update(result, key, new[key], force_add=True)
@@ -417,8 +446,10 @@ def resumed_config(cfg: DictConfig, out: Path, overrides=None) -> DictConfig:
     for key in RESUME_KEYS:
         OmegaConf.update(result, key, cfg[key], force_add=True)
     if applied:
-        print(f"lit_rl: continuing {out} with its config.yaml; changed: "
-              + ", ".join(f"{k}={new[k]}" for k in applied), flush=True)
+        print(
+            f"lit_rl: continuing {out} with its config.yaml; changed: " + ", ".join(f"{k}={new[k]}" for k in applied),
+            flush=True,
+        )
     return result
 
 
@@ -430,8 +461,9 @@ def build_strategy(name):
         return name
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return FSDPStrategy(auto_wrap_policy={GradientCheckpointingLayer}, sharding_strategy="FULL_SHARD",
-                        state_dict_type="full")
+    return FSDPStrategy(
+        auto_wrap_policy={GradientCheckpointingLayer}, sharding_strategy="FULL_SHARD", state_dict_type="full"
+    )
 
 
 def check_checkpoint_fits(ckpt_path: str, module: L.LightningModule) -> None:
@@ -450,7 +482,8 @@ def check_checkpoint_fits(ckpt_path: str, module: L.LightningModule) -> None:
             f"ckpt_path={ckpt_path}: the checkpoint does not fit this config (it was written by algo={algo}"
             f"{', value model ' + str(hp['algo'].get('value', {}).get('model')) if algo == 'ppo' else ''}): "
             f"missing {missing[:3]}, unexpected {unexpected[:3]}, other shapes {reshaped[:3]}; "
-            f"continue a run with the algorithm and model it was started with")
+            f"continue a run with the algorithm and model it was started with"
+        )
 
 
 def save_final_checkpoint(trainer: L.Trainer, checkpoints: ModelCheckpoint) -> None:
@@ -489,8 +522,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     if cfg.resume:
         out = Path(str(cfg.resume)).expanduser()
         if not (out / "config.yaml").is_file():
-            raise ConfigError(f"resume={cfg.resume!r}: no lit_rl run there (no config.yaml); give the folder of a "
-                              f"run (outputs/<date>/<time>, or a sweep job's folder, quoted: see docs/reliability.md)")
+            raise ConfigError(
+                f"resume={cfg.resume!r}: no lit_rl run there (no config.yaml); give the folder of a "
+                f"run (outputs/<date>/<time>, or a sweep job's folder, quoted: see docs/reliability.md)"
+            )
         with open_dict(cfg):
             cfg.ckpt_path = cfg.ckpt_path or "last"
     if cfg.ckpt_path not in (None, "", "null") and (out / "config.yaml").is_file():
@@ -507,24 +542,34 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
-        raise ConfigError(f"output folder {out} already holds a finished run; choose another "
-                          f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one")
+        raise ConfigError(
+            f"output folder {out} already holds a finished run; choose another "
+            f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one"
+        )
     if ckpt_path is None:
         started = sorted((out / "checkpoints").glob("*.ckpt")) + sorted((out / "tensorboard").glob("events.*"))
         if started and not started[0].name.endswith(".ckpt"):  # logs but no checkpoint: nothing to continue
-            raise ConfigError(f"output folder {out} holds a run that stopped before its first checkpoint "
-                              f"({started[0].name}); choose another folder (hydra.run.dir=...), or delete that one "
-                              f"— lit_rl never mixes two runs in one folder")
+            raise ConfigError(
+                f"output folder {out} holds a run that stopped before its first checkpoint "
+                f"({started[0].name}); choose another folder (hydra.run.dir=...), or delete that one "
+                f"— lit_rl never mixes two runs in one folder"
+            )
         if started:
-            raise ConfigError(f"output folder {out} holds an unfinished run ({started[0].name}); continue it with "
-                              f"ckpt_path=last, or choose another folder (hydra.run.dir=...) — lit_rl never mixes "
-                              f"two runs in one folder")
+            raise ConfigError(
+                f"output folder {out} holds an unfinished run ({started[0].name}); continue it with "
+                f"ckpt_path=last, or choose another folder (hydra.run.dir=...) — lit_rl never mixes "
+                f"two runs in one folder"
+            )
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
     logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
-    checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_steps * k,
-                                  save_last="link", save_top_k=1)
+    checkpoints = ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        every_n_train_steps=cfg.checkpoint.every_n_steps * k,
+        save_last="link",
+        save_top_k=1,
+    )
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     # trainer.max_steps counts RL steps; Lightning counts optimizer steps (several per RL step for PPO)
     if trainer_kwargs.get("max_steps", -1) > 0:
@@ -566,12 +611,20 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from err
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: the tokenizer has no chat template, "
-                          f"and task={cfg.task.name} formats prompts with it")
-    datamodule = RolloutDataModule(task, tokenizer, cfg.rollout.prompts_per_step, cfg.rollout.group_size,
-                                   seed=cfg.seed, eval_examples=cfg.eval.num_examples,
-                                   eval_batch_size=cfg.eval.batch_size,
-                                   reward_timeout_s=cfg.reward_timeout_s)
+        raise ConfigError(
+            f"model.name_or_path={cfg.model.name_or_path!r}: the tokenizer has no chat template, "
+            f"and task={cfg.task.name} formats prompts with it"
+        )
+    datamodule = RolloutDataModule(
+        task,
+        tokenizer,
+        cfg.rollout.prompts_per_step,
+        cfg.rollout.group_size,
+        seed=cfg.seed,
+        eval_examples=cfg.eval.num_examples,
+        eval_batch_size=cfg.eval.batch_size,
+        reward_timeout_s=cfg.reward_timeout_s,
+    )
     check_context(cfg, datamodule, model_config(cfg.model))  # before the weights load
 
     if trainer.is_global_zero:
@@ -591,8 +644,11 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
         assert module.updates_per_step == k
         module.peak_flops, source = peak_flops(precision, trainer_kwargs.get("accelerator", "auto"))
         if trainer.is_global_zero:
-            print(f"lit_rl: peak {module.peak_flops / 1e12:.3g} TFLOP/s per device at {precision} ({source}): "
-                  f"perf/mfu divides the update's FLOP rate by it", flush=True)
+            print(
+                f"lit_rl: peak {module.peak_flops / 1e12:.3g} TFLOP/s per device at {precision} ({source}): "
+                f"perf/mfu divides the update's FLOP rate by it",
+                flush=True,
+            )
         if ckpt_path is not None:
             check_checkpoint_fits(ckpt_path, module)
         try:
@@ -608,17 +664,20 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     if isinstance(trainer.strategy, FSDPStrategy):
         # FSDP: each rank holds a shard; gather the full weights (a collective; full tensors on rank 0)
         full = trainer.strategy.lightning_module_state_dict()
-        weights = {name[len("policy."):]: v for name, v in full.items() if name.startswith("policy.")}
+        weights = {name[len("policy.") :]: v for name, v in full.items() if name.startswith("policy.")}
     if trainer.is_global_zero:
         export = out / "policy"
         try:
             policy.save_pretrained(export, state_dict=weights, safe_serialization=True)
             tokenizer.save_pretrained(export)
-            (out / FINISHED_MARKER).write_text(json.dumps({"global_step": trainer.global_step, "metrics": metrics},
-                                                          indent=2))
+            (out / FINISHED_MARKER).write_text(
+                json.dumps({"global_step": trainer.global_step, "metrics": metrics}, indent=2)
+            )
         except OSError as err:
             last = find_last(out / "checkpoints")
-            raise OutputWriteError(f"could not write the trained policy to {export} ({err.strerror or err}); the "
-                                   f"run's last checkpoint {last} is complete: once there is room, export it by "
-                                   f"continuing the run (ckpt_path=last)") from err
+            raise OutputWriteError(
+                f"could not write the trained policy to {export} ({err.strerror or err}); the "
+                f"run's last checkpoint {last} is complete: once there is room, export it by "
+                f"continuing the run (ckpt_path=last)"
+            ) from err
     return metrics

@@ -13,9 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONF = os.path.join(ROOT, "conf")
 
 #: a few-second run: the tiny model, float32, 2 prompts x 4 completions of 8 tokens, eval and checkpoint every 2 steps
-FAST = ["model=tiny", "trainer.precision=32-true", "trainer.enable_progress_bar=false", "rollout.prompts_per_step=2",
-        "rollout.group_size=4", "sampling.max_new_tokens=8", "eval.num_examples=4", "eval.every_n_steps=2",
-        "checkpoint.every_n_steps=2"]
+FAST = [
+    "model=tiny",
+    "trainer.precision=32-true",
+    "trainer.enable_progress_bar=false",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "sampling.max_new_tokens=8",
+    "eval.num_examples=4",
+    "eval.every_n_steps=2",
+    "checkpoint.every_n_steps=2",
+]
 
 #: a run whose weights move every step: REINFORCE without baseline on a constant reward of 1 (A = 1), lr 1e-3
 MOVING = ["algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]

@@ -54,21 +54,36 @@ def make_batch(rank1_empty: bool = False, vocab: int = 49152) -> RolloutBatch:
     response_ids = torch.randint(0, vocab, (n, t_max), generator=g)
     response_mask = torch.arange(t_max)[None, :] < torch.tensor(RESPONSE_LENGTHS)[:, None]
     if rank1_empty:
-        response_mask[n // 2:] = False
+        response_mask[n // 2 :] = False
     return RolloutBatch(
-        prompt_ids=prompt_ids * prompt_mask, prompt_mask=prompt_mask, response_ids=response_ids * response_mask,
-        response_mask=response_mask, rollout_logprobs=torch.zeros(n, t_max), rewards=torch.zeros(n),
-        advantages=torch.randn(n, generator=g), group_ids=torch.arange(n) // 4,
-        policy_version=torch.zeros(n, dtype=torch.long))
+        prompt_ids=prompt_ids * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids * response_mask,
+        response_mask=response_mask,
+        rollout_logprobs=torch.zeros(n, t_max),
+        rewards=torch.zeros(n),
+        advantages=torch.randn(n, generator=g),
+        group_ids=torch.arange(n) // 4,
+        policy_version=torch.zeros(n, dtype=torch.long),
+    )
 
 
 def make_module(policy, tok, module_cls=GRPO, **kwargs):
     """A GRPO module around ``policy``: no gradient clipping (the raw gradient is compared), float32."""
-    return module_cls(policy=policy, tokenizer=tok, sampling={"max_new_tokens": max(RESPONSE_LENGTHS)},
-                      eval_sampling={}, group_size=4, micro_batch_size=MICRO_BATCH, advantage={},
-                      loss={"reduction": "token_mean"},
-                      algo={"name": "grpo", "clip": {"eps_low": 0.2, "eps_high": 0.2}},
-                      kl={}, optim={"lr": 1e-3, "grad_clip": 0.0}, **kwargs)
+    return module_cls(
+        policy=policy,
+        tokenizer=tok,
+        sampling={"max_new_tokens": max(RESPONSE_LENGTHS)},
+        eval_sampling={},
+        group_size=4,
+        micro_batch_size=MICRO_BATCH,
+        advantage={},
+        loss={"reduction": "token_mean"},
+        algo={"name": "grpo", "clip": {"eps_low": 0.2, "eps_high": 0.2}},
+        kl={},
+        optim={"lr": 1e-3, "grad_clip": 0.0},
+        **kwargs,
+    )
 
 
 class Probe(GRPO):
@@ -109,10 +124,19 @@ def main() -> None:
 
     policy, tok = load_policy(ModelSpec("tiny"))
     module = make_module(policy, tok, module_cls=Probe, out_dir=out_dir)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
-                        precision="32-true", max_epochs=1, limit_train_batches=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        precision="32-true",
+        max_epochs=1,
+        limit_train_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(module)
 
 

@@ -40,6 +40,7 @@ def kill_on_call(owner, name: str, call: int, before=None) -> None:
         return original(*args, **kwargs)
 
     import inspect
+
     static = isinstance(inspect.getattr_static(owner, name), staticmethod)
     setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
@@ -65,6 +66,7 @@ def main() -> None:
         kill_on_call(torch, "save", call, before=half_write_then_die)
     elif fault == "ckpt_link":
         from lightning.pytorch.callbacks import ModelCheckpoint
+
         kill_on_call(ModelCheckpoint, "_link_checkpoint", call)
     elif fault != "none":
         raise SystemExit(f"unknown fault {fault!r}")

@@ -28,4 +28,3 @@ def write_run(run_dir, scalars, tensor_writer=False):
         f.write("seed: 0\n")
     with open(os.path.join(run_dir, "finished.json"), "w") as f:
         json.dump({"global_step": 5}, f)
-

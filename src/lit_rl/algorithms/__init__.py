@@ -14,10 +14,28 @@ from .gspo import GSPO
 from .ppo import PPO
 from .reinforce import Reinforce
 
-ALGORITHMS: Registry[type[RLAlgorithm]] = Registry("algo", {
-    "reinforce": Reinforce, "ppo": PPO, "grpo": GRPO, "dapo": DAPO, "dr_grpo": DrGRPO, "gspo": GSPO,
-    "cispo": CISPO,
-})
+ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
+    "algo",
+    {
+        "reinforce": Reinforce,
+        "ppo": PPO,
+        "grpo": GRPO,
+        "dapo": DAPO,
+        "dr_grpo": DrGRPO,
+        "gspo": GSPO,
+        "cispo": CISPO,
+    },
+)
 
-__all__ = ["ALGORITHMS", "CISPO", "DAPO", "DrGRPO", "GRPO", "GSPO", "NonFiniteUpdates", "PPO", "RLAlgorithm",
-           "Reinforce"]
+__all__ = [
+    "ALGORITHMS",
+    "CISPO",
+    "DAPO",
+    "DrGRPO",
+    "GRPO",
+    "GSPO",
+    "NonFiniteUpdates",
+    "PPO",
+    "RLAlgorithm",
+    "Reinforce",
+]

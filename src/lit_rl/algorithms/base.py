@@ -107,13 +107,24 @@ class RLAlgorithm(L.LightningModule):
     #: this algorithm's ``algo`` defaults (its conf/algo/<name>.yaml, for modules built from Python)
     algo_config: ClassVar[type[AlgoConfig]] = AlgoConfig
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, sampling: dict, eval_sampling: dict,
-                 group_size: int, micro_batch_size: int, advantage: AdvantageConfig | Mapping | None = None,
-                 loss: LossConfig | Mapping | None = None, algo: AlgoConfig | Mapping | None = None,
-                 kl: KlConfig | Mapping | None = None, optim: OptimConfig | Mapping | None = None,
-                 logprob_chunk_tokens: int = TrainConfig.logprob_chunk_tokens,
-                 correction: CorrectionConfig | Mapping | None = None, engine: EngineConfig | Mapping | None = None,
-                 rollout_mode: RolloutConfig | Mapping | None = None):
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        tokenizer,
+        sampling: dict,
+        eval_sampling: dict,
+        group_size: int,
+        micro_batch_size: int,
+        advantage: AdvantageConfig | Mapping | None = None,
+        loss: LossConfig | Mapping | None = None,
+        algo: AlgoConfig | Mapping | None = None,
+        kl: KlConfig | Mapping | None = None,
+        optim: OptimConfig | Mapping | None = None,
+        logprob_chunk_tokens: int = TrainConfig.logprob_chunk_tokens,
+        correction: CorrectionConfig | Mapping | None = None,
+        engine: EngineConfig | Mapping | None = None,
+        rollout_mode: RolloutConfig | Mapping | None = None,
+    ):
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
         self.automatic_optimization = False
@@ -134,9 +145,14 @@ class RLAlgorithm(L.LightningModule):
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
         self.stale = build_stale_rollouts(config_of(RolloutConfig, rollout_mode))  # None: sync
-        self.engine = build_engine(engine, policy, tokenizer.pad_token_id, stop_ids,
-                                   max_logprobs=self.sampling.logprobs_top_k,
-                                   own_copy=self.stale is not None and self.stale.mode == "async")
+        self.engine = build_engine(
+            engine,
+            policy,
+            tokenizer.pad_token_id,
+            stop_ids,
+            max_logprobs=self.sampling.logprobs_top_k,
+            own_copy=self.stale is not None and self.stale.mode == "async",
+        )
         self.ref_policy = None
         if self.kl_cfg.beta > 0 or self.kl_cfg.track:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -144,8 +160,9 @@ class RLAlgorithm(L.LightningModule):
     def configure_optimizers(self):
         """AdamW over ``trainable_parameters`` with a linear warm-up over ``optim.warmup_steps`` optimizer steps."""
         cfg = self.optim_cfg
-        opt = torch.optim.AdamW(self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                betas=tuple(cfg.betas))
+        opt = torch.optim.AdamW(
+            self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas)
+        )
         warmup = int(cfg.warmup_steps)
         if warmup <= 0:
             return opt
@@ -212,8 +229,9 @@ class RLAlgorithm(L.LightningModule):
     def collect(self, batch: PromptBatch):
         """Generate and score this rank's share of the step's rollouts. Returns (ScoredRollouts, rollout
         metrics of this rank, reduced over ranks by ``reduce_step_metrics``)."""
-        scored = self.datamodule.collect(self.engine, batch.examples, self.sampling, batch.step,
-                                         first_index=batch.offset)
+        scored = self.datamodule.collect(
+            self.engine, batch.examples, self.sampling, batch.step, first_index=batch.offset
+        )
         return scored, {}
 
     def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
@@ -247,10 +265,17 @@ class RLAlgorithm(L.LightningModule):
         rewards = self.shape_rewards(scored)
         prompt_ids, prompt_mask = left_pad(r.prompt_ids, self.tokenizer.pad_token_id)
         return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=r.response_ids,
-            response_mask=r.response_mask, rollout_logprobs=r.rollout_logprobs, rewards=rewards,
-            advantages=self.advantages(scored, rewards), group_ids=scored.group_ids,
-            policy_version=r.policy_version, topk_ids=r.topk_ids, topk_logprobs=r.topk_logprobs,
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=r.response_ids,
+            response_mask=r.response_mask,
+            rollout_logprobs=r.rollout_logprobs,
+            rewards=rewards,
+            advantages=self.advantages(scored, rewards),
+            group_ids=scored.group_ids,
+            policy_version=r.policy_version,
+            topk_ids=r.topk_ids,
+            topk_logprobs=r.topk_logprobs,
         ).to(self.device)
 
     def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
@@ -260,8 +285,9 @@ class RLAlgorithm(L.LightningModule):
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
         """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
         valid = scored.rollouts.response_length > 0
-        return obj.group_advantages(rewards, scored.group_ids, alpha=self.advantage_cfg.alpha,
-                                    eps=self.advantage_cfg.eps, valid=valid)
+        return obj.group_advantages(
+            rewards, scored.group_ids, alpha=self.advantage_cfg.alpha, eps=self.advantage_cfg.eps, valid=valid
+        )
 
     @classmethod
     def group_baseline(cls, algo) -> bool:
@@ -330,7 +356,7 @@ class RLAlgorithm(L.LightningModule):
         for i in range(0, n, self.micro_batch_size):
             mb = rb.select(slice(i, i + self.micro_batch_size))
             scores = self.logprobs_of(self.policy, mb, with_entropy=False)
-            rb.old_logprobs[i:i + len(mb), :scores.logprobs.shape[1]] = scores.logprobs
+            rb.old_logprobs[i : i + len(mb), : scores.logprobs.shape[1]] = scores.logprobs
             self.store_old_head(rb, i, scores)
 
     def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
@@ -342,7 +368,7 @@ class RLAlgorithm(L.LightningModule):
         if rb.old_head_logprobs is None:
             rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
         w = scores.head_logprobs.shape[1]
-        rb.old_head_logprobs[start:start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
+        rb.old_head_logprobs[start : start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
 
     def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
         """Backward of the whole batch's loss into ``.grad``, one micro-batch at a time.
@@ -396,7 +422,7 @@ class RLAlgorithm(L.LightningModule):
         """Split into micro-batches of similar total length (less padding; results do not depend on it)."""
         lengths = rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)
         order = torch.argsort(lengths, descending=True, stable=True)
-        return [rb.select(order[i:i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
+        return [rb.select(order[i : i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
 
     def padding_micro_batch(self, rb: RolloutBatch) -> RolloutBatch:
         """``parallel.padding_micro_batch`` of ``rb`` with this tokenizer's pad id."""
@@ -414,25 +440,42 @@ class RLAlgorithm(L.LightningModule):
         """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
         distribution: its temperature and its top-k / top-p truncation."""
         head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
-        return response_logprobs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 temperature=self.sampling.temperature, top_k=self.sampling.top_k,
-                                 top_p=self.sampling.top_p, chunk_tokens=self.chunk_tokens,
-                                 head_ids=head_ids, **kwargs)
+        return response_logprobs(
+            model,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.response_ids,
+            mb.response_mask,
+            temperature=self.sampling.temperature,
+            top_k=self.sampling.top_k,
+            top_p=self.sampling.top_p,
+            chunk_tokens=self.chunk_tokens,
+            head_ids=head_ids,
+            **kwargs,
+        )
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch,
-                    stats: MetricSums) -> Tensor:
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
-        loss, clip_low, clip_high = obj.ppo_clip_loss(logprobs, old_logprobs, mb.advantages,
-                                                     self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        loss, clip_low, clip_high = obj.ppo_clip_loss(
+            logprobs, old_logprobs, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+        )
         mask = mb.response_mask
         stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
         stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
         stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
         return loss
 
-    def finish_loss(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
-                    stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor,
-                    extra_loss: Tensor | None = None) -> Tensor:
+    def finish_loss(
+        self,
+        pg_loss: Tensor,
+        scores: TokenScores,
+        old_logprobs: Tensor,
+        mb: RolloutBatch,
+        stats: MetricSums,
+        num_tokens: Tensor,
+        num_seqs: Tensor,
+        extra_loss: Tensor | None = None,
+    ) -> Tensor:
         """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
         diagnostics, and the reduction to a scalar normalised by the step's totals."""
         token_loss = self.correct(pg_loss, scores, old_logprobs, mb, stats)
@@ -453,17 +496,32 @@ class RLAlgorithm(L.LightningModule):
         # the three ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines),
         # r_stale = pi_theta/p_o (same engine, two weight versions); logged apart, never only the product.
         # p_o = pi_old unless rows are stale: then the trainer's log-probs under their generating weights
-        p_o = old_logprobs if mb.behaviour_logprobs is None else torch.where(
-            torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
-        stats.add_means({f"train/{k}": v for k, v in corr.mismatch_decomposition(
-            mb.rollout_logprobs, p_o, logprobs.detach(), m).items()}, m)
+        p_o = (
+            old_logprobs
+            if mb.behaviour_logprobs is None
+            else torch.where(torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
+        )
+        stats.add_means(
+            {
+                f"train/{k}": v
+                for k, v in corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m).items()
+            },
+            m,
+        )
         # tokens MIS drops leave the numerator only (``correct`` zeroes their weight): every reduction keeps the
         # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
-        return obj.reduce_loss(token_loss, m, self.loss_cfg.reduction, num_tokens=num_tokens,
-                               num_seqs=num_seqs, max_response_length=self.sampling.max_new_tokens)
+        return obj.reduce_loss(
+            token_loss,
+            m,
+            self.loss_cfg.reduction,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_response_length=self.sampling.max_new_tokens,
+        )
 
-    def correct(self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch,
-                stats: MetricSums) -> Tensor:
+    def correct(
+        self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums
+    ) -> Tensor:
         """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss [n, T].
 
         One call to ``corrections.corrected_policy_loss``: the sampled token's loss is weighted by w_y =
@@ -474,9 +532,15 @@ class RLAlgorithm(L.LightningModule):
         keep their place in the step's denominators. Logs tis / tis_abs / tis_clipfrac / mis_maskfrac.
         """
         loss, metrics = corr.correct_policy_loss(
-            pg_loss, scores.logprobs, old_logprobs, mb, self.weight_rule,
-            score_centering=self.correction.sc.enabled, logprobs_head=scores.head_logprobs,
-            score_coefficients=lambda log_ratio, sampled: self.score_coefficients(log_ratio, sampled, mb))
+            pg_loss,
+            scores.logprobs,
+            old_logprobs,
+            mb,
+            self.weight_rule,
+            score_centering=self.correction.sc.enabled,
+            logprobs_head=scores.head_logprobs,
+            score_coefficients=lambda log_ratio, sampled: self.score_coefficients(log_ratio, sampled, mb),
+        )
         stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
         return loss
 
@@ -547,7 +611,8 @@ class RLAlgorithm(L.LightningModule):
                 f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step}"
                 f" (optimizer step {self.global_step}, optim.max_nonfinite_updates={limit}). "
                 f"The last checkpoint holds the weights these updates started from: lower optim.lr (or check "
-                f"the rewards) before continuing from it")
+                f"the rewards) before continuing from it"
+            )
 
     skipped_updates: int = 0
 
@@ -562,8 +627,9 @@ class RLAlgorithm(L.LightningModule):
     def flop_model(self) -> FlopModel:
         """The policy's ``FlopModel`` (verl's FlopsCounter convention), built once."""
         if getattr(self, "_flop_model", None) is None:
-            self._flop_model = FlopModel.from_config(self.policy.config,
-                                                     num_parameters=sum(p.numel() for p in self.policy.parameters()))
+            self._flop_model = FlopModel.from_config(
+                self.policy.config, num_parameters=sum(p.numel() for p in self.policy.parameters())
+            )
         return self._flop_model
 
     def step_flops(self, scored: ScoredRollouts, rb: RolloutBatch) -> dict[str, float]:
@@ -591,8 +657,12 @@ class RLAlgorithm(L.LightningModule):
         update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
         rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
         peak = self.peak_flops * self.world_size
-        return {"perf/update_tflops": update / 1e12, "perf/rollout_tflops": rollout / 1e12,
-                "perf/peak_tflops": peak / 1e12, "perf/mfu": update / peak if peak > 0 else 0.0}
+        return {
+            "perf/update_tflops": update / 1e12,
+            "perf/rollout_tflops": rollout / 1e12,
+            "perf/peak_tflops": peak / 1e12,
+            "perf/mfu": update / peak if peak > 0 else 0.0,
+        }
 
     #: step metrics summed / maximised over ranks (``parallel.reduce_step_metrics``); others are weighted means
     SUMMED_METRICS = parallel.SUMMED_METRICS
@@ -621,8 +691,9 @@ class RLAlgorithm(L.LightningModule):
         class's ``SUMMED_METRICS`` and ``MAX_METRICS``). A collective (every rank calls it once per step)."""
         if self.world_size == 1:
             return dict(metrics)
-        return parallel.reduce_step_metrics(metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS,
-                                   maxima=self.MAX_METRICS)
+        return parallel.reduce_step_metrics(
+            metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS, maxima=self.MAX_METRICS
+        )
 
     def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
         """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
@@ -661,9 +732,9 @@ class RLAlgorithm(L.LightningModule):
         current weights, ``micro_batch_size`` rows at a time; 0 past each micro-batch's longest response."""
         out = torch.zeros(rows.numel(), rb.response_ids.shape[1], device=rb.response_ids.device)
         for i in range(0, rows.numel(), self.micro_batch_size):
-            idx = rows[i:i + self.micro_batch_size]
+            idx = rows[i : i + self.micro_batch_size]
             lp = self.logprobs_of(self.policy, rb.select(idx), with_entropy=False).logprobs
-            out[i:i + idx.numel(), :lp.shape[1]] = lp.float()
+            out[i : i + idx.numel(), : lp.shape[1]] = lp.float()
         return out
 
     # -- evaluation: greedy pass@1 on the held-out split -----------------------------------------------------------
@@ -678,8 +749,15 @@ class RLAlgorithm(L.LightningModule):
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         if not batch.examples:  # this rank's share of the eval split is empty; it still joins the reduction
             return
-        scored = self.datamodule.collect(self.engine, batch.examples, self.eval_sampling, step=-1,
-                                         group_size=1, split="eval", first_index=batch.offset)
+        scored = self.datamodule.collect(
+            self.engine,
+            batch.examples,
+            self.eval_sampling,
+            step=-1,
+            group_size=1,
+            split="eval",
+            first_index=batch.offset,
+        )
         self._eval_sums[0] += float(scored.rewards.sum())
         self._eval_sums[1] += len(batch.examples)
 
@@ -718,8 +796,9 @@ class RLAlgorithm(L.LightningModule):
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
         missing = [k for k in result.missing_keys if not k.startswith("ref_policy.")]
         if strict and (missing or result.unexpected_keys):
-            raise RuntimeError(f"checkpoint does not fit this module: missing {missing[:5]}, "
-                               f"unexpected {result.unexpected_keys[:5]}")
+            raise RuntimeError(
+                f"checkpoint does not fit this module: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+            )
         return result
 
     # -- the end of the run ----------------------------------------------------------------------------------------

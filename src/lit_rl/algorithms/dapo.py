@@ -44,8 +44,15 @@ class DAPO(RLAlgorithm):
         offset, world = batch.offset, dm.world_size
         while True:
             # group ids and seeds by a prompt's position in the round's full list (all ranks): one id per group
-            scored = dm.collect(self.engine, examples, self.sampling, batch.step, round=rounds,
-                                group_offset=rounds * target * world, first_index=offset)
+            scored = dm.collect(
+                self.engine,
+                examples,
+                self.sampling,
+                batch.step,
+                round=rounds,
+                group_offset=rounds * target * world,
+                first_index=offset,
+            )
             rewards_seen.append(scored.rewards)
             errors += scored.reward_errors
             for g in scored.group_ids.unique().tolist():
@@ -68,11 +75,15 @@ class DAPO(RLAlgorithm):
         generated = torch.cat(rewards_seen)
         # these replace the base's rollout metrics: reward over everything generated (comparable with the
         # other algorithms), the dropped groups' counts, and the reward of the groups kept for training
-        metrics = {"rollout/reward_mean": float(generated.mean()),
-                   "rollout/reward_mean_kept": float(out.rewards.mean()),
-                   "rollout/groups_all_correct": float(all_correct), "rollout/groups_all_wrong": float(all_wrong),
-                   "rollout/generation_rounds": float(rounds), "rollout/groups_kept": float(n_kept),
-                   "rollout/reward_errors": float(errors)}
+        metrics = {
+            "rollout/reward_mean": float(generated.mean()),
+            "rollout/reward_mean_kept": float(out.rewards.mean()),
+            "rollout/groups_all_correct": float(all_correct),
+            "rollout/groups_all_wrong": float(all_wrong),
+            "rollout/generation_rounds": float(rounds),
+            "rollout/groups_kept": float(n_kept),
+            "rollout/reward_errors": float(errors),
+        }
         return out, metrics
 
     def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
@@ -87,8 +98,7 @@ class DAPO(RLAlgorithm):
         ol = self.algo_cfg.overlong
         if not ol.enabled:
             return scored.rewards
-        penalty = obj.overlong_penalty(scored.rollouts.response_length, self.sampling.max_new_tokens,
-                                       ol.buffer_length)
+        penalty = obj.overlong_penalty(scored.rollouts.response_length, self.sampling.max_new_tokens, ol.buffer_length)
         return scored.rewards + penalty * ol.penalty_factor
 
     def build_batch(self, scored: ScoredRollouts):
@@ -96,7 +106,8 @@ class DAPO(RLAlgorithm):
         numerator and its denominator) when ``algo.mask_truncated`` is on."""
         rb = super().build_batch(scored)
         if self.algo_cfg.mask_truncated:
-            truncated = torch.tensor([f == "length" for f in scored.rollouts.finish_reason],
-                                     device=rb.response_mask.device)
+            truncated = torch.tensor(
+                [f == "length" for f in scored.rollouts.finish_reason], device=rb.response_mask.device
+            )
             rb.response_mask = rb.response_mask & ~truncated[:, None]
         return rb

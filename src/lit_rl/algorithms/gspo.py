@@ -19,8 +19,9 @@ class GSPO(RLAlgorithm):
     algo_config = GspoConfig
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
-        loss, clip_low, clip_high = obj.gspo_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask,
-                                                 self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        loss, clip_low, clip_high = obj.gspo_loss(
+            logprobs, old_logprobs, mb.advantages, mb.response_mask, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+        )
         seq = mb.response_mask.any(-1)
         stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), seq)  # fraction of sequences
         stats.add("train/pg_clipfrac_lower", clip_low.float(), seq)
@@ -29,5 +30,6 @@ class GSPO(RLAlgorithm):
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-A s_i(v), s_i(v) the sequence ratio with v in place of the sampled token, 0 where it is clipped."""
-        return obj.gspo_coef(log_ratio, sampled_log_ratio, mb.advantages, mb.response_mask,
-                             self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        return obj.gspo_coef(
+            log_ratio, sampled_log_ratio, mb.advantages, mb.response_mask, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+        )

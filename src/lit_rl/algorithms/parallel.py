@@ -28,11 +28,25 @@ from ..rollout.types import RolloutBatch
 
 #: step metrics that add up over ranks (counts) and those whose maximum over ranks is logged; every other
 #: rollout/time metric is a mean weighted by ``RLAlgorithm.metric_weights`` (train/* are reduced in ``update``)
-SUMMED_METRICS = ("rollout/reward_errors", "rollout/groups_all_correct", "rollout/groups_all_wrong",
-                  "rollout/groups_kept", "perf/rollout_tokens", "rollout/dropped_samples",
-                  "rollout/dropped_samples_total", "perf/update_flops", "perf/rollout_flops")
-MAX_METRICS = ("rollout/staleness_max", "rollout/generation_rounds", "time/rollout_s", "time/train_s",
-               "time/weight_sync_s", "time/step_s")
+SUMMED_METRICS = (
+    "rollout/reward_errors",
+    "rollout/groups_all_correct",
+    "rollout/groups_all_wrong",
+    "rollout/groups_kept",
+    "perf/rollout_tokens",
+    "rollout/dropped_samples",
+    "rollout/dropped_samples_total",
+    "perf/update_flops",
+    "perf/rollout_flops",
+)
+MAX_METRICS = (
+    "rollout/staleness_max",
+    "rollout/generation_rounds",
+    "time/rollout_s",
+    "time/train_s",
+    "time/weight_sync_s",
+    "time/step_s",
+)
 
 
 class MetricSums:
@@ -75,8 +89,14 @@ class MetricSums:
         return self
 
 
-def all_reduce_dict(values: dict[str, float], reduce: Callable[[Tensor, str], Tensor], op: str = "sum", *,
-                    world_size: int, rank: int = 0) -> dict[str, float]:
+def all_reduce_dict(
+    values: dict[str, float],
+    reduce: Callable[[Tensor, str], Tensor],
+    op: str = "sum",
+    *,
+    world_size: int,
+    rank: int = 0,
+) -> dict[str, float]:
     """``values`` reduced name by name over the ranks with ``reduce(tensor, op)`` (``op`` "sum" | "max",
     float64); with ``world_size`` 1 a copy. Raises RuntimeError when the ranks hold different names (checked
     with one small collective first, so a mismatch fails instead of pairing the wrong numbers or hanging)."""
@@ -91,9 +111,14 @@ def all_reduce_dict(values: dict[str, float], reduce: Callable[[Tensor, str], Te
     return dict(zip(names, total.tolist()))
 
 
-def reduce_step_metrics(metrics: dict[str, float], weights: dict[str, float],
-                        reduce_dict: Callable[[dict[str, float], str], dict[str, float]], *,
-                        summed=SUMMED_METRICS, maxima=MAX_METRICS) -> dict[str, float]:
+def reduce_step_metrics(
+    metrics: dict[str, float],
+    weights: dict[str, float],
+    reduce_dict: Callable[[dict[str, float], str], dict[str, float]],
+    *,
+    summed=SUMMED_METRICS,
+    maxima=MAX_METRICS,
+) -> dict[str, float]:
     """Combine this rank's step metrics with the other ranks': names in ``summed`` are summed, in ``maxima``
     maximised, every other one is a mean weighted by ``weights`` (default 1). ``reduce_dict(values, op)``
     reduces a name -> float dict over ranks (``RLAlgorithm.all_reduce_dict``). A collective."""
@@ -123,19 +148,27 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
     micro-batch (so it reaches every parameter the strategy syncs) and its loss is multiplied by 0.
     Raises ValueError if ``rb`` has no rows."""
     if len(rb) == 0:
-        raise ValueError("a rank with no rollout rows cannot take part in the update; lower "
-                         "algo.num_minibatches or raise rollout.prompts_per_step")
+        raise ValueError(
+            "a rank with no rollout rows cannot take part in the update; lower "
+            "algo.num_minibatches or raise rollout.prompts_per_step"
+        )
     row = rb.select(slice(0, 1))
 
     def one(x, fill=0.0):
         return None if x is None else x.new_full((1, 1, *x.shape[2:]), fill)
 
     return replace(
-        row, response_ids=row.response_ids.new_full((1, 1), pad_token_id),
-        response_mask=row.response_mask.new_ones((1, 1)), rollout_logprobs=row.rollout_logprobs.new_zeros((1, 1)),
+        row,
+        response_ids=row.response_ids.new_full((1, 1), pad_token_id),
+        response_mask=row.response_mask.new_ones((1, 1)),
+        rollout_logprobs=row.rollout_logprobs.new_zeros((1, 1)),
         advantages=row.advantages if row.advantages.dim() == 1 else row.advantages.new_zeros((1, 1)),
-        old_logprobs=one(row.old_logprobs), behaviour_logprobs=one(row.behaviour_logprobs),
-        ref_logprobs=one(row.ref_logprobs), topk_ids=one(row.topk_ids, 0),
+        old_logprobs=one(row.old_logprobs),
+        behaviour_logprobs=one(row.behaviour_logprobs),
+        ref_logprobs=one(row.ref_logprobs),
+        topk_ids=one(row.topk_ids, 0),
         topk_logprobs=one(row.topk_logprobs, float("-inf")),
-        old_head_logprobs=one(row.old_head_logprobs, float("-inf")), old_values=one(row.old_values),
-        returns=one(row.returns))
+        old_head_logprobs=one(row.old_head_logprobs, float("-inf")),
+        old_values=one(row.old_values),
+        returns=one(row.returns),
+    )

@@ -61,9 +61,10 @@ class PPO(RLAlgorithm):
             p = mb.prompt_ids.shape[1]
             ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)
             att = torch.cat([mb.prompt_mask, mb.response_mask], 1).long()
-            h = self.critic(input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att),
-                            use_cache=False).last_hidden_state
-            hidden = h[:, p - 1: p - 1 + mb.response_ids.shape[1]]
+            h = self.critic(
+                input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att), use_cache=False
+            ).last_hidden_state
+            hidden = h[:, p - 1 : p - 1 + mb.response_ids.shape[1]]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         return scores, values * mb.response_mask
 
@@ -83,8 +84,8 @@ class PPO(RLAlgorithm):
             mb = rb.select(slice(i, i + self.micro_batch_size))
             scores, v = self._forward(mb)
             w = scores.logprobs.shape[1]
-            old_lp[i:i + len(mb), :w] = scores.logprobs
-            old_v[i:i + len(mb), :w] = v
+            old_lp[i : i + len(mb), :w] = scores.logprobs
+            old_v[i : i + len(mb), :w] = v
             self.store_old_head(rb, i, scores)
         mask = rb.response_mask
         lengths = mask.sum(-1)
@@ -125,5 +126,4 @@ class PPO(RLAlgorithm):
         vcfg = self.algo_cfg.value
         vf = obj.clipped_value_loss(values, mb.old_values, mb.returns, vcfg.clip)
         stats.add("train/value_loss", vf, m)
-        return self.finish_loss(pg, scores, mb.old_logprobs, mb, stats, num_tokens, num_seqs,
-                                extra_loss=vcfg.coef * vf)
+        return self.finish_loss(pg, scores, mb.old_logprobs, mb, stats, num_tokens, num_seqs, extra_loss=vcfg.coef * vf)

@@ -10,10 +10,13 @@ from ..registry import Registry
 from .batch_invariant import BatchInvariantMode
 
 #: ``kernels`` -> what the mode does (``kernel_mode`` builds it); each has its ``conf/kernels/<name>.yaml``
-KERNELS: Registry[str] = Registry("kernels", {
-    "default": "torch's and transformers' own kernels",
-    "batch_invariant": "lit_rl's CPU kernels: rollout log-probs equal the trainer's bit for bit",
-})
+KERNELS: Registry[str] = Registry(
+    "kernels",
+    {
+        "default": "torch's and transformers' own kernels",
+        "batch_invariant": "lit_rl's CPU kernels: rollout log-probs equal the trainer's bit for bit",
+    },
+)
 
 
 def kernel_mode(name: str, *models):
@@ -27,9 +30,12 @@ def kernel_mode(name: str, *models):
 
         from .batch_invariant import GEMM_ROWS
 
-        print(f"lit_rl: kernels=batch_invariant: matrix products in fixed blocks of {GEMM_ROWS} rows at "
-              f"{torch.get_num_threads()} torch threads (the thread count stays fixed for the run); "
-              f"CPU only", flush=True)
+        print(
+            f"lit_rl: kernels=batch_invariant: matrix products in fixed blocks of {GEMM_ROWS} rows at "
+            f"{torch.get_num_threads()} torch threads (the thread count stays fixed for the run); "
+            f"CPU only",
+            flush=True,
+        )
         return BatchInvariantMode(*models)
     raise ValueError(f"kernels={name!r} is not allowed: choose one of {list(KERNELS)}")
 

@@ -103,15 +103,25 @@ def _check_threads() -> None:
     fixes the shapes, so the thread count must stay fixed too, for the engine's calls and the trainer's alike
     (an async rollout producer copies the trainer's count)."""
     if _threads and torch.get_num_threads() != _threads[0]:
-        raise RuntimeError(f"kernels=batch_invariant was enabled at {_threads[0]} torch threads and a product now "
-                           f"runs at {torch.get_num_threads()}: the bits of a product depend on the thread count, "
-                           f"so the mode needs one count for the whole run (the config's `threads`)")
+        raise RuntimeError(
+            f"kernels=batch_invariant was enabled at {_threads[0]} torch threads and a product now "
+            f"runs at {torch.get_num_threads()}: the bits of a product depend on the thread count, "
+            f"so the mode needs one count for the whole run (the config's `threads`)"
+        )
 
 
 # -- matrix products ---------------------------------------------------------------------------------
 #: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) that keep its native bf16 dot products (AVX512-BF16, AMX)
-_NATIVE_BF16_ISAS = {"ALL", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX",
-                     "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2"}
+_NATIVE_BF16_ISAS = {
+    "ALL",
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_AMX",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+}
 
 
 def native_bf16() -> bool:
@@ -136,8 +146,9 @@ def _blocked_product(a: Tensor, b: Tensor, bias: Tensor | None = None, beta=1, a
     _check_threads()
     if a.dtype == torch.bfloat16 and not _native_bf16[0]:  # bf16 values are exact in float32; MKL's float32
         # products have no position dependence; the result is rounded to bf16 as oneDNN rounds its own
-        return _blocked_product(a.float(), b.float(), None if bias is None else bias.float(), beta,
-                                alpha).to(torch.bfloat16)
+        return _blocked_product(a.float(), b.float(), None if bias is None else bias.float(), beta, alpha).to(
+            torch.bfloat16
+        )
     m, n = a.shape[0], b.shape[1]
     padded = _row_blocks(a, GEMM_ROWS)
     per_row = bias is not None and bias.dim() == 2 and bias.shape[0] == m and m > 1
@@ -149,8 +160,9 @@ def _blocked_product(a: Tensor, b: Tensor, bias: Tensor | None = None, beta=1, a
         if bias is None:
             torch.ops.aten.mm.out(padded[r0:r1], b, out=out[r0:r1])
         else:
-            torch.ops.aten.addmm.out(bias[r0:r1] if per_row else bias, padded[r0:r1], b, beta=beta, alpha=alpha,
-                                     out=out[r0:r1])
+            torch.ops.aten.addmm.out(
+                bias[r0:r1] if per_row else bias, padded[r0:r1], b, beta=beta, alpha=alpha, out=out[r0:r1]
+            )
     return out if out.shape[0] == m else out[:m]
 
 
@@ -270,14 +282,24 @@ def _compute_key_ranges(mask: Tensor | None, b: int, lq: int, lk: int, device) -
     keys = torch.arange(lk, device=device)
     rebuilt = (keys >= shift[:, None, None]) & (keys < (shift[:, None] + count)[..., None])
     if not torch.equal(rebuilt, mask):
-        raise ValueError("batch-invariant attention needs causal masks with left/right padding: each query must "
-                         "see one contiguous range of keys starting at its sequence's first real token "
-                         "(sliding windows and packed sequences are not supported)")
+        raise ValueError(
+            "batch-invariant attention needs causal masks with left/right padding: each query must "
+            "see one contiguous range of keys starting at its sequence's first real token "
+            "(sliding windows and packed sequences are not supported)"
+        )
     return shift, count
 
 
-def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-              scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+def attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
     """Scaled dot-product attention whose output for a query depends only on its own sequence's real keys.
 
     query: [B, H, Lq, d]; key, value: [B, KVH, Lk, d] (H a multiple of KVH: grouped-query attention);
@@ -323,9 +345,14 @@ def attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask:
             q = torch.cat([q, q.new_zeros(bh, m - n_rows, d)], dim=1)
             visible = torch.cat([visible, visible.new_zeros(bh, m - n_rows)], dim=1)
         q = q.reshape(bh * nq, QUERY_ROWS, d)
-        scores = torch.stack([  # [nblk, B*KVH, rows, KEY_BLOCK]
-            torch.bmm(q, k[:, j].transpose(1, 2)[:, None].expand(bh, nq, d, KEY_BLOCK).reshape(bh * nq, d, KEY_BLOCK))
-            .view(bh, m, KEY_BLOCK) for j in range(nblk)])
+        scores = torch.stack(
+            [  # [nblk, B*KVH, rows, KEY_BLOCK]
+                torch.bmm(
+                    q, k[:, j].transpose(1, 2)[:, None].expand(bh, nq, d, KEY_BLOCK).reshape(bh * nq, d, KEY_BLOCK)
+                ).view(bh, m, KEY_BLOCK)
+                for j in range(nblk)
+            ]
+        )
         scores.mul_(scale)
         key_pos = torch.arange(width, device=device).view(nblk, 1, 1, KEY_BLOCK)
         scores.masked_fill_(key_pos >= visible[None, :, :, None], float("-inf"))
@@ -395,7 +422,8 @@ class BatchInvariantMode:
                 raise ValueError(
                     f"kernels=batch_invariant covers the CPU only; this model has parameters on {sorted(devices)}. "
                     "On CUDA use Thinking Machines' batch_invariant_ops (set_batch_invariant_mode) for the trainer "
-                    "and vLLM's VLLM_BATCH_INVARIANT=1 for a vLLM sampler; lit_rl does not wire them in this version")
+                    "and vLLM's VLLM_BATCH_INVARIANT=1 for a vLLM sampler; lit_rl does not wire them in this version"
+                )
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 

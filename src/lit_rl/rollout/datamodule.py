@@ -72,18 +72,31 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
     if len(parts) == 1:
         return parts[0]
     width = max(p.rollouts.response_ids.shape[1] for p in parts)
-    cat = lambda name, value=0: (None if getattr(parts[0].rollouts, name) is None else torch.cat(  # noqa: E731
-        [_pad_cols(getattr(p.rollouts, name), width, value) for p in parts]))
+
+    def cat(name, value=0):
+        first = getattr(parts[0].rollouts, name)
+        if first is None:
+            return None
+        return torch.cat([_pad_cols(getattr(p.rollouts, name), width, value) for p in parts])
+
     rollouts = Rollouts(
         prompt_ids=[ids for p in parts for ids in p.rollouts.prompt_ids],
-        response_ids=cat("response_ids", pad_token_id), response_mask=cat("response_mask", False),
-        rollout_logprobs=cat("rollout_logprobs"), finish_reason=[f for p in parts for f in p.rollouts.finish_reason],
+        response_ids=cat("response_ids", pad_token_id),
+        response_mask=cat("response_mask", False),
+        rollout_logprobs=cat("rollout_logprobs"),
+        finish_reason=[f for p in parts for f in p.rollouts.finish_reason],
         policy_version=torch.cat([p.rollouts.policy_version for p in parts]),
-        topk_ids=cat("topk_ids"), topk_logprobs=cat("topk_logprobs"),
+        topk_ids=cat("topk_ids"),
+        topk_logprobs=cat("topk_logprobs"),
     )
-    return ScoredRollouts(rollouts, torch.cat([p.rewards for p in parts]), torch.cat([p.group_ids for p in parts]),
-                          [e for p in parts for e in p.examples], [t for p in parts for t in p.texts],
-                          reward_errors=sum(p.reward_errors for p in parts))
+    return ScoredRollouts(
+        rollouts,
+        torch.cat([p.rewards for p in parts]),
+        torch.cat([p.group_ids for p in parts]),
+        [e for p in parts for e in p.examples],
+        [t for p in parts for t in p.texts],
+        reward_errors=sum(p.reward_errors for p in parts),
+    )
 
 
 def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
@@ -92,13 +105,18 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
     idx = rows.tolist()
     pick = lambda x: None if x is None else x[rows]  # noqa: E731
     rollouts = Rollouts(
-        prompt_ids=[r.prompt_ids[i] for i in idx], response_ids=r.response_ids[rows],
-        response_mask=r.response_mask[rows], rollout_logprobs=r.rollout_logprobs[rows],
-        finish_reason=[r.finish_reason[i] for i in idx], policy_version=r.policy_version[rows],
-        topk_ids=pick(r.topk_ids), topk_logprobs=pick(r.topk_logprobs),
+        prompt_ids=[r.prompt_ids[i] for i in idx],
+        response_ids=r.response_ids[rows],
+        response_mask=r.response_mask[rows],
+        rollout_logprobs=r.rollout_logprobs[rows],
+        finish_reason=[r.finish_reason[i] for i in idx],
+        policy_version=r.policy_version[rows],
+        topk_ids=pick(r.topk_ids),
+        topk_logprobs=pick(r.topk_logprobs),
     )
-    return ScoredRollouts(rollouts, scored.rewards[rows], scored.group_ids[rows], scored.examples,
-                          [scored.texts[i] for i in idx])
+    return ScoredRollouts(
+        rollouts, scored.rewards[rows], scored.group_ids[rows], scored.examples, [scored.texts[i] for i in idx]
+    )
 
 
 def guarded_reward(reward_fn, completion: str, example: Example, timeout_s: float) -> tuple[float, bool]:
@@ -165,8 +183,17 @@ class RolloutDataModule(L.LightningDataModule):
         eval_batch_size: prompts per eval generation call.
     """
 
-    def __init__(self, task: Task, tokenizer, prompts_per_step: int, group_size: int, seed: int = 0,
-                 eval_examples: int = 64, eval_batch_size: int = 64, reward_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        task: Task,
+        tokenizer,
+        prompts_per_step: int,
+        group_size: int,
+        seed: int = 0,
+        eval_examples: int = 64,
+        eval_batch_size: int = 64,
+        reward_timeout_s: float = 10.0,
+    ):
         super().__init__()
         self.task, self.tokenizer = task, tokenizer
         self.prompts_per_step, self.group_size, self.seed = prompts_per_step, group_size, seed
@@ -202,8 +229,10 @@ class RolloutDataModule(L.LightningDataModule):
         groups as the others; ``config.validate`` reports it at start-up).
         """
         if self.prompts_per_step % self.world_size:
-            raise ValueError(f"rollout.prompts_per_step={self.prompts_per_step} must be divisible by the "
-                             f"{self.world_size} data-parallel ranks")
+            raise ValueError(
+                f"rollout.prompts_per_step={self.prompts_per_step} must be divisible by the "
+                f"{self.world_size} data-parallel ranks"
+            )
         offset, examples = self.shard(self.prompts_for(step))
         return PromptBatch(step, examples, offset)
 
@@ -238,8 +267,9 @@ class RolloutDataModule(L.LightningDataModule):
         """Chat-formatted prompt token ids for ``example`` (cached)."""
         key = (split, example.id)
         if key not in self._encoded:
-            ids = self.tokenizer.apply_chat_template(self.task.messages(example), add_generation_prompt=True,
-                                                     tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                self.task.messages(example), add_generation_prompt=True, tokenize=True
+            )
             if not isinstance(ids, list):
                 ids = ids["input_ids"]
             self._encoded[key] = list(ids)
@@ -253,16 +283,27 @@ class RolloutDataModule(L.LightningDataModule):
         examples = self._train if split == "train" else self._eval
         if not examples:
             return 0, None
-        texts = [self.tokenizer.apply_chat_template(self.task.messages(ex), add_generation_prompt=True,
-                                                    tokenize=False) for ex in examples]
+        texts = [
+            self.tokenizer.apply_chat_template(self.task.messages(ex), add_generation_prompt=True, tokenize=False)
+            for ex in examples
+        ]
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         i = max(range(len(lengths)), key=lengths.__getitem__)
         return lengths[i], examples[i]
 
     # -- rollouts ------------------------------------------------------------------------------------
-    def collect(self, engine, examples: list[Example], params: SamplingParams, step: int, round: int = 0,
-                group_size: int | None = None, split: str = "train", group_offset: int = 0,
-                first_index: int = 0) -> ScoredRollouts:
+    def collect(
+        self,
+        engine,
+        examples: list[Example],
+        params: SamplingParams,
+        step: int,
+        round: int = 0,
+        group_size: int | None = None,
+        split: str = "train",
+        group_offset: int = 0,
+        first_index: int = 0,
+    ) -> ScoredRollouts:
         """Generate G completions per example with ``engine`` and score them with the task's verifier.
 
         Each completion has its own seed (from seed, step, round, prompt index and sample index), so the
@@ -284,12 +325,19 @@ class RolloutDataModule(L.LightningDataModule):
             skip_special_tokens=True,
         )
         verifier = getattr(self.task, "eval_task", self.task) if split == "eval" else self.task
-        scores = [guarded_reward(verifier.reward, text, examples[gid - group_offset - first_index],
-                                 self.reward_timeout_s)
-                  for text, gid in zip(texts, group_ids)]
+        scores = [
+            guarded_reward(verifier.reward, text, examples[gid - group_offset - first_index], self.reward_timeout_s)
+            for text, gid in zip(texts, group_ids)
+        ]
         rewards = torch.tensor([r for r, _ in scores], dtype=torch.float32)
-        return ScoredRollouts(rollouts, rewards, torch.tensor(group_ids, dtype=torch.long), examples, texts,
-                              reward_errors=sum(failed for _, failed in scores))
+        return ScoredRollouts(
+            rollouts,
+            rewards,
+            torch.tensor(group_ids, dtype=torch.long),
+            examples,
+            texts,
+            reward_errors=sum(failed for _, failed in scores),
+        )
 
     # -- Lightning hooks -----------------------------------------------------------------------------
     def set_start_step(self, fn: Callable[[], int]) -> None:
@@ -303,6 +351,8 @@ class RolloutDataModule(L.LightningDataModule):
         """This rank's contiguous share of the eval examples in batches of ``eval_batch_size``; a rank
         whose share is empty gets one empty batch, so every rank takes part in the eval's reduction."""
         offset, examples = self.shard(self._eval)
-        batches = [PromptBatch(-1, examples[i:i + self.eval_batch_size], offset + i)
-                   for i in range(0, len(examples), self.eval_batch_size)] or [PromptBatch(-1, [], offset)]
+        batches = [
+            PromptBatch(-1, examples[i : i + self.eval_batch_size], offset + i)
+            for i in range(0, len(examples), self.eval_batch_size)
+        ] or [PromptBatch(-1, [], offset)]
         return DataLoader(batches, batch_size=None, num_workers=0, collate_fn=lambda b: b)

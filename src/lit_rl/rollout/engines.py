@@ -42,39 +42,72 @@ def resolve_switch(value, name: str) -> bool:
     return bool(value)
 
 
-def build_torch_engine(cfg: EngineConfig, policy: torch.nn.Module, pad_token_id: int, stop_ids: list[int],
-                       max_logprobs: int = 0, own_copy: bool = False) -> RolloutEngine:
+def build_torch_engine(
+    cfg: EngineConfig,
+    policy: torch.nn.Module,
+    pad_token_id: int,
+    stop_ids: list[int],
+    max_logprobs: int = 0,
+    own_copy: bool = False,
+) -> RolloutEngine:
     """``engine=torch``: the embedded ``TorchEngine`` around the trainer's ``policy`` (``build_engine``)."""
-    return TorchEngine(policy, pad_token_id, stop_ids,
-                       weights_dtype=parse_dtype(cfg.dtype) if cfg.dtype else None,
-                       int8_roundtrip=bool(cfg.int8_roundtrip), own_copy=own_copy)
+    return TorchEngine(
+        policy,
+        pad_token_id,
+        stop_ids,
+        weights_dtype=parse_dtype(cfg.dtype) if cfg.dtype else None,
+        int8_roundtrip=bool(cfg.int8_roundtrip),
+        own_copy=own_copy,
+    )
 
 
-def build_vllm_engine(cfg: VLLMEngineConfig, policy: torch.nn.Module, pad_token_id: int, stop_ids: list[int],
-                      max_logprobs: int = 0, own_copy: bool = False) -> RolloutEngine:
+def build_vllm_engine(
+    cfg: VLLMEngineConfig,
+    policy: torch.nn.Module,
+    pad_token_id: int,
+    stop_ids: list[int],
+    max_logprobs: int = 0,
+    own_copy: bool = False,
+) -> RolloutEngine:
     """``engine=vllm``: a colocated ``VLLMEngine`` started from the trainer's ``policy`` (``build_engine``)."""
     from .vllm_engine import VLLMEngine
 
     dtype = cfg.dtype or str(next(policy.parameters()).dtype).removeprefix("torch.")
-    return VLLMEngine(policy, pad_token_id, stop_ids, dtype=dtype, max_logprobs=max(20, max_logprobs),
-                      gpu_memory_utilization=float(cfg.gpu_memory_utilization),
-                      tensor_parallel_size=int(cfg.tensor_parallel_size),
-                      kv_cache_gb=cfg.kv_cache_gb, max_model_len=cfg.max_model_len,
-                      sleep_mode=resolve_switch(cfg.sleep_mode, "sleep_mode"),
-                      cuda_graphs=resolve_switch(cfg.cuda_graphs, "cuda_graphs"),
-                      in_process=bool(cfg.in_process), int8_roundtrip=bool(cfg.int8_roundtrip), seed=int(cfg.seed))
+    return VLLMEngine(
+        policy,
+        pad_token_id,
+        stop_ids,
+        dtype=dtype,
+        max_logprobs=max(20, max_logprobs),
+        gpu_memory_utilization=float(cfg.gpu_memory_utilization),
+        tensor_parallel_size=int(cfg.tensor_parallel_size),
+        kv_cache_gb=cfg.kv_cache_gb,
+        max_model_len=cfg.max_model_len,
+        sleep_mode=resolve_switch(cfg.sleep_mode, "sleep_mode"),
+        cuda_graphs=resolve_switch(cfg.cuda_graphs, "cuda_graphs"),
+        in_process=bool(cfg.in_process),
+        int8_roundtrip=bool(cfg.int8_roundtrip),
+        seed=int(cfg.seed),
+    )
 
 
 #: ``engine.name`` -> (builder, its config's dataclass): the one list of engines (each has its
 #: ``conf/engine/<name>.yaml``); ``auto`` is not an engine but a choice made at start-up (``resolve_auto``),
 #: so ``ENGINE_CHOICES`` adds it
-ENGINES: Registry[tuple[Callable[..., RolloutEngine], type[EngineConfig]]] = Registry("engine", {
-    "torch": (build_torch_engine, EngineConfig), "vllm": (build_vllm_engine, VLLMEngineConfig)})
+ENGINES: Registry[tuple[Callable[..., RolloutEngine], type[EngineConfig]]] = Registry(
+    "engine", {"torch": (build_torch_engine, EngineConfig), "vllm": (build_vllm_engine, VLLMEngineConfig)}
+)
 ENGINE_CHOICES = (*ENGINES.choices, "auto")
 
 
-def build_engine(cfg: EngineConfig | Mapping | None, policy: torch.nn.Module, pad_token_id: int,
-                 stop_ids: list[int], max_logprobs: int = 0, own_copy: bool = False) -> RolloutEngine:
+def build_engine(
+    cfg: EngineConfig | Mapping | None,
+    policy: torch.nn.Module,
+    pad_token_id: int,
+    stop_ids: list[int],
+    max_logprobs: int = 0,
+    own_copy: bool = False,
+) -> RolloutEngine:
     """The engine the ``engine`` config group names, around the trainer's ``policy``.
 
     cfg: the group (``schema.EngineConfig`` / ``VLLMEngineConfig``, or a mapping of their fields; None = the
@@ -88,5 +121,11 @@ def build_engine(cfg: EngineConfig | Mapping | None, policy: torch.nn.Module, pa
     if name not in ENGINES:
         raise ValueError(f"engine.name={name!r}: choose one of {ENGINES.choices} (resolve 'auto' first)")
     build, schema = ENGINES[name]
-    return build(config_of(schema, cfg, ignore_unknown=True), policy, pad_token_id, stop_ids,
-                 max_logprobs=max_logprobs, own_copy=own_copy)
+    return build(
+        config_of(schema, cfg, ignore_unknown=True),
+        policy,
+        pad_token_id,
+        stop_ids,
+        max_logprobs=max_logprobs,
+        own_copy=own_copy,
+    )

@@ -50,16 +50,22 @@ from .types import RolloutEngine
 log = logging.getLogger(__name__)
 
 #: ``rollout.mode`` -> what it samples with (the one list of rollout modes)
-ROLLOUT_MODES: Registry[str] = Registry("rollout.mode", {
-    "sync": "the weights about to be trained",
-    "lagged": "the weights of exactly rollout.lag RL steps ago",
-    "async": "the newest weights a producer thread has, at most rollout.max_staleness RL steps old",
-})
+ROLLOUT_MODES: Registry[str] = Registry(
+    "rollout.mode",
+    {
+        "sync": "the weights about to be trained",
+        "lagged": "the weights of exactly rollout.lag RL steps ago",
+        "async": "the newest weights a producer thread has, at most rollout.max_staleness RL steps old",
+    },
+)
 #: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``
-ON_STALE: Registry[str] = Registry("rollout.on_stale", {
-    "block": "the producer waits so that no batch gets too old",
-    "drop": "too-old batches are dropped and counted",
-})
+ON_STALE: Registry[str] = Registry(
+    "rollout.on_stale",
+    {
+        "block": "the producer waits so that no batch gets too old",
+        "drop": "too-old batches are dropped and counted",
+    },
+)
 JOIN_TIMEOUT_S = 60.0
 
 
@@ -304,8 +310,16 @@ class StaleRollouts:
         save_history: keep the lagged weight history in checkpoints (exact resume).
     """
 
-    def __init__(self, mode: str, lag: int = 0, max_staleness: int = 1, on_stale: str = "block",
-                 buffer_size: int | None = None, behaviour_logprobs: bool = True, save_history: bool = True):
+    def __init__(
+        self,
+        mode: str,
+        lag: int = 0,
+        max_staleness: int = 1,
+        on_stale: str = "block",
+        buffer_size: int | None = None,
+        behaviour_logprobs: bool = True,
+        save_history: bool = True,
+    ):
         if mode not in ("lagged", "async"):
             raise ValueError(f"StaleRollouts handles rollout.mode lagged or async, not {mode!r}")
         self.mode, self.lag, self.max_staleness, self.on_stale = mode, int(lag), int(max_staleness), on_stale
@@ -391,9 +405,11 @@ class StaleRollouts:
         self.resume()  # an exception during evaluation may leave the engine held
         ended = producer.close()
         unused = sum(len(i.scored.rewards) for i in producer.buffer)
-        msg = (f"lit_rl: rollout producer stopped ({'joined' if ended else 'STILL RUNNING after the join timeout'}); "
-               f"{producer.generated} samples generated, {self.dropped_total} dropped as too stale, "
-               f"{unused} left unused in the buffer")
+        msg = (
+            f"lit_rl: rollout producer stopped ({'joined' if ended else 'STILL RUNNING after the join timeout'}); "
+            f"{producer.generated} samples generated, {self.dropped_total} dropped as too stale, "
+            f"{unused} left unused in the buffer"
+        )
         log.info(msg)
         print(msg, flush=True)
 
@@ -415,9 +431,15 @@ def build_stale_rollouts(rollout: RolloutConfig | Mapping | None) -> StaleRollou
     ro = config_of(RolloutConfig, rollout)
     if ro.mode == "sync":
         return None
-    return StaleRollouts(ro.mode, lag=ro.lag, max_staleness=ro.max_staleness, on_stale=ro.on_stale,
-                         buffer_size=ro.buffer_size, behaviour_logprobs=ro.behaviour_logprobs,
-                         save_history=ro.save_history)
+    return StaleRollouts(
+        ro.mode,
+        lag=ro.lag,
+        max_staleness=ro.max_staleness,
+        on_stale=ro.on_stale,
+        buffer_size=ro.buffer_size,
+        behaviour_logprobs=ro.behaviour_logprobs,
+        save_history=ro.save_history,
+    )
 
 
 class StaleRolloutsShutdown(Callback):

@@ -86,8 +86,15 @@ class TorchEngine:
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int],
-                 weights_dtype: torch.dtype | None = None, int8_roundtrip: bool = False, own_copy: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        stop_token_ids: list[int],
+        weights_dtype: torch.dtype | None = None,
+        int8_roundtrip: bool = False,
+        own_copy: bool = False,
+    ):
         self.source = model
         self.cancel = None
         self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
@@ -98,8 +105,10 @@ class TorchEngine:
             if weights_dtype is not None:
                 self.model.to(weights_dtype)
             if getattr(self.model, "is_activation_checkpointing", False):
-                disable = getattr(self.model, "activation_checkpointing_disable", None) or \
-                    self.model.gradient_checkpointing_disable
+                disable = (
+                    getattr(self.model, "activation_checkpointing_disable", None)
+                    or self.model.gradient_checkpointing_disable
+                )
                 disable()
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted(set(stop_token_ids))
@@ -185,8 +194,14 @@ class TorchEngine:
         for step in range(steps):
             if self.cancel is not None and self.cancel.is_set():
                 raise GenerationCancelled("generation cancelled")
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=True, logits_to_keep=1)  # fills ``cache`` in place
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )  # fills ``cache`` in place
             logits = out.logits[:, -1]
             if step == 0 and len(distinct) < n:
                 cache.batch_select_indices(row_of.to(device))

@@ -98,8 +98,14 @@ class RolloutBatch:
 
     def to(self, device) -> "RolloutBatch":
         """Every tensor moved to ``device``."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if isinstance(getattr(self, f.name), Tensor)})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
+        )
 
     def select(self, index: Tensor | slice) -> "RolloutBatch":
         """Rows ``index`` of every tensor, trimmed to the longest prompt and response they contain."""
@@ -117,9 +123,19 @@ class RolloutBatch:
         keep_r = self.response_mask.any(0)
         t1 = int(keep_r.nonzero()[-1]) + 1 if keep_r.any() else 0
         changes = {"prompt_ids": self.prompt_ids[:, p0:], "prompt_mask": self.prompt_mask[:, p0:]}
-        for name in ("response_ids", "response_mask", "rollout_logprobs", "old_logprobs", "behaviour_logprobs",
-                     "ref_logprobs",
-                     "topk_ids", "topk_logprobs", "old_head_logprobs", "old_values", "returns"):
+        for name in (
+            "response_ids",
+            "response_mask",
+            "rollout_logprobs",
+            "old_logprobs",
+            "behaviour_logprobs",
+            "ref_logprobs",
+            "topk_ids",
+            "topk_logprobs",
+            "old_head_logprobs",
+            "old_values",
+            "returns",
+        ):
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[:, :t1]
@@ -135,8 +151,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, s in enumerate(sequences):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = True
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = True
     return ids, mask
 
 

@@ -55,8 +55,7 @@ def cpu_scheduling(max_model_len: int | None) -> dict:
     no sample is discarded and each request's generator draws exactly once per generated token: per-request
     seeds stay reproducible, whatever the batch. vLLM requires ``max_num_batched_tokens >= max_model_len``
     then (it would reject longer sequences otherwise)."""
-    return dict(enable_chunked_prefill=False,
-                max_num_batched_tokens=max(CPU_BATCHED_TOKENS, int(max_model_len or 0)))
+    return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(CPU_BATCHED_TOKENS, int(max_model_len or 0)))
 
 
 class WeightSyncExtension:
@@ -97,11 +96,24 @@ class VLLMEngine:
     ``in_process`` with ``tensor_parallel_size > 1``.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, stop_token_ids: list[int], *,
-                 dtype: str = "float32", max_logprobs: int = 20, gpu_memory_utilization: float = 0.3,
-                 tensor_parallel_size: int = 1, kv_cache_gb: float | None = None,
-                 max_model_len: int | None = None, sleep_mode: bool = False, cuda_graphs: bool = False,
-                 in_process: bool = True, int8_roundtrip: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        stop_token_ids: list[int],
+        *,
+        dtype: str = "float32",
+        max_logprobs: int = 20,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        kv_cache_gb: float | None = None,
+        max_model_len: int | None = None,
+        sleep_mode: bool = False,
+        cuda_graphs: bool = False,
+        in_process: bool = True,
+        int8_roundtrip: bool = False,
+        seed: int = 0,
+    ):
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
@@ -109,16 +121,25 @@ class VLLMEngine:
 
             raise ImportError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
         if in_process and tensor_parallel_size > 1:
-            raise ValueError("engine.in_process=true needs engine.tensor_parallel_size=1 (tensor parallel "
-                             "workers are separate processes); set engine.in_process=false")
+            raise ValueError(
+                "engine.in_process=true needs engine.tensor_parallel_size=1 (tensor parallel "
+                "workers are separate processes); set engine.in_process=false"
+            )
         self.source = model
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted(set(stop_token_ids))
-        self.options = dict(dtype=dtype, max_logprobs=max(1, int(max_logprobs)),
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, kv_cache_gb=kv_cache_gb,
-                            max_model_len=max_model_len, sleep_mode=sleep_mode, cuda_graphs=cuda_graphs,
-                            in_process=in_process, seed=seed)
+        self.options = dict(
+            dtype=dtype,
+            max_logprobs=max(1, int(max_logprobs)),
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            kv_cache_gb=kv_cache_gb,
+            max_model_len=max_model_len,
+            sleep_mode=sleep_mode,
+            cuda_graphs=cuda_graphs,
+            in_process=in_process,
+            seed=seed,
+        )
         self.int8_roundtrip = int8_roundtrip
         self.own_copy = True  # the engine's weights are its own: stale rollouts may load older versions
         self.cancel = None  # rollout producers set an Event here; a vLLM batch runs to its end regardless
@@ -142,12 +163,21 @@ class VLLMEngine:
 
         self.folder = Path(tempfile.mkdtemp(prefix="lit_rl_vllm_"))
         self.source.config.save_pretrained(self.folder)
-        kwargs = dict(model=str(self.folder), load_format="dummy", skip_tokenizer_init=True, dtype=o["dtype"],
-                      seed=o["seed"], tensor_parallel_size=o["tensor_parallel_size"],
-                      gpu_memory_utilization=o["gpu_memory_utilization"], enforce_eager=not o["cuda_graphs"],
-                      enable_sleep_mode=o["sleep_mode"], max_logprobs=o["max_logprobs"],
-                      logprobs_mode="processed_logprobs", enable_prefix_caching=False,
-                      worker_extension_cls=f"{__name__}.WeightSyncExtension")
+        kwargs = dict(
+            model=str(self.folder),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=o["dtype"],
+            seed=o["seed"],
+            tensor_parallel_size=o["tensor_parallel_size"],
+            gpu_memory_utilization=o["gpu_memory_utilization"],
+            enforce_eager=not o["cuda_graphs"],
+            enable_sleep_mode=o["sleep_mode"],
+            max_logprobs=o["max_logprobs"],
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,
+            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+        )
         if o["kv_cache_gb"] is not None:
             kwargs["kv_cache_memory_bytes"] = int(o["kv_cache_gb"] * (1 << 30))
         if o["max_model_len"] is not None:
@@ -170,8 +200,9 @@ class VLLMEngine:
         """Shut vLLM down and remove its config folder; the engine can be started again afterwards."""
         if self.llm is not None:
             engine = getattr(self.llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
-                                                                      "shutdown", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(
+                getattr(engine, "engine_core", None), "shutdown", None
+            )
             if shutdown is not None:
                 shutdown()
             self.llm = None
@@ -233,8 +264,9 @@ class VLLMEngine:
             return
         t0 = time.perf_counter()
         if self.options["in_process"]:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": self.weights(weights),
-                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": self.weights(weights), "is_checkpoint_format": True}
+            )
         else:
             from safetensors.torch import save_file
 
@@ -263,14 +295,17 @@ class VLLMEngine:
             raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
         k = params.logprobs_top_k
         if k > self.options["max_logprobs"]:
-            raise ValueError(f"logprobs_top_k={k} is more than the engine's max_logprobs="
-                             f"{self.options['max_logprobs']}")
+            raise ValueError(
+                f"logprobs_top_k={k} is more than the engine's max_logprobs={self.options['max_logprobs']}"
+            )
         limit = self.options["max_model_len"]
         longest = max((len(p) for p in prompts), default=0)
         if limit is not None and longest + params.max_new_tokens > limit:
-            raise ValueError(f"engine.max_model_len={limit} is too small: a prompt of {longest} tokens plus "
-                             f"max_new_tokens={params.max_new_tokens} needs {longest + params.max_new_tokens} "
-                             f"(vLLM would cut the responses short, or refuse the prompt)")
+            raise ValueError(
+                f"engine.max_model_len={limit} is too small: a prompt of {longest} tokens plus "
+                f"max_new_tokens={params.max_new_tokens} needs {longest + params.max_new_tokens} "
+                f"(vLLM would cut the responses short, or refuse the prompt)"
+            )
         self.start()
         self._wake()
         if self.version < 0:
@@ -279,13 +314,22 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
-        requests = [VSamplingParams(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0,
-                                    top_p=params.top_p, max_tokens=params.max_new_tokens, seed=int(s),
-                                    logprobs=k, stop_token_ids=self.stop_token_ids, detokenize=False,
-                                    flat_logprobs=True, skip_special_tokens=False)
-                    for s in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
-                                    use_tqdm=False)
+        requests = [
+            VSamplingParams(
+                temperature=params.temperature,
+                top_k=params.top_k if params.top_k > 0 else 0,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                seed=int(s),
+                logprobs=k,
+                stop_token_ids=self.stop_token_ids,
+                detokenize=False,
+                flat_logprobs=True,
+                skip_special_tokens=False,
+            )
+            for s in seeds
+        ]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
         out = self._to_rollouts(prompts, [o.outputs[0] for o in outputs], k)
         self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()))
         return out
@@ -317,7 +361,11 @@ class VLLMEngine:
             finish.append("stop" if c.finish_reason == "stop" else "length")
         return Rollouts(
             prompt_ids=[list(p) for p in prompts],
-            response_ids=tokens, response_mask=mask, rollout_logprobs=logprobs, finish_reason=finish,
+            response_ids=tokens,
+            response_mask=mask,
+            rollout_logprobs=logprobs,
+            finish_reason=finish,
             policy_version=torch.full((n,), self.version, dtype=torch.long),
-            topk_ids=topk_ids, topk_logprobs=topk_lp,
+            topk_ids=topk_ids,
+            topk_logprobs=topk_lp,
         )

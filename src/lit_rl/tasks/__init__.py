@@ -56,9 +56,7 @@ def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:
         cfg = dict(name)
         constant = cfg.pop("constant_reward", constant)
         if "name" not in cfg:
-            raise ValueError(
-                f"task config needs a 'name' key, one of {sorted(TASKS)}; got keys {sorted(cfg)}"
-            )
+            raise ValueError(f"task config needs a 'name' key, one of {sorted(TASKS)}; got keys {sorted(cfg)}")
         name = cfg.pop("name")
         kwargs = {**cfg, **kwargs}
     if name not in TASKS:

@@ -67,9 +67,7 @@ class ArithmeticTask(Task):
             operators = tuple(operators.split()) if " " in operators else tuple(operators)
         operators = tuple(str(op) for op in operators)
         if not operators or any(op not in _OPS for op in operators):
-            raise ValueError(
-                f"operators must be a non-empty subset of {tuple(_OPS)}, got {operators!r}"
-            )
+            raise ValueError(f"operators must be a non-empty subset of {tuple(_OPS)}, got {operators!r}")
         if int(digits) < 1:
             raise ValueError(f"digits must be >= 1, got {digits!r}")
         if int(num_train) < 0 or int(num_eval) < 0:

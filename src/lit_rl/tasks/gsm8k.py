@@ -10,9 +10,7 @@ from lit_rl.tasks.base import Example, Task, check_answer_format
 
 __all__ = ["Gsm8kTask", "DEFAULT_GSM8K_INSTRUCTION", "gold_from_solution", "validate_jsonl"]
 
-DEFAULT_GSM8K_INSTRUCTION = (
-    "Solve the problem step by step, then give the final answer as a number after '####'."
-)
+DEFAULT_GSM8K_INSTRUCTION = "Solve the problem step by step, then give the final answer as a number after '####'."
 
 _FIELDS = ("question", "answer")
 # File name for each split of a local copy; the eval split is GSM8K's "test" split.
@@ -68,10 +66,7 @@ def validate_jsonl(file: Path) -> int:
                 if field not in record:
                     raise ValueError(f"{where}: missing field {field!r}")
                 if not isinstance(record[field], str):
-                    raise ValueError(
-                        f"{where}: field {field!r} must be a string, "
-                        f"got {type(record[field]).__name__}"
-                    )
+                    raise ValueError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
             if gold_from_solution(record["answer"]) is None:
                 raise ValueError(f"{where}: field 'answer' has no final answer after '####'")
             count += 1
