@@ -57,6 +57,16 @@ def cfg_for(*overrides):
             r".*for groups of one "
             r"choose algo.baseline=none or algo.baseline=batch_mean",
         ),
+        (["engine.logit_noise=-0.5"], r"engine.logit_noise=-0.5 is not allowed: must be >= 0"),
+        (
+            ["engine.temperature_offset=-1.0"],
+            r"engine.temperature_offset=-1.0 is not allowed: must keep the sampler's "
+            r"temperature positive: sampling.temperature=1.0 \+ -1.0 <= 0",
+        ),
+        (
+            ["engine=vllm", "engine.logit_noise=0.5"],
+            r"engine.logit_noise=0.5 is not allowed: is wired for the embedded engine only \(engine=torch\)",
+        ),
     ],
 )
 def test_bad_values_are_named(overrides, message):

@@ -3,7 +3,7 @@ centering a no-op on-policy and active under mismatch, TIS/MIS changing the grad
 
 import pytest
 import torch
-from helpers import compose_config
+from helpers import MOVING, compose_config
 
 from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
@@ -84,6 +84,27 @@ def test_run_logs_correction_metrics(tmp_path):
         "train/r_stale_abs",
         "train/logprob_abs_diff",
         "train/train_inference_kl",
+        "train/train_inference_kl_reverse",
     ]:
         assert tag in s, tag
     assert all(v > 1e-4 for _, v in s["train/logprob_abs_diff"])
+
+
+def test_run_with_the_logit_noise_dial_logs_its_gap(tmp_path):
+    """engine.logit_noise through the whole recipe: the engine the config builds samples from the noisy
+    distribution, and the trainer logs the realised gap both ways (tiny model, pi nearly uniform: ~ sigma^2/2),
+    and the KL to the initial policy on mu's tokens (ref_kl) and reweighted to the policy's own (ref_kl_is)."""
+    moving = [*MOVING, "kl.track=true", "trainer.max_steps=2", "sampling.max_new_tokens=16"]  # weights move
+    run(cfg_for(*moving, "engine.logit_noise=0.5"), tmp_path / "r")
+    s = read_scalars(tmp_path / "r" / "tensorboard")
+    for tag in ("train/train_inference_kl", "train/train_inference_kl_reverse"):
+        assert [step for step, _ in s[tag]] == [0, 1]
+        assert all(0.06 < v < 0.25 for _, v in s[tag]), (tag, s[tag])
+    # KL to the initial policy: 0 before the first update, then > 0 both on mu's tokens and reweighted to pi's
+    assert s["train/ref_kl"][0][1] == 0 and s["train/ref_kl_is"][0][1] == 0
+    assert s["train/ref_kl"][1][1] > 0 and s["train/ref_kl_is"][1][1] > 0
+    # on-policy the importance weights are 1 (up to the engine's float32 rounding): the two KLs agree
+    run(cfg_for(*moving), tmp_path / "on")
+    s = read_scalars(tmp_path / "on" / "tensorboard")
+    assert s["train/ref_kl"][1][1] > 0
+    assert s["train/ref_kl_is"][1][1] == pytest.approx(s["train/ref_kl"][1][1], rel=1e-3)

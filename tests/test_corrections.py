@@ -50,6 +50,8 @@ def test_mismatch_decomposition_vector_10():
     assert out["logprob_abs_diff"].item() == pytest.approx(math.log(1.5))
     # k3 of KL(mu || pi_old) with d = log(p_o / p_b): exp(d) - d - 1.
     assert out["train_inference_kl"].item() == pytest.approx(1.5 - math.log(1.5) - 1.0)
+    # KL(pi_old || mu) = E_mu[w log w] with w = 1.5, written w log w - (w - 1) per token
+    assert out["train_inference_kl_reverse"].item() == pytest.approx(1.5 * math.log(1.5) - 0.5)
     assert all(v.grad_fn is None and v.dim() == 0 for v in out.values())
 
 

@@ -11,8 +11,8 @@ from lit_rl.rollout.types import SamplingParams, left_pad
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
 
 
-def make_engine(model, tok):
-    return TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+def make_engine(model, tok, **options):
+    return TorchEngine(model, tok.pad_token_id, [tok.eos_token_id], **options)
 
 
 def trainer_logprobs(model, tok, r, temperature=1.0):
@@ -146,3 +146,95 @@ def test_score_centering_on_the_recorded_truncated_support_vanishes_on_policy(ti
 
     assert grad_norm(top_k=5) < 1e-4
     assert grad_norm() > 0.05
+
+
+# ----------------------------------------------------------------------------------------------
+# The mismatch dial: engine.logit_noise (sigma) and engine.temperature_offset (delta)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_logit_noise_is_reproducible_and_sigma_zero_is_no_dial(tiny):
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS) * 2
+    params = SamplingParams(max_new_tokens=16, logprobs_top_k=4)
+    seeds = list(range(100, 108))
+    plain = make_engine(model, tok).generate(prompts, params, seeds)
+    zero = make_engine(model, tok, logit_noise=0.0, temperature_offset=0.0).generate(prompts, params, seeds)
+    for name in ("response_ids", "rollout_logprobs", "topk_ids", "topk_logprobs"):
+        assert torch.equal(getattr(plain, name), getattr(zero, name)), name
+    noisy = make_engine(model, tok, logit_noise=1.0)
+    a, b = noisy.generate(prompts, params, seeds), noisy.generate(prompts, params, seeds)
+    for name in ("response_ids", "rollout_logprobs", "topk_ids", "topk_logprobs"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert not torch.equal(a.response_ids, plain.response_ids)  # the noise changes what is sampled
+    # a sequence's noise depends on its own seed only, not on the batch it shares
+    alone = noisy.generate(prompts[3:4], params, seeds[3:4])
+    width = alone.response_ids.shape[1]
+    assert torch.equal(alone.response_ids[0], a.response_ids[3, :width])
+    assert torch.equal(alone.rollout_logprobs[0], a.rollout_logprobs[3, :width])
+    # another seed, other noise
+    c = noisy.generate(prompts, params, [s + 1000 for s in seeds])
+    assert not torch.equal(a.response_ids, c.response_ids)
+    # greedy decoding (evaluation) scores the policy, not the sampler: the dial does not apply
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    assert torch.equal(
+        noisy.generate(prompts, greedy, seeds).response_ids,
+        make_engine(model, tok).generate(prompts, greedy, seeds).response_ids,
+    )
+
+
+def test_rollout_logprobs_and_head_are_the_noisy_distribution(tiny):
+    """The recorded head (k = V: the whole distribution) is normalised, holds the sampled token's
+    rollout_logprob, and differs from the trainer's distribution by noise of size sigma: the centred
+    log-ratio log mu_v - log pi_v over the vocabulary has standard deviation sigma (V = 49152 draws per token)."""
+    model, tok = tiny
+    vocab = model.get_output_embeddings().weight.shape[0]
+    params = SamplingParams(max_new_tokens=3, logprobs_top_k=vocab)
+    for sigma in (0.3, 1.0):
+        r = make_engine(model, tok, logit_noise=sigma).generate(chat_prompts(tok, QUESTIONS[:2]), params, [1, 2])
+        m = r.response_mask
+        pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+        with torch.no_grad():
+            s = response_logprobs(model, pi, pm, r.response_ids, m, head_ids=r.topk_ids, with_entropy=False)
+        log_mu, log_pi = r.topk_logprobs[m].double(), s.head_logprobs[m].double()  # [tokens, V]
+        assert torch.allclose(log_mu.exp().sum(-1), torch.ones(()).double(), atol=1e-4)
+        at_y = (r.topk_ids == r.response_ids.unsqueeze(-1))[m]
+        assert torch.allclose(log_mu[at_y], r.rollout_logprobs[m].double(), atol=1e-6)
+        spread = (log_mu - log_pi).std(-1)  # the normaliser shift cancels in the standard deviation
+        assert torch.allclose(spread, torch.full_like(spread, sigma), rtol=0.02), (sigma, spread)
+
+
+def test_realised_train_inference_kl_grows_with_sigma(tiny):
+    """The k3 estimate the trainer logs (train/train_inference_kl, from the sampled tokens) and the reverse
+    KL (train/train_inference_kl_reverse) rise with sigma; on the tiny model (pi nearly uniform over 49152
+    tokens) both are ~ sigma^2 / 2."""
+    from lit_rl.corrections import mismatch_decomposition
+
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS) * 4
+    params = SamplingParams(max_new_tokens=16)
+    forward, reverse = [], []
+    for sigma in (0.0, 0.25, 0.5, 1.0):
+        r = make_engine(model, tok, logit_noise=sigma).generate(prompts, params, list(range(16)))
+        lp = trainer_logprobs(model, tok, r)
+        d = mismatch_decomposition(r.rollout_logprobs, lp, lp, r.response_mask)
+        forward.append(d["train_inference_kl"].item())
+        reverse.append(d["train_inference_kl_reverse"].item())
+    assert forward[0] < 1e-9 and reverse[0] < 1e-9
+    assert forward[1] < forward[2] < forward[3] and reverse[1] < reverse[2] < reverse[3]
+    for sigma, f, b in zip((0.25, 0.5, 1.0), forward[1:], reverse[1:]):
+        assert f == pytest.approx(sigma**2 / 2, rel=0.35) and b == pytest.approx(sigma**2 / 2, rel=0.35)
+
+
+def test_temperature_offset_samples_at_t_plus_delta(tiny):
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS) * 2
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, logprobs_top_k=4)
+    r = make_engine(model, tok, temperature_offset=0.4).generate(prompts, params, list(range(8)))
+    m = r.response_mask
+    at_sampler = trainer_logprobs(model, tok, r, temperature=1.2)
+    at_trainer = trainer_logprobs(model, tok, r, temperature=0.8)
+    assert (at_sampler - r.rollout_logprobs).abs()[m].max().item() < 1e-5
+    assert (at_trainer - r.rollout_logprobs).abs()[m].mean().item() > 1e-3
+    with pytest.raises(ValueError, match="must be > 0"):
+        make_engine(model, tok, temperature_offset=-0.8).generate(prompts, params, list(range(8)))

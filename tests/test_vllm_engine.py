@@ -96,6 +96,23 @@ def test_tiny_float32_logprobs_and_topk_equal_the_trainer(tiny, tiny_engine, par
     assert r.policy_version.tolist() == [0] * len(prompts)
 
 
+def test_temperature_offset_dial_samples_and_reports_at_t_plus_delta(tiny, tiny_engine):
+    """engine.temperature_offset with vLLM: the processed log-probs and top-k are those of T + delta, so the
+    trainer matches them at T + delta, not at T (the gap the dial is for)."""
+    model, tok = tiny
+    params = SamplingParams(0.8, 0, 1.0, 16, 5)
+    tiny_engine.temperature_offset = 0.4
+    try:
+        r = tiny_engine.generate(chat_prompts(tok, QUESTIONS), params, seeds=[1, 2, 3, 4])
+    finally:
+        tiny_engine.temperature_offset = 0.0
+    m = r.response_mask
+    at_sampler = trainer_scores(model, tok, r, SamplingParams(1.2, 0, 1.0, 16, 5))
+    assert (at_sampler.logprobs - r.rollout_logprobs).abs()[m].max().item() < TOL
+    assert (at_sampler.head_logprobs - r.topk_logprobs).abs()[m].max().item() < TOL
+    assert (trainer_scores(model, tok, r, params).logprobs - r.rollout_logprobs).abs()[m].mean().item() > 1e-3
+
+
 def test_per_request_seeds(tiny, tiny_engine):
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS)

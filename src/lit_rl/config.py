@@ -119,6 +119,7 @@ def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
     _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
+    check_mismatch_dial(cfg)  # before the vLLM checks: the refusal of logit noise there holds with or without vLLM
     if cfg.engine.name == "vllm":
         check_vllm()
     from .rollout.engines import vllm_installed
@@ -311,6 +312,28 @@ def validate(cfg: DictConfig) -> None:
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
         )
+
+
+def check_mismatch_dial(cfg: DictConfig) -> None:
+    """``engine.logit_noise`` (>= 0; the embedded engine only) and ``engine.temperature_offset`` (with
+    sampling.temperature + offset > 0). Their types (numbers) are the schema's (``schema.EngineConfig``)."""
+    e = cfg.engine
+    sigma, delta = e.logit_noise, e.temperature_offset
+    _check(sigma >= 0, "engine.logit_noise", sigma, "must be >= 0 (0 = off)")
+    _check(
+        not delta or cfg.sampling.temperature + delta > 0,
+        "engine.temperature_offset",
+        delta,
+        f"must keep the sampler's temperature positive: sampling.temperature={cfg.sampling.temperature} + {delta} <= 0",
+    )
+    _check(
+        not (sigma > 0 and e.name == "vllm"),
+        "engine.logit_noise",
+        sigma,
+        "is wired for the embedded engine only (engine=torch): vLLM samples inside its own engine core, and "
+        "noise whose draws show in its processed log-probs would need a vLLM logits processor, not built "
+        "in this version; engine.temperature_offset works with vLLM",
+    )
 
 
 def check_rollout_mode(ro: DictConfig) -> None:

@@ -316,6 +316,10 @@ def mismatch_decomposition(rollout_logprobs: Tensor, old_logprobs: Tensor, logpr
                 under the SPEC's metric name).
             ``"train_inference_kl"``: k3 estimate of KL(μ || π_old) from tokens sampled by μ:
                 mean of exp(d) − d − 1 with d = log p_o − log p_b (≥ 0, unbiased).
+            ``"train_inference_kl_reverse"``: estimate of the reverse KL(π_old || μ) = E_μ[w log w] from the
+                same tokens, w = exp(d) = π_old / μ: mean of w·d − (w − 1) (each term ≥ 0; unbiased when
+                E_μ[w] = 1, i.e. μ covers π_old's support; the −(w − 1) term is the control variate that
+                makes every term non-negative, as k3 does for the forward direction).
 
     Raises:
         ValueError: on shape mismatch.
@@ -328,6 +332,7 @@ def mismatch_decomposition(rollout_logprobs: Tensor, old_logprobs: Tensor, logpr
         "r_total_abs": masked_mean((log_r_num + log_r_stale).abs(), mask),
         "logprob_abs_diff": masked_mean(log_r_num.abs(), mask),
         "train_inference_kl": masked_mean(torch.expm1(log_r_num) - log_r_num, mask),
+        "train_inference_kl_reverse": masked_mean(log_r_num.exp() * log_r_num - torch.expm1(log_r_num), mask),
     }
 
 

@@ -216,6 +216,13 @@ class EngineConfig:
     int8_roundtrip: bool = False
     #: the engine's sampling seed; set to ``seed`` at start-up
     seed: int = 0
+    #: mismatch dial sigma >= 0 (0 = off): the embedded engine samples from softmax((logits + sigma*eps)/T'),
+    #: eps ~ N(0, I) seeded per (seed, step, sequence, position); rollout log-probs and top-k are the noisy
+    #: distribution's. Embedded engine only (vLLM: > 0 is refused at start-up)
+    logit_noise: Number = 0.0
+    #: mismatch dial delta: the sampler samples (and reports log-probs) at T' = T + delta (> 0), the trainer
+    #: scores at T; both engines
+    temperature_offset: Number = 0.0
 
 
 @dataclass

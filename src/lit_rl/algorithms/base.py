@@ -491,6 +491,11 @@ class RLAlgorithm(L.LightningModule):
             if beta > 0:
                 token_loss = token_loss + beta * kl
             stats.add("train/ref_kl", kl, m)
+            # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
+            # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
+            # comparable between samplers, where ref_kl measures the two policies on mu's tokens
+            w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
+            stats.add("train/ref_kl_is", w * kl, m)
         stats.add("train/entropy", scores.entropy, m)
         stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
         # the three ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines),

@@ -27,8 +27,10 @@ def on_cuda() -> bool:
 
 def resolve_auto(cfg: dict, head_dim: int | None = None) -> str:
     """The engine ``engine.name=auto`` stands for: "vllm" when vLLM is installed and (on CPU, where its
-    attention needs head_dim >= 32) can run the model, else "torch"."""
+    attention needs head_dim >= 32) can run the model and ``engine.logit_noise`` is off, else "torch"."""
     if not vllm_installed():
+        return "torch"
+    if float(cfg.get("logit_noise") or 0.0) > 0:  # the logit-noise dial exists in the embedded engine only
         return "torch"
     if not on_cuda() and head_dim is not None and head_dim < 32:
         return "torch"
@@ -58,6 +60,8 @@ def build_torch_engine(
         weights_dtype=parse_dtype(cfg.dtype) if cfg.dtype else None,
         int8_roundtrip=bool(cfg.int8_roundtrip),
         own_copy=own_copy,
+        logit_noise=float(cfg.logit_noise),
+        temperature_offset=float(cfg.temperature_offset),
     )
 
 
@@ -72,6 +76,8 @@ def build_vllm_engine(
     """``engine=vllm``: a colocated ``VLLMEngine`` started from the trainer's ``policy`` (``build_engine``)."""
     from .vllm_engine import VLLMEngine
 
+    if cfg.logit_noise > 0:  # config.validate says so at start-up already
+        raise ValueError("engine.logit_noise is wired for the embedded engine only (engine=torch)")
     dtype = cfg.dtype or str(next(policy.parameters()).dtype).removeprefix("torch.")
     return VLLMEngine(
         policy,
@@ -88,6 +94,7 @@ def build_vllm_engine(
         in_process=bool(cfg.in_process),
         int8_roundtrip=bool(cfg.int8_roundtrip),
         seed=int(cfg.seed),
+        temperature_offset=float(cfg.temperature_offset),
     )
 
 
@@ -112,7 +119,8 @@ def build_engine(
 
     cfg: the group (``schema.EngineConfig`` / ``VLLMEngineConfig``, or a mapping of their fields; None = the
     embedded engine's defaults): ``name`` ("torch" | "vllm"; "auto" must be resolved before), ``dtype``,
-    ``int8_roundtrip``, ``seed`` and vLLM's own fields (``engine=auto`` resolved to torch still carries them:
+    ``int8_roundtrip``, ``seed``, the mismatch dials ``logit_noise`` (embedded engine only: vLLM raises
+    ValueError) and ``temperature_offset``, and vLLM's own fields (``engine=auto`` resolved to torch still carries them:
     the embedded engine ignores them). max_logprobs: the largest top-k a request asks for. own_copy: the
     embedded engine samples with a copy of the weights even without a mismatch injection (async rollouts; vLLM
     always holds its own). Raises ValueError for an unknown name.

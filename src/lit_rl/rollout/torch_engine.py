@@ -47,6 +47,32 @@ def int8_roundtrip(weight: Tensor) -> Tensor:
     return ((w / scale).round().clamp(-127, 127) * scale).to(weight.dtype)
 
 
+def noise_seed(sequence_seed: int) -> int:
+    """The seed of a sequence's logit-noise stream: a 63-bit function of its sampling seed only, apart from the
+    sampling stream (so turning the noise on does not change the uniforms that pick the tokens)."""
+    return hash((int(sequence_seed), 0x6E6F697365)) & (2**63 - 1)
+
+
+def add_logit_noise(logits: Tensor, sigma: float, generators: list[torch.Generator]) -> Tensor:
+    """``logits`` [B, V] plus σ·ε, ε ~ N(0, I) drawn row by row from each row's own generator (float32 [B, V]).
+
+    The mismatch dial ``engine.logit_noise``: a sampler whose logits are off by Gaussian noise of known
+    size, reproducible because row r's noise at its t-th decode step is the t-th block of V normals of
+    ``generators[r]`` (seeded by ``noise_seed`` of the sequence's seed, which the data module derives from
+    (seed, step, round, prompt, sample)): the same sequence seed gives the same noise at every position,
+    whatever else shares the batch. For a small σ at temperature T the per-token KL between the clean and the
+    noisy distribution is about Var_π[σε]/(2T²), in expectation σ²(1 − Σ_v π_v²)/(2T²) nats: less for a
+    peaked π (a token the model is sure of barely moves).
+    Raises ValueError for σ < 0 or a generator count other than B.
+    """
+    if sigma < 0:
+        raise ValueError(f"logit noise sigma must be >= 0, got {sigma}")
+    if len(generators) != logits.shape[0]:
+        raise ValueError(f"got {logits.shape[0]} rows but {len(generators)} noise generators")
+    noise = torch.stack([torch.randn(logits.shape[-1], generator=g, device=logits.device) for g in generators])
+    return logits.float() + sigma * noise
+
+
 def sample_rows(logp: Tensor, generators: list[torch.Generator]) -> Tensor:
     """Draw one token per row of ``logp`` [B, V] (float32 log-probs) by inverse CDF.
 
@@ -81,6 +107,14 @@ class TorchEngine:
         own_copy: sample with an own copy of the weights (in the trainer's dtype) even without a mismatch
             injection: stale rollouts (``rollout.mode=lagged|async``) sample with older weights than the
             trainer holds, loaded into the copy by ``sync_weights(version, weights)``.
+        logit_noise: mismatch dial σ >= 0 (``engine.logit_noise``): sampling rollouts (temperature > 0) draw
+            from softmax((logits + σε) / T'), ε ~ N(0, I) per token (``add_logit_noise``); 0 = off.
+        temperature_offset: mismatch dial δ (``engine.temperature_offset``): sampling rollouts draw at
+            T' = T + δ while the trainer scores at T; 0 = off. T + δ must stay > 0.
+
+    With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
+    actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
+    would be. Greedy decoding (temperature 0: evaluation) ignores both: it scores the policy, not the sampler.
 
     ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
@@ -94,7 +128,12 @@ class TorchEngine:
         weights_dtype: torch.dtype | None = None,
         int8_roundtrip: bool = False,
         own_copy: bool = False,
+        logit_noise: float = 0.0,
+        temperature_offset: float = 0.0,
     ):
+        if not logit_noise >= 0:
+            raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
+        self.logit_noise, self.temperature_offset = float(logit_noise), float(temperature_offset)
         self.source = model
         self.cancel = None
         self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
@@ -173,6 +212,14 @@ class TorchEngine:
         n, steps, k = len(prompts), params.max_new_tokens, params.logprobs_top_k
         device = next(self.model.parameters()).device
         generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        sampling = params.temperature > 0
+        noisy = sampling and self.logit_noise > 0
+        noise_gens = [torch.Generator(device=device).manual_seed(noise_seed(s)) for s in seeds] if noisy else None
+        temperature = params.temperature + self.temperature_offset if sampling else 0.0
+        if sampling and not temperature > 0:
+            raise ValueError(
+                f"temperature {params.temperature} + temperature_offset {self.temperature_offset} must be > 0"
+            )
         stop = torch.tensor(self.stop_token_ids, device=device)
 
         tokens = torch.full((n, steps), self.pad_token_id, dtype=torch.long)
@@ -206,8 +253,10 @@ class TorchEngine:
             if step == 0 and len(distinct) < n:
                 cache.batch_select_indices(row_of.to(device))
                 logits, attention_mask, position_ids = logits[row_of], attention_mask[row_of], position_ids[row_of]
-            if params.temperature > 0:
-                logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
+            if sampling:
+                if noisy:
+                    logits = add_logit_noise(logits, self.logit_noise, [noise_gens[int(row)] for row in active])
+                logp = process_logits(logits, temperature, params.top_k, params.top_p)
                 next_tok = sample_rows(logp, [generators[int(row)] for row in active])
             else:
                 logp = process_logits(logits, 1.0)

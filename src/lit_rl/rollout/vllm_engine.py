@@ -91,6 +91,10 @@ class VLLMEngine:
             ``tensor_parallel_size == 1``.
         int8_roundtrip: mismatch injection: matrices go through a per-row int8 round trip at each sync.
         seed: the engine's global seed (each request still carries its own seed).
+        temperature_offset: mismatch dial δ (``engine.temperature_offset``): sampling requests (T > 0) run at
+            T + δ, and the processed log-probs and top-k returned are those of T + δ, while the trainer scores
+            at T. (``engine.logit_noise`` is not wired here: it would need a vLLM logits processor that draws
+            seeded per-request, per-position noise; ``config.validate`` refuses it at start-up.)
 
     Raises ImportError (with the install command) if vLLM is not installed, ValueError for
     ``in_process`` with ``tensor_parallel_size > 1``.
@@ -113,6 +117,7 @@ class VLLMEngine:
         in_process: bool = True,
         int8_roundtrip: bool = False,
         seed: int = 0,
+        temperature_offset: float = 0.0,
     ):
         import importlib.util
 
@@ -141,6 +146,7 @@ class VLLMEngine:
             seed=seed,
         )
         self.int8_roundtrip = int8_roundtrip
+        self.temperature_offset = float(temperature_offset)  # mismatch dial: sample at T + offset (T > 0 only)
         self.own_copy = True  # the engine's weights are its own: stale rollouts may load older versions
         self.cancel = None  # rollout producers set an Event here; a vLLM batch runs to its end regardless
         self.llm = None
@@ -314,9 +320,11 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         start = time.perf_counter()
+        # the mismatch dial engine.temperature_offset: sample (and report processed log-probs) at T + offset
+        temperature = params.temperature + self.temperature_offset if params.temperature > 0 else 0.0
         requests = [
             VSamplingParams(
-                temperature=params.temperature,
+                temperature=temperature,
                 top_k=params.top_k if params.top_k > 0 else 0,
                 top_p=params.top_p,
                 max_tokens=params.max_new_tokens,
