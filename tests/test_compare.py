@@ -64,8 +64,13 @@ def cli(*args):
 
 
 def table_rows(text):
-    """{setting: [cells]} of the markdown table's body rows."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    """{setting: [cells]} of the body rows of the first markdown table in ``text``."""
+    lines = []
+    for ln in text.splitlines():
+        if ln.startswith("|"):
+            lines.append(ln)
+        elif lines:  # the first table ended
+            break
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert set(lines[1].replace("|", "").replace("-", "").replace(":", "")) <= {""}  # the separator row
     rows = {}
@@ -286,3 +291,142 @@ def test_runs_that_stopped_at_different_steps_are_compared_at_a_common_step(tmp_
 def test_cli_bad_smoothing(sweep):
     res = cli(sweep, "--tags", "train/loss", "--smoothing", "1")
     assert res.returncode == 2 and "--smoothing must be in [0, 1)" in res.stderr
+
+
+# ---------------------------------------------------------------------------------- seeds and uncertainty
+T975 = {2: 4.302652729749462, 4: 2.7764451051977987}  # Student's t quantiles (tables)
+
+
+def test_t_interval_hand_values():
+    iv = compare.t_interval([1.0, 2.0, 3.0])  # mean 2, s = 1, half = t_{0.975,2} / sqrt(3)
+    assert (iv.mean, iv.sd, iv.n) == (2.0, 1.0, 3)
+    assert iv.half == pytest.approx(T975[2] / math.sqrt(3), rel=1e-9) == pytest.approx(2.484138, abs=1e-6)
+    assert compare.t_quantile(2) == pytest.approx(T975[2], rel=1e-9)
+    one = compare.t_interval([5.0])
+    assert one.mean == 5.0 and math.isnan(one.half)
+
+
+def test_welch_hand_values():
+    # A = (0.9, 1.0, 1.1), B = (0.1, 0.2, 0.3): diff 0.8, s^2 = 0.01 each, se^2 = 0.02/3, df = 4
+    r = compare.welch_test([0.9, 1.0, 1.1], [0.1, 0.2, 0.3])
+    assert r.diff == pytest.approx(0.8) and r.df == pytest.approx(4.0)
+    assert r.half == pytest.approx(T975[4] * math.sqrt(0.02 / 3), rel=1e-9) == pytest.approx(0.226696, abs=1e-6)
+    assert r.verdict == "A > B"
+    assert compare.welch_test([0.1, 0.2, 0.3], [0.9, 1.0, 1.1]).verdict == "A < B"
+    # A = (1, 2, 3), B = (4, 5, 9): s_A^2 = 1, s_B^2 = 7, se^2 = 8/3, df = (8/3)^2 / ((1/3)^2/2 + (7/3)^2/2) = 2.56
+    r = compare.welch_test([1.0, 2.0, 3.0], [4.0, 5.0, 9.0])
+    assert r.diff == -4.0 and r.df == pytest.approx(2.56)
+    from scipy.stats import t
+
+    assert r.half == pytest.approx(t.ppf(0.975, 2.56) * math.sqrt(8 / 3), rel=1e-9)
+    assert r.lo < 0 < r.hi and r.verdict == "indistinguishable at 3, 3 seeds"
+    with pytest.raises(ValueError, match=">= 2 seeds"):
+        compare.welch_test([1.0], [2.0, 3.0])
+
+
+# three settings x 3 seeds of train/ref_kl, steps 0-3; finals over the last 2 steps (2, 3):
+# none (0.9, 1.0, 1.1), sc (0.1, 0.2, 0.3), tis (0.5, 0.5, 0.5); tis seed 2 lacks step 1 (flagged)
+SEEDED = {
+    "correction=none,seed=0": {0: 0.0, 1: 0.5, 2: 0.8, 3: 1.0},
+    "correction=none,seed=1": {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.0},
+    "correction=none,seed=2": {0: 0.0, 1: 0.5, 2: 1.2, 3: 1.0},
+    "correction=sc,seed=0": {0: 0.0, 1: 0.1, 2: 0.1, 3: 0.1},
+    "correction=sc,seed=1": {0: 0.0, 1: 0.1, 2: 0.2, 3: 0.2},
+    "correction=sc,seed=2": {0: 0.0, 1: 0.1, 2: 0.4, 3: 0.2},
+    "correction=tis,seed=0": {0: 0.0, 1: 0.2, 2: 0.5, 3: 0.5},
+    "correction=tis,seed=1": {0: 0.0, 1: 0.3, 2: 0.4, 3: 0.6},
+    "correction=tis,seed=2": {0: 0.0, 2: 0.6, 3: 0.4},
+}
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seeded") / "sweep"
+    for name, series in SEEDED.items():
+        write_run(str(root / name), {"train/ref_kl": series})
+    return root
+
+
+def test_interval_bands_and_flags(seeded):
+    runs = compare.find_runs([str(seeded)])
+    scalars = {n: compare.read_scalars(d) for n, d in runs.items()}
+    groups = compare.group_runs(runs)
+    assert compare.missing_steps(groups, scalars, "train/ref_kl") == {"correction=tis,seed=2": [1]}
+    bands = compare.interval_bands(groups, scalars, "train/ref_kl")
+    steps, lo, hi = bands["correction=tis"]
+    assert steps == [0, 2, 3]  # no band at step 1, which one seed lacks
+    half = T975[2] * 0.1 / math.sqrt(3)  # step 2: 0.5, 0.4, 0.6 -> s = 0.1
+    assert (lo[1], hi[1]) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-6)
+    assert compare.final_window(scalars, "train/ref_kl", 2) == [2, 3]
+    finals = compare.seed_finals(groups, scalars, "train/ref_kl", 2)
+    assert finals["correction=none"] == pytest.approx([0.9, 1.0, 1.1], abs=1e-6)
+    assert finals["correction=sc"] == pytest.approx([0.1, 0.2, 0.3], abs=1e-6)
+
+
+def test_cli_intervals_and_welch_test(seeded, tmp_path):
+    out = tmp_path / "cmp"
+    res = cli(
+        seeded,
+        "--tags",
+        "train/ref_kl",
+        "--final-steps",
+        "2",
+        "--out",
+        out,
+        "--test",
+        "correction=none",
+        "correction=sc",
+        "--test",
+        "correction=tis",
+        "correction=none",
+    )
+    assert res.returncode == 0, res.stderr
+    assert "correction=tis,seed=2 lacks 1 step(s) of train/ref_kl" in res.stderr
+    summary = (out / "summary.md").read_text()
+    assert "shaded = 95% t-interval" in summary
+    section = summary[summary.index("## Seeds") :]
+    header, rows = table_rows(section)
+    assert header == ["setting", "seeds", "train/ref_kl final", "± 95%"]
+    half = T975[2] * 0.1 / math.sqrt(3)  # s = 0.1 for none and sc; 0 for tis
+    assert rows["correction=none"]["train/ref_kl final"] == "1" and rows["correction=none"]["± 95%"] == f"{half:.4g}"
+    assert rows["correction=sc"]["train/ref_kl final"] == "0.2" and rows["correction=sc"]["± 95%"] == f"{half:.4g}"
+    assert float(rows["correction=tis"]["± 95%"]) < 1e-6  # three equal finals (up to float32 rounding)
+    assert "**flagged**: correction=tis,seed=2 lacks 1 step(s)" in section
+    test1 = section[section.index("## --test correction=none vs correction=sc") :]
+    _, t_rows = table_rows(test1)
+    row = t_rows["train/ref_kl"]
+    assert row["A − B"] == "0.8" and row["df"] == "4" and row["result"] == "A > B"
+    assert row["Welch interval"] == "[0.5733, 1.027]"
+    test2 = section[section.index("## --test correction=tis vs correction=none") :]
+    _, t_rows = table_rows(test2)
+    assert t_rows["train/ref_kl"]["result"] == "A < B"
+    assert "Flagged (missing steps): correction=tis,seed=2" in test2
+    assert (out / "train_ref_kl.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_test_unknown_setting(seeded, tmp_path):
+    res = cli(seeded, "--tags", "train/ref_kl", "--out", tmp_path / "o", "--test", "correction=sc", "correction=mis")
+    assert res.returncode == 2 and "--test: no setting 'correction=mis'" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_versus_with_seeds_gets_intervals(tmp_path):
+    """``--x``: a point with >= 2 seeds gets its t-interval (error bar, and a second table in summary_vs)."""
+    runs = {
+        "correction=tis,rollout.lag=0,seed=0": 0.5,
+        "correction=tis,rollout.lag=0,seed=1": 0.7,
+        "correction=tis,rollout.lag=4,seed=0": 0.3,
+    }
+    for name, v in runs.items():
+        write_run(str(tmp_path / "sweep" / name), {"rollout/reward_mean": {0: 0.0, 1: v}})
+    out = tmp_path / "cmp"
+    assert (
+        compare.main(
+            [str(tmp_path / "sweep"), "--tags", "rollout/reward_mean", "--x", "rollout.lag", "--out", str(out)]
+        )
+        == 0
+    )
+    table = (out / "summary_vs_rollout.lag.md").read_text()
+    half = 12.706204736174707 * math.sqrt(0.02) / math.sqrt(2)  # t_{0.975,1} * s / sqrt(2), s^2 = 0.02
+    assert f"| correction=tis | 0.6 ± {half:.4g} [2] | 0.3 ± n/a [1] |" in table
+    assert (out / "rollout_reward_mean_vs_rollout.lag.png").read_bytes()[:8] == PNG_MAGIC

@@ -28,6 +28,15 @@ value, one line per setting of the other overrides) and ``summary_vs_<key>.md`` 
 column per value). ``--shift-by TAG`` first moves each value from step s to step s - TAG(s): with
 ``rollout/staleness_mean`` a rollout metric lands on the weight version that generated it, so runs with
 different lags compare policies after equally many updates.
+
+Seeds and uncertainty (settings with >= 2 seeds): the plots' band is the 95% t-interval of the seed mean
+at each step that every seed of the setting logged (mean ± t_{0.975, n−1}·s/√n, s the sample standard
+deviation over the n seeds); ``summary.md`` gets a table of each setting's *final* value — per run the mean
+of its values over the last ``--final-steps`` k steps that every compared run logged — as mean ± that
+interval. ``--test A B`` (repeatable) compares two settings' finals with Welch's t-interval of the
+difference mean_A − mean_B (Welch 1947; Satterthwaite's degrees of freedom) and states "A > B", "A < B"
+or "indistinguishable at n_A, n_B seeds" from whether the interval excludes 0. A run that lacks a step
+other seeds of its setting logged is flagged (stderr and ``summary.md``), never averaged in silently.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ EVENT_FILE_PREFIX = "events.out.tfevents"
 TB_SUBDIR = "tensorboard"
 FINISHED_MARKER = "finished.json"
 LOWER_IS_BETTER = ("loss", "kl", "time/", "length")
+CONFIDENCE = 0.95  # of the seed intervals and --test
 DEFAULT_SETTING = "(default)"  # the setting of runs named only by their seed, e.g. ``seed=0``
 _SEED_ITEM = re.compile(r"\+{0,2}seed=(-?\d+)")
 
@@ -353,7 +363,7 @@ def _notes(
         + ", ".join(f"`{k}`" for k in LOWER_IS_BETTER)
         + " (lower is better).",
         f"- plots: solid = seed mean smoothed as TensorBoard does (weight {smoothing:g}), faint = raw seed mean, "
-        "shaded = min–max across seeds.",
+        "shaded = 95% t-interval of the seed mean (settings with >= 2 seeds, at steps every seed logged).",
         "",
         "Runs per setting:",
         "",
@@ -409,6 +419,21 @@ def versus(
     values, or of its values at steps in ``window`` (inclusive) when given, after ``shifted`` by the tag
     ``shift_by`` when given; averaged over the runs (seeds) that share the setting and x. Runs without
     ``key`` in their name, without the tag, or without values in the window are left out."""
+    out: dict[str, list[tuple[float, float, int]]] = {}
+    for (setting, x), vals in sorted(versus_cells(scalars, key, tag, last, window, shift_by).items()):
+        out.setdefault(setting, []).append((x, sum(vals) / len(vals), len(vals)))
+    return out
+
+
+def versus_cells(
+    scalars: dict[str, dict],
+    key: str,
+    tag: str,
+    last: int = 1,
+    window: tuple[int, int] | None = None,
+    shift_by: str | None = None,
+) -> dict[tuple[str, float], list[float]]:
+    """{(setting, x): [each run's value]} behind ``versus`` (one value per seed), for the seed intervals."""
     cells: dict[tuple[str, float], list[float]] = {}
     for name, runs_scalars in scalars.items():
         setting, x = split_key(setting_of(name)[0], key)
@@ -421,10 +446,34 @@ def versus(
         if x is None or not series:
             continue
         cells.setdefault((setting, x), []).append(final_mean(series, last))
-    out: dict[str, list[tuple[float, float, int]]] = {}
-    for (setting, x), vals in sorted(cells.items()):
-        out.setdefault(setting, []).append((x, sum(vals) / len(vals), len(vals)))
-    return out
+    return cells
+
+
+def format_versus_intervals(
+    key: str, tags: list[str], cells: dict[str, dict], what: str, confidence: float = CONFIDENCE
+) -> str:
+    """Markdown: per tag a row per setting, a column per value of ``key``: seed mean ± t-interval half-width
+    (n seeds in brackets; the half-width n/a with one seed)."""
+    out = []
+    for tag in tags:
+        by = cells[tag]
+        xs = sorted({x for _, x in by})
+        settings = sorted({s for s, _ in by})
+        out.append(f"### {tag} ({what}) vs {key}: seed mean ± {confidence * 100:g}% t-interval [seeds]\n")
+        out.append("| setting | " + " | ".join(f"{key}={x:g}" for x in xs) + " |")
+        out.append("|---|" + "---:|" * len(xs))
+        for setting in settings:
+            cell = []
+            for x in xs:
+                vals = by.get((setting, x))
+                if not vals:
+                    cell.append("n/a")
+                    continue
+                iv = t_interval(vals, confidence)
+                cell.append(f"{fmt(iv.mean)} ± {'n/a' if iv.n < 2 else fmt(iv.half)} [{iv.n}]")
+            out.append(f"| {setting.replace('|', chr(92) + '|')} | " + " | ".join(cell) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def describe(last: int, window: tuple[int, int] | None, shift_by: str | None) -> str:
@@ -455,9 +504,16 @@ def format_versus_table(key: str, tags: list[str], tables: dict[str, dict], what
 
 
 def plot_versus(
-    tag: str, key: str, lines: dict[str, list[tuple[float, float, int]]], path: str, what: str, colors=None
+    tag: str,
+    key: str,
+    lines: dict[str, list[tuple[float, float, int]]],
+    path: str,
+    what: str,
+    colors=None,
+    errors: dict[tuple[str, float], float] | None = None,
 ) -> str:
-    """A PNG of ``tag`` against ``key``: one marked line per setting (Agg canvas, not pyplot)."""
+    """A PNG of ``tag`` against ``key``: one marked line per setting (Agg canvas, not pyplot); with ``errors``
+    ({(setting, x): t-interval half-width}) each point gets its error bar (points with one seed none)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -474,6 +530,19 @@ def plot_versus(
             color=colors[setting],
             label=setting,
         )
+        if errors:
+            bars = [(x, v, errors.get((setting, x), math.nan)) for x, v, _ in pts]
+            bars = [b for b in bars if math.isfinite(b[2])]
+            if bars:
+                ax.errorbar(
+                    [b[0] for b in bars],
+                    [b[1] for b in bars],
+                    yerr=[b[2] for b in bars],
+                    fmt="none",
+                    ecolor=colors[setting],
+                    capsize=3,
+                    alpha=0.7,
+                )
     ax.set_title(f"{tag} vs {key}\n({what})", fontsize=10)
     ax.set_xlabel(key)
     ax.set_ylabel(tag)
@@ -496,9 +565,17 @@ def setting_colors(settings) -> dict[str, tuple]:
     return {s: cmap(i % cmap.N) for i, s in enumerate(settings)}
 
 
-def plot_tag(tag: str, curves: dict[str, Curve], path: str, smoothing: float = 0.6, colors=None) -> str:
+def plot_tag(
+    tag: str,
+    curves: dict[str, Curve],
+    path: str,
+    smoothing: float = 0.6,
+    colors=None,
+    bands: dict[str, tuple[list[int], list[float], list[float]]] | None = None,
+) -> str:
     """Write a PNG of ``tag`` to ``path``: per setting the smoothed seed mean (solid, labelled), the raw mean
-    (faint) and the min–max band across seeds (shaded); x = step. Uses the Agg canvas, not pyplot."""
+    (faint) and a shaded band: ``bands[setting]`` = (steps, lo, hi) when given (``interval_bands``: the 95%
+    t-interval over seeds), else the min–max across seeds; x = step. Uses the Agg canvas, not pyplot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -509,7 +586,10 @@ def plot_tag(tag: str, curves: dict[str, Curve], path: str, smoothing: float = 0
     for setting, c in curves.items():
         color = colors[setting]
         marker = "o" if len(c.steps) == 1 else None
-        if max(c.count) > 1:
+        if bands is not None:
+            if setting in bands:
+                ax.fill_between(*bands[setting], color=color, alpha=0.15, linewidth=0)
+        elif max(c.count) > 1:
             ax.fill_between(c.steps, c.lo, c.hi, color=color, alpha=0.15, linewidth=0)
         ax.plot(c.steps, c.mean, color=color, alpha=0.3, linewidth=1, marker=marker)
         ax.plot(c.steps, tb_smooth(c.mean, smoothing), color=color, linewidth=2, marker=marker, label=setting)
@@ -518,10 +598,11 @@ def plot_tag(tag: str, curves: dict[str, Curve], path: str, smoothing: float = 0
     ax.set_ylabel(tag)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize="small")
+    shaded = "95% t-interval over seeds" if bands is not None else "min–max across seeds"
     fig.text(
         0.01,
         0.01,
-        f"solid: seed mean, TensorBoard smoothing {smoothing:g}; faint: raw seed mean; shaded: min–max across seeds",
+        f"solid: seed mean, TensorBoard smoothing {smoothing:g}; faint: raw seed mean; shaded: {shaded}",
         fontsize=7,
         color="0.4",
     )
@@ -533,6 +614,257 @@ def plot_tag(tag: str, curves: dict[str, Curve], path: str, smoothing: float = 0
 def tag_filename(tag: str) -> str:
     """``rollout/reward_mean`` -> ``rollout_reward_mean.png``."""
     return tag.replace("/", "_") + ".png"
+
+
+# ----------------------------------------------------------------------------------- seeds and uncertainty
+
+
+def t_quantile(df: float, confidence: float = CONFIDENCE) -> float:
+    """The two-sided ``confidence`` quantile of Student's t with ``df`` > 0 degrees of freedom (scipy):
+    t_{0.975, 2} = 4.3027 for 95% and df = 2."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.5 + confidence / 2, df))
+
+
+@dataclass
+class Interval:
+    """mean ± half over n values: the t-interval of a mean (``half`` NaN for n < 2); ``sd`` the sample
+    standard deviation (n − 1 in the denominator)."""
+
+    mean: float
+    half: float
+    n: int
+    sd: float
+
+    @property
+    def lo(self) -> float:
+        return self.mean - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.mean + self.half
+
+
+def t_interval(values, confidence: float = CONFIDENCE) -> Interval:
+    """The t-interval of the mean of ``values`` (n independent seeds): mean ± t_{(1+c)/2, n−1}·s/√n.
+
+    Values 1, 2, 3: mean 2, s = 1, half = 4.3027/√3 = 2.4841. Raises ValueError for no values."""
+    vals = [float(v) for v in values]
+    n = len(vals)
+    if n == 0:
+        raise ValueError("t_interval of no values")
+    mean = sum(vals) / n
+    if n < 2:
+        return Interval(mean, math.nan, n, math.nan)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1))
+    return Interval(mean, t_quantile(n - 1, confidence) * sd / math.sqrt(n), n, sd)
+
+
+@dataclass
+class WelchResult:
+    """Welch's interval of mean_A − mean_B: ``diff`` ± ``half`` with ``df`` degrees of freedom, and the verdict."""
+
+    a: Interval
+    b: Interval
+    diff: float
+    half: float
+    df: float
+    verdict: str
+
+    @property
+    def lo(self) -> float:
+        return self.diff - self.half
+
+    @property
+    def hi(self) -> float:
+        return self.diff + self.half
+
+
+def welch_test(a, b, names: tuple[str, str] = ("A", "B"), confidence: float = CONFIDENCE) -> WelchResult:
+    """Welch's t-interval of the difference of two means, from the two samples ``a`` and ``b`` (seeds).
+
+    diff = mean_a − mean_b, se² = s_a²/n_a + s_b²/n_b, df = se⁴ / ((s_a²/n_a)²/(n_a−1) + (s_b²/n_b)²/(n_b−1))
+    (Welch–Satterthwaite), half = t_{(1+c)/2, df}·se. Verdict: "A > B" when the interval lies above 0,
+    "A < B" below it, else "indistinguishable at n_a, n_b seeds" (with ``names`` for A and B). Both samples
+    constant: the interval has width 0. Raises ValueError unless both have >= 2 values."""
+    ia, ib = t_interval(a, confidence), t_interval(b, confidence)
+    if ia.n < 2 or ib.n < 2:
+        raise ValueError(f"Welch's test needs >= 2 seeds per setting, got {ia.n} and {ib.n}")
+    va, vb = ia.sd**2 / ia.n, ib.sd**2 / ib.n
+    diff = ia.mean - ib.mean
+    se2 = va + vb
+    if se2 == 0:
+        df, half = math.inf, 0.0
+    else:
+        df = se2**2 / (va**2 / (ia.n - 1) + vb**2 / (ib.n - 1))
+        half = t_quantile(df, confidence) * math.sqrt(se2)
+    if diff - half > 0:
+        verdict = f"{names[0]} > {names[1]}"
+    elif diff + half < 0:
+        verdict = f"{names[0]} < {names[1]}"
+    else:
+        verdict = f"indistinguishable at {ia.n}, {ib.n} seeds"
+    return WelchResult(ia, ib, diff, half, df, verdict)
+
+
+def final_window(scalars: dict[str, dict], tag: str, k: int) -> list[int]:
+    """The last ``k`` (>= 1) steps of ``tag`` that every run logging it logged (fewer when fewer are shared):
+    the steps a run's *final* value averages over, the same for every run compared."""
+    sets = [set(step for step, _ in s[tag]) for s in scalars.values() if s.get(tag)]
+    if not sets:
+        return []
+    return sorted(set.intersection(*sets))[-k:]
+
+
+def run_final(series: list[tuple[int, float]], window: list[int]) -> float:
+    """Mean of a (step, value) series over the steps in ``window`` (NaN when it logged none of them)."""
+    steps = set(window)
+    vals = [v for step, v in series if step in steps]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def missing_steps(groups: dict[str, list[str]], scalars: dict[str, dict], tag: str) -> dict[str, list[int]]:
+    """{run: the steps of ``tag`` that another run of its setting logged and it did not}, for the runs that
+    lack any (a run that stopped early, or skipped a step); such runs are flagged, not averaged silently."""
+    out = {}
+    for names in groups.values():
+        logged = {n: {step for step, _ in scalars[n].get(tag, [])} for n in names if scalars[n].get(tag)}
+        union = set().union(*logged.values()) if logged else set()
+        for n, steps in logged.items():
+            lacking = sorted(union - steps)
+            if lacking:
+                out[n] = lacking
+    return out
+
+
+def interval_bands(
+    groups: dict[str, list[str]], scalars: dict[str, dict], tag: str, confidence: float = CONFIDENCE
+) -> dict[str, tuple[list[int], list[float], list[float]]]:
+    """{setting: (steps, lo, hi)} of the seed mean's t-interval per step, for settings with >= 2 runs of
+    ``tag``, at the steps every one of those runs logged with a finite value (elsewhere no band: a gap)."""
+    out = {}
+    for setting, names in groups.items():
+        series = [dict(scalars[n][tag]) for n in names if scalars[n].get(tag)]
+        if len(series) < 2:
+            continue
+        steps, lo, hi = [], [], []
+        for step in sorted(set.intersection(*(set(s) for s in series))):
+            vals = [s[step] for s in series]
+            if not all(math.isfinite(v) for v in vals):
+                continue
+            iv = t_interval(vals, confidence)
+            steps.append(step)
+            lo.append(iv.lo)
+            hi.append(iv.hi)
+        out[setting] = (steps, lo, hi)
+    return out
+
+
+def seed_finals(groups: dict[str, list[str]], scalars: dict[str, dict], tag: str, k: int) -> dict[str, list[float]]:
+    """{setting: [each run's final value of ``tag``]} (``run_final`` over ``final_window``); runs without the
+    tag are left out."""
+    window = final_window(scalars, tag, k)
+    return {
+        setting: [run_final(scalars[n][tag], window) for n in names if scalars[n].get(tag)]
+        for setting, names in groups.items()
+        if any(scalars[n].get(tag) for n in names)
+    }
+
+
+def format_interval_table(
+    groups: dict[str, list[str]], scalars: dict[str, dict], tags: list[str], k: int, confidence: float = CONFIDENCE
+) -> str:
+    """Markdown: a row per setting, per tag the final value's seed mean and its ± t-interval half-width
+    (``n/a`` with one seed), then the window the finals average over and the flagged runs."""
+    pct = f"{confidence * 100:g}%"
+    header = ["setting", "seeds"]
+    for tag in tags:
+        header += [f"{tag} final", f"± {pct}"]
+    lines = [
+        f"## Seeds: final value, mean ± {pct} t-interval over seeds",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",
+    ]
+    finals = {tag: seed_finals(groups, scalars, tag, k) for tag in tags}
+    for setting, names in groups.items():
+        cells = [setting.replace("|", "\\|"), str(len(names))]
+        for tag in tags:
+            vals = finals[tag].get(setting)
+            if not vals:
+                cells += ["n/a", "n/a"]
+                continue
+            iv = t_interval(vals, confidence)
+            cells += [fmt(iv.mean), "n/a" if iv.n < 2 else fmt(iv.half)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for tag in tags:
+        window = final_window(scalars, tag, k)
+        where = f"steps {window[0]}–{window[-1]}" if len(window) > 1 else (f"step {window[0]}" if window else "none")
+        lines.append(
+            f"- {tag}: final = each run's mean over the last {len(window)} step(s) every run logged ({where}); "
+            f"± = t_{{{0.5 + confidence / 2:g}, n−1}}·s/√n over the n seeds."
+        )
+    lines += flag_lines(groups, scalars, tags)
+    return "\n".join(lines) + "\n"
+
+
+def flag_lines(groups: dict[str, list[str]], scalars: dict[str, dict], tags: list[str]) -> list[str]:
+    """Markdown bullet lines naming each run that lacks steps its setting's other runs logged, per tag."""
+    out = []
+    for tag in tags:
+        for run, lacking in sorted(missing_steps(groups, scalars, tag).items()):
+            shown = ", ".join(map(str, lacking[:8])) + (" …" if len(lacking) > 8 else "")
+            out.append(
+                f"- **flagged**: {run} lacks {len(lacking)} step(s) of {tag} that other seeds of its "
+                f"setting logged ({shown}); the band leaves those steps out and its final uses the shared window"
+            )
+    return out
+
+
+def format_tests(
+    pairs: list[tuple[str, str]],
+    groups: dict[str, list[str]],
+    scalars: dict[str, dict],
+    tags: list[str],
+    k: int,
+    confidence: float = CONFIDENCE,
+) -> str:
+    """Markdown: for each (A, B) pair a table, a row per tag: A's and B's final mean ± interval, the
+    difference A − B with Welch's interval and degrees of freedom, and the verdict. Raises CompareError for a
+    setting that is not among ``groups`` or has fewer than 2 seeds of a tag."""
+    pct = f"{confidence * 100:g}%"
+    out = []
+    for a, b in pairs:
+        for name in (a, b):
+            if name not in groups:
+                raise CompareError(f"--test: no setting {name!r}; settings: {', '.join(groups)}")
+        out += [
+            f"## --test {a} vs {b} (final = mean of the last {k} shared step(s); Welch {pct} interval)",
+            "",
+            "| tag | A mean ± | B mean ± | A − B | Welch interval | df | result |",
+            "|---|---:|---:|---:|---|---:|---|",
+        ]
+        flagged = set()
+        for tag in tags:
+            finals = seed_finals({a: groups[a], b: groups[b]}, scalars, tag, k)
+            va, vb = finals.get(a, []), finals.get(b, [])
+            if len(va) < 2 or len(vb) < 2:
+                raise CompareError(
+                    f"--test {a} {b}: {tag} needs >= 2 seeds in each setting, got {len(va)} and {len(vb)}"
+                )
+            r = welch_test(va, vb, ("A", "B"), confidence)
+            out.append(
+                f"| {tag} | {fmt(r.a.mean)} ± {fmt(r.a.half)} | {fmt(r.b.mean)} ± {fmt(r.b.half)} | "
+                f"{fmt(r.diff)} | [{fmt(r.lo)}, {fmt(r.hi)}] | {fmt(r.df)} | {r.verdict} |"
+            )
+            flagged |= set(missing_steps({a: groups[a], b: groups[b]}, scalars, tag))
+        out += ["", f"A = {a} ({len(groups[a])} runs), B = {b} ({len(groups[b])} runs)."]
+        if flagged:
+            out.append(f"Flagged (missing steps): {', '.join(sorted(flagged))}.")
+        out.append("")
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -568,7 +900,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--final-steps",
         type=int,
         default=1,
-        help="with --x: a run's value is the mean of its last N logged values (default 1)",
+        help="a run's final value is the mean of its last N logged values (with --x), or of the last N "
+        "steps every run logged (the seed-interval table and --test); default 1",
+    )
+    p.add_argument(
+        "--test",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="compare two settings' final values (>= 2 seeds each) with Welch's 95%% interval of the "
+        "difference A - B: 'A > B', 'A < B' or 'indistinguishable'; repeatable",
     )
     p.add_argument(
         "--window",
@@ -630,7 +972,12 @@ def _main(args: argparse.Namespace) -> int:
     colors = setting_colors(groups)
     for tag in tags:
         path = plot_tag(
-            tag, curves_for(groups, scalars, tag), os.path.join(out, tag_filename(tag)), args.smoothing, colors
+            tag,
+            curves_for(groups, scalars, tag),
+            os.path.join(out, tag_filename(tag)),
+            args.smoothing,
+            colors,
+            bands=interval_bands(groups, scalars, tag),
         )
         print(f"compare: wrote {path}", file=sys.stderr)
 
@@ -661,15 +1008,51 @@ def _main(args: argparse.Namespace) -> int:
         key_file = args.x.replace("/", "_") + args.suffix
         what = describe(args.final_steps, window, args.shift_by)
         line_colors = setting_colors(sorted({s for t in tables.values() for s in t}))
+        cells = {tag: versus_cells(scalars, args.x, tag, args.final_steps, window, args.shift_by) for tag in tags}
         for tag, lines in tables.items():
+            errors = {c: t_interval(v).half for c, v in cells[tag].items()}
             path = plot_versus(
-                tag, args.x, lines, os.path.join(out, f"{tag.replace('/', '_')}_vs_{key_file}.png"), what, line_colors
+                tag,
+                args.x,
+                lines,
+                os.path.join(out, f"{tag.replace('/', '_')}_vs_{key_file}.png"),
+                what,
+                line_colors,
+                errors=errors,
             )
             print(f"compare: wrote {path}", file=sys.stderr)
         text = format_versus_table(args.x, tags, tables, what)
+        if any(len(v) > 1 for c in cells.values() for v in c.values()):
+            text += "\n" + format_versus_intervals(args.x, tags, cells, what)
         path = os.path.join(out, f"summary_vs_{key_file}.md")
         with open(path, "w") as f:
             f.write(text)
         sys.stdout.write("\n" + text)
         print(f"compare: wrote {path}", file=sys.stderr)
+    write_intervals(args, groups, scalars, tags, summary)
     return 0
+
+
+def write_intervals(
+    args: argparse.Namespace, groups: dict[str, list[str]], scalars: dict[str, dict], tags: list[str], summary: str
+) -> None:
+    """Append the seed-interval table (when a setting has >= 2 seeds) and each ``--test`` to ``summary`` and
+    stdout; warn about flagged runs."""
+    if args.final_steps < 1:
+        raise CompareError(f"--final-steps must be >= 1, got {args.final_steps}")
+    for tag in tags:
+        for run, lacking in sorted(missing_steps(groups, scalars, tag).items()):
+            print(
+                f"compare: warning: {run} lacks {len(lacking)} step(s) of {tag} that other seeds of its setting "
+                f"logged (first: {lacking[0]}); flagged in summary.md",
+                file=sys.stderr,
+            )
+    text = ""
+    if any(len(runs) > 1 for runs in groups.values()):  # with one seed per setting there is no interval
+        text += "\n" + format_interval_table(groups, scalars, tags, args.final_steps)
+    if args.test:
+        text += "\n" + format_tests([tuple(p) for p in args.test], groups, scalars, tags, args.final_steps)
+    if text:
+        with open(summary, "a") as f:
+            f.write(text)
+        sys.stdout.write(text)
