@@ -54,17 +54,11 @@ def ensure_quiet(force: bool = False) -> None:
 
 
 def machine() -> str:
-    """The CPU (model, torch's CPU capability, bf16 support), cores, torch, threads and OpenMP wait policy."""
-    import platform
+    """The CPU (model, torch's CPU capability, bf16 support), cores, torch, threads and OpenMP wait policy
+    (``lit_rl.hardware.describe_machine``, which the probe's report uses too)."""
+    from lit_rl.hardware import describe_machine
 
-    import torch
-
-    from lit_rl.hardware import describe_cpu, omp_summary
-
-    return (
-        f"{describe_cpu()}; {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
-        f"threads, {omp_summary()}), python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
-    )
+    return describe_machine()
 
 
 def grpo_module(policy, tok, new_tokens: int, group_size: int, logprobs_top_k: int = 0, correction=None):

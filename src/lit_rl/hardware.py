@@ -265,6 +265,17 @@ def describe_cpu() -> str:
     return f"{f['model']} ({f['arch']}), torch CPU capability {f['capability']}, {bf16}"
 
 
+def describe_machine() -> str:
+    """The line beside every figure: the CPU (``describe_cpu``), its core count, torch and its thread count,
+    the OpenMP wait policy, python and the date."""
+    import torch
+
+    return (
+        f"{describe_cpu()}; {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} "
+        f"threads, {omp_summary()}), python {platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+    )
+
+
 def uses_cuda(accelerator) -> bool:
     """Whether a Lightning ``accelerator`` value runs on CUDA here (``gpu``/``cuda``, or ``auto`` with one)."""
     import torch

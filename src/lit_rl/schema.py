@@ -1,6 +1,6 @@
 """The typed config: one dataclass per config group, with each field's type, default and meaning in one place.
 
-``conf/train.yaml`` starts from ``TrainConfig`` (stored in Hydra's ConfigStore as ``base_train``), so every
+``conf/train.yaml`` starts from ``TrainConfig`` (stored in Hydra's ConfigStore as ``schema: train``), so every
 key a config file or preset sets must be a field here: a typo (``algo: {ppo_epoch: 4}``) fails at compose
 time, naming the key and the file, as it does on the command line. The task group's options start from their
 own schema (``base_arithmetic``, ``base_gsm8k``). The YAML files stay the user-facing defaults with their
@@ -451,10 +451,60 @@ class TrainConfig:
     logprob_chunk_tokens: int = 256
 
 
+# -- the gradient-bias probe (recipes/probe_gradients.py, conf/probe.yaml) ---------------------------------
+@dataclass
+class ProbeEngineOverrides:
+    """``probe.settings[i].engine``: the ``engine`` fields a mismatch setting overrides (null = the run's own)."""
+
+    logit_noise: Optional[Number] = None
+    temperature_offset: Optional[Number] = None
+    dtype: Optional[str] = None
+    int8_roundtrip: Optional[bool] = None
+
+
+@dataclass
+class ProbeSetting:
+    """One mismatch setting of the probe: a name (its row label) and the engine fields it sets."""
+
+    name: str = MISSING
+    engine: ProbeEngineOverrides = field(default_factory=ProbeEngineOverrides)
+
+
+@dataclass
+class ProbeConfig:
+    """``probe``: the gradient-bias probe's own fields (``lit_rl.probe``; ranges in ``probe.check_probe``)."""
+
+    #: the corrections whose batch gradients are measured (names of ``corrections.CORRECTIONS``)
+    corrections: list[str] = field(default_factory=lambda: ["none", "tis", "mis", "sc", "sc+tis", "sc+mis"])
+    #: the mismatched samplers; each correction sees the same rollouts of each
+    settings: list[ProbeSetting] = field(default_factory=list)
+    #: rollout batches per mismatch setting (>= 3: the jackknife leaves one out)
+    batches: int = 5
+    #: on-policy batches for the reference gradient (correction none; >= 3)
+    reference_batches: int = 5
+    #: constant (every advantage 1: the drift, true value 0) and/or reward (the batch's own advantages)
+    modes: list[str] = field(default_factory=lambda: ["constant"])
+    #: D of the gradients' CountSketch (relative error of a squared norm ~ sqrt(2/D))
+    sketch_dim: int = 131072
+    sketch_seed: int = 0
+    #: output folder; null = the Hydra run folder
+    out: Optional[str] = None
+
+
+@dataclass
+class ProbeRunConfig(TrainConfig):
+    """The probe's whole config (``conf/probe.yaml``): every field of a training run, plus ``probe``."""
+
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+
+
 #: the schemas stored in Hydra's ConfigStore (``register_configs``): name -> (group, dataclass). The primary
-#: config's base, and the per-option bases of the groups whose options have different fields (task, engine)
+#: configs' bases (group ``schema``, merged at the root: ``conf/train.yaml`` lists ``schema: train`` first,
+#: ``conf/probe.yaml`` overrides it with ``probe``), and the per-option bases of the groups whose options have
+#: different fields (task, engine)
 SCHEMAS: dict[str, tuple[str | None, type]] = {
-    "base_train": (None, TrainConfig),
+    "train": ("schema", TrainConfig),
+    "probe": ("schema", ProbeRunConfig),
     "base_arithmetic": ("task", ArithmeticConfig),
     "base_gsm8k": ("task", Gsm8kConfig),
     "base_torch": ("engine", EngineConfig),
@@ -463,11 +513,11 @@ SCHEMAS: dict[str, tuple[str | None, type]] = {
 
 
 def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent). ``conf/train.yaml`` lists ``base_train`` first in
+    """Store the schemas in Hydra's ConfigStore (idempotent). ``conf/train.yaml`` lists ``schema: train`` first in
     its defaults, ``conf/task/<name>.yaml`` its ``base_<name>``. Called when this module is imported."""
     store = ConfigStore.instance()
     for name, (group, node) in SCHEMAS.items():
-        store.store(name=name, group=group, node=node)
+        store.store(name=name, group=group, node=node, package="_global_" if group == "schema" else None)
 
 
 def config_of(cls: type[C], values: Mapping | C | None, ignore_unknown: bool = False) -> C:
