@@ -1,0 +1,70 @@
+"""recipes/study.py: a preset's sweep expanded as Hydra would, one command per job, folders compare.py reads."""
+
+import os
+
+from lit_rl import compare
+from lit_rl.study import expand, main, preset_params
+
+
+def test_expand_orders_seed_by_seed_and_keeps_fixed_overrides():
+    jobs = expand({"correction": "tis,sc", "rollout.lag": "0,2"}, ["seed=0,1", "trainer.max_steps=3"])
+    assert [j.name for j in jobs[:4]] == [
+        "correction=tis,rollout.lag=0,seed=0",
+        "correction=tis,rollout.lag=2,seed=0",
+        "correction=sc,rollout.lag=0,seed=0",
+        "correction=sc,rollout.lag=2,seed=0",
+    ]
+    assert len(jobs) == 8 and all(j.name.endswith("seed=1") for j in jobs[4:])
+    assert jobs[0].overrides == ["trainer.max_steps=3", "correction=tis", "rollout.lag=0", "seed=0"]
+    # a command-line sweep replaces the preset's values of that key; a fixed value removes it from the grid
+    assert [j.name for j in expand({"correction": "tis,sc"}, ["correction=none,sc"])] == [
+        "correction=none",
+        "correction=sc",
+    ]
+    only = expand({"correction": "tis,sc", "seed": "0,1"}, ["correction=sc"])
+    assert [j.name for j in only] == ["seed=0", "seed=1"] and only[0].overrides == ["correction=sc", "seed=0"]
+
+
+def test_preset_params_are_read_from_the_experiment():
+    assert preset_params(["experiment=staleness_seeds"]) == {
+        "correction": "tis,sc,sc+tis",
+        "rollout.lag": "0,2,4,8",
+        "seed": "0,1,2",
+    }
+
+
+def test_study_runs_each_job_and_compare_groups_the_seeds(tmp_path, capsys):
+    out = tmp_path / "study"
+    args = [
+        "model=tiny",
+        "trainer.max_steps=1",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "sampling.max_new_tokens=4",
+        "eval.num_examples=0",
+        "trainer.enable_progress_bar=false",
+        "engine.logit_noise=0,1",
+        "seed=0,1",
+        "--out",
+        str(out),
+    ]
+    assert main(args + ["--dry-run"]) == 0
+    assert not out.exists() and "hydra.run.dir=" in capsys.readouterr().out
+    assert main(args) == 0
+    names = sorted(os.listdir(out))
+    assert names == [
+        "engine.logit_noise=0,seed=0",
+        "engine.logit_noise=0,seed=1",
+        "engine.logit_noise=1,seed=0",
+        "engine.logit_noise=1,seed=1",
+        "study_log.tsv",
+    ]
+    assert all((out / n / "finished.json").exists() for n in names[:4])
+    assert len((out / "study_log.tsv").read_text().splitlines()) == 4
+    assert main(args) == 0  # everything finished: nothing runs again
+    assert len((out / "study_log.tsv").read_text().splitlines()) == 4
+    groups = compare.group_runs(compare.find_runs([str(out)]))
+    assert groups == {
+        "engine.logit_noise=0": ["engine.logit_noise=0,seed=0", "engine.logit_noise=0,seed=1"],
+        "engine.logit_noise=1": ["engine.logit_noise=1,seed=0", "engine.logit_noise=1,seed=1"],
+    }
