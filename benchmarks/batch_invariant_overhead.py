@@ -62,7 +62,7 @@ def step(module, opt, prompts, seeds, rb: RolloutBatch, precision: str) -> tuple
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2_ID)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)  # the default step: P x G = 64 decode rows
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
