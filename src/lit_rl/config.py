@@ -300,6 +300,8 @@ def validate(cfg: DictConfig) -> None:
     constant = cfg.task.constant_reward
     _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
+    if cfg.task.name == "dataset":
+        check_dataset_task(cfg)
     if cfg.task.name == "gsm8k" and cfg.task.path:
         path = Path(cfg.task.path).expanduser()
         _check(path.is_dir(), "task.path", cfg.task.path, "must be a folder holding train.jsonl and test.jsonl")
@@ -311,6 +313,53 @@ def validate(cfg: DictConfig) -> None:
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
         )
+
+
+def check_dataset_task(cfg: DictConfig) -> None:
+    """The fields of ``task=dataset`` that can be checked without reading the data: a local path or data file
+    exists, the options lie in range, and an evaluation has a split to read. The data's own problems (splits,
+    columns, rows) are reported when the task loads, still before the model (``tasks.DatasetTask``)."""
+    from .tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
+
+    t = cfg.task
+    _check(
+        bool(t.path) or bool(t.data_files),
+        "task.path",
+        t.path,
+        "task=dataset needs task.path (a data file, a saved-dataset folder or a hub id) or task.data_files",
+    )
+    if t.path and looks_local(str(t.path)):
+        _check(
+            Path(str(t.path)).expanduser().exists(),
+            "task.path",
+            t.path,
+            f"no such file or folder (a data file {'/'.join(FORMATS)}, a folder, or a hub id org/name)",
+        )
+    _check(
+        _is_number(t.eval_fraction) and 0 <= t.eval_fraction < 1,
+        "task.eval_fraction",
+        t.eval_fraction,
+        "must lie in [0, 1)",
+    )
+    _check(
+        t.max_examples is None or (_is_int(t.max_examples) and t.max_examples >= 1),
+        "task.max_examples",
+        t.max_examples,
+        "must be null or an integer >= 1",
+    )
+    _check(
+        t.overlong_prompts in OVERLONG_PROMPTS,
+        "task.overlong_prompts",
+        t.overlong_prompts,
+        f"choose one of {list(OVERLONG_PROMPTS)}",
+    )
+    _check(
+        t.eval_split is not None or t.eval_fraction > 0 or cfg.eval.num_examples == 0,
+        "eval.num_examples",
+        cfg.eval.num_examples,
+        "task=dataset has no evaluation split: set task.eval_split, or task.eval_fraction (a held-out share), "
+        "or eval.num_examples=0",
+    )
 
 
 def check_rollout_mode(ro: DictConfig) -> None:

@@ -89,6 +89,37 @@ class Gsm8kConfig(TaskConfig):
 
 
 @dataclass
+class DatasetConfig(TaskConfig):
+    """``task=dataset``: any dataset ``datasets`` reads, with a column mapping (``tasks.DatasetTask``)."""
+
+    name: str = "dataset"
+    #: a data file (.jsonl .json .parquet .csv .tsv .arrow), a saved-dataset folder, a folder of files or a hub id
+    path: Optional[str] = None
+    #: instead of path: a file, a list of files or {split: file(s)}
+    data_files: Any = None
+    #: the hub dataset's configuration
+    config: Optional[str] = None
+    split: str = "train"
+    #: null: eval_fraction of split held out
+    eval_split: Optional[str] = None
+    #: the held-out share of split when eval_split is null (0 = no eval split)
+    eval_fraction: Number = 0.0
+    #: seeds the held-out draw
+    seed: int = 0
+    #: the prompt column: text, or a list of chat messages {role, content}
+    prompt_field: str = "prompt"
+    #: the gold-answer column; null = none (reward functions that need no answer)
+    answer_field: Optional[str] = "answer"
+    system_prompt: Optional[str] = None
+    #: a str.format template over the row's columns for text prompts, e.g. "{question} Answer after ####."
+    prompt_template: Optional[str] = None
+    #: the first rows of each split only; null = all
+    max_examples: Optional[int] = None
+    #: a prompt longer than the context leaves for max_new_tokens: drop (counted) | error
+    overlong_prompts: str = "drop"
+
+
+@dataclass
 class ClipConfig:
     """``algo.clip``: the ratio's clip range [1 - eps_low, 1 + eps_high]."""
 
@@ -450,6 +481,7 @@ SCHEMAS: dict[str, tuple[str | None, type]] = {
     "base_train": (None, TrainConfig),
     "base_arithmetic": ("task", ArithmeticConfig),
     "base_gsm8k": ("task", Gsm8kConfig),
+    "base_dataset": ("task", DatasetConfig),
     "base_torch": ("engine", EngineConfig),
     "base_vllm": ("engine", VLLMEngineConfig),
 }

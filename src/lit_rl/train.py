@@ -152,10 +152,22 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
     checks = [("train", "sampling.max_new_tokens", cfg.sampling.max_new_tokens)]
     if cfg.eval.num_examples > 0:
         checks.append(("eval", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    task = getattr(datamodule.task, "task", datamodule.task)  # ConstantReward wraps the task
     for split, field, new_tokens in checks:
         tokens, example = datamodule.longest_prompt(split)
         if example is None or tokens + new_tokens <= limit:
             continue
+        if getattr(task, "overlong_prompts", "error") == "drop":
+            total = len(datamodule._train if split == "train" else datamodule._eval)
+            dropped = datamodule.drop_overlong(limit - new_tokens, split)
+            print(
+                f"lit_rl: task={cfg.task.name}: dropped {dropped} of {total} {split} prompts longer than "
+                f"{limit - new_tokens} tokens ({where} minus {field}={new_tokens}; task.overlong_prompts=drop)",
+                flush=True,
+            )
+            datamodule.dropped_prompts[split] = dropped
+            if dropped < total:
+                continue
         fix = (
             f"lower {field} to at most {limit - tokens}"
             if tokens < limit

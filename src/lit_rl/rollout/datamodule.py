@@ -205,6 +205,8 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"task {task.name!r} has no training examples")
         self._encoded: dict[tuple[str, int], list[int]] = {}
         self._start_step: Callable[[], int] = lambda: 0
+        #: prompts left out at start-up for not fitting the context (``task.overlong_prompts=drop``), per split
+        self.dropped_prompts = {"train": 0, "eval": 0}
 
     # -- ranks ---------------------------------------------------------------------------------------
     @property
@@ -275,6 +277,31 @@ class RolloutDataModule(L.LightningDataModule):
             self._encoded[key] = list(ids)
         return self._encoded[key]
 
+    def prompt_lengths(self, split: str = "train") -> list[int]:
+        """Token counts of the chat-formatted prompts of ``split`` ("train" or "eval"), in order: rendered with
+        the chat template and tokenised in one batch (GSM8K's 7473 training prompts: about 2 s), the same ids
+        ``encode`` gives one by one."""
+        examples = self._train if split == "train" else self._eval
+        if not examples:
+            return []
+        texts = [
+            self.tokenizer.apply_chat_template(self.task.messages(ex), add_generation_prompt=True, tokenize=False)
+            for ex in examples
+        ]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    def drop_overlong(self, max_prompt_tokens: int, split: str = "train") -> int:
+        """Leave out the prompts of ``split`` longer than ``max_prompt_tokens`` tokens; returns how many."""
+        examples = self._train if split == "train" else self._eval
+        lengths = self.prompt_lengths(split)
+        kept = [ex for ex, n in zip(examples, lengths) if n <= max_prompt_tokens]
+        if split == "train":
+            self._train = kept
+        else:
+            self._eval = kept
+        self._perm_cache = None
+        return len(examples) - len(kept)
+
     def longest_prompt(self, split: str = "train") -> tuple[int, Example | None]:
         """(tokens, example) of the longest chat-formatted prompt of ``split``: "train" (every training
         example a step may draw) or "eval" (the ``eval_examples`` evaluated); (0, None) when it is empty.
@@ -283,11 +310,7 @@ class RolloutDataModule(L.LightningDataModule):
         examples = self._train if split == "train" else self._eval
         if not examples:
             return 0, None
-        texts = [
-            self.tokenizer.apply_chat_template(self.task.messages(ex), add_generation_prompt=True, tokenize=False)
-            for ex in examples
-        ]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        lengths = self.prompt_lengths(split)
         i = max(range(len(lengths)), key=lengths.__getitem__)
         return lengths[i], examples[i]
 
