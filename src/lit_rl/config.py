@@ -277,6 +277,19 @@ def validate(cfg: DictConfig) -> None:
     _check_int(cfg.eval.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
     _check_int(cfg.eval.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
     _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
+    ev = cfg.eval
+    _check_int(ev.n, "eval.n", 1, " (samples per problem)")
+    _check(_is_int(ev.k) and 1 <= ev.k <= ev.n, "eval.k", ev.k, f"must be an integer in [1, eval.n={ev.n}]")
+    _check(_is_number(ev.temperature) and ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0")
+    _check(
+        ev.n == 1 or ev.temperature > 0,
+        "eval.temperature",
+        ev.temperature,
+        f"must be > 0 with eval.n={ev.n} (greedy decoding gives n equal samples)",
+    )
+    _check_int(cfg.log.samples_every_n_steps, "log.samples_every_n_steps", 0, " (0 = never)")
+    _check_int(cfg.log.num_samples, "log.num_samples", 1)
+    _check(cfg.log.plain_lines in ("auto", True, False), "log.plain_lines", cfg.log.plain_lines, "auto, true or false")
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
     threads = cfg.threads
     _check(
@@ -297,6 +310,7 @@ def validate(cfg: DictConfig) -> None:
     )
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
+    check_reward(cfg)
     constant = cfg.task.constant_reward
     _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
@@ -312,6 +326,40 @@ def validate(cfg: DictConfig) -> None:
             "model.name_or_path",
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
+        )
+
+
+def check_reward(cfg: DictConfig) -> None:
+    """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
+    weight per function, at least one worker."""
+    from omegaconf import OmegaConf
+
+    r = OmegaConf.to_container(cfg.reward, resolve=True)
+    _check_int(r["num_workers"], "reward.num_workers", 1)
+    if r["functions"] is None:
+        _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
+        return
+    from .tasks.reward_functions import function_name, load_function
+
+    functions = list(r["functions"])
+    _check(len(functions) > 0, "reward.functions", functions, "list at least one, or null for the task's verifier")
+    names = [function_name(str(s)) for s in functions]
+    _check(len(set(names)) == len(names), "reward.functions", functions, "two functions have one name")
+    for spec in functions:
+        try:
+            load_function(str(spec))
+        except Exception as err:  # noqa: BLE001 - the user's file or module: its error, on one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                first if first.startswith("reward.functions") else f"reward.functions: {spec!r}: {first}"
+            ) from err
+    if r["weights"] is not None:
+        weights = list(r["weights"])
+        _check(
+            len(weights) == len(functions) and all(_is_number(w) for w in weights),
+            "reward.weights",
+            weights,
+            f"give one number per function ({len(functions)}), or null for all 1",
         )
 
 
