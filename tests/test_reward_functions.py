@@ -119,8 +119,8 @@ def test_a_factorial_the_verifier_would_compute_for_minutes_is_killed_at_the_lim
     assert scores.total == [0.0, 1.0] and scores.errors == 1 and scores.timeouts == 1
     killed = before - set(rewards.pool.pids)
     assert len(killed) == 1 and not any(os.path.exists(f"/proc/{pid}") for pid in killed)
+    rewards.prepare()  # the replacement worker has started and loaded the functions
     pids = rewards.pool.pids
-    time.sleep(1.0)  # the replacement worker may still be starting
     cpu = {pid: _cpu_seconds(pid) for pid in pids}
     own = time.process_time()
     time.sleep(1.0)

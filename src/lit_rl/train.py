@@ -747,6 +747,10 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
         rewards=build_rewards(cfg, task),
     )
     check_context(cfg, datamodule, model_config(cfg.model))  # before the weights load
+    try:  # the verifier workers start and load the reward functions (a user's module) now, not at step 1
+        datamodule.rewards.prepare()
+    except RuntimeError as err:
+        raise ConfigError(f"reward.functions: {err}") from err
 
     if trainer.is_global_zero:
         config_file = out / "config.yaml"

@@ -252,6 +252,11 @@ class RewardFunctions:
     def pool(self):
         return shared_pool(self.num_workers)
 
+    def prepare(self) -> None:
+        """Start the verifier workers and load the functions in each now (``VerifierPool.prepare``); raises
+        RuntimeError when a worker cannot load them."""
+        self.pool.prepare(self.key, self.refs)
+
     def score(
         self,
         examples: Sequence[Example],

@@ -3,34 +3,37 @@
 A verifier (``math_verify`` handing ``\\boxed{99999999!}`` to sympy, a user's reward function stuck in a loop)
 can compute for minutes. A thread cannot be stopped, and an abandoned one keeps the interpreter's lock busy
 (measured in issue 17: the trainer's Python ran 611x slower). Here each call runs in a worker process
-(``multiprocessing``'s *spawn* start method: no copy of the trainer's threads, locks or CUDA state), and a
-worker still busy when its call's time limit passes is killed (SIGKILL) and replaced by a fresh one; the call
-reports ``"timeout"``. Workers are persistent: started once per process on first use (``shared_pool``), they
-keep what they loaded (the functions and, through them, the task) from call to call and from run to run, and
-get it again only when it changes (a new ``key``). Each runs one OpenMP / torch thread.
+(a fresh interpreter, as ``multiprocessing``'s *spawn* starts: no copy of the trainer's threads, locks or
+CUDA state), and a worker still busy when its call's time limit passes is killed (SIGKILL) and replaced by a
+fresh one; the call reports ``"timeout"``. Workers are persistent: started once per process on first use
+(``shared_pool``), they keep what they loaded (the functions and, through them, the task) from call to call
+and from run to run, and get it again only when it changes (a new ``key``). Each runs one OpenMP / torch
+thread.
 
-Protocol, over one ``multiprocessing.Pipe`` per worker: the parent sends ``("setup", key, file)`` (the
-functions pickled into ``file``, so a large task never fills the pipe) and the worker answers ``("ready",
-key)`` or ``("setup_error", line)``; then ``("call", index, args)`` answered with ``("ok", value)`` or
-``("error", line)``. The limit starts when a call is sent to a worker that is ready, so starting a worker and
-loading the functions do not count against it.
+Protocol, over one socket pair per worker (``multiprocessing.connection.Connection``): the parent sends
+``("setup", key, file)`` (the functions pickled into ``file``, so a large task never fills the socket) and
+the worker answers ``("ready", key)`` or ``("setup_error", line)``; then ``("call", index, args, kwargs)``,
+answered with ``("ok", value)`` or ``("error", line)``. The limit starts when a call is sent to a worker that
+is ready, so starting a worker and loading the functions do not count against it.
 """
 
 from __future__ import annotations
 
 import atexit
 import math
-import multiprocessing
 import os
 import pickle
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 __all__ = ["Outcome", "VerifierPool", "shared_pool", "close_shared_pool"]
@@ -73,11 +76,14 @@ def convert(value: Any, batched: bool) -> Any:
     raise TypeError(f"a reward must be a number or None, got {type(value).__name__}")
 
 
+def _worker_entry(fd: int) -> None:
+    """The worker process's entry point (``_Worker`` starts ``python -c`` with it): serve the socket ``fd``."""
+    _worker_main(Connection(fd))
+
+
 def _worker_main(conn) -> None:
-    """A worker's loop: load functions on "setup", run them on "call", until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the pipe
-    for var in _THREAD_VARS:
-        os.environ[var] = "1"
+    """A worker's loop: load functions on "setup", run them on "call", until the socket closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the socket
     functions: list = []
     batched: list[bool] = []
     setup_error = ""
@@ -85,7 +91,7 @@ def _worker_main(conn) -> None:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
-            return  # the parent closed the pipe or died
+            return  # the parent closed the socket or died
         if msg[0] == "setup":
             try:
                 with open(msg[2], "rb") as f:
@@ -95,8 +101,8 @@ def _worker_main(conn) -> None:
                     functions.append(entry.load() if hasattr(entry, "load") else entry)
                     batched.append(bool(getattr(entry, "batched", False)))
                 setup_error = ""
-                if "torch" in __import__("sys").modules:  # a user's module brought torch in: one thread
-                    __import__("torch").set_num_threads(1)
+                if "torch" in sys.modules:  # a user's module brought torch in: one thread
+                    sys.modules["torch"].set_num_threads(1)
                 conn.send(("ready", msg[1]))
             except Exception as err:  # noqa: BLE001 - reported to the parent, which names it
                 setup_error = first_line(err)
@@ -114,33 +120,46 @@ def _worker_main(conn) -> None:
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe; ``key``: what it has loaded (None: nothing yet)."""
+    """One worker process and the parent's end of its socket; ``key``: what it has loaded (None: nothing yet).
 
-    def __init__(self, ctx):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="lit_rl-verifier")
-        self.process.start()
-        child.close()
+    The worker is a fresh interpreter (``python -c``: what multiprocessing's *spawn* gives, without re-running
+    the caller's main script, so a script or notebook without an ``if __name__ == "__main__"`` guard works),
+    with this process's ``sys.path`` and one OpenMP / MKL thread, talking over a socket pair wrapped in
+    ``multiprocessing.connection.Connection``."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env.update({var: "1" for var in _THREAD_VARS})
+        code = f"from lit_rl.tasks.verifier_pool import _worker_entry; _worker_entry({theirs.fileno()})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
         self.key: str | None = None
         self.loading: str | None = None  # the key a setup was sent for
         self.job: int | None = None
         self.deadline = 0.0  # when the running call's time is up
         self.setup_deadline = 0.0  # when the pending setup's time is up
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def kill(self) -> None:
         """SIGKILL the process and reap it (nothing of it is left computing)."""
         try:
             self.process.kill()
-        except (OSError, ValueError):
+        except OSError:
             pass
-        self.process.join(5)
+        self.process.wait()
         self.conn.close()
 
     def stop(self) -> None:
-        """Close the pipe (the worker exits at once when idle); kill it if it does not."""
+        """Close the socket (the worker exits at once when idle); kill it if it does not."""
         self.conn.close()
-        self.process.join(1)
-        if self.process.is_alive():
+        try:
+            self.process.wait(1)
+        except subprocess.TimeoutExpired:
             self.kill()
 
 
@@ -160,7 +179,6 @@ class VerifierPool:
         if int(num_workers) < 1:
             raise ValueError(f"reward.num_workers={num_workers!r} must be >= 1")
         self.num_workers = int(num_workers)
-        self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._folder = tempfile.mkdtemp(prefix="lit_rl-verifiers-")
@@ -170,7 +188,7 @@ class VerifierPool:
     @property
     def pids(self) -> list[int]:
         """Process ids of the live workers."""
-        return [w.process.pid for w in self._workers]
+        return [w.pid for w in self._workers]
 
     def _file_for(self, key: str, functions: list) -> str:
         if key not in self._files:
@@ -189,7 +207,7 @@ class VerifierPool:
                 return []
             file = self._file_for(key, functions)
             while len(self._workers) < self.num_workers:
-                self._workers.append(_Worker(self._ctx))
+                self._workers.append(_Worker())
             pending = deque(range(len(jobs)))
             results: list[Outcome | None] = [None] * len(jobs)
             while pending or any(w.job is not None for w in self._workers):
@@ -245,6 +263,41 @@ class VerifierPool:
                         )
             return results  # type: ignore[return-value]
 
+    def prepare(self, key: str, functions: list, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Start the workers and have every one load ``functions`` (under ``key``) now, waiting until all have:
+        at start-up, so that a function that cannot be loaded in a worker fails before the model loads and
+        the first step's time holds no start-up. Raises RuntimeError naming the worker's error, or when a
+        worker takes longer than ``timeout_s``."""
+        with self._lock:
+            file = self._file_for(key, functions)
+            while len(self._workers) < self.num_workers:
+                self._workers.append(_Worker())
+            deadline = time.monotonic() + timeout_s
+            while any(w.key != key for w in self._workers):
+                for w in self._workers:
+                    if w.key != key and w.loading != key:
+                        w.conn.send(("setup", key, file))
+                        w.loading = key
+                loading = [w for w in self._workers if w.key != key]
+                ready = wait([w.conn for w in loading], timeout=max(0.0, deadline - time.monotonic()))
+                for w in loading:
+                    if w.conn not in ready:
+                        continue
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        self._replace(w)
+                        raise RuntimeError("a verifier worker died while loading the reward functions") from None
+                    if msg[0] == "setup_error":
+                        self._replace(w)
+                        raise RuntimeError(f"the reward functions cannot be loaded in a worker: {msg[1]}")
+                    if msg[0] == "ready":
+                        w.key = msg[1]
+                        if w.loading == msg[1]:
+                            w.loading = None
+                if not ready and time.monotonic() >= deadline:
+                    raise RuntimeError(f"the verifier workers did not load the reward functions in {timeout_s:g} s")
+
     @staticmethod
     def _finish(w: _Worker, results: list, outcome: Outcome) -> None:
         if w.job is not None:
@@ -255,7 +308,7 @@ class VerifierPool:
         """Kill ``w`` and start a fresh worker in its place (it loads the functions when next needed)."""
         w.kill()
         self.replaced += 1
-        self._workers[self._workers.index(w)] = _Worker(self._ctx)
+        self._workers[self._workers.index(w)] = _Worker()
 
     def close(self) -> None:
         """Stop every worker and remove the function files; the pool starts new workers if used again."""
