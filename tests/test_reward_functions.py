@@ -194,3 +194,21 @@ def test_eval_pass_at_k_and_mean_at_n_through_a_run(tmp_path, capsys):
         "1/2",
         "2/2",
     ]  # steps done and all("tokens/s" in line for line in lines)
+
+
+def test_a_script_without_a_main_guard_can_score(tmp_path):
+    """Workers are fresh interpreters that do not re-run the caller's script (multiprocessing's spawn does, and
+    such a script then fails to start its pool)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "score.py"
+    script.write_text(
+        "from lit_rl.tasks import ArithmeticTask\n"
+        "from lit_rl.tasks.reward_functions import RewardFunctions\n"
+        "task = ArithmeticTask(num_train=1, num_eval=0)\n"
+        "ex = task.train_examples()[0]\n"
+        "print(RewardFunctions(task, num_workers=1).score([ex], [f'#### {ex.answer}'], [[1]], 'train').total)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[1.0]", out.stderr[-2000:]
