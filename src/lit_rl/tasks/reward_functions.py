@@ -268,6 +268,8 @@ class RewardFunctions:
         n = len(completions)
         if self.constant is not None and split == "train":
             return Scores([float(self.constant)] * n, {}, 0)
+        if n == 0:
+            return Scores([], {} if self.own_verifier else {name: [] for name in self.names}, 0)
         prompts = [ex.question for ex in examples]
         rows = [ex if self.own_verifier else ex.as_dict() for ex in examples]
         jobs, owners = [], []
