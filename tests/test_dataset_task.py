@@ -158,3 +158,20 @@ def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
     assert "dropped 1 of 2 train prompts" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="longest train prompt"):
         run(fast_config(*base, "task.overlong_prompts=error"), tmp_path / "error")
+
+
+def test_data_files_per_split_tsv_and_max_examples(tmp_path):
+    train, test = tmp_path / "train.tsv", tmp_path / "test.tsv"
+    for path, rows in ((train, ROWS), (test, ROWS[:2])):
+        path.write_text("problem\tsolution\n" + "".join(f"{r['problem']}\t{r['solution']}\n" for r in rows))
+    task = DatasetTask(
+        data_files={"train": str(train), "test": str(test)},
+        eval_split="test",
+        prompt_field="problem",
+        answer_field="solution",
+        max_examples=3,
+    )
+    assert [ex.answer for ex in task.train_examples()] == ["5", "8", "3"]  # the first 3 rows
+    assert [ex.question for ex in task.eval_examples()] == ["What is 2 + 3?", "What is 4 + 4?"]
+    msg = one_line_error(FileNotFoundError, lambda: DatasetTask(data_files=[str(tmp_path / "x.csv")]))
+    assert "x.csv" in msg and "task.data_files" in msg
