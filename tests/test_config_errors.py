@@ -48,6 +48,13 @@ def cfg_for(*overrides):
         ),
         (["task.constant_reward=abc"], r"task.constant_reward='abc' is not allowed: must be null or a number"),
         (["reward_timeout_s=0"], r"reward_timeout_s=0 is not allowed: must be a number of seconds > 0"),
+        (
+            ["eval.n=4", "eval.k=5", "eval.temperature=1"],
+            r"eval.k=5 is not allowed: must be an integer in \[1, eval.n=4\]",
+        ),
+        (["eval.n=4", "eval.k=2"], r"eval.temperature=0.0 is not allowed: must be > 0 with eval.n=4"),
+        (["log.plain_lines=sometimes"], r"log.plain_lines='sometimes' is not allowed: auto, true or false"),
+        (["reward.weights=[1.0]"], r"reward.weights=\[1.0\] is not allowed: needs reward.functions"),
         (["algo=ppo", "algo.gae.lam=2"], r"algo.gae.lam=2 is not allowed: must lie in \[0, 1\]"),
         (["algo=reinforce", "algo.num_minibatches=2"], r"must be 1 x 1 for reinforce: it has no importance ratio"),
         # REINFORCE's default baseline is rloo: the message names the field that allows groups of one

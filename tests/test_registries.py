@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CONF, compose_config
+from helpers import CONF, ROOT, compose_config
 
 from lit_rl.algorithms import ALGORITHMS, RLAlgorithm
 from lit_rl.config import validate
@@ -95,6 +95,8 @@ def test_every_preset_composes_and_validates_with_each_swept_value(preset):
 )
 def test_every_group_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"] + ([] if group == "model" else ["model=tiny"])
+    if (group, option) == ("task", "dataset"):  # the example file of docs/data.md
+        overrides += [f"task.path={ROOT}/docs/examples/sums.jsonl", "task.eval_fraction=0.25"]
     if (group, option) == ("engine", "vllm"):
         pytest.importorskip("vllm")
     validate(compose_config(*overrides))

@@ -278,6 +278,19 @@ def validate(cfg: DictConfig) -> None:
     _check_int(cfg.eval.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
     _check_int(cfg.eval.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
     _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
+    ev = cfg.eval
+    _check_int(ev.n, "eval.n", 1, " (samples per problem)")
+    _check(_is_int(ev.k) and 1 <= ev.k <= ev.n, "eval.k", ev.k, f"must be an integer in [1, eval.n={ev.n}]")
+    _check(_is_number(ev.temperature) and ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0")
+    _check(
+        ev.n == 1 or ev.temperature > 0,
+        "eval.temperature",
+        ev.temperature,
+        f"must be > 0 with eval.n={ev.n} (greedy decoding gives n equal samples)",
+    )
+    _check_int(cfg.log.samples_every_n_steps, "log.samples_every_n_steps", 0, " (0 = never)")
+    _check_int(cfg.log.num_samples, "log.num_samples", 1)
+    _check(cfg.log.plain_lines in ("auto", True, False), "log.plain_lines", cfg.log.plain_lines, "auto, true or false")
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
     threads = cfg.threads
     _check(
@@ -298,9 +311,12 @@ def validate(cfg: DictConfig) -> None:
     )
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
+    check_reward(cfg)
     constant = cfg.task.constant_reward
     _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
+    if cfg.task.name == "dataset":
+        check_dataset_task(cfg)
     if cfg.task.name == "gsm8k" and cfg.task.path:
         path = Path(cfg.task.path).expanduser()
         _check(path.is_dir(), "task.path", cfg.task.path, "must be a folder holding train.jsonl and test.jsonl")
@@ -333,6 +349,87 @@ def check_mismatch_dial(cfg: DictConfig) -> None:
         "is wired for the embedded engine only (engine=torch): vLLM samples inside its own engine core, and "
         "noise whose draws show in its processed log-probs would need a vLLM logits processor, not built "
         "in this version; engine.temperature_offset works with vLLM",
+    )
+
+
+def check_reward(cfg: DictConfig) -> None:
+    """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
+    weight per function, at least one worker."""
+    from omegaconf import OmegaConf
+
+    r = OmegaConf.to_container(cfg.reward, resolve=True)
+    _check_int(r["num_workers"], "reward.num_workers", 1)
+    if r["functions"] is None:
+        _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
+        return
+    from .tasks.reward_functions import function_name, load_function
+
+    functions = list(r["functions"])
+    _check(len(functions) > 0, "reward.functions", functions, "list at least one, or null for the task's verifier")
+    names = [function_name(str(s)) for s in functions]
+    _check(len(set(names)) == len(names), "reward.functions", functions, "two functions have one name")
+    for spec in functions:
+        try:
+            load_function(str(spec))
+        except Exception as err:  # noqa: BLE001 - the user's file or module: its error, on one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                first if first.startswith("reward.functions") else f"reward.functions: {spec!r}: {first}"
+            ) from err
+    if r["weights"] is not None:
+        weights = list(r["weights"])
+        _check(
+            len(weights) == len(functions) and all(_is_number(w) for w in weights),
+            "reward.weights",
+            weights,
+            f"give one number per function ({len(functions)}), or null for all 1",
+        )
+
+
+def check_dataset_task(cfg: DictConfig) -> None:
+    """The fields of ``task=dataset`` that can be checked without reading the data: a local path or data file
+    exists, the options lie in range, and an evaluation has a split to read. The data's own problems (splits,
+    columns, rows) are reported when the task loads, still before the model (``tasks.DatasetTask``)."""
+    from .tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
+
+    t = cfg.task
+    _check(
+        bool(t.path) or bool(t.data_files),
+        "task.path",
+        t.path,
+        "task=dataset needs task.path (a data file, a saved-dataset folder or a hub id) or task.data_files",
+    )
+    if t.path and looks_local(str(t.path)):
+        _check(
+            Path(str(t.path)).expanduser().exists(),
+            "task.path",
+            t.path,
+            f"no such file or folder (a data file {'/'.join(FORMATS)}, a folder, or a hub id org/name)",
+        )
+    _check(
+        _is_number(t.eval_fraction) and 0 <= t.eval_fraction < 1,
+        "task.eval_fraction",
+        t.eval_fraction,
+        "must lie in [0, 1)",
+    )
+    _check(
+        t.max_examples is None or (_is_int(t.max_examples) and t.max_examples >= 1),
+        "task.max_examples",
+        t.max_examples,
+        "must be null or an integer >= 1",
+    )
+    _check(
+        t.overlong_prompts in OVERLONG_PROMPTS,
+        "task.overlong_prompts",
+        t.overlong_prompts,
+        f"choose one of {list(OVERLONG_PROMPTS)}",
+    )
+    _check(
+        t.eval_split is not None or t.eval_fraction > 0 or cfg.eval.num_examples == 0,
+        "eval.num_examples",
+        cfg.eval.num_examples,
+        "task=dataset has no evaluation split: set task.eval_split, or task.eval_fraction (a held-out share), "
+        "or eval.num_examples=0",
     )
 
 

@@ -89,6 +89,37 @@ class Gsm8kConfig(TaskConfig):
 
 
 @dataclass
+class DatasetConfig(TaskConfig):
+    """``task=dataset``: any dataset ``datasets`` reads, with a column mapping (``tasks.DatasetTask``)."""
+
+    name: str = "dataset"
+    #: a data file (.jsonl .json .parquet .csv .tsv .arrow), a saved-dataset folder, a folder of files or a hub id
+    path: Optional[str] = None
+    #: instead of path: a file, a list of files or {split: file(s)}
+    data_files: Any = None
+    #: the hub dataset's configuration
+    config: Optional[str] = None
+    split: str = "train"
+    #: null: eval_fraction of split held out
+    eval_split: Optional[str] = None
+    #: the held-out share of split when eval_split is null (0 = no eval split)
+    eval_fraction: Number = 0.0
+    #: seeds the held-out draw
+    seed: int = 0
+    #: the prompt column: text, or a list of chat messages {role, content}
+    prompt_field: str = "prompt"
+    #: the gold-answer column; null = none (reward functions that need no answer)
+    answer_field: Optional[str] = "answer"
+    system_prompt: Optional[str] = None
+    #: a str.format template over the row's columns for text prompts, e.g. "{question} Answer after ####."
+    prompt_template: Optional[str] = None
+    #: the first rows of each split only; null = all
+    max_examples: Optional[int] = None
+    #: a prompt longer than the context leaves for max_new_tokens: drop (counted) | error
+    overlong_prompts: str = "drop"
+
+
+@dataclass
 class ClipConfig:
     """``algo.clip``: the ratio's clip range [1 - eps_low, 1 + eps_high]."""
 
@@ -343,13 +374,46 @@ class SamplingConfig:
 
 @dataclass
 class EvalConfig:
-    """``eval``: held-out greedy pass@1."""
+    """``eval``: held-out accuracy: greedy pass@1, or mean@n and pass@k from n samples per problem."""
 
     every_n_steps: int = 10
     #: 0 = no evaluation
     num_examples: int = 64
     batch_size: int = 64
     max_new_tokens: int = 64
+    #: samples per problem; > 1 logs eval/mean@n and eval/pass@k (needs temperature > 0)
+    n: int = 1
+    #: pass@k's k (1 <= k <= n), the unbiased estimator of Chen et al. 2021
+    k: int = 1
+    #: 0 = greedy
+    temperature: Number = 0.0
+
+
+@dataclass
+class LogConfig:
+    """``log``: what a person watching the run sees besides the scalars."""
+
+    #: every N RL steps a few (prompt, completion, reward, advantage) rows to TensorBoard's text tab and
+    #: <run>/samples.jsonl; 0 = never
+    samples_every_n_steps: int = 10
+    #: rows each time
+    num_samples: int = 4
+    #: one plain line per step (step, reward, response length, s/step, tokens/s): auto (when stdout is not a
+    #: terminal, which also turns the progress bar off) | true | false
+    plain_lines: Any = "auto"
+
+
+@dataclass
+class RewardConfig:
+    """``reward``: what scores a completion (``tasks.reward_functions``; docs/data.md)."""
+
+    #: null: the task's own verifier; or a list of built-ins (math, exact, format, length_penalty),
+    #: 'module:function' or 'path/to/file.py:function'
+    functions: Optional[list[str]] = None
+    #: one weight per function; null = all 1. The reward is the weighted sum (a None counts 0)
+    weights: Optional[list[Number]] = None
+    #: verifier processes (persistent, one thread each); a call past reward_timeout_s kills and replaces one
+    num_workers: int = 2
 
 
 @dataclass
@@ -436,6 +500,7 @@ class TrainConfig:
     #: adaptive (auto's count, then per step the cores other processes leave free) | an integer
     threads: Any = "auto"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -443,6 +508,7 @@ class TrainConfig:
     kl: KlConfig = field(default_factory=KlConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     #: resume: a .ckpt path, or "last" (with hydra.run.dir=<the run>)
     ckpt_path: Optional[str] = None
     #: a run folder to continue (``train.resumed_config``): its saved config.yaml, its last checkpoint, its folder
@@ -507,6 +573,7 @@ SCHEMAS: dict[str, tuple[str | None, type]] = {
     "probe": ("schema", ProbeRunConfig),
     "base_arithmetic": ("task", ArithmeticConfig),
     "base_gsm8k": ("task", Gsm8kConfig),
+    "base_dataset": ("task", DatasetConfig),
     "base_torch": ("engine", EngineConfig),
     "base_vllm": ("engine", VLLMEngineConfig),
 }

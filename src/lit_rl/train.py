@@ -48,6 +48,7 @@ from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.staleness import StaleRolloutsShutdown
 from .tasks import build_task
+from .tasks.reward_functions import RewardFunctions
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +153,22 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
     checks = [("train", "sampling.max_new_tokens", cfg.sampling.max_new_tokens)]
     if cfg.eval.num_examples > 0:
         checks.append(("eval", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    task = getattr(datamodule.task, "task", datamodule.task)  # ConstantReward wraps the task
     for split, field, new_tokens in checks:
         tokens, example = datamodule.longest_prompt(split)
         if example is None or tokens + new_tokens <= limit:
             continue
+        if getattr(task, "overlong_prompts", "error") == "drop":
+            total = len(datamodule._train if split == "train" else datamodule._eval)
+            dropped = datamodule.drop_overlong(limit - new_tokens, split)
+            print(
+                f"lit_rl: task={cfg.task.name}: dropped {dropped} of {total} {split} prompts longer than "
+                f"{limit - new_tokens} tokens ({where} minus {field}={new_tokens}; task.overlong_prompts=drop)",
+                flush=True,
+            )
+            datamodule.dropped_prompts[split] = dropped
+            if dropped < total:
+                continue
         fix = (
             f"lower {field} to at most {limit - tokens}"
             if tokens < limit
@@ -277,6 +290,81 @@ def adaptive_threads(cfg: DictConfig, requested) -> AdaptiveThreads | None:
     return AdaptiveThreads(int(cfg.threads))
 
 
+def _cell(text) -> str:
+    """``text`` as one Markdown table cell: pipes escaped, line breaks as <br>."""
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+
+class SampleLogger(L.Callback):
+    """Every ``every`` RL steps, ``count`` rows of the step (prompt, completion, reward, advantage), spread over
+    its prompts, to TensorBoard's text tab (tag ``samples``) and one JSON line each to ``<run>/samples.jsonl``.
+    Global rank 0 writes its own rows."""
+
+    def __init__(self, every: int, count: int, out: Path):
+        self.every, self.count, self.file = int(every), int(count), out / "samples.jsonl"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        last = getattr(pl_module, "last_step", None)
+        if last is None or not trainer.is_global_zero:
+            return
+        step, scored, advantages = last
+        pl_module.last_step = None
+        if self.every <= 0 or step % self.every:
+            return
+        n = len(scored.texts)
+        rows = sorted({i * n // self.count for i in range(min(self.count, n))})
+        tok = pl_module.tokenizer
+        samples = [
+            {
+                "step": step,
+                "prompt": tok.decode(scored.rollouts.prompt_ids[i], skip_special_tokens=True),
+                "completion": scored.texts[i],
+                "reward": float(scored.rewards[i]),
+                "advantage": float(advantages[i]),
+            }
+            for i in rows
+        ]
+        with open(self.file, "a") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            table = "| prompt | completion | reward | advantage |\n|---|---|---|---|\n" + "".join(
+                f"| {_cell(s['prompt'])} | {_cell(s['completion'])} | {s['reward']:.4g} | {s['advantage']:.4g} |\n"
+                for s in samples
+            )
+            experiment.add_text("samples", table, global_step=step)
+            experiment.flush()
+
+
+class PlainLines(L.Callback):
+    """One plain line per RL step on stdout (step, reward, response length, s/step, rollout tokens/s): what a
+    log file or a cluster job's output shows, where a progress bar never prints."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            return
+        m = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        step = trainer.global_step // pl_module.updates_per_step
+        total = f"/{self.max_steps}" if self.max_steps > 0 else ""
+        print(
+            f"lit_rl: step {step}{total} reward {m.get('rollout/reward_mean', float('nan')):.4f} "
+            f"length {m.get('rollout/response_length_mean', float('nan')):.1f} "
+            f"s/step {m.get('time/step_s', float('nan')):.2f} "
+            f"tokens/s {m.get('perf/rollout_tokens_per_s', float('nan')):.1f}",
+            flush=True,
+        )
+
+
+def plain_lines_on(setting) -> bool:
+    """``log.plain_lines``: true, false, or auto (on when stdout is not a terminal)."""
+    if setting == "auto":
+        return not sys.stdout.isatty()
+    return bool(setting)
+
+
 def precision_plugins(trainer_kwargs: dict) -> list:
     """Lightning precision plugins ``trainer_kwargs`` needs, removing ``precision`` from it when a plugin
     takes its place. ``16-mixed`` on the CPU is float16 autocast with a ``torch.amp.GradScaler("cpu")``
@@ -301,10 +389,15 @@ def build_module(cfg: DictConfig, policy, tokenizer):
             raise ConfigError(f"correction.sc.top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
         sampling["logprobs_top_k"] = max(int(sampling["logprobs_top_k"]), top_k)
     eval_sampling = dict(
-        sampling, temperature=0.0, top_k=0, top_p=1.0, logprobs_top_k=0, max_new_tokens=cfg.eval.max_new_tokens
+        sampling,
+        temperature=float(cfg.eval.temperature),
+        top_k=0,
+        top_p=1.0,
+        logprobs_top_k=0,
+        max_new_tokens=cfg.eval.max_new_tokens,
     )
     cls = ALGORITHMS[cfg.algo.name]
-    return cls(
+    module = cls(
         policy=policy,
         tokenizer=tokenizer,
         sampling=sampling,
@@ -321,11 +414,29 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         engine=OmegaConf.to_container(cfg.engine, resolve=True),
         rollout_mode=OmegaConf.to_container(cfg.rollout, resolve=True),
     )
+    module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
+    return module
 
 
 def build_task_from_cfg(cfg: DictConfig):
     task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
     return build_task(task_cfg)
+
+
+def build_rewards(cfg: DictConfig, task) -> RewardFunctions:
+    """The run's ``RewardFunctions``: ``reward.functions`` (or the task's verifier) in the verifier pool."""
+    r = OmegaConf.to_container(cfg.reward, resolve=True)
+    try:
+        return RewardFunctions(
+            task,
+            functions=r["functions"],
+            weights=r["weights"],
+            num_workers=r["num_workers"],
+            timeout_s=cfg.reward_timeout_s,
+            max_completion_length=cfg.sampling.max_new_tokens,
+        )
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        raise ConfigError(str(err)) from err
 
 
 def resolve_ckpt_path(ckpt_path: str | None, out_dir: Path) -> str | None:
@@ -355,6 +466,10 @@ SAFE_ON_RESUME = (
     "checkpoint.every_n_steps",
     "eval.every_n_steps",
     "eval.batch_size",
+    "reward.num_workers",
+    "log.samples_every_n_steps",
+    "log.num_samples",
+    "log.plain_lines",
 )
 #: values the run resolves itself (``resolve_engine``, ``resolve_hardware``): they agree with the value it resolved to
 AUTO_VALUES = {"engine.name": ("auto",), "trainer.precision": ("auto",), "threads": ("auto", "adaptive")}
@@ -582,6 +697,11 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     callbacks = [checkpoints, StaleRolloutsShutdown()]  # the latter stops an async rollout producer
     if governor is not None:
         callbacks.append(governor)
+    callbacks.append(SampleLogger(cfg.log.samples_every_n_steps, cfg.log.num_samples, out))
+    if plain_lines_on(cfg.log.plain_lines):
+        callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1)))
+        if cfg.log.plain_lines == "auto":  # not a terminal: a progress bar would never print
+            trainer_kwargs["enable_progress_bar"] = False
     try:
         trainer = L.Trainer(
             logger=logger,
@@ -624,8 +744,13 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
         eval_examples=cfg.eval.num_examples,
         eval_batch_size=cfg.eval.batch_size,
         reward_timeout_s=cfg.reward_timeout_s,
+        rewards=build_rewards(cfg, task),
     )
     check_context(cfg, datamodule, model_config(cfg.model))  # before the weights load
+    try:  # the verifier workers start and load the reward functions (a user's module) now, not at step 1
+        datamodule.rewards.prepare()
+    except RuntimeError as err:
+        raise ConfigError(f"reward.functions: {err}") from err
 
     if trainer.is_global_zero:
         config_file = out / "config.yaml"

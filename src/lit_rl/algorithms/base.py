@@ -69,6 +69,7 @@ from ..schema import (
     TrainConfig,
     config_of,
 )
+from ..tasks.reward_functions import pass_at_k
 from . import parallel
 from .parallel import MetricSums
 
@@ -201,6 +202,7 @@ class RLAlgorithm(L.LightningModule):
         weights = self.metric_weights(batch, scored, metrics)
 
         rb = self.build_batch(scored)
+        self.last_step = (rl_step, scored, rb.advantages)  # for the sample logger (``train.SampleLogger``)
         t1 = time.perf_counter()
         if self.stale is not None:  # p_o: the trainer's log-probs under the weights that generated stale rows
             self.stale.score_behaviour(self, rb)
@@ -240,7 +242,12 @@ class RLAlgorithm(L.LightningModule):
         groups = scored.group_ids.unique()
         all_correct = sum(bool((scored.rewards[scored.group_ids == g] >= 1).all()) for g in groups)
         all_wrong = sum(bool((scored.rewards[scored.group_ids == g] <= 0).all()) for g in groups)
+        parts = {}
+        for name, values in scored.reward_parts.items():  # reward.functions: each one's mean, None left out
+            applicable = ~values.isnan()
+            parts[f"rollout/reward/{name}"] = float(values[applicable].mean()) if applicable.any() else 0.0
         return {
+            **parts,
             "rollout/reward_mean": float(scored.rewards.mean()),
             "rollout/reward_errors": float(scored.reward_errors),
             "rollout/response_length_mean": float(lengths.mean()),
@@ -256,7 +263,10 @@ class RLAlgorithm(L.LightningModule):
     def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
         """The weight of each rank's mean when ``reduce_step_metrics`` averages it over ranks. Default: the
         rank's completions (rollout/* means are per completion); a subclass adds what it logs otherwise."""
-        return {name: float(len(scored.rewards)) for name in metrics}
+        weights = {name: float(len(scored.rewards)) for name in metrics}
+        for name, values in scored.reward_parts.items():  # a function's mean counts its applicable completions
+            weights[f"rollout/reward/{name}"] = float((~values.isnan()).sum())
+        return weights
 
     # -- 2. the batch: rewards -> advantages -> RolloutBatch -------------------------------------------------------
     def build_batch(self, scored: ScoredRollouts) -> RolloutBatch:
@@ -304,7 +314,7 @@ class RLAlgorithm(L.LightningModule):
         opt = self.optimizers()
         self.start_update(rb)
         stats = MetricSums()
-        loss_total, norms = 0.0, []
+        loss_total, norms, lr = 0.0, [], float("nan")
         gen = torch.Generator().manual_seed(int(self.global_step))
         for _ in range(self.epochs):
             order = torch.randperm(len(rb), generator=gen) if self.num_minibatches > 1 else torch.arange(len(rb))
@@ -313,13 +323,14 @@ class RLAlgorithm(L.LightningModule):
                 if self.world_size > 1:  # the whole step's loss: every rank then skips a non-finite update alike
                     part_loss = float(self.all_reduce(torch.tensor(part_loss, dtype=torch.float64)))
                 loss_total += part_loss / self.updates_per_step
+                lr = float(opt.param_groups[0]["lr"])  # the rate this update uses (the scheduler moves it after)
                 norms.append(self.optimizer_step(opt, part_loss))
         if self.world_size > 1:
             stats.all_reduce(self.all_reduce_dict)
         out = stats.means()
         out["train/loss"] = loss_total
         out["train/grad_norm"] = sum(norms) / len(norms)
-        out["train/lr"] = opt.param_groups[0]["lr"]
+        out["train/lr"] = lr  # the rate the step's (last) update used, not the next step's
         out["train/skipped_updates"] = float(self.skipped_updates)
         if self.grad_scaler is not None:  # 16-mixed: the loss scale the next step starts from
             out["train/grad_scale"] = float(self.grad_scaler.get_scale())
@@ -748,30 +759,47 @@ class RLAlgorithm(L.LightningModule):
             self.stale.pause()  # async: the producer finishes its batch and leaves the engine to evaluation
         self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
 
+    #: ``eval.n`` samples per problem and ``eval.k`` for pass@k (``lit_rl.train.run`` sets them from the config)
+    eval_n: int = 1
+
+    eval_k: int = 1
+
     def on_validation_epoch_start(self) -> None:
-        self._eval_sums = [0.0, 0.0]  # reward sum, examples (this rank's share of the eval split)
+        # reward sum, samples, pass@k sum, problems (this rank's share of the eval split)
+        self._eval_sums = [0.0, 0.0, 0.0, 0.0]
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         if not batch.examples:  # this rank's share of the eval split is empty; it still joins the reduction
             return
+        n = int(self.eval_n)
         scored = self.datamodule.collect(
             self.engine,
             batch.examples,
             self.eval_sampling,
             step=-1,
-            group_size=1,
+            group_size=n,
             split="eval",
             first_index=batch.offset,
         )
         self._eval_sums[0] += float(scored.rewards.sum())
-        self._eval_sums[1] += len(batch.examples)
+        self._eval_sums[1] += len(scored.rewards)
+        correct = (scored.rewards >= 1.0).view(len(batch.examples), n).sum(-1)  # a reward >= 1 counts as correct
+        self._eval_sums[2] += sum(pass_at_k(n, int(c), int(self.eval_k)) for c in correct.tolist())
+        self._eval_sums[3] += len(batch.examples)
 
     def on_validation_epoch_end(self) -> None:
-        """eval/accuracy: greedy pass@1 over the whole eval split, summed over the ranks' shares."""
-        total, count = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
+        """eval/accuracy: the mean reward of the eval samples over the whole eval split (greedy pass@1 with
+        ``eval.n=1``, mean@n otherwise), summed over the ranks' shares; with ``eval.n > 1`` also
+        ``eval/mean@n`` (the same number, named) and ``eval/pass@k`` (Chen et al. 2021's unbiased estimator,
+        ``reward_functions.pass_at_k``; a sample is correct when its reward is >= 1)."""
+        total, count, passed, problems = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
         # already the same on every rank; sync_dist=True averages equal values (and keeps Lightning quiet when
         # vLLM has set up a one-process torch.distributed group of its own)
-        self.log("eval/accuracy", total / count if count else 0.0, prog_bar=True, sync_dist=True)
+        mean = total / count if count else 0.0
+        self.log("eval/accuracy", mean, prog_bar=True, sync_dist=True)
+        if int(self.eval_n) > 1:
+            self.log(f"eval/mean@{int(self.eval_n)}", mean, sync_dist=True)
+            self.log(f"eval/pass@{int(self.eval_k)}", passed / problems if problems else 0.0, sync_dist=True)
 
     def on_validation_end(self) -> None:
         if self.stale is not None:

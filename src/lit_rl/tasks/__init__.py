@@ -13,6 +13,7 @@ from typing import Any
 from lit_rl.registry import Registry
 from lit_rl.tasks.arithmetic import ArithmeticTask
 from lit_rl.tasks.base import ConstantReward, Example, Task
+from lit_rl.tasks.dataset import DatasetTask
 from lit_rl.tasks.gsm8k import Gsm8kTask
 from lit_rl.tasks.rewards import ANSWER_MODES, answers_match, extract_answer, math_reward
 
@@ -20,6 +21,7 @@ __all__ = [
     "ANSWER_MODES",
     "ArithmeticTask",
     "ConstantReward",
+    "DatasetTask",
     "Example",
     "Gsm8kTask",
     "TASKS",
@@ -31,14 +33,16 @@ __all__ = [
 ]
 
 #: ``task.name`` -> Task class: the one list of tasks (each has its ``conf/task/<name>.yaml``)
-TASKS: Registry[type[Task]] = Registry("task", {"arithmetic": ArithmeticTask, "gsm8k": Gsm8kTask})
+TASKS: Registry[type[Task]] = Registry(
+    "task", {"arithmetic": ArithmeticTask, "gsm8k": Gsm8kTask, "dataset": DatasetTask}
+)
 
 
 def build_task(name: str | Mapping[str, Any], **kwargs: Any) -> Task:
     """Build a task by name.
 
     Args:
-        name: ``"arithmetic"`` or ``"gsm8k"``; or a mapping (a dict or an OmegaConf
+        name: ``"arithmetic"``, ``"gsm8k"`` or ``"dataset"``; or a mapping (a dict or an OmegaConf
             ``DictConfig``) with a ``name`` key and the constructor arguments as other keys; a
             ``constant_reward`` key that is not None wraps the task in ``ConstantReward``.
         **kwargs: constructor arguments; they override keys of the mapping.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from lit_rl.tasks.rewards import ANSWER_MODES, math_reward
 
@@ -17,12 +18,23 @@ class Example:
     Attributes:
         id: stable index within its split (0-based).
         question: the user message content (instruction included).
-        answer: gold final answer as a string, e.g. "42", "-3", "1234", "3/4".
+        answer: gold final answer as a string, e.g. "42", "-3", "1234", "3/4" ("" when there is none).
+        messages: the prompt as chat messages (``{"role", "content"}`` dicts), when the data gave them;
+            ``question`` is then the last message's content. None: one user message ``question``.
+        columns: the data row the example came from (``task=dataset``), handed to reward functions; None
+            for generated tasks.
     """
 
     id: int
     question: str
     answer: str
+    messages: tuple[Mapping[str, str], ...] | None = field(default=None, compare=False, hash=False, repr=False)
+    columns: Mapping[str, Any] | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The example as reward functions see it: the data row's columns, then ``id``, ``question``
+        (the prompt text) and ``answer``."""
+        return {**(self.columns or {}), "id": self.id, "question": self.question, "answer": self.answer}
 
 
 class Task:
@@ -48,12 +60,14 @@ class Task:
     def messages(self, ex: Example) -> list[dict[str, str]]:
         """Return chat messages for ``ex``: an optional system message, then the user message.
 
-        The list is ready for ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``.
+        The list is ready for ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``. An example
+        with its own ``messages`` gives them, after the system message unless they start with their own.
         """
         msgs: list[dict[str, str]] = []
-        if self.system_prompt:
+        own = [dict(m) for m in ex.messages] if ex.messages is not None else None
+        if self.system_prompt and not (own and own[0]["role"] == "system"):
             msgs.append({"role": "system", "content": self.system_prompt})
-        msgs.append({"role": "user", "content": ex.question})
+        msgs += own if own is not None else [{"role": "user", "content": ex.question}]
         return msgs
 
     def reward(self, completion: str, ex: Example) -> float:

@@ -9,8 +9,13 @@ Extraction (``extract_answer``), in this order:
 
 ``"strict"`` mode accepts only ``#### N``: a boxed answer or a bare number scores 0.
 
-Comparison (``answers_match``): a numeric fast path first (commas, ``$``, ``%``, a leading
-``+`` and a trailing period are dropped; decimals and fractions are compared exactly as
+Numbers are read as people and models write them: ".5", typographic minus signs ("−3"), digit-group
+separators before exactly three digits ("1,234", "1{,}234", "1\\,234", thin spaces; "3,5" is no number:
+no European decimal commas), percentages ("50%" == "50") and units after the number ("18 cm",
+"18\\text{ dollars}").
+
+Comparison (``answers_match``): a numeric fast path first (group separators, ``$``, ``%``, units, a
+leading ``+`` and a trailing period are dropped; decimals and fractions are compared exactly as
 rationals, so "2.50" == "2.5" and "3/4" == "0.75"), then ``math_verify`` as a fallback for
 LaTeX forms such as ``\\frac{3}{4}``. Model text is never evaluated as code: the only parser
 that sees it is math_verify's, and only the short extracted answer is passed to it.
@@ -31,20 +36,49 @@ _MAX_ANSWER_CHARS = 200
 # math_verify's own timeout (seconds); it works by SIGALRM, so only in the main thread.
 _MATH_VERIFY_TIMEOUT_S = 5
 
-# A number as models and GSM8K write it: optional sign, digits with optional thousands commas,
-# optional decimal part, optional "/denominator". A minus sign directly after a word character
-# or ")" is read as subtraction ("5-3"), not as part of the number.
+# Signs as typeset: ASCII, the minus sign U+2212, en/figure dashes and the small and full-width forms.
+_MINUS_SIGNS = "\u2212\u2013\u2012\ufe63\uff0d"
+_PLUS_SIGNS = "\ufe62\uff0b"
+_SIGN = "[-+" + _MINUS_SIGNS + _PLUS_SIGNS + "]"
+# A digit-group separator: a comma (LaTeX "{,}" too), LaTeX's thin space "\," or a (narrow) thin space,
+# followed by exactly three digits. A comma before one, two or four digits separates nothing: "3,5" is not
+# 35 (and not the European 3.5; such an answer is not a plain number).
+_GROUP_SEP = r"(?:,|\{,\}|\\,|\u2009|\u202f)"
+_INTEGER = r"(?:\d{1,3}(?:" + _GROUP_SEP + r"\d{3})+(?!\d)|\d+)"
+# A number as models and GSM8K write it: optional sign, digits with optional group separators, optional
+# decimal part, or a decimal part alone (".5"), optional "/denominator". A minus sign directly after a word
+# character or ")" is read as subtraction ("5-3"), not as part of the number.
 _NUMBER = (
-    r"(?:(?<![\w)\]}])[-+])?"
-    r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
-    r"(?:\.\d+)?"
+    r"(?:(?<![\w)\]}])" + _SIGN + r")?"
+    r"(?:" + _INTEGER + r"(?:\.\d+)?|(?<![\w.])\.\d+)"
     r"(?:/\d+(?:\.\d+)?)?"
 )
 _NUMBER_RE = re.compile(_NUMBER)
 # What may sit between "####" and the number: spaces, markdown bold, a dollar sign.
 _AFTER_HASHES_RE = re.compile(r"[\s*$]*(?:\\\$)?\s*(" + _NUMBER + r")")
-# Shapes the numeric fast path accepts once the answer is cleaned up.
-_PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)?")
+# Shapes the numeric fast path accepts once the answer is cleaned up (group separators become ",").
+_PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:/\d+(?:\.\d+)?)?")
+# Units after a number: "\text{ cm}", "\mathrm{kg}", "\,\text{dollars}", degrees, or plain words ("18 apples").
+_UNIT_RE = re.compile(
+    r"(?P<space>(?:\s|\\[,;: !])*)(?:\\(?:text|textrm|mathrm|mbox|operatorname)\{[^{}]*\}|\^\s*\{?\\circ\}?|°"
+    r"|(?P<word>[A-Za-z][A-Za-z .]*))\s*$"
+)
+# Words after a number that are mathematics, not a unit ("2pi", "3 sqrt"): never stripped.
+_MATH_WORDS = {"pi", "sqrt", "e", "i", "ln", "log", "exp", "sin", "cos", "tan", "inf", "infinity"}
+
+
+def _strip_units(s: str) -> str:
+    """``s`` without units after its number ("18 cm" -> "18", "5\\,\\text{kg}" -> "5", "90^\\circ" -> "90");
+    a single letter right after a digit ("3x") and mathematical words stay."""
+    for _ in range(3):
+        m = _UNIT_RE.search(s)
+        if m is None or m.start() == 0 or not s[: m.start()].strip():
+            break
+        word = (m.group("word") or "").strip(" .")
+        if word and (word.lower() in _MATH_WORDS or (len(word) == 1 and not m.group("space"))):
+            break
+        s = s[: m.start()].rstrip(" .")
+    return s
 
 
 def _extract_hashes(text: str) -> str | None:
@@ -112,18 +146,27 @@ def extract_answer(text: str, mode: str = "flexible") -> str | None:
 
 
 def _to_fraction(answer: str) -> Fraction | None:
-    """Parse a plain numeric answer ("1,234", "$2.50", "-3", "3/4", "50%") exactly, else None."""
+    """Parse a plain numeric answer exactly, else None: "1,234", "1{,}234", "1\\,234", "$2.50", "−3" (U+2212),
+    ".5", "3/4", "50%", "18 \\text{cm}", "12 apples". Group separators count only before exactly three
+    digits, so "3,5" is None (no European decimal commas)."""
     s = answer.strip()
     if len(s) > _MAX_ANSWER_CHARS:
         return None
-    for junk in ("\\$", "\\%", "{,}", "\\!", "$", ",", "%", " "):
+    s = _strip_units(s)
+    for minus in _MINUS_SIGNS:
+        s = s.replace(minus, "-")
+    for plus in _PLUS_SIGNS:
+        s = s.replace(plus, "+")
+    for sep in ("{,}", "\\,", "\u2009", "\u202f"):
+        s = s.replace(sep, ",")
+    for junk in ("\\$", "\\%", "\\!", "$", "%", " "):
         s = s.replace(junk, "")
     s = s.rstrip(".")
     if s.startswith("+"):
         s = s[1:]
     if not _PLAIN_NUMBER_RE.fullmatch(s):
         return None
-    numerator, _, denominator = s.partition("/")
+    numerator, _, denominator = s.replace(",", "").partition("/")
     value = Fraction(numerator)
     if denominator:
         den = Fraction(denominator)

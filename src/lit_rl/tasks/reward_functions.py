@@ -1,0 +1,340 @@
+"""Reward functions: the built-in verifiers and a user's own, weighted, run in the verifier pool.
+
+``reward.functions`` lists them by name:
+
+- built-ins (``BUILTINS``): ``math`` (``math_reward``: the final answer against the gold one, math-verify for
+  LaTeX), ``exact`` (the final answer, or the whole completion, equal to the gold text), ``format`` (1 when the
+  completion gives its answer as ``#### N``, ``\\boxed{...}`` or ``<answer>...</answer>``, else 0) and
+  ``length_penalty`` (-(completion tokens) / sampling.max_new_tokens, in [-1, 0]);
+- ``package.module:function``, or ``path/to/file.py:function`` (a file, relative to the working directory).
+
+A function is called either per completion, ``fn(prompt, completion, example) -> float | None``, or, TRL's
+convention, once per batch, ``fn(prompts, completions, **columns) -> list[float | None]`` (chosen by the
+names of its first two parameters: ``prompts`` and ``completions``). ``prompt`` is the prompt text (the last
+user message for chat data), ``completion`` the generated text, ``example`` a dict of the data row's
+columns with ``id``, ``question`` and ``answer``; the batched form gets each of those as a list (one entry
+per completion) plus ``completion_ids`` (token ids) and ``max_completion_length``. None means "not
+applicable": left out of the function's own mean (``rollout/reward/<name>``) and counted as 0 in the
+weighted total, as TRL's ``nansum`` does. A function that raises, returns something else or runs past
+``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import sys
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from lit_rl.registry import Registry
+from lit_rl.tasks.base import Example, Task
+from lit_rl.tasks.rewards import extract_answer, math_reward
+from lit_rl.tasks.verifier_pool import Outcome, shared_pool
+
+__all__ = ["BUILTINS", "RewardFunctions", "Scores", "load_function", "pass_at_k"]
+
+
+# -- built-ins ---------------------------------------------------------------------------------------------------
+def math_builtin(prompt: str, completion: str, example: dict, answer_format: str = "flexible") -> float | None:
+    """``math_reward`` of the completion against ``example["answer"]``; None when the example has no answer."""
+    gold = example.get("answer", "")
+    return None if gold in ("", None) else math_reward(completion, str(gold), answer_format)
+
+
+def exact_builtin(prompt: str, completion: str, example: dict, answer_format: str = "flexible") -> float | None:
+    """1.0 when the extracted final answer, or the whole completion, equals ``example["answer"]`` as text
+    (surrounding whitespace ignored), else 0.0; None when the example has no answer."""
+    gold = str(example.get("answer", "")).strip()
+    if not gold:
+        return None
+    pred = extract_answer(completion, answer_format)
+    return 1.0 if completion.strip() == gold or (pred is not None and pred.strip() == gold) else 0.0
+
+
+_FORMAT_RE = re.compile(r"####\s*\S|\\boxed\{\s*[^\s}]|<answer>\s*[^\s<].*?</answer>", re.DOTALL)
+
+
+def format_builtin(prompt: str, completion: str, example: dict) -> float:
+    """1.0 when the completion marks a final answer (``#### N``, ``\\boxed{...}`` or ``<answer>...</answer>``,
+    not empty), else 0.0."""
+    return 1.0 if _FORMAT_RE.search(completion) else 0.0
+
+
+def length_penalty_builtin(prompts, completions, completion_ids, max_completion_length, **columns) -> list[float]:
+    """-(completion tokens) / max_completion_length per completion: 0 for an empty one, -1 at the cap."""
+    return [-len(ids) / max(int(max_completion_length), 1) for ids in completion_ids]
+
+
+#: the built-in reward functions by name (``reward.functions``); those that read ``task.answer_format`` get it
+BUILTINS: Registry[Callable] = Registry(
+    "reward.functions",
+    {"math": math_builtin, "exact": exact_builtin, "format": format_builtin, "length_penalty": length_penalty_builtin},
+)
+_TAKES_ANSWER_FORMAT = ("math", "exact")
+
+
+# -- loading -----------------------------------------------------------------------------------------------------
+def _is_batched(fn: Callable) -> bool:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:2] == ["prompts", "completions"]
+
+
+def load_function(spec: str) -> Callable:
+    """The function ``spec`` names: a built-in name, ``module:function`` or ``path/to/file.py:function``.
+
+    Raises:
+        ValueError: ``spec`` has no ``:`` and is no built-in, or the file / module has no such function,
+            or it is not callable; FileNotFoundError: the file does not exist; ImportError: the module cannot
+            be imported. Each message names ``spec``.
+    """
+    if spec in BUILTINS:
+        return BUILTINS[spec]
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise ValueError(
+            f"reward.functions: {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor "
+            f"'module:function' / 'path/to/file.py:function'"
+        )
+    if where.endswith(".py") or "/" in where:
+        file = Path(where).expanduser().resolve()
+        if not file.is_file():
+            raise FileNotFoundError(f"reward.functions: {spec!r}: no file {file}")
+        name = f"lit_rl_user_rewards_{abs(hash(str(file)))}"
+        module = sys.modules.get(name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(name, file)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception:
+                del sys.modules[name]
+                raise
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise ImportError(f"reward.functions: {spec!r}: cannot import {where!r} ({err})") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward.functions: {spec!r}: {where} has no function {attr!r}")
+    return fn
+
+
+@dataclass(frozen=True)
+class FunctionRef:
+    """A reward function as it travels to a worker: by ``spec`` (loaded there with ``load_function``),
+    with ``answer_format`` bound for the built-ins that read it."""
+
+    spec: str
+    batched: bool
+    answer_format: str | None = None
+
+    def load(self) -> Callable:
+        fn = load_function(self.spec)
+        return partial(fn, answer_format=self.answer_format) if self.answer_format else fn
+
+
+@dataclass(frozen=True)
+class BoundReward:
+    """``task.reward(completion, example)`` of a task as a per-completion function (``reward.functions``
+    null: the task's own verifier). The task travels to the workers pickled, once per run."""
+
+    task: Task
+    batched: bool = False
+
+    def load(self) -> Callable:
+        task = self.task
+
+        def reward(prompt: str, completion: str, example: Example) -> float:
+            return task.reward(completion, example)
+
+        return reward
+
+
+def _absolute(spec: str) -> str:
+    """``spec`` with a file path made absolute (workers resolve it wherever they run)."""
+    where, sep, attr = spec.rpartition(":")
+    if sep and (where.endswith(".py") or "/" in where):
+        return f"{Path(where).expanduser().resolve()}:{attr}"
+    return spec
+
+
+def function_name(spec: str) -> str:
+    """The name a function's scalar is logged under: a built-in's name, else the part after the last ``:``."""
+    return spec if spec in BUILTINS else spec.rpartition(":")[2]
+
+
+@dataclass
+class Scores:
+    """The rewards of N completions.
+
+    total: N weighted totals (a None counts 0); parts: name -> N values of each function (nan = None or failed;
+    empty with the task's own verifier); errors: calls that raised, returned a non-number or timed out (a batched
+    call counts once per completion it covered); timeouts: those that timed out."""
+
+    total: list[float]
+    parts: dict[str, list[float]]
+    errors: int = 0
+    timeouts: int = 0
+
+
+class RewardFunctions:
+    """The reward of a run: the task's own verifier, or ``reward.functions`` weighted by ``reward.weights``,
+    computed in the verifier pool (``verifier_pool.shared_pool``).
+
+    Args:
+        task: the task (its ``reward`` is the verifier when ``functions`` is None; a ``ConstantReward`` task
+            gives its constant to training completions and scores the eval split with the wrapped task).
+        functions: names (see the module docstring) or None.
+        weights: one weight per function, or None (all 1).
+        num_workers: verifier processes (``reward.num_workers``).
+        timeout_s: the time limit of one call (``reward_timeout_s``).
+        max_completion_length: the generation cap in tokens, handed to batched functions (``length_penalty``).
+
+    Raises:
+        ValueError, FileNotFoundError, ImportError: a function cannot be loaded here (each names it), weights of
+            the wrong length, or two functions with one name.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        functions: Sequence[str] | None = None,
+        weights: Sequence[float] | None = None,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        max_completion_length: int = 64,
+    ):
+        self.task, self.num_workers, self.timeout_s = task, int(num_workers), float(timeout_s)
+        self.max_completion_length = int(max_completion_length)
+        self.constant = getattr(task, "value", None) if hasattr(task, "eval_task") else None
+        verifier = getattr(task, "eval_task", task)
+        if functions is None:
+            self.names = ["task"]
+            self.refs: list = [BoundReward(verifier)]
+            self.weights = [1.0]
+            self.own_verifier = True
+        else:
+            functions = list(functions)
+            if not functions:
+                raise ValueError("reward.functions is empty: list at least one, or null for the task's own verifier")
+            self.names = [function_name(s) for s in functions]
+            duplicate = sorted({n for n in self.names if self.names.count(n) > 1})
+            if duplicate:
+                raise ValueError(f"reward.functions: two functions are named {duplicate[0]!r}; rename one")
+            self.refs = []
+            for spec in map(_absolute, functions):
+                fn = load_function(spec)  # here first: a bad name fails at start-up, naming it
+                fmt = verifier.answer_format if spec in _TAKES_ANSWER_FORMAT else None
+                self.refs.append(FunctionRef(spec, _is_batched(fn), fmt))
+            self.weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
+            if len(self.weights) != len(functions):
+                raise ValueError(
+                    f"reward.weights has {len(self.weights)} values for {len(functions)} reward.functions; "
+                    f"give one weight per function (or null: all 1)"
+                )
+            self.own_verifier = False
+        self.key = uuid.uuid4().hex  # what the workers load for this run
+        self._reported: set[str] = set()
+
+    @property
+    def pool(self):
+        return shared_pool(self.num_workers)
+
+    def prepare(self) -> None:
+        """Start the verifier workers and load the functions in each now (``VerifierPool.prepare``); raises
+        RuntimeError when a worker cannot load them."""
+        self.pool.prepare(self.key, self.refs)
+
+    def score(
+        self,
+        examples: Sequence[Example],
+        completions: Sequence[str],
+        completion_ids: Sequence[Sequence[int]],
+        split: str,
+    ) -> Scores:
+        """Score completion i of ``examples[i]`` (N of each); ``split`` "train" or "eval"."""
+        n = len(completions)
+        if self.constant is not None and split == "train":
+            return Scores([float(self.constant)] * n, {}, 0)
+        if n == 0:
+            return Scores([], {} if self.own_verifier else {name: [] for name in self.names}, 0)
+        prompts = [ex.question for ex in examples]
+        rows = [ex if self.own_verifier else ex.as_dict() for ex in examples]
+        jobs, owners = [], []
+        for f, ref in enumerate(self.refs):
+            if ref.batched:
+                columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompts", "completions")}
+                kwargs = dict(
+                    columns,
+                    completion_ids=[list(map(int, ids)) for ids in completion_ids],
+                    max_completion_length=self.max_completion_length,
+                )
+                jobs.append((f, (prompts, list(completions)), kwargs))
+                owners.append((f, None))
+            else:
+                for i in range(n):
+                    jobs.append((f, (prompts[i], completions[i], rows[i]), {}))
+                    owners.append((f, i))
+        outcomes = self.pool.run(self.key, self.refs, jobs, self.timeout_s)
+        parts = [[math.nan] * n for _ in self.refs]
+        errors = timeouts = 0
+        for (f, i), outcome in zip(owners, outcomes):
+            covered = range(n) if i is None else [i]
+            if outcome.status == "ok" and i is None and len(outcome.value) != n:
+                outcome = Outcome("error", message=f"returned {len(outcome.value)} rewards for {n} completions")
+            if outcome.status != "ok":
+                errors += len(covered)
+                timeouts += len(covered) * (outcome.status == "timeout")
+                self._report(f, outcome)
+                for j in covered:
+                    parts[f][j] = 0.0
+                continue
+            values = outcome.value if i is None else [outcome.value]
+            for j, v in zip(covered, values):
+                parts[f][j] = math.nan if v is None else float(v)
+        total = [sum(w * (0.0 if math.isnan(p[j]) else p[j]) for w, p in zip(self.weights, parts)) for j in range(n)]
+        named = {} if self.own_verifier else dict(zip(self.names, parts))
+        return Scores(total, named, errors, timeouts)
+
+    def _report(self, f: int, outcome: Outcome) -> None:
+        """Print a function's first failure of each kind once (later ones are counted, not printed)."""
+        name = self.names[f]
+        if (name, outcome.status) in self._reported:
+            return
+        self._reported.add((name, outcome.status))
+        if outcome.status == "timeout":
+            what = f"ran past reward_timeout_s={self.timeout_s:g} s (its worker process was killed and replaced)"
+        else:
+            what = f"failed: {outcome.message}"
+        print(
+            f"lit_rl: reward function {name!r} {what}; the completion scores 0, counted in rollout/reward_errors "
+            f"(printed once)",
+            flush=True,
+        )
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` are correct: 1 - C(n-c, k) / C(n, k)
+    (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1), computed as the product
+    1 - prod_{i=n-c+1}^{n} (1 - k / i) for numerical stability. Raises ValueError unless 0 <= c <= n and
+    1 <= k <= n."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod

@@ -1,0 +1,347 @@
+"""Verifiers in worker processes that cannot hang the run: a persistent pool, a time limit per call, kill and replace.
+
+A verifier (``math_verify`` handing ``\\boxed{99999999!}`` to sympy, a user's reward function stuck in a loop)
+can compute for minutes. A thread cannot be stopped, and an abandoned one keeps the interpreter's lock busy
+(measured in issue 17: the trainer's Python ran 611x slower). Here each call runs in a worker process
+(a fresh interpreter, as ``multiprocessing``'s *spawn* starts: no copy of the trainer's threads, locks or
+CUDA state), and a worker still busy when its call's time limit passes is killed (SIGKILL) and replaced by a
+fresh one; the call reports ``"timeout"``. Workers are persistent: started once per process on first use
+(``shared_pool``), they keep what they loaded (the functions and, through them, the task) from call to call
+and from run to run, and get it again only when it changes (a new ``key``). Each runs one OpenMP / torch
+thread.
+
+Protocol, over one socket pair per worker (``multiprocessing.connection.Connection``): the parent sends
+``("setup", key, file)`` (the functions pickled into ``file``, so a large task never fills the socket) and
+the worker answers ``("ready", key)`` or ``("setup_error", line)``; then ``("call", index, args, kwargs)``,
+answered with ``("ok", value)`` or ``("error", line)``. The limit starts when a call is sent to a worker that
+is ready, so starting a worker and loading the functions do not count against it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+__all__ = ["Outcome", "VerifierPool", "shared_pool", "close_shared_pool"]
+
+#: seconds a fresh worker may take to start and load its functions (importing a user's module, torch, ...)
+SETUP_TIMEOUT_S = 120.0
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call gave: ``status`` "ok" (``value`` the function's converted return), "error" (``message``:
+    the exception's type and first line) or "timeout" (the worker was killed and replaced)."""
+
+    status: str
+    value: Any = None
+    message: str = ""
+
+
+def first_line(err: BaseException) -> str:
+    """``"TypeName: first line of the message"``."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def convert(value: Any, batched: bool) -> Any:
+    """A reward function's return value as plain data: a float or None (not applicable); for a batched
+    function a list of them. Raises TypeError for anything else (a string, a non-finite number)."""
+    if batched:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise TypeError(f"a batched reward function must return a list of float | None, got {type(value).__name__}")
+        return [convert(v, False) for v in value]
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) or hasattr(value, "__float__"):
+        out = float(value)
+        if not math.isfinite(out):
+            raise TypeError(f"reward {out} is not finite")
+        return out
+    raise TypeError(f"a reward must be a number or None, got {type(value).__name__}")
+
+
+def _worker_entry(fd: int) -> None:
+    """The worker process's entry point (``_Worker`` starts ``python -c`` with it): serve the socket ``fd``."""
+    _worker_main(Connection(fd))
+
+
+def _worker_main(conn) -> None:
+    """A worker's loop: load functions on "setup", run them on "call", until the socket closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the socket
+    functions: list = []
+    batched: list[bool] = []
+    setup_error = ""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent closed the socket or died
+        if msg[0] == "setup":
+            try:
+                with open(msg[2], "rb") as f:
+                    entries = pickle.load(f)
+                functions, batched = [], []
+                for entry in entries:
+                    functions.append(entry.load() if hasattr(entry, "load") else entry)
+                    batched.append(bool(getattr(entry, "batched", False)))
+                setup_error = ""
+                if "torch" in sys.modules:  # a user's module brought torch in: one thread
+                    sys.modules["torch"].set_num_threads(1)
+                conn.send(("ready", msg[1]))
+            except Exception as err:  # noqa: BLE001 - reported to the parent, which names it
+                setup_error = first_line(err)
+                conn.send(("setup_error", setup_error))
+        elif msg[0] == "call":
+            index, args, kwargs = msg[1], msg[2], msg[3]
+            try:
+                if setup_error:
+                    raise RuntimeError(f"the reward functions could not be loaded ({setup_error})")
+                value = convert(functions[index](*args, **kwargs), batched[index])
+                reply = ("ok", value)
+            except Exception as err:  # noqa: BLE001 - a user's bug scores 0; the parent logs it once
+                reply = ("error", first_line(err))
+            conn.send(reply)
+
+
+class _Worker:
+    """One worker process and the parent's end of its socket; ``key``: what it has loaded (None: nothing yet).
+
+    The worker is a fresh interpreter (``python -c``: what multiprocessing's *spawn* gives, without re-running
+    the caller's main script, so a script or notebook without an ``if __name__ == "__main__"`` guard works),
+    with this process's ``sys.path`` and one OpenMP / MKL thread, talking over a socket pair wrapped in
+    ``multiprocessing.connection.Connection``."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env.update({var: "1" for var in _THREAD_VARS})
+        code = f"from lit_rl.tasks.verifier_pool import _worker_entry; _worker_entry({theirs.fileno()})"
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.key: str | None = None
+        self.loading: str | None = None  # the key a setup was sent for
+        self.job: int | None = None
+        self.deadline = 0.0  # when the running call's time is up
+        self.setup_deadline = 0.0  # when the pending setup's time is up
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL the process and reap it (nothing of it is left computing)."""
+        try:
+            self.process.kill()
+        except OSError:
+            pass
+        self.process.wait()
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Close the socket (the worker exits at once when idle); kill it if it does not."""
+        self.conn.close()
+        try:
+            self.process.wait(1)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class VerifierPool:
+    """``num_workers`` persistent worker processes running reward functions with a time limit per call.
+
+    ``run(key, functions, jobs, timeout_s)`` runs ``functions[index](*args, **kwargs)`` for each job ``(index,
+    args, kwargs)`` and returns one ``Outcome`` per job, in order. A call past ``timeout_s`` seconds: its worker
+    is killed and replaced, the outcome is "timeout". Thread-safe (calls from several threads take turns).
+    Workers start on the first ``run``.
+
+    Args:
+        num_workers: worker processes (>= 1).
+    """
+
+    def __init__(self, num_workers: int):
+        if int(num_workers) < 1:
+            raise ValueError(f"reward.num_workers={num_workers!r} must be >= 1")
+        self.num_workers = int(num_workers)
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._folder = tempfile.mkdtemp(prefix="lit_rl-verifiers-")
+        self._files: dict[str, str] = {}
+        self.replaced = 0  # workers killed and replaced so far (timeouts, crashes)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return [w.pid for w in self._workers]
+
+    def _file_for(self, key: str, functions: list) -> str:
+        if key not in self._files:
+            path = os.path.join(self._folder, f"{len(self._files)}.pkl")
+            with open(path, "wb") as f:
+                pickle.dump(list(functions), f)
+            self._files[key] = path
+        return self._files[key]
+
+    def run(self, key: str, functions: list, jobs: list[tuple[int, tuple, dict]], timeout_s: float) -> list[Outcome]:
+        """Run ``jobs`` on the workers (see the class docstring). ``key`` names ``functions``: workers that
+        loaded the same key reuse what they loaded. Raises RuntimeError when no worker can load the functions
+        (the first worker's error), since every call would fail alike."""
+        with self._lock:
+            if not jobs:
+                return []
+            file = self._file_for(key, functions)
+            while len(self._workers) < self.num_workers:
+                self._workers.append(_Worker())
+            pending = deque(range(len(jobs)))
+            results: list[Outcome | None] = [None] * len(jobs)
+            while pending or any(w.job is not None for w in self._workers):
+                now = time.monotonic()
+                for w in self._workers:
+                    if w.job is not None:
+                        continue
+                    if w.key != key and w.loading != key:  # also a fresh replacement: it loads while others work
+                        w.conn.send(("setup", key, file))
+                        w.loading, w.setup_deadline = key, now + SETUP_TIMEOUT_S
+                    elif w.key == key and pending:
+                        w.job = pending.popleft()
+                        index, args, kwargs = jobs[w.job]
+                        w.conn.send(("call", index, args, kwargs))
+                        w.deadline = time.monotonic() + timeout_s
+                if not pending and all(w.job is None for w in self._workers):
+                    break
+                waiting = [w for w in self._workers if w.job is not None or w.loading is not None]
+                ends = [w.deadline if w.job is not None else w.setup_deadline for w in waiting]
+                ready = wait([w.conn for w in waiting], timeout=max(0.0, min(ends) - time.monotonic()))
+                for w in waiting:
+                    if w.conn in ready:
+                        try:
+                            msg = w.conn.recv()
+                        except (EOFError, OSError):  # the worker died (e.g. killed by the OOM killer)
+                            self._finish(w, results, Outcome("error", message="the verifier process died"))
+                            self._replace(w)
+                            continue
+                        if msg[0] == "ready":  # (a late answer to an earlier run's setup sets only the key)
+                            w.key = msg[1]
+                            if w.loading == msg[1]:
+                                w.loading = None
+                        elif msg[0] == "setup_error":
+                            self._replace(w)
+                            raise RuntimeError(f"the reward functions cannot be loaded in a worker: {msg[1]}")
+                        else:
+                            self._finish(
+                                w,
+                                results,
+                                Outcome(
+                                    msg[0],
+                                    value=msg[1] if msg[0] == "ok" else None,
+                                    message=msg[1] if msg[0] == "error" else "",
+                                ),
+                            )
+                    elif w.job is not None and time.monotonic() >= w.deadline:
+                        self._finish(w, results, Outcome("timeout"))
+                        self._replace(w)
+                    elif w.job is None and time.monotonic() >= w.setup_deadline:
+                        self._replace(w)
+                        raise RuntimeError(
+                            f"a verifier worker did not load the reward functions in {SETUP_TIMEOUT_S} s"
+                        )
+            return results  # type: ignore[return-value]
+
+    def prepare(self, key: str, functions: list, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Start the workers and have every one load ``functions`` (under ``key``) now, waiting until all have:
+        at start-up, so that a function that cannot be loaded in a worker fails before the model loads and
+        the first step's time holds no start-up. Raises RuntimeError naming the worker's error, or when a
+        worker takes longer than ``timeout_s``."""
+        with self._lock:
+            file = self._file_for(key, functions)
+            while len(self._workers) < self.num_workers:
+                self._workers.append(_Worker())
+            deadline = time.monotonic() + timeout_s
+            while any(w.key != key for w in self._workers):
+                for w in self._workers:
+                    if w.key != key and w.loading != key:
+                        w.conn.send(("setup", key, file))
+                        w.loading = key
+                loading = [w for w in self._workers if w.key != key]
+                ready = wait([w.conn for w in loading], timeout=max(0.0, deadline - time.monotonic()))
+                for w in loading:
+                    if w.conn not in ready:
+                        continue
+                    try:
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        self._replace(w)
+                        raise RuntimeError("a verifier worker died while loading the reward functions") from None
+                    if msg[0] == "setup_error":
+                        self._replace(w)
+                        raise RuntimeError(f"the reward functions cannot be loaded in a worker: {msg[1]}")
+                    if msg[0] == "ready":
+                        w.key = msg[1]
+                        if w.loading == msg[1]:
+                            w.loading = None
+                if not ready and time.monotonic() >= deadline:
+                    raise RuntimeError(f"the verifier workers did not load the reward functions in {timeout_s:g} s")
+
+    @staticmethod
+    def _finish(w: _Worker, results: list, outcome: Outcome) -> None:
+        if w.job is not None:
+            results[w.job] = outcome
+        w.job = None
+
+    def _replace(self, w: _Worker) -> None:
+        """Kill ``w`` and start a fresh worker in its place (it loads the functions when next needed)."""
+        w.kill()
+        self.replaced += 1
+        self._workers[self._workers.index(w)] = _Worker()
+
+    def close(self) -> None:
+        """Stop every worker and remove the function files; the pool starts new workers if used again."""
+        with self._lock:
+            for w in self._workers:
+                w.stop()
+            self._workers = []
+            self._files = {}
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = tempfile.mkdtemp(prefix="lit_rl-verifiers-")
+
+
+_SHARED: dict[str, VerifierPool] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(num_workers: int) -> VerifierPool:
+    """This process's pool of ``num_workers`` workers, made on first use and kept for later runs (a test suite
+    or a sweep in one process starts its workers once); a different count replaces it."""
+    with _SHARED_LOCK:
+        pool = _SHARED.get("pool")
+        if pool is None or pool.num_workers != int(num_workers):
+            if pool is not None:
+                pool.close()
+                shutil.rmtree(pool._folder, ignore_errors=True)
+            pool = _SHARED["pool"] = VerifierPool(num_workers)
+        return pool
+
+
+@atexit.register
+def close_shared_pool() -> None:
+    """Stop the shared pool's workers (at exit; safe to call any time)."""
+    pool = _SHARED.pop("pool", None)
+    if pool is not None:
+        pool.close()
+        shutil.rmtree(pool._folder, ignore_errors=True)

@@ -1,0 +1,28 @@
+"""Tasks whose verifier fails, in a module that imports no torch: a verifier worker that is killed and replaced
+re-imports the task's module, and importing a test module (torch, Lightning) would cost seconds each time."""
+
+import time
+
+from lit_rl.tasks import Example, Task
+
+
+class FaultyVerifierTask(Task):
+    """Reward 1 when the completion starts with a space; prompt 0's verifier raises, prompt 1's hangs for 30 s."""
+
+    name = "faulty_verifier"
+
+    def __init__(self, n=4):
+        self._ex = [Example(i, f"Say something {i}", "x") for i in range(n)]
+
+    def train_examples(self):
+        return self._ex
+
+    def eval_examples(self):
+        return self._ex[:4]
+
+    def reward(self, completion, ex):
+        if ex.id == 0:
+            raise RuntimeError("verifier crashed")
+        if ex.id == 1:
+            time.sleep(30)
+        return 1.0 if completion.startswith(" ") else 0.0

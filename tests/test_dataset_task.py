@@ -1,0 +1,177 @@
+"""``task=dataset``: local parquet / csv / jsonl / saved folders with custom columns, chat messages, a held-out
+share, and one-line errors naming the file, split or column for each kind of bad input."""
+
+import json
+
+import pytest
+from helpers import fast_config
+
+from lit_rl.compare import read_scalars
+from lit_rl.config import ConfigError, validate
+from lit_rl.tasks import DatasetTask, build_task
+from lit_rl.train import run
+
+ROWS = [
+    {"problem": "What is 2 + 3?", "solution": "5", "level": 1},
+    {"problem": "What is 4 + 4?", "solution": "8", "level": 1},
+    {"problem": "What is 10 - 7?", "solution": "3", "level": 2},
+    {"problem": "What is 6 * 7?", "solution": "42", "level": 3},
+]
+
+
+def write(path, rows=ROWS):
+    """``rows`` as a data file of ``path``'s extension, written with pandas (parquet via pyarrow)."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    if path.suffix == ".parquet":
+        frame.to_parquet(path)
+    elif path.suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+COLUMNS = ["task=dataset", "task.prompt_field=problem", "task.answer_field=solution", "task.eval_fraction=0.25"]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv"])
+def test_a_parquet_and_a_csv_file_with_custom_columns_train_two_steps(tmp_path, suffix):
+    data = write(tmp_path / f"train{suffix}")
+    cfg = fast_config(*COLUMNS, f"task.path={data}", "trainer.max_steps=2", "eval.num_examples=1")
+    run(cfg, tmp_path / "run")
+    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    assert len(scalars["train/loss"]) == 2 and len(scalars["eval/accuracy"]) == 1
+    task = build_task({**dict(cfg.task), "seed": 0})
+    assert len(task.train_examples()) == 3 and len(task.eval_examples()) == 1  # 25 % of 4 rows held out
+    seen = {ex.question: ex.answer for ex in (*task.train_examples(), *task.eval_examples())}
+    assert seen == {r["problem"]: r["solution"] for r in ROWS}
+    assert task.train_examples()[0].columns["level"] in (1, 2, 3)  # the row travels with the example
+
+
+def test_chat_messages_system_prompt_template_and_a_saved_dataset_folder(tmp_path):
+    import datasets
+
+    chat = [
+        {"messages": [{"role": "user", "content": "Add 2 and 3."}], "answer": "5"},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Add 1 and 1."},
+            ],
+            "answer": "2",
+        },
+    ]
+    folder = tmp_path / "saved"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(chat), "test": datasets.Dataset.from_list(chat[:1])}
+    ).save_to_disk(str(folder))
+    task = DatasetTask(path=str(folder), prompt_field="messages", eval_split="test", system_prompt="Think.")
+    first, second = task.train_examples()
+    assert task.messages(first) == [
+        {"role": "system", "content": "Think."},
+        {"role": "user", "content": "Add 2 and 3."},
+    ]
+    assert task.messages(second) == chat[1]["messages"]  # its own system message stays the only one
+    assert second.question == "Add 1 and 1." and second.answer == "2" and len(task.eval_examples()) == 1
+
+    text = write(tmp_path / "t.jsonl")
+    templated = DatasetTask(
+        path=str(text), prompt_field="problem", answer_field="solution", prompt_template="Level {level}: {problem}"
+    )
+    assert templated.train_examples()[3].question == "Level 3: What is 6 * 7?"
+
+    cfg = fast_config(
+        "task=dataset",
+        f"task.path={folder}",
+        "task.prompt_field=messages",
+        "task.eval_split=test",
+        "trainer.max_steps=1",
+    )
+    run(cfg, tmp_path / "run")
+    assert len(read_scalars(tmp_path / "run" / "tensorboard")["train/loss"]) == 1
+
+
+def one_line_error(exc_type, fn):
+    with pytest.raises(exc_type) as err:
+        fn()
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_each_bad_input_gives_a_one_line_error_naming_it(tmp_path):
+    data = write(tmp_path / "d.parquet")
+    missing = tmp_path / "nope.csv"
+    # a missing file: config validation, before anything loads
+    msg = one_line_error(ConfigError, lambda: validate(fast_config(*COLUMNS, f"task.path={missing}")))
+    assert str(missing) in msg and "no such file" in msg
+    msg = one_line_error(FileNotFoundError, lambda: DatasetTask(path=str(missing)))
+    assert str(missing) in msg
+    # a missing column: named, with the columns that exist
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(data), prompt_field="question"))
+    assert "'question'" in msg and "task.prompt_field" in msg and "['problem', 'solution', 'level']" in msg
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(data), prompt_field="problem", answer_field="gold"))
+    assert "'gold'" in msg and "task.answer_field" in msg
+    # a missing split, an empty split
+    msg = one_line_error(
+        ValueError, lambda: DatasetTask(path=str(data), prompt_field="problem", answer_field="solution", eval_split="x")
+    )
+    assert "no split 'x'" in msg and "['train']" in msg
+    empty = tmp_path / "empty.csv"
+    empty.write_text("problem,solution\n")
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(empty), prompt_field="problem"))
+    assert str(empty) in msg and "'train' is empty" in msg
+    # a prompt that is neither text nor chat messages: the row and column named
+    numbers = write(tmp_path / "n.jsonl", [{"prompt": "ok", "answer": "1"}, {"prompt": 7, "answer": "2"}])
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(numbers)))
+    assert "row 1" in msg and "'prompt'" in msg and "got int" in msg
+    # an unknown extension, a template naming no column
+    odd = tmp_path / "d.xlsx"
+    odd.write_text("x")
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(odd)))
+    assert "d.xlsx" in msg and ".parquet" in msg
+    msg = one_line_error(
+        ValueError,
+        lambda: DatasetTask(path=str(data), prompt_field="problem", answer_field=None, prompt_template="{question}"),
+    )
+    assert "{question}" in msg and "columns" in msg
+    # no evaluation split while evaluation is on
+    msg = one_line_error(
+        ConfigError, lambda: validate(fast_config("task=dataset", f"task.path={data}", "eval.num_examples=2"))
+    )
+    assert "eval.num_examples" in msg and "task.eval_fraction" in msg
+    # at start-up (before the model loads) the task's error becomes a ConfigError naming the column
+    cfg = fast_config("task=dataset", f"task.path={data}", "eval.num_examples=0", "trainer.max_steps=1")
+    msg = one_line_error(ConfigError, lambda: run(cfg, tmp_path / "r"))
+    assert "no column 'prompt'" in msg
+
+
+def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
+    rows = [{"prompt": "short", "answer": "1"}, {"prompt": "word " * 3000, "answer": "2"}]
+    data = write(tmp_path / "long.jsonl", rows)
+    base = ("task=dataset", f"task.path={data}", "eval.num_examples=0", "trainer.max_steps=1")
+    run(fast_config(*base), tmp_path / "drop")
+    assert "dropped 1 of 2 train prompts" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="longest train prompt"):
+        run(fast_config(*base, "task.overlong_prompts=error"), tmp_path / "error")
+
+
+def test_data_files_per_split_tsv_and_max_examples(tmp_path):
+    train, test = tmp_path / "train.tsv", tmp_path / "test.tsv"
+    for path, rows in ((train, ROWS), (test, ROWS[:2])):
+        path.write_text("problem\tsolution\n" + "".join(f"{r['problem']}\t{r['solution']}\n" for r in rows))
+    task = DatasetTask(
+        data_files={"train": str(train), "test": str(test)},
+        eval_split="test",
+        prompt_field="problem",
+        answer_field="solution",
+        max_examples=3,
+    )
+    assert [ex.answer for ex in task.train_examples()] == ["5", "8", "3"]  # the first 3 rows
+    assert [ex.question for ex in task.eval_examples()] == ["What is 2 + 3?", "What is 4 + 4?"]
+    msg = one_line_error(FileNotFoundError, lambda: DatasetTask(data_files=[str(tmp_path / "x.csv")]))
+    assert "x.csv" in msg and "task.data_files" in msg
