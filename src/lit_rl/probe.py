@@ -406,13 +406,11 @@ def _pct(v: float) -> str:
 
 
 def plot_rows(rows: list[dict], path: str) -> str:
-    """A PNG: bias, drift (A = 1) and MSE relative to ‖g‖ per correction against the realised KL(μ‖π), with
-    ±1 SE error bars (Agg canvas)."""
+    """A PNG: drift (A = 1) and bias relative to ‖g‖ per correction against the realised KL(μ‖π), with ±1 SE
+    error bars (Agg canvas); panels of quantities the run did not measure are left out."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(13, 4.2), dpi=110)
-    FigureCanvasAgg(fig)
     rows = [r for r in rows if not r["correction"].startswith("(")]
     corrections = list(dict.fromkeys(r["correction"] for r in rows))
     panels = [
@@ -420,11 +418,15 @@ def plot_rows(rows: list[dict], path: str) -> str:
         ("drift2", "drift² ‖E ĝ‖² under A = 1"),
         ("bias_rel", "bias ‖E ĝ − g‖ / ‖g‖ (real reward)"),
     ]
+    # a panel whose quantity was not measured (probe.modes without `constant` or `reward`) is left out
+    panels = [p for p in panels if any(math.isfinite(r.get(p[0], math.nan)) for r in rows)] or panels[:1]
+    fig = Figure(figsize=(4.4 * len(panels), 4.2), dpi=110)
+    FigureCanvasAgg(fig)
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]
     for j, (key, title) in enumerate(panels):
-        ax = fig.add_subplot(1, 3, j + 1)
+        ax = fig.add_subplot(1, len(panels), j + 1)
         for i, c in enumerate(corrections):
             pts = sorted(
                 (r["kl"], r.get(key, math.nan), r.get(key + "_se", math.nan)) for r in rows if r["correction"] == c
