@@ -47,6 +47,7 @@ from .models import ModelSpec, context_length, load_model_config, load_policy, l
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.staleness import StaleRolloutsShutdown
+from .runfolder import RunFolderClaim, claim_run_folder, lightning_rank, run_tag
 from .tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,15 @@ def hydra_subdir(resume, ckpt_path) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``lit_rl_run_name`` (``hydra.sweep.subdir``), ``lit_rl_run_dir`` (``hydra.run.dir``) and
+    """Register ``lit_rl_run_name`` (``hydra.sweep.subdir``), ``lit_rl_run_dir`` (``hydra.run.dir``),
+    ``lit_rl_run_tag`` (the per-process suffix of default run and sweep folders, ``runfolder.run_tag``) and
     ``lit_rl_hydra_subdir`` (``hydra.output_subdir``) once."""
-    for name, fn in (("lit_rl_run_name", run_name), ("lit_rl_run_dir", run_dir), ("lit_rl_hydra_subdir", hydra_subdir)):
+    for name, fn in (
+        ("lit_rl_run_name", run_name),
+        ("lit_rl_run_dir", run_dir),
+        ("lit_rl_run_tag", run_tag),
+        ("lit_rl_hydra_subdir", hydra_subdir),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -514,17 +521,27 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     ``ckpt_path=last``): the run folder's saved config.yaml is the config (``resumed_config``; ``overrides``,
     the command line's override strings, say which fields the user set).
 
-    Raises ConfigError for a bad config, an ``out_dir`` that already holds a finished run or cannot be
-    written, or prompts that do not fit the context; OutputWriteError when a checkpoint or the policy export
-    cannot be written during the run (the checkpoints written before stay whole).
+    Raises ConfigError for a bad config, an ``out_dir`` that already holds a finished run, is in use by a
+    running one (``runfolder.claim_run_folder``: global rank 0 claims it before the checks, until the run
+    ends) or cannot be written, or prompts that do not fit the context; OutputWriteError when a checkpoint or
+    the policy export cannot be written during the run (the checkpoints written before stay whole).
     """
+    claims: list[RunFolderClaim] = []  # the run folder's claim, held until the run ends however it ends
+    try:
+        return _run(cfg, out_dir, overrides, claims)
+    finally:
+        for claim in claims:
+            claim.release()
+
+
+def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     out = Path(out_dir)
     if cfg.resume:
         out = Path(str(cfg.resume)).expanduser()
         if not (out / "config.yaml").is_file():
             raise ConfigError(
                 f"resume={cfg.resume!r}: no lit_rl run there (no config.yaml); give the folder of a "
-                f"run (outputs/<date>/<time>, or a sweep job's folder, quoted: see docs/reliability.md)"
+                f"run (outputs/<date>/<time>-<pid>, or a sweep job's folder, quoted: see docs/reliability.md)"
             )
         with open_dict(cfg):
             cfg.ckpt_path = cfg.ckpt_path or "last"
@@ -541,6 +558,8 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
+    if lightning_rank() == 0:  # first, so two runs cannot both pass the checks below before either writes
+        claims.append(claim_run_folder(out, resume=ckpt_path is not None))
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
         raise ConfigError(
             f"output folder {out} already holds a finished run; choose another "
