@@ -27,6 +27,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .algorithms import ALGORITHMS
@@ -44,6 +45,7 @@ from .hardware import (
 )
 from .kernels import kernel_mode
 from .models import ModelSpec, context_length, load_model_config, load_policy, load_tokenizer
+from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.staleness import StaleRolloutsShutdown
@@ -545,6 +547,10 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
             )
         with open_dict(cfg):
             cfg.ckpt_path = cfg.ckpt_path or "last"
+    elif cfg.ckpt_path in (None, "", "null") and slurm_requeued() and find_last(out / "checkpoints"):
+        print(f"lit_rl: SLURM started this job again: continuing {out} from its last checkpoint", flush=True)
+        with open_dict(cfg):  # the requeued job runs the same command: continue where the preempted one stopped
+            cfg.ckpt_path = "last"
     if cfg.ckpt_path not in (None, "", "null") and (out / "config.yaml").is_file():
         cfg = resumed_config(cfg, out, overrides)
     validate(cfg)
@@ -583,7 +589,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
     logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
-    checkpoints = ModelCheckpoint(
+    checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
         save_last="link",
@@ -672,6 +678,8 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
             check_checkpoint_fits(ckpt_path, module)
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
+            raise preempted(trainer, checkpoints, out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
             if module.stale is not None:
                 module.stale.close()  # idempotent; first, so no producer thread still uses the engine
