@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -252,3 +253,46 @@ def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_pa
     s = read_scalars(out / "tensorboard")
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0]
     assert [v for _, v in s["eval/accuracy"]] == [0.0]  # the random tiny model answers no sum right
+
+
+def test_sigusr1_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_step(tmp_path):
+    """``trainer=ddp trainer.devices=2`` (2 CPU processes, gloo), SIGUSR1 to rank 0 alone while it trains: the
+    ranks agree on the signal at the end of the step (an all-reduce), both write the checkpoint (a collective)
+    and stop, none hangs; exit status 138."""
+    out = tmp_path / "ddp"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "train.py"),
+        *FAST,
+        *MOVING,
+        "eval.num_examples=0",
+        "trainer.max_steps=200",
+        RARE_CHECKPOINTS,
+        "trainer=ddp",
+        "trainer.devices=2",
+        "threads=1",
+        f"hydra.run.dir={out}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(  # its own process group: the cleanup below ends both ranks, a hung one included
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "tensorboard").is_dir() or not read_scalars(out / "tensorboard").get("train/loss"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)  # the launcher's own process is rank 0; rank 1 gets nothing
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too, should it outlive rank 0 (before: a hang)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 138, (proc.returncode, stderr[-3000:])
+    (line,) = [x for x in stdout.splitlines() if x.startswith("lit_rl: stopped by SIGUSR1 after RL step ")]
+    step = int(line.split("RL step ")[1].split(";")[0])
+    assert torch.load(find_last(out / "checkpoints"), weights_only=False)["global_step"] == step
+    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == list(range(step))
+    assert not (out / "finished.json").exists()

@@ -38,6 +38,7 @@ import subprocess
 import threading
 
 import lightning as L
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -129,8 +130,25 @@ class RunCheckpoint(ModelCheckpoint):
         self._save_last_checkpoint(trainer, candidates)
         self.preempted_path = self.best_model_path or self.last_model_path
 
+    def agree(self, trainer) -> int | None:
+        """``requested`` agreed over all ranks (a max all-reduce of the signal numbers; nothing to reduce on one
+        device): a rank that got no signal learns that another did, raises Lightning's flag too, and every rank
+        writes the checkpoint (a collective) at the same step."""
+        mine = self.requested(trainer)
+        if trainer.world_size > 1:
+            agreed = int(
+                trainer.strategy.reduce(
+                    torch.tensor(float(mine or 0), device=trainer.strategy.root_device), reduce_op="max"
+                ).item()
+            )
+            if agreed and mine is None:
+                self.signum = agreed
+                trainer._signal_connector.received_sigterm = True
+            return agreed or None
+        return mine
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.requested(trainer) is not None and not self._should_skip_saving_checkpoint(trainer):
+        if self.agree(trainer) is not None and not self._should_skip_saving_checkpoint(trainer):
             self._save_now(trainer)  # the step the signal interrupted has finished: its checkpoint, here
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
