@@ -547,10 +547,17 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
             )
         with open_dict(cfg):
             cfg.ckpt_path = cfg.ckpt_path or "last"
-    elif cfg.ckpt_path in (None, "", "null") and slurm_requeued() and find_last(out / "checkpoints"):
-        print(f"lit_rl: SLURM started this job again: continuing {out} from its last checkpoint", flush=True)
-        with open_dict(cfg):  # the requeued job runs the same command: continue where the preempted one stopped
-            cfg.ckpt_path = "last"
+    elif cfg.ckpt_path in (None, "", "null") and slurm_requeued():
+        if find_last(out / "checkpoints"):  # the requeued job runs the same command: continue where it stopped
+            print(f"lit_rl: SLURM started this job again: continuing {out} from its last checkpoint", flush=True)
+            with open_dict(cfg):
+                cfg.ckpt_path = "last"
+        else:
+            print(
+                f"lit_rl: SLURM started this job again, and {out} holds no checkpoint: a new run starts; name "
+                f"the run folder by the job (hydra.run.dir=outputs/$SLURM_JOB_ID) to continue after a requeue",
+                flush=True,
+            )
     if cfg.ckpt_path not in (None, "", "null") and (out / "config.yaml").is_file():
         cfg = resumed_config(cfg, out, overrides)
     validate(cfg)
