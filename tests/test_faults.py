@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -32,13 +33,14 @@ TAGS = [
 ]
 
 
-def launch(fault, call, out, *overrides):
+def launch(fault, call, out, *overrides, env=None):
     return subprocess.run(
         [sys.executable, SCRIPT, fault, str(call), str(out), *COMMON, *overrides],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
+        env=env,
     )
 
 
@@ -74,6 +76,86 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fau
     for tag in TAGS:
         assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag  # no lost step
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
+
+
+def assert_resumes_exactly(straight, out, *overrides, env=None):
+    """Continue the stopped run in ``out``; every logged value equals the uninterrupted run's, step for step."""
+    res = launch("none", 0, out, *overrides, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = read_scalars(out / "tensorboard")
+    for tag in TAGS:
+        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag
+        assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
+    return res
+
+
+def assert_stopped_with_checkpoint(res, out, signame, step):
+    """Stopped after RL step ``step`` (no later step logged), its checkpoint the only one, named in the message."""
+    ckpt = out / "checkpoints" / f"epoch=0-step={step}.ckpt"
+    assert (
+        f"lit_rl: stopped by {signame} after RL step {step}; its checkpoint is {ckpt}. "
+        f"Continue with: python recipes/train.py --resume {out}"
+    ) in res.stdout, res.stdout[-2000:]
+    assert not (out / "finished.json").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [ckpt.name, "last.ckpt"]  # no partial file
+    assert torch.load(find_last(out / "checkpoints"), weights_only=False)["global_step"] == step
+    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == list(range(step))
+
+
+# checkpoint.every_n_steps=10: the checkpoint a preempted run leaves is the one the signal made it write
+RARE_CHECKPOINTS = "checkpoint.every_n_steps=10"
+
+
+@pytest.mark.parametrize(
+    "fault, step",
+    [
+        ("sigterm_rollout", 3),  # during the third step's rollout: the step finishes, then its checkpoint
+        ("sigterm_between", 2),  # after the second step's checkpoint hook: no third step starts
+    ],
+)
+def test_sigterm_checkpoints_the_last_finished_step_exits_143_and_resumes_exactly(straight, tmp_path, fault, step):
+    """SIGTERM (what SLURM and Kubernetes send before preempting) used to exit 0 without a checkpoint. A second
+    SIGTERM arrives while the checkpoint is written; the file is whole all the same."""
+    out = tmp_path / "run"
+    res = launch(fault, step if fault == "sigterm_between" else 3, out, RARE_CHECKPOINTS)
+    assert res.returncode == 128 + signal.SIGTERM == 143, (res.returncode, res.stderr[-3000:])
+    assert_stopped_with_checkpoint(res, out, "SIGTERM", step)
+    assert res.stderr.count("Received SIGTERM") == 2  # the second one came during the checkpoint's write
+    assert_resumes_exactly(straight, out, RARE_CHECKPOINTS, "ckpt_path=last")
+
+
+def test_sigusr1_under_slurm_checkpoints_requeues_and_the_requeued_job_continues(straight, tmp_path):
+    """A simulated SLURM job (Lightning's SLURMEnvironment detects it; auto_requeue is its default) gets SIGUSR1
+    (``#SBATCH --signal=USR1@90``): the step finishes, is checkpointed, the job requeues itself through
+    ``scontrol`` (a stand-in on PATH records its arguments) and exits 138; started again by SLURM with the same
+    command (``SLURM_RESTART_COUNT=1``), it continues from that checkpoint and ends as the uninterrupted run."""
+    record = tmp_path / "scontrol.args"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "lit_rl",
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+    out = tmp_path / "run"
+    res = launch("sigusr1_rollout", 3, out, RARE_CHECKPOINTS, env=dict(os.environ, **slurm))
+    assert res.returncode == 128 + signal.SIGUSR1 == 138, (res.returncode, res.stderr[-3000:])
+    assert_stopped_with_checkpoint(res, out, "SIGUSR1", 3)
+    assert record.read_text() == "requeue 4242\n"  # once, after the checkpoint (the line above)
+    assert res.stdout.index("lit_rl: requeued SLURM job 4242") < res.stdout.index("lit_rl: stopped by SIGUSR1")
+    res = assert_resumes_exactly(
+        straight, out, RARE_CHECKPOINTS, env=dict(os.environ, **slurm, SLURM_RESTART_COUNT="1")
+    )
+    assert f"lit_rl: SLURM started this job again: continuing {out} from its last checkpoint" in res.stdout
+    assert record.read_text() == "requeue 4242\n"  # the finished job did not requeue
 
 
 def test_atomic_checkpoint_io_replaces_whole_files(tmp_path):
@@ -171,3 +253,46 @@ def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_pa
     s = read_scalars(out / "tensorboard")
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0]
     assert [v for _, v in s["eval/accuracy"]] == [0.0]  # the random tiny model answers no sum right
+
+
+def test_sigusr1_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_step(tmp_path):
+    """``trainer=ddp trainer.devices=2`` (2 CPU processes, gloo), SIGUSR1 to rank 0 alone while it trains: the
+    ranks agree on the signal at the end of the step (an all-reduce), both write the checkpoint (a collective)
+    and stop, none hangs; exit status 138."""
+    out = tmp_path / "ddp"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "recipes", "train.py"),
+        *FAST,
+        *MOVING,
+        "eval.num_examples=0",
+        "trainer.max_steps=200",
+        RARE_CHECKPOINTS,
+        "trainer=ddp",
+        "trainer.devices=2",
+        "threads=1",
+        f"hydra.run.dir={out}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(  # its own process group: the cleanup below ends both ranks, a hung one included
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "tensorboard").is_dir() or not read_scalars(out / "tensorboard").get("train/loss"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGUSR1)  # the launcher's own process is rank 0; rank 1 gets nothing
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too, should it outlive rank 0 (before: a hang)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 138, (proc.returncode, stderr[-3000:])
+    (line,) = [x for x in stdout.splitlines() if x.startswith("lit_rl: stopped by SIGUSR1 after RL step ")]
+    step = int(line.split("RL step ")[1].split(";")[0])
+    assert torch.load(find_last(out / "checkpoints"), weights_only=False)["global_step"] == step
+    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == list(range(step))
+    assert not (out / "finished.json").exists()

@@ -27,6 +27,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .algorithms import ALGORITHMS
@@ -44,9 +45,11 @@ from .hardware import (
 )
 from .kernels import kernel_mode
 from .models import ModelSpec, context_length, load_model_config, load_policy, load_tokenizer
+from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.staleness import StaleRolloutsShutdown
+from .runfolder import RunFolderClaim, claim_run_folder, lightning_rank, run_tag
 from .tasks import build_task
 from .tasks.reward_functions import RewardFunctions
 
@@ -103,9 +106,15 @@ def hydra_subdir(resume, ckpt_path) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``lit_rl_run_name`` (``hydra.sweep.subdir``), ``lit_rl_run_dir`` (``hydra.run.dir``) and
+    """Register ``lit_rl_run_name`` (``hydra.sweep.subdir``), ``lit_rl_run_dir`` (``hydra.run.dir``),
+    ``lit_rl_run_tag`` (the per-process suffix of default run and sweep folders, ``runfolder.run_tag``) and
     ``lit_rl_hydra_subdir`` (``hydra.output_subdir``) once."""
-    for name, fn in (("lit_rl_run_name", run_name), ("lit_rl_run_dir", run_dir), ("lit_rl_hydra_subdir", hydra_subdir)):
+    for name, fn in (
+        ("lit_rl_run_name", run_name),
+        ("lit_rl_run_dir", run_dir),
+        ("lit_rl_run_tag", run_tag),
+        ("lit_rl_hydra_subdir", hydra_subdir),
+    ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -629,20 +638,41 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     ``ckpt_path=last``): the run folder's saved config.yaml is the config (``resumed_config``; ``overrides``,
     the command line's override strings, say which fields the user set).
 
-    Raises ConfigError for a bad config, an ``out_dir`` that already holds a finished run or cannot be
-    written, or prompts that do not fit the context; OutputWriteError when a checkpoint or the policy export
-    cannot be written during the run (the checkpoints written before stay whole).
+    Raises ConfigError for a bad config, an ``out_dir`` that already holds a finished run, is in use by a
+    running one (``runfolder.claim_run_folder``: global rank 0 claims it before the checks, until the run
+    ends) or cannot be written, or prompts that do not fit the context; OutputWriteError when a checkpoint or
+    the policy export cannot be written during the run (the checkpoints written before stay whole).
     """
+    claims: list[RunFolderClaim] = []  # the run folder's claim, held until the run ends however it ends
+    try:
+        return _run(cfg, out_dir, overrides, claims)
+    finally:
+        for claim in claims:
+            claim.release()
+
+
+def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     out = Path(out_dir)
     if cfg.resume:
         out = Path(str(cfg.resume)).expanduser()
         if not (out / "config.yaml").is_file():
             raise ConfigError(
                 f"resume={cfg.resume!r}: no lit_rl run there (no config.yaml); give the folder of a "
-                f"run (outputs/<date>/<time>, or a sweep job's folder, quoted: see docs/reliability.md)"
+                f"run (outputs/<date>/<time>-<pid>, or a sweep job's folder, quoted: see docs/reliability.md)"
             )
         with open_dict(cfg):
             cfg.ckpt_path = cfg.ckpt_path or "last"
+    elif cfg.ckpt_path in (None, "", "null") and slurm_requeued():
+        if find_last(out / "checkpoints"):  # the requeued job runs the same command: continue where it stopped
+            print(f"lit_rl: SLURM started this job again: continuing {out} from its last checkpoint", flush=True)
+            with open_dict(cfg):
+                cfg.ckpt_path = "last"
+        else:
+            print(
+                f"lit_rl: SLURM started this job again, and {out} holds no checkpoint: a new run starts; name "
+                f"the run folder by the job (hydra.run.dir=outputs/$SLURM_JOB_ID) to continue after a requeue",
+                flush=True,
+            )
     if cfg.ckpt_path not in (None, "", "null") and (out / "config.yaml").is_file():
         cfg = resumed_config(cfg, out, overrides)
     validate(cfg)
@@ -656,6 +686,8 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
+    if lightning_rank() == 0:  # first, so two runs cannot both pass the checks below before either writes
+        claims.append(claim_run_folder(out, resume=ckpt_path is not None))
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
         raise ConfigError(
             f"output folder {out} already holds a finished run; choose another "
@@ -679,7 +711,7 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
     logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
-    checkpoints = ModelCheckpoint(
+    checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
         save_last="link",
@@ -778,6 +810,8 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
             check_checkpoint_fits(ckpt_path, module)
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
+            raise preempted(trainer, checkpoints, out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
             if module.stale is not None:
                 module.stale.close()  # idempotent; first, so no producer thread still uses the engine

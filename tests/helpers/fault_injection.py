@@ -5,6 +5,11 @@
 fault: none | rollout (inside the engine's generate) | update (after backward, before the optimizer step)
 | ckpt_write (half-way through writing a checkpoint file) | ckpt_link (new checkpoint written, the previous
 removed, last.ckpt not yet pointed at the new one). ``call`` is which call of that point dies (1-based).
+
+Preemption (the process signals itself and goes on; the run must checkpoint and stop): sigterm_rollout /
+sigusr1_rollout (inside the ``call``-th generate: mid-step) | sigterm_between (in the module's
+``on_train_batch_end`` of step ``call``, after the callbacks' checkpoint hook: between two steps). Every
+checkpoint write after the signal gets the same signal again while it writes (a second signal).
 """
 
 import io
@@ -55,10 +60,37 @@ def half_write_then_die(original, obj, f, *args, **kwargs):
     die()
 
 
+def signal_on_call(owner, name: str, call: int, signum: int) -> None:
+    """``owner.name`` sends ``signum`` to this process on its ``call``-th call, then runs as usual; from then on
+    every ``torch.save`` (a checkpoint being written) receives the signal again first."""
+    sent = {"n": 0}
+
+    def send_then_run(original, *args, **kwargs):
+        sent["n"] += 1
+        os.kill(os.getpid(), signum)
+        return original(*args, **kwargs)
+
+    kill_on_call(owner, name, call, before=send_then_run)
+    original_save = torch.save
+
+    def save(*args, **kwargs):
+        if sent["n"]:
+            os.kill(os.getpid(), signum)  # a second signal while the checkpoint is written
+        return original_save(*args, **kwargs)
+
+    torch.save = save
+
+
 def main() -> None:
     fault, call, out, *overrides = sys.argv[1:]
     call = int(call)
-    if fault == "rollout":
+    if fault == "sigterm_rollout":
+        signal_on_call(TorchEngine, "generate", call, signal.SIGTERM)
+    elif fault == "sigusr1_rollout":
+        signal_on_call(TorchEngine, "generate", call, signal.SIGUSR1)
+    elif fault == "sigterm_between":
+        signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGTERM)
+    elif fault == "rollout":
         kill_on_call(TorchEngine, "generate", call)
     elif fault == "update":
         kill_on_call(RLAlgorithm, "optimizer_step", call)

@@ -1,0 +1,131 @@
+"""One run per folder: a run claims its folder at start-up, atomically, and holds the claim while it lives.
+
+Two runs started in the same second used to resolve the same default ``hydra.run.dir`` (one-second
+resolution), both passed the start-up checks before either had written anything, and then shared config.yaml,
+event files and checkpoints. Two things prevent that now:
+
+- the default folder name carries the process id (``outputs/<date>/<HH-MM-SS>-<pid>``, ``run_tag``): two
+  processes alive on one machine never have the same pid, so runs started together take their own folders;
+- ``claim_run_folder`` takes an exclusive ``flock`` on ``<run>/.lit_rl.lock`` before the start-up checks read
+  the folder, and holds it until the run ends. A second process that claims the same folder (the same
+  ``hydra.run.dir`` given twice, or two machines writing one shared file system) is refused with a one-line
+  ``ConfigError`` naming the folder and the live run's pid and host. The kernel drops the lock when its process
+  dies (any way, ``kill -9`` included), so a dead run's claim never blocks: its folder is then judged by the
+  usual rules (a new run is refused a folder that holds a run's checkpoints or events; ``--resume`` takes it
+  over).
+
+Only the process that writes the run's files claims it: global rank 0 (``lightning_rank``). The other ranks of
+a ``trainer=ddp`` run share rank 0's folder by design.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .config import ConfigError
+
+LOCK_NAME = ".lit_rl.lock"
+
+
+def run_tag() -> str:
+    """The suffix of a default run folder's name: this process's id (``hydra.run.dir`` and
+    ``hydra.sweep.dir`` resolve once per process, so the tag is the same everywhere in it)."""
+    return str(os.getpid())
+
+
+def lightning_rank() -> int:
+    """The global rank this process was launched as, from the variables launchers set (torchrun's ``RANK``,
+    Lightning's ``LOCAL_RANK`` for the ranks it starts, SLURM's ``SLURM_PROCID``), in Lightning's order
+    (``rank_zero_only.rank``); 0 for a plain process."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(key, "").strip().isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+class RunFolderClaim:
+    """An exclusive claim on a run folder, held from ``claim_run_folder`` until ``release`` (or the process's end).
+
+    ``previous``: what the lock file said before this claim (``{"pid", "host", "started"}`` of the run that
+    last claimed the folder, which is no longer alive), or None for a folder never claimed."""
+
+    def __init__(self, path: Path, fd: int | None, previous: dict | None):
+        self.path, self.fd, self.previous = path, fd, previous
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); the file stays, naming the last run that claimed the folder."""
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the flock
+            self.fd = None
+
+
+def _read(fd: int) -> dict | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    raw = os.read(fd, 4096)
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:
+        return None
+
+
+def _holder(info: dict | None) -> str:
+    if not info:
+        return "another process"
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {info.get('started', '?')}"
+
+
+def claim_run_folder(out: str | os.PathLike, resume: bool = False) -> RunFolderClaim:
+    """Claim the run folder ``out`` (created if missing) for this process, atomically.
+
+    Raises ConfigError when a live process holds it (its pid, host and start time named): a new run should
+    take another folder (``hydra.run.dir=...``); a continued one (``resume``) waits until that run has stopped.
+    On a file system without ``flock`` (some network mounts) the claim falls back to the pid and host written
+    in the lock file: refused while that pid is alive on this host."""
+    out = Path(out)
+    path = out / LOCK_NAME
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ConfigError(
+            f"output folder {out} cannot be written ({err.strerror or err}); the run would fail at its first "
+            f"checkpoint or at the end: choose another folder (hydra.run.dir=...) or make it writable"
+        ) from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        info = _read(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or _alive_here(info):
+            os.close(fd)
+            what = (
+                "wait until it has stopped, then continue it"
+                if resume
+                else "choose another folder (hydra.run.dir=...), or leave the default, which is unique per process"
+            )
+            raise ConfigError(
+                f"output folder {out} is in use by a running lit_rl run ({_holder(info)}): {what}"
+            ) from err
+        # no flock on this file system (ENOLCK, EOPNOTSUPP) and no live holder here: the pid record is the claim
+    previous = _read(fd)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    os.fsync(fd)
+    return RunFolderClaim(path, fd, previous)
+
+
+def _alive_here(info: dict | None) -> bool:
+    """True when ``info`` names a process alive on this host other than this one."""
+    if not info or info.get("host") != socket.gethostname() or info.get("pid") == os.getpid():
+        return False
+    try:
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True

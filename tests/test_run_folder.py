@@ -1,0 +1,131 @@
+"""A run folder belongs to one run: default folders are unique per process, and a run claims its folder
+atomically at start-up (issue 19, item 4: two runs started in the same second shared one)."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from helpers import ROOT
+from helpers import fast_config as cfg_for
+
+from lit_rl.compare import read_scalars
+from lit_rl.config import ConfigError
+from lit_rl.runfolder import LOCK_NAME, claim_run_folder
+from lit_rl.train import run
+
+BARRIER = os.path.join(ROOT, "tests", "helpers", "barrier_start.py")
+CLI = [
+    "model=tiny",
+    "trainer.precision=32-true",
+    "trainer.enable_progress_bar=false",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "sampling.max_new_tokens=8",
+    "eval.num_examples=0",
+    "trainer.max_steps=1",
+]
+
+
+def start_together(cwd, runs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Start one ``recipes/train.py`` per argument list, released at the same moment (a barrier file)."""
+    barrier = str(cwd / "go")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, BARRIER, barrier, *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in runs
+    ]
+    deadline = time.monotonic() + 300
+    while len(glob.glob(barrier + ".ready-*")) < len(procs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.01)
+    open(barrier, "w").close()
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def test_two_runs_started_together_with_the_default_folder_take_their_own(tmp_path):
+    """The shell loop of the issue (``for s in 0 1; do python recipes/train.py seed=$s & done``), released by a
+    barrier: each run has its own folder, config, events and finished.json."""
+    results = start_together(tmp_path, [[*CLI, "seed=0"], [*CLI, "seed=1"]])
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+    folders = sorted(glob.glob(str(tmp_path / "outputs" / "*" / "*")))
+    assert len(folders) == 2, folders
+    seeds = sorted(yaml.safe_load(open(os.path.join(f, "config.yaml")))["seed"] for f in folders)
+    assert seeds == [0, 1]
+    for folder in folders:
+        assert os.path.isfile(os.path.join(folder, "finished.json"))
+        assert len(glob.glob(os.path.join(folder, "tensorboard", "events.*"))) == 1  # one run's events
+        assert [s for s, _ in read_scalars(os.path.join(folder, "tensorboard"))["train/loss"]] == [0]
+
+
+def test_two_runs_started_together_in_one_named_folder_never_share_it(tmp_path):
+    """The same ``hydra.run.dir`` given to two runs released together: one claims it and runs, the other is
+    refused with one line naming the folder and the run that holds it, before it writes a file of the run."""
+    out = tmp_path / "shared"
+    results = start_together(
+        tmp_path, [[*CLI, "seed=0", f"hydra.run.dir={out}"], [*CLI, "seed=1", f"hydra.run.dir={out}"]]
+    )
+    codes = sorted(r.returncode for r in results)
+    assert codes == [0, 2], [r.stderr[-2000:] for r in results]
+    winner, loser = sorted(results, key=lambda r: r.returncode)
+    lines = [line for line in loser.stderr.splitlines() if line.startswith("lit_rl: error:")]
+    assert len(lines) == 1 and "Traceback" not in loser.stderr
+    assert lines[0].startswith(f"lit_rl: error: output folder {out} is in use by a running lit_rl run (pid ")
+    winner_seed = 0 if "seed=0" in winner.args else 1
+    assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == winner_seed
+    assert len(list((out / "tensorboard").glob("events.*"))) == 1
+    assert (out / "finished.json").is_file()
+
+
+def test_a_live_claim_refuses_a_second_run_and_resume_and_a_dead_one_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    held = claim_run_folder(out)  # as a run alive in this folder holds it
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"output folder {out} is in use by a running lit_rl run \(pid {os.getpid()} on host "
+        ):
+            run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)
+    finally:
+        held.release()
+    run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)  # released: the folder is free
+    assert (out / LOCK_NAME).is_file() and (out / "finished.json").is_file()
+    # a claim left by a process that died: the kernel dropped its lock; the folder's usual rules apply
+    script = f"from lit_rl.runfolder import claim_run_folder as c; c({str(out)!r}, resume=True); import os; os._exit(9)"
+    res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+    assert res.returncode == 9
+    with pytest.raises(ConfigError, match="already holds a finished run"):
+        run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)
+    run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)  # continuing takes it over
+    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == [0, 1]
+
+
+def test_default_run_and_sweep_folders_carry_the_process_id():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from lit_rl.train import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model=tiny"], return_hydra_config=True)
+    run_dir = OmegaConf.select(cfg, "hydra.run.dir")
+    sweep_dir = OmegaConf.select(cfg, "hydra.sweep.dir")
+    stamp = r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}"
+    assert re.fullmatch(rf"outputs/{stamp}-{os.getpid()}", run_dir), run_dir
+    assert re.fullmatch(rf"outputs/multirun/{stamp}-{os.getpid()}", sweep_dir), sweep_dir
