@@ -64,7 +64,10 @@ def cfg_for(*overrides):
             r".*for groups of one "
             r"choose algo.baseline=none or algo.baseline=batch_mean",
         ),
-        (["engine.logit_noise=-0.5"], r"engine.logit_noise=-0.5 is not allowed: must be >= 0"),
+        (["engine.logit_noise=-0.5"], r"engine.logit_noise=-0.5 is not allowed: must be finite and >= 0"),
+        # a fresh user's case: inf passed a ">= 0" check and the run finished with NaN metrics
+        (["engine.logit_noise=inf"], r"engine.logit_noise=inf is not allowed: must be finite and >= 0"),
+        (["engine.temperature_offset=nan"], r"engine.temperature_offset=nan is not allowed: must be a finite number"),
         (
             ["engine.temperature_offset=-1.0"],
             r"engine.temperature_offset=-1.0 is not allowed: must keep the sampler's "

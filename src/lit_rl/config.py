@@ -5,6 +5,7 @@ Each error names the field, the value given and what is allowed.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -331,11 +332,12 @@ def validate(cfg: DictConfig) -> None:
 
 
 def check_mismatch_dial(cfg: DictConfig) -> None:
-    """``engine.logit_noise`` (>= 0; the embedded engine only) and ``engine.temperature_offset`` (with
-    sampling.temperature + offset > 0). Their types (numbers) are the schema's (``schema.EngineConfig``)."""
+    """``engine.logit_noise`` (finite, >= 0; the embedded engine only) and ``engine.temperature_offset`` (finite,
+    with sampling.temperature + offset > 0). Their types (numbers) are the schema's (``schema.EngineConfig``)."""
     e = cfg.engine
     sigma, delta = e.logit_noise, e.temperature_offset
-    _check(sigma >= 0, "engine.logit_noise", sigma, "must be >= 0 (0 = off)")
+    _check(math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)")
+    _check(math.isfinite(delta), "engine.temperature_offset", delta, "must be a finite number (0 = off)")
     _check(
         not delta or cfg.sampling.temperature + delta > 0,
         "engine.temperature_offset",
