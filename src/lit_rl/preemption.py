@@ -9,11 +9,17 @@ a preempted run looked like a success, and the steps since the last checkpoint w
 (the run's ``ModelCheckpoint``) completes that mechanism rather than replacing it:
 
 - SIGUSR1 (or the ``requeue_signal`` of Lightning's ``SLURMEnvironment``) raises the same flag as SIGTERM, so
-  both take Lightning's path to the same safe points, on every rank alike. Lightning's own SLURM handler for it
-  is not installed (it checkpoints inside the signal handler, in the middle of whatever runs then).
+  both take Lightning's path to the same safe points. On one process the handler raises it at once; under
+  data parallelism the ranks raise it together at the end of a step, where they all-reduce what they received
+  (``RunCheckpoint.agree``): a signal reaching one rank after that point is acted on one step later, never
+  on one rank alone (that rank would leave the loop while the others wait in the next step's collectives).
+  Lightning's own SLURM handler for it is not installed (it checkpoints inside the signal handler, in the
+  middle of whatever runs then), nor, once training starts, its SIGTERM handler (it raises the flag on the
+  rank it reaches and runs a collective inside the handler).
 - a signal that arrives during a step: the step finishes (rollout, update, its log line) and its checkpoint is
   written in ``on_train_batch_end``, exactly where a regular ``checkpoint.every_n_steps`` checkpoint is;
-- a signal between steps (after a step's checkpoint hook: evaluation, logging): no further step starts;
+- on one process, a signal between steps (after a step's checkpoint hook: evaluation, logging): no further
+  step starts;
   ``SIGTERMException`` is raised and ``on_exception`` checkpoints the last finished step.
 
 ``lit_rl.train.run`` then raises ``Preempted``: a ``SystemExit`` with status 128 + the signal (143 for SIGTERM,
@@ -91,7 +97,7 @@ class RunCheckpoint(ModelCheckpoint):
         self.signum: int | None = None
         self.preempted_path: str | None = None
         self._trainer: L.Trainer | None = None
-        self._previous_handler = None
+        self._previous_handlers: dict = {}
         self._requeue_signal: int | None = None
 
     # -- signals ----------------------------------------------------------------------------------------------
@@ -102,19 +108,34 @@ class RunCheckpoint(ModelCheckpoint):
         self._trainer = trainer
         self._requeue_signal = requeue_signal(trainer)
         if threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(self._requeue_signal, self._on_signal)
+            self._previous_handlers = {s: signal.getsignal(s) for s in (self._requeue_signal, signal.SIGTERM)}
+            signal.signal(self._requeue_signal, self._on_signal)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        # Lightning has now registered its SIGTERM handler, which raises the flag on the rank it reaches (and
+        # broadcasts inside the handler): replaced by ours, which under data parallelism defers to ``agree``
+        if self._previous_handlers and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
 
     def teardown(self, trainer, pl_module, stage) -> None:
         super().teardown(trainer, pl_module, stage)
-        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(self._requeue_signal, self._previous_handler)
-            self._previous_handler = None
+        if self._previous_handlers and threading.current_thread() is threading.main_thread():
+            for s, handler in self._previous_handlers.items():  # those from before the run, Lightning's not kept
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            self._previous_handlers = {}
 
     def _on_signal(self, signum, frame) -> None:
-        """The requeue signal: the same flag as Lightning's SIGTERM handler (so its loops stop at the same safe
-        points, and under DDP rank 0's flag reaches every rank); nothing else happens inside the handler."""
+        """SIGTERM or the requeue signal. On one process: Lightning's flag (``trainer.received_sigterm``), so
+        its loops stop at their next safe point. Under data parallelism the signal is only noted here: the
+        ranks raise the flag together where they agree (``agree``, at the end of each step). A flag raised
+        on one rank at any other moment -- as Lightning's own SIGTERM handler does, which also runs a
+        collective inside the handler -- lets that rank leave the loop while the others enter the next
+        step's collectives, and the run hangs. Nothing else happens inside the handler."""
         self.signum = self.signum or int(signum)
-        if self._trainer is not None:
+        rank = self._trainer.global_rank if self._trainer is not None else 0
+        os.write(2, f"lit_rl: received {signal.Signals(signum).name} (rank {rank})\n".encode())  # no buffered I/O
+        if self._trainer is not None and self._trainer.world_size == 1:
             self._trainer._signal_connector.received_sigterm = True
 
     def requested(self, trainer) -> int | None:
@@ -141,9 +162,9 @@ class RunCheckpoint(ModelCheckpoint):
                     torch.tensor(float(mine or 0), device=trainer.strategy.root_device), reduce_op="max"
                 ).item()
             )
-            if agreed and mine is None:
-                self.signum = agreed
-                trainer._signal_connector.received_sigterm = True
+            if agreed:
+                self.signum = self.signum or agreed
+                trainer._signal_connector.received_sigterm = True  # on every rank at once: they stop together
             return agreed or None
         return mine
 

@@ -7,9 +7,10 @@ fault: none | rollout (inside the engine's generate) | update (after backward, b
 removed, last.ckpt not yet pointed at the new one). ``call`` is which call of that point dies (1-based).
 
 Preemption (the process signals itself and goes on; the run must checkpoint and stop): sigterm_rollout /
-sigusr1_rollout (inside the ``call``-th generate: mid-step) | sigterm_between (in the module's
-``on_train_batch_end`` of step ``call``, after the callbacks' checkpoint hook: between two steps). Every
-checkpoint write after the signal gets the same signal again while it writes (a second signal).
+sigusr1_rollout (inside the ``call``-th generate: mid-step) | sigterm_between / sigusr1_between (in the
+module's ``on_train_batch_end`` of step ``call``, after the callbacks' checkpoint hook: between two steps).
+Every checkpoint write after the signal gets the same signal again while it writes (a second signal). Under
+``trainer=ddp`` (Lightning starts the other ranks with this same command) only rank 0 signals itself.
 """
 
 import io
@@ -63,6 +64,8 @@ def half_write_then_die(original, obj, f, *args, **kwargs):
 def signal_on_call(owner, name: str, call: int, signum: int) -> None:
     """``owner.name`` sends ``signum`` to this process on its ``call``-th call, then runs as usual; from then on
     every ``torch.save`` (a checkpoint being written) receives the signal again first."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return  # under DDP: rank 0 alone gets the signal
     sent = {"n": 0}
 
     def send_then_run(original, *args, **kwargs):
@@ -90,6 +93,8 @@ def main() -> None:
         signal_on_call(TorchEngine, "generate", call, signal.SIGUSR1)
     elif fault == "sigterm_between":
         signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGTERM)
+    elif fault == "sigusr1_between":
+        signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGUSR1)
     elif fault == "rollout":
         kill_on_call(TorchEngine, "generate", call)
     elif fault == "update":
