@@ -29,6 +29,7 @@ from omegaconf import DictConfig  # noqa: E402
 from lit_rl.algorithms import NonFiniteUpdates  # noqa: E402
 from lit_rl.checkpoints import OutputWriteError  # noqa: E402
 from lit_rl.config import ConfigError  # noqa: E402
+from lit_rl.runfolder import discard_refused_run_folder  # noqa: E402
 from lit_rl.sweeps import FAILED  # noqa: E402
 from lit_rl.train import register_resolvers, run  # noqa: E402
 
@@ -64,6 +65,8 @@ def main(cfg: DictConfig):
         kind, code = ("error", 2) if isinstance(err, ConfigError) else ("stopped", 1)
         print(f"lit_rl: {kind}: {err}", file=sys.stderr)  # a user's mistake or a stopped run: no traceback
         if not multirun:
+            if isinstance(err, ConfigError):  # refused before the run wrote anything: no empty folder left
+                discard_refused_run_folder(hydra_cfg.runtime.output_dir)
             sys.exit(code)
         return {FAILED: f"{kind}: {err}"}  # the sweep goes on; lit_rl.sweeps.SweepReport lists it at the end
     except Exception as err:  # noqa: BLE001 - in a sweep, a crashed job must not end the others

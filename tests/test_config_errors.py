@@ -199,6 +199,7 @@ def test_cli_prints_the_message_without_traceback(tmp_path):
     assert res.returncode == 2
     assert "lit_rl: error: advantage.alpha=2 is not allowed: must lie in [0, 1]" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
+    assert not (tmp_path / "run").exists()  # the refused start left no empty run folder (.hydra, train.log)
     # an unknown group option: Hydra's own message lists the choices
     cmd[3] = "algo=ppo2"
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

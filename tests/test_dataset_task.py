@@ -125,6 +125,13 @@ def test_each_bad_input_gives_a_one_line_error_naming_it(tmp_path):
     empty.write_text("problem,solution\n")
     msg = one_line_error(ValueError, lambda: DatasetTask(path=str(empty), prompt_field="problem"))
     assert str(empty) in msg and "'train' is empty" in msg
+    for ext in ("jsonl", "csv", "json", "parquet"):  # no bytes at all (datasets: a bare StopIteration)
+        blank = tmp_path / f"blank.{ext}"
+        blank.write_text("\n" if ext == "jsonl" else "")
+        msg = one_line_error(ValueError, lambda: DatasetTask(path=str(blank)))
+        assert msg == f"task.path: {blank} is empty ({blank.stat().st_size} bytes, no rows)", msg
+        msg = one_line_error(ValueError, lambda: DatasetTask(data_files=str(blank)))
+        assert msg.startswith(f"task.data_files: {blank} is empty"), msg
     # a prompt that is neither text nor chat messages: the row and column named
     numbers = write(tmp_path / "n.jsonl", [{"prompt": "ok", "answer": "1"}, {"prompt": 7, "answer": "2"}])
     msg = one_line_error(ValueError, lambda: DatasetTask(path=str(numbers)))

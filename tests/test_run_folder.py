@@ -15,7 +15,7 @@ from helpers import fast_config as cfg_for
 
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
-from lit_rl.runfolder import LOCK_NAME, claim_run_folder
+from lit_rl.runfolder import LOCK_NAME, claim_run_folder, discard_refused_run_folder
 from lit_rl.train import run
 
 BARRIER = os.path.join(ROOT, "tests", "helpers", "barrier_start.py")
@@ -129,3 +129,25 @@ def test_default_run_and_sweep_folders_carry_the_process_id():
     stamp = r"\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}"
     assert re.fullmatch(rf"outputs/{stamp}-{os.getpid()}", run_dir), run_dir
     assert re.fullmatch(rf"outputs/multirun/{stamp}-{os.getpid()}", sweep_dir), sweep_dir
+
+
+def test_a_refused_start_s_folder_is_removed_only_when_nothing_was_written_and_nobody_holds_it(tmp_path):
+    def refused_folder(name, *extra):
+        out = tmp_path / name
+        (out / ".hydra").mkdir(parents=True)
+        (out / ".hydra" / "config.yaml").write_text("seed: 0\n")
+        (out / "train.log").write_text("")
+        for entry in extra:
+            (out / entry).write_text("x")
+        return out
+
+    out = refused_folder("bare")
+    claim_run_folder(out).release()  # the refused run had claimed it (its lock file stays)
+    assert discard_refused_run_folder(out) and not out.exists()
+    kept = refused_folder("kept", "config.yaml")  # a run's own file: not a refused start's folder
+    assert not discard_refused_run_folder(kept) and (kept / "config.yaml").read_text() == "x"
+    live = refused_folder("live")
+    claim = claim_run_folder(live)  # a run that has just started looks the same: its claim protects it
+    assert not discard_refused_run_folder(live) and (live / ".hydra" / "config.yaml").exists()
+    claim.release()
+    assert not discard_refused_run_folder(tmp_path / "missing")

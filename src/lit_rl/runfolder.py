@@ -129,3 +129,35 @@ def _alive_here(info: dict | None) -> bool:
     except (OSError, ValueError, TypeError):
         return False
     return True
+
+
+# what a run folder holds when start-up was refused before the run wrote anything: Hydra's record of the
+# composed config, its (empty or start-up-only) log file, and the claim's lock file
+_REFUSED_START_ENTRIES = frozenset({".hydra", "train.log", LOCK_NAME})
+
+
+def discard_refused_run_folder(out: str | os.PathLike) -> bool:
+    """Remove the run folder ``out`` of a run refused at start-up, when it holds nothing a run wrote.
+
+    Hydra creates the folder (``.hydra/``, ``train.log``) before lit_rl's checks run, so every refused start
+    used to leave an empty-looking run folder behind, which ``compare.py`` and TensorBoard then list. The folder
+    is removed only when its entries are a subset of ``.hydra``, ``train.log`` and the lock file (no config.yaml,
+    events, checkpoints or anything a user put there) and no live process holds its claim (a run that has just
+    started has the same few entries: it keeps them). Returns True when the folder was removed. Never raises."""
+    import shutil
+
+    out = Path(out)
+    try:
+        if not out.is_dir() or not set(os.listdir(out)) <= _REFUSED_START_ENTRIES:
+            return False
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a live run holds it: not ours to remove
+            if not set(os.listdir(out)) <= _REFUSED_START_ENTRIES:
+                return False
+            shutil.rmtree(out)
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    return True

@@ -52,6 +52,16 @@ def looks_local(path: str) -> bool:
     return p.exists() or path.startswith((".", "/", "~")) or p.suffix.lower() in FORMATS or path.count("/") != 1
 
 
+def _check_not_empty(file: Path, field: str) -> None:
+    """Raise ``ValueError`` naming ``field`` and ``file`` when the file holds nothing but white space (datasets'
+    own error for it is a bare ``StopIteration`` or "An error occurred while generating the dataset")."""
+    with open(file, "rb") as fh:
+        head = fh.read(1 << 16)
+    size = file.stat().st_size
+    if size == len(head) and not head.strip():
+        raise ValueError(f"{field}: {file} is empty ({size} bytes, no rows)")
+
+
 def _builder_of(files: Sequence[str], where: str) -> tuple[str, dict]:
     """The builder for ``files`` (all of one format); ValueError naming them otherwise."""
     kinds = {Path(f).suffix.lower() for f in files}
@@ -160,6 +170,7 @@ class DatasetTask(Task):
             for f in flat:
                 if not Path(f).expanduser().is_file():
                     raise FileNotFoundError(f"task.data_files: {f}: file not found")
+                _check_not_empty(Path(f).expanduser(), "task.data_files")
             builder, extra = _builder_of(flat, "task.data_files")
             files = {
                 k: [str(Path(f).expanduser()) for f in ([v] if isinstance(v, str) else v)] for k, v in files.items()
@@ -168,6 +179,7 @@ class DatasetTask(Task):
         path = str(self.path)
         local = Path(path).expanduser()
         if local.is_file():
+            _check_not_empty(local, "task.path")
             builder, extra = _builder_of([str(local)], f"task.path={path}")
             return self._read(lambda: datasets.load_dataset(builder, data_files={self.split: str(local)}, **extra))
         if local.is_dir():
