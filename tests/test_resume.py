@@ -77,6 +77,13 @@ def test_continuing_without_overrides_keeps_the_run_s_algorithm_and_learning_rat
     assert used["algo"]["name"] == "dapo" and used["optim"]["lr"] == 1e-5 and used["trainer"]["max_steps"] == 2
     scalars = read_scalars(dapo_run / "tensorboard")
     assert [s for s, _ in scalars["rollout/reward_mean_kept"]] == [0, 1]  # DAPO's own metric at both steps
+    # continued again to the step it finished at: refused (it used to run no step and rewrite policy/)
+    with pytest.raises(
+        ConfigError,
+        match=rf"output folder {re.escape(str(dapo_run))} holds a run that finished at RL step 2 "
+        r"\(trainer.max_steps=2\): nothing to continue; to train it further, give a larger trainer.max_steps",
+    ):
+        run(cfg_for(*given), dapo_run, overrides=given)
 
 
 @pytest.mark.parametrize(

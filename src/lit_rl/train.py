@@ -651,6 +651,15 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
             claim.release()
 
 
+def _finished_rl_step(marker: Path, updates_per_rl_step: int) -> int | None:
+    """The RL step a finished run stopped at, from its ``finished.json`` (``global_step`` counts optimizer
+    steps: ``updates_per_rl_step`` per RL step); None when the file cannot be read."""
+    try:
+        return int(json.loads(marker.read_text())["global_step"]) // max(1, updates_per_rl_step)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     out = Path(out_dir)
     if cfg.resume:
@@ -710,6 +719,14 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
+    if ckpt_path is not None and (out / FINISHED_MARKER).exists():
+        finished_at = _finished_rl_step(out / FINISHED_MARKER, k)
+        if finished_at is not None and 0 < int(cfg.trainer.max_steps) <= finished_at:
+            raise ConfigError(  # continuing it would run no step and rewrite its exported policy
+                f"output folder {out} holds a run that finished at RL step {finished_at} "
+                f"(trainer.max_steps={cfg.trainer.max_steps}): nothing to continue; to train it further, give a "
+                f"larger trainer.max_steps (e.g. --resume {out} trainer.max_steps={finished_at + 10})"
+            )
     logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
     checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
         dirpath=out / "checkpoints",
