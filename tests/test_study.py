@@ -68,3 +68,16 @@ def test_study_runs_each_job_and_compare_groups_the_seeds(tmp_path, capsys):
         "engine.logit_noise=0": ["engine.logit_noise=0,seed=0", "engine.logit_noise=0,seed=1"],
         "engine.logit_noise=1": ["engine.logit_noise=1,seed=0", "engine.logit_noise=1,seed=1"],
     }
+
+
+def test_an_invalid_job_is_named_before_any_job_starts_dry_run_too(tmp_path, capsys):
+    args = ["model=tiny", "engine.logit_noise=0,-1", "seed=0,1", "--out", str(tmp_path / "s")]
+    for extra in (["--dry-run"], []):
+        assert main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines()[:3] == [
+            "study: error: 2 of the study's 4 jobs have invalid configs; no job was started:",
+            "  engine.logit_noise=-1,seed=0: engine.logit_noise=-1 is not allowed: must be finite and >= 0 (0 = off)",
+            "  engine.logit_noise=-1,seed=1: engine.logit_noise=-1 is not allowed: must be finite and >= 0 (0 = off)",
+        ], err
+    assert not (tmp_path / "s").exists()

@@ -94,6 +94,20 @@ def preset_params(overrides: list[str]) -> dict[str, str]:
     return {k: str(v) for k, v in params.items()}
 
 
+def invalid_jobs(jobs: list[Job]) -> list[tuple[Job, str]]:
+    """(job, first line of its error) for every job whose config does not compose or fails ``config.validate``
+    (``sweeps.check_jobs``, what a multirun checks before its first job); [] when all are valid."""
+    from hydra import initialize_config_dir
+
+    from .sweeps import check_jobs
+    from .train import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        bad = check_jobs("train", [job.overrides for job in jobs])
+    return [(jobs[number], message) for number, _, message in bad]
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line: Hydra overrides, then ``--out DIR`` (required), ``--wrap "CMD"`` (a prefix for every
     job, e.g. ``cpulock shared``), ``--dry-run`` (print the commands), ``--max-jobs N``. Returns the exit code:
@@ -111,6 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         jobs = expand(preset_params(args.overrides), args.overrides)
     except Exception as err:  # noqa: BLE001 - Hydra's own message names the bad override
         print(f"study: error: {err}", file=sys.stderr)
+        return 2
+    bad = invalid_jobs(jobs)
+    if bad:  # as a multirun does: every job checked before the first starts (--dry-run too)
+        print(
+            f"study: error: {len(bad)} of the study's {len(jobs)} jobs have invalid configs; no job was started:",
+            file=sys.stderr,
+        )
+        for job, message in bad[:10]:
+            print(f"  {job.name}: {message}", file=sys.stderr)
+        if len(bad) > 10:
+            print(f"  ... and {len(bad) - 10} more", file=sys.stderr)
         return 2
     out = Path(args.out)
     started = 0
