@@ -153,13 +153,75 @@ def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
     assert len(ddp["eval/accuracy"]) == 1  # after step 2, both ranks' shares of the 4 eval prompts
 
     run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
-    one = read_scalars(tmp_path / "one" / "tensorboard")
+    assert_logs_what_one_device_logs(ddp, read_scalars(tmp_path / "one" / "tensorboard"))
+
+
+def assert_logs_what_one_device_logs(ddp: dict, one: dict) -> None:
+    """Every tag the one-device run logged, at the same steps, with values within float32 reduction noise
+    (rtol 1e-5); time/* and perf/* (wall clock) excluded."""
     assert sorted(ddp) == sorted(one)
     for tag in ddp:
         if tag.startswith(("time/", "perf/")):
             continue
         assert [s for s, _ in ddp[tag]] == [s for s, _ in one[tag]], tag
         assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_of_one_process_log_what_one_device_logs(tmp_path):
+    """The multi-node launch of docs/scale-out.md rehearsed on this machine: two ``torchrun`` agents
+    (``--nnodes 2 --nproc-per-node 1``, node ranks 0 and 1) meeting at a c10d rendezvous on 127.0.0.1, each
+    running the recipe with ``trainer=ddp trainer.devices=1 trainer.num_nodes=2`` in one shared run folder
+    (Lightning reads torchrun's environment): one set of outputs, and the one-process run's metrics."""
+    import socket
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "two_nodes"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    nodes = [
+        subprocess.Popen(
+            [
+                torchrun,
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=lit_rl_rehearsal",
+                os.path.join(ROOT, "recipes", "train.py"),
+                *FAST,
+                "trainer.max_steps=3",
+                "trainer=ddp",
+                "trainer.devices=1",
+                "trainer.num_nodes=2",
+                "threads=1",
+                f"hydra.run.dir={out}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+            env=ENV,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        logs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            try:
+                os.killpg(node.pid, 9)
+            except ProcessLookupError:
+                pass
+    assert [node.returncode for node in nodes] == [0, 0], [log[-3000:] for log in logs]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in logs[1]
+    assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
+    assert json.loads((out / "finished.json").read_text())["global_step"] == 3
+    run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
+    assert_logs_what_one_device_logs(read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard"))
 
 
 def test_trainer_groups_compose_and_the_rank_count_is_checked():
