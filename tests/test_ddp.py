@@ -167,6 +167,42 @@ def assert_logs_what_one_device_logs(ddp: dict, one: dict) -> None:
         assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
 
 
+def launch_recipe(*overrides, cwd):
+    """``recipes/train.py`` with the tests' fast settings and ``overrides`` in a subprocess (one thread)."""
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "recipes", "train.py"), *FAST, "threads=1", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        env=ENV,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_cpu_processes_logs_what_one_device_logs_and_resumes_exactly(tmp_path):
+    """``trainer=fsdp trainer.devices=2`` on CPU processes (gloo): 2 steps, then continued from the step-2
+    checkpoint (``--resume``) to step 3. Every value logged at steps 0-2 (the loss, the gradient norm of the
+    sharded gradient, the rollouts sampled from the engine's copy refreshed from the gathered weights, the
+    evaluation) equals the one-device run's; the exported policy is the full model."""
+    out = tmp_path / "fsdp"
+    fsdp = ["trainer=fsdp", "trainer.devices=2"]
+    launch_recipe(*fsdp, "trainer.max_steps=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert json.loads((out / "finished.json").read_text())["global_step"] == 2
+    launch_recipe("--resume", str(out), "trainer.max_steps=3", cwd=tmp_path)
+    assert json.loads((out / "finished.json").read_text())["global_step"] == 3
+    assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 2  # one per launch: rank 0 writes
+    run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
+    assert_logs_what_one_device_logs(read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard"))
+    exported = ModelSpec(str(out / "policy"))
+    policy, _ = load_policy(exported)
+    one, _ = load_policy(ModelSpec(str(tmp_path / "one" / "policy")))
+    for (name, a), (_, b) in zip(policy.state_dict().items(), one.state_dict().items()):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+
+
 @pytest.mark.slow
 def test_torchrun_two_nodes_of_one_process_log_what_one_device_logs(tmp_path):
     """The multi-node launch of docs/scale-out.md rehearsed on this machine: two ``torchrun`` agents
@@ -228,11 +264,15 @@ def test_trainer_groups_compose_and_the_rank_count_is_checked():
     for name in ("cpu", "gpu", "ddp", "fsdp"):
         validate(cfg_for(f"trainer={name}"))
     cfg = cfg_for("trainer=fsdp")
-    assert cfg.trainer.strategy == "fsdp" and cfg.trainer.accelerator == "gpu"
+    assert cfg.trainer.strategy == "fsdp" and cfg.trainer.accelerator == "auto"
     strategy = build_strategy(cfg.trainer.strategy)
     from lightning.pytorch.strategies import FSDPStrategy
 
-    assert isinstance(strategy, FSDPStrategy)
+    assert isinstance(strategy, FSDPStrategy) and type(strategy) is not FSDPStrategy  # runs on CPU processes too
+    with pytest.raises(
+        ConfigError, match=r"algo='ppo' is not allowed: cannot run with trainer=fsdp: .* use trainer=ddp"
+    ):
+        validate(cfg_for("trainer=fsdp", "algo=ppo"))
     assert build_strategy("ddp") == "ddp"
     # prompts are shared out over devices x nodes; every minibatch needs rows on every rank
     with pytest.raises(

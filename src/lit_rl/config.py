@@ -310,6 +310,14 @@ def validate(cfg: DictConfig) -> None:
         f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
         f"{[p for p in PRECISIONS if isinstance(p, str) and p != 'auto' and '-' in p]}",
     )
+    if str(cfg.trainer.get("strategy", "auto")) == "fsdp":
+        _check(
+            cfg.algo.name != "ppo",
+            "algo",
+            cfg.algo.name,
+            "cannot run with trainer=fsdp: PPO's critic reads the policy's backbone outside the policy's sharded "
+            "forward; use trainer=ddp for PPO",
+        )
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
     check_reward(cfg)

@@ -583,10 +583,15 @@ def build_strategy(name):
     unit, with full (unsharded) checkpoints; any other value is handed to Lightning as is."""
     if name != "fsdp":
         return name
+    from transformers import GenerationMixin
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return FSDPStrategy(
-        auto_wrap_policy={GradientCheckpointingLayer}, sharding_strategy="FULL_SHARD", state_dict_type="full"
+    from .algorithms.parallel import FSDPStrategy as AnyDeviceFSDPStrategy  # also on CPU processes (gloo)
+
+    return AnyDeviceFSDPStrategy(
+        auto_wrap_policy={GradientCheckpointingLayer, GenerationMixin},
+        sharding_strategy="FULL_SHARD",
+        state_dict_type="full",
     )
 
 

@@ -178,6 +178,38 @@ class RLAlgorithm(L.LightningModule):
         self.datamodule.set_start_step(lambda: self.global_step // self.updates_per_step)
 
     @property
+    def sharded(self) -> bool:
+        """True when the trainer shards the weights over ranks (``trainer=fsdp``)."""
+        return self._trainer is not None and isinstance(self.trainer.strategy, parallel.FSDPStrategy)
+
+    #: the submodules FSDP shards, each its own FSDP root (``parallel.FSDPStrategy``): the policy and the reference
+    sharded_modules: ClassVar[tuple[str, ...]] = ("policy", "ref_policy")
+
+    def setup(self, stage: str) -> None:
+        """Before the strategy wraps the module: under FSDP the embedded engine samples from a copy of its own
+        (``TorchEngine.take_own_copy``), filled from the gathered full weights at every sync, never through
+        the sharded forward."""
+        if self.sharded and hasattr(self.engine, "take_own_copy"):
+            self.engine.take_own_copy()
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Under FSDP the engine is synced here, before the step: Lightning runs ``training_step`` inside the
+        wrapped root's forward, where the shards cannot be gathered into a full state dict."""
+        self._presynced_s = None
+        if self.sharded and self.stale is None:
+            t0 = time.perf_counter()
+            self.sync_engine()
+            self._presynced_s = time.perf_counter() - t0
+
+    _presynced_s: float | None = None
+
+    def sync_engine(self) -> None:
+        """``engine.sync_weights`` with this step's weights; under FSDP the full policy weights are gathered from
+        the shards first (``parallel.full_policy_weights``: a collective every rank joins, once per sync)."""
+        weights = parallel.full_policy_weights(self.trainer.strategy.model, "policy.") if self.sharded else None
+        self.engine.sync_weights(self.global_step, weights)
+
+    @property
     def datamodule(self) -> RolloutDataModule:
         return self.trainer.datamodule
 
@@ -190,8 +222,9 @@ class RLAlgorithm(L.LightningModule):
         t0 = time.perf_counter()
         rl_step = self.global_step // self.updates_per_step
         if self.stale is None:  # sync: sample with the weights about to be trained
-            self.engine.sync_weights(self.global_step)
-            t_sync = time.perf_counter() - t0
+            if self._presynced_s is None:  # (under FSDP: done in on_train_batch_start)
+                self.sync_engine()
+            t_sync = time.perf_counter() - t0 + (self._presynced_s or 0.0)
             scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
         else:  # lagged / async: older weights (rollout.staleness)
             t_sync = 0.0  # part of the stale collection
@@ -451,6 +484,11 @@ class RLAlgorithm(L.LightningModule):
         """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
         distribution: its temperature and its top-k / top-p truncation."""
         head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
+        if isinstance(model, FullyShardedDataParallel):  # FSDP: score inside the unit's forward (its weights whole)
+            return parallel.run_as_forward(model, self._score, mb, head_ids, kwargs)
+        return self._score(model, mb, head_ids, kwargs)
+
+    def _score(self, model: torch.nn.Module, mb: RolloutBatch, head_ids, kwargs) -> TokenScores:
         return response_logprobs(
             model,
             mb.prompt_ids,
@@ -603,9 +641,8 @@ class RLAlgorithm(L.LightningModule):
         """
         params = [p for group in optimizer.param_groups for p in group["params"]]
         max_norm = self.optim_cfg.grad_clip or float("inf")  # 0 / None = no clipping (validated >= 0)
-        model = self.trainer.model if self._trainer is not None else None
-        if isinstance(model, FullyShardedDataParallel):  # each rank holds a shard; FSDP takes the global norm
-            norm = float(model.clip_grad_norm_(max_norm))
+        if self.sharded:  # each rank holds a shard of every gradient: the norm of all ranks' shards
+            norm = float(parallel.clip_sharded_grad_norm_(params, max_norm, self.trainer.strategy))
         else:  # one device, or DDP (after the all-reduce every rank holds the same gradient)
             norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self._grad_norm = norm
@@ -757,7 +794,7 @@ class RLAlgorithm(L.LightningModule):
     def on_validation_start(self) -> None:
         if self.stale is not None:
             self.stale.pause()  # async: the producer finishes its batch and leaves the engine to evaluation
-        self.engine.sync_weights(self.global_step)  # an engine with its own copy must see the latest update
+        self.sync_engine()  # an engine with its own copy must see the latest update
 
     #: ``eval.n`` samples per problem and ``eval.k`` for pass@k (``lit_rl.train.run`` sets them from the config)
     eval_n: int = 1

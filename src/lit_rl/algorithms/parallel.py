@@ -7,7 +7,10 @@ the single-process one lives here:
 - ``reduce_step_metrics``: the step's rollout/time/perf scalars, summed (``SUMMED_METRICS``), maximised
   (``MAX_METRICS``) or averaged with per-rank weights;
 - ``all_reduce_dict``: a name -> float dict reduced over ranks, with a check that every rank holds the same names;
-- ``padding_micro_batch``: the zero-loss pass a rank with fewer micro-batches runs so the collectives line up.
+- ``padding_micro_batch``: the zero-loss pass a rank with fewer micro-batches runs so the collectives line up;
+- ``FSDPStrategy``: Lightning's FSDP strategy, also on CPU processes (gloo); ``full_policy_weights``: the
+  full weights gathered from its shards, for the engine's own copy; ``run_as_forward``: the trainer's scoring
+  run as an FSDP unit's forward.
 
 The collectives themselves are Lightning's (``RLAlgorithm.all_reduce`` calls ``strategy.reduce``); these
 functions take the reduce as an argument, so they run (and are tested) without a process group.
@@ -15,12 +18,15 @@ functions take the reduce as an argument, so they run (and are tested) without a
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision
+from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from torch import Tensor
 
 from .. import objectives as obj
@@ -172,3 +178,116 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         old_values=one(row.old_values),
         returns=one(row.returns),
     )
+
+
+class PromptBatchFSDPPrecision(FSDPPrecision):
+    """Lightning's ``FSDPPrecision`` for a module whose batches are prompts (``PromptBatch``: text, frozen
+    ``Example`` records, no tensors): the input is passed on as it is (Lightning's casts every float tensor of a
+    batch and refuses frozen dataclasses); the step makes its tensors itself, under this precision's contexts."""
+
+    def convert_input(self, data):
+        return data
+
+
+class FSDPStrategy(LightningFSDPStrategy):
+    """Lightning's ``FSDPStrategy``, unchanged, except that it also runs on CPU processes (gloo).
+
+    Lightning 2.6's accelerator connector refuses FSDP without a GPU by an exact-type check on the strategy
+    (``type(strategy) is FSDPStrategy``), although torch's FSDP shards, gathers and reduces on CPU with gloo
+    and Lightning handles a CPU root device everywhere else; a subclass passes the check. The one other
+    difference: on CPU the module is wrapped with ``device_id=cpu`` (Lightning passes the device's index, None
+    for a CPU, and torch's FSDP then looks for an accelerator and refuses). On GPUs it is Lightning's strategy
+    as it is, so ``trainer=fsdp`` runs and is tested on a CPU machine with the code that runs on GPUs."""
+
+    @property
+    def precision_plugin(self):
+        return LightningFSDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        if type(plugin) is FSDPPrecision:  # what Lightning's connector gives FSDP: the prompt batches' variant
+            plugin = PromptBatchFSDPPrecision(plugin.precision, plugin.scaler)
+        LightningFSDPStrategy.precision_plugin.fset(self, plugin)
+
+    def lightning_module_state_dict(self) -> dict[str, Tensor]:
+        """The full state dict for a checkpoint. On CPU processes it is gathered without Lightning's
+        ``offload_to_cpu`` (for tensors already on the CPU FSDP's offload clone crashed the process, seen on
+        torch 2.13: a segmentation fault in the state-dict hook): ``get_model_state_dict`` with
+        ``full_state_dict=True``, on every rank. On GPUs: Lightning's, unchanged."""
+        if self.root_device.type != "cpu" or self._state_dict_type != "full":
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap each of the module's ``sharded_modules`` (the policy, the reference) as an FSDP root of its own,
+        its transformer blocks as inner units (``auto_wrap_policy``); the LightningModule itself stays
+        unwrapped, so Lightning then leaves it as it is (it wraps a module only when no FSDP unit is inside).
+        Lightning would wrap the LightningModule, and run ``training_step`` inside that root's forward, where
+        the RL step's own forwards, backwards and the gradient clip (FSDP asserts an idle root) cannot run."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        pl_module = getattr(model, "module", model)  # Lightning hands the module (or its wrapper) over
+        for name in getattr(pl_module, "sharded_modules", ()):
+            child = getattr(pl_module, name, None)
+            if child is None or isinstance(child, FullyShardedDataParallel):
+                continue
+            setattr(
+                pl_module,
+                name,
+                FullyShardedDataParallel(
+                    module=child,
+                    cpu_offload=self.cpu_offload,
+                    mixed_precision=self.mixed_precision_config,
+                    sharding_strategy=self.sharding_strategy,
+                    device_id=self.root_device if self.root_device.type != "cpu" else torch.device("cpu"),
+                    **self.kwargs,
+                ),
+            )
+        return super()._setup_model(model)
+
+
+def full_policy_weights(model: torch.nn.Module, prefix: str) -> dict[str, Tensor]:
+    """The full (unsharded) weights of ``model``'s submodule at ``prefix`` (e.g. ``"policy."``), by name within
+    that submodule, on every rank: ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with
+    ``full_state_dict=True`` (FSDP's all-gather, a collective every rank must join). ``model``: the wrapped
+    root (``trainer.strategy.model``); the values are detached copies, on the shards' device and dtype."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    return {name[len(prefix) :]: value for name, value in full.items() if name.startswith(prefix)}
+
+
+def run_as_forward(unit: torch.nn.Module, fn: Callable, *args):
+    """``fn(module, *args)`` run as the forward of the FSDP unit ``unit`` wrapping ``module``.
+
+    The trainer scores responses with the policy's backbone and its output layer in chunks
+    (``logprobs.response_logprobs``), not with the model's ``forward``. Under FSDP a unit's parameters are
+    whole only inside its forward (its pre-forward hook gathers them; its post-forward hook frees them and
+    registers the backward's gradient reduce-scatter on the outputs), so the scoring runs as that forward: the
+    wrapped module's ``forward`` is ``fn`` for this one call. Inner units (decoder layers) run their own
+    forwards inside it as usual. Returns what ``fn`` returns (tensors, or a dataclass of tensors)."""
+    module = unit.module
+    module.forward = lambda *a: fn(module, *a)  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        return unit(*args)
+    finally:
+        del module.forward
+
+
+def clip_sharded_grad_norm_(params: list[torch.nn.Parameter], max_norm: float, strategy) -> Tensor:
+    """Clip FSDP-sharded gradients to a global L2 norm of ``max_norm`` (in place); returns the norm before the
+    clip, a float32 scalar, the same on every rank (``torch.nn.utils.clip_grad_norm_``'s contract).
+
+    Each rank's ``params`` (FSDP's original parameters, ``use_orig_params``) hold its shard of each gradient,
+    so the squared norm is the sum over ranks of each rank's squares (one all-reduce, ``strategy.reduce``);
+    the clip coefficient min(1, max_norm / (norm + 1e-6)) is then applied to every shard, as FSDP's own
+    ``clip_grad_norm_`` does for one root (the policy and the reference are two roots here)."""
+    with_grad = [p for p in params if p.grad is not None]
+    squares = [p.grad.detach().float().square().sum() for p in with_grad]
+    local = torch.stack(squares).sum() if squares else torch.zeros((), device=strategy.root_device)
+    total = strategy.reduce(local.to(strategy.root_device), reduce_op="sum").sqrt().float()
+    if with_grad and math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
+    return total

@@ -139,21 +139,34 @@ class TorchEngine:
         self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
         self.int8_roundtrip = int8_roundtrip
         self.model = model
+        self.weights_dtype = weights_dtype
         if self.own_copy:
-            self.model = copy.deepcopy(model).requires_grad_(False)
-            if weights_dtype is not None:
-                self.model.to(weights_dtype)
-            if getattr(self.model, "is_activation_checkpointing", False):
-                disable = (
-                    getattr(self.model, "activation_checkpointing_disable", None)
-                    or self.model.gradient_checkpointing_disable
-                )
-                disable()
+            self._copy_model()
         self.pad_token_id = pad_token_id
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.version = 0
         self.last = GenerationStats()
         self.sync_weights(0)
+
+    def _copy_model(self) -> None:
+        self.model = copy.deepcopy(self.source).requires_grad_(False)
+        if self.weights_dtype is not None:
+            self.model.to(self.weights_dtype)
+        if getattr(self.model, "is_activation_checkpointing", False):
+            disable = (
+                getattr(self.model, "activation_checkpointing_disable", None)
+                or self.model.gradient_checkpointing_disable
+            )
+            disable()
+
+    def take_own_copy(self) -> None:
+        """Sample from a copy of the weights from now on (idempotent): for a trainer whose module is about to be
+        sharded (FSDP), whose forward would be a collective every rank must join -- ranks whose completions end
+        at different lengths would stall. Call before the module is wrapped; ``sync_weights(weights=...)``
+        then fills the copy from the gathered full weights."""
+        if not self.own_copy:
+            self.own_copy = True
+            self._copy_model()
 
     @torch.no_grad()
     def sync_weights(self, version: int, weights: dict[str, Tensor] | None = None) -> None:
