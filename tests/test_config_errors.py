@@ -145,7 +145,16 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
             r"engine.max_model_len=32 is not allowed: must be null or an integer > "
             r"sampling.max_new_tokens=64",
         ),
-        (["trainer=ddp"], r"trainer.strategy='ddp' is not allowed: engine=vllm runs one colocated vLLM engine"),
+        (
+            ["trainer=ddp", "engine.in_process=false"],
+            r"engine.in_process=False is not allowed: engine=\w+ with trainer.strategy=ddp runs one in-process "
+            r"engine per rank \(vLLM's external_launcher over the training world\): needs engine.in_process=true",
+        ),
+        (
+            ["trainer=ddp", "trainer.strategy=ddp_spawn"],
+            r"trainer.strategy='ddp_spawn' is not allowed: engine=\w+ runs one colocated vLLM engine per training "
+            r"process under auto, single_device, ddp or fsdp",
+        ),
         (
             ["kernels=batch_invariant"],
             r"kernels='batch_invariant' is not allowed: batch-invariant kernels are lit_rl's "

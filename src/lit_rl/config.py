@@ -63,7 +63,7 @@ def check_vllm() -> None:
 
 def check_vllm_engine(cfg: DictConfig) -> None:
     """The vLLM fields of ``engine`` (``engine=vllm`` or ``auto``): GPU-only features only with CUDA, tensor
-    parallel only out of process, one trainer process (each DDP/FSDP rank would need an engine of its own)."""
+    parallel only out of process; under DDP/FSDP one in-process engine per rank, tensor parallel 1."""
     import torch
 
     e = cfg.engine
@@ -96,12 +96,21 @@ def check_vllm_engine(cfg: DictConfig) -> None:
     )
     strategy = str(cfg.trainer.get("strategy", "auto"))  # a Lightning Trainer argument: absent = Lightning's auto
     _check(
-        strategy in ("auto", "single_device"),
+        strategy in ("auto", "single_device", "ddp", "fsdp"),
         "trainer.strategy",
         strategy,
-        f"engine={e.name} runs one colocated vLLM engine in a single training process; with "
-        f"trainer.strategy={strategy} use engine=torch",
+        f"engine={e.name} runs one colocated vLLM engine per training process under auto, single_device, ddp "
+        f"or fsdp; with trainer.strategy={strategy} use engine=torch",
     )
+    if strategy in ("ddp", "fsdp"):  # one engine per rank, inside the training world (vLLM's external launcher)
+        _check(
+            e.in_process and e.tensor_parallel_size == 1,
+            "engine.in_process",
+            e.in_process,
+            f"engine=vllm with trainer.strategy={strategy} runs one in-process engine per rank (vLLM's "
+            f"external_launcher over the training world): needs engine.in_process=true and "
+            f"engine.tensor_parallel_size=1 (got {e.tensor_parallel_size})",
+        )
 
 
 def _is_int(value) -> bool:

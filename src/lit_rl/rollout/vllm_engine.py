@@ -69,6 +69,30 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=list(load_file(path).items()), is_checkpoint_format=True)
 
 
+def data_parallel_kwargs(options: dict) -> dict:
+    """vLLM's ``LLM`` arguments for one engine per data-parallel rank: inside a torch.distributed world of W > 1
+    ranks (Lightning's DDP/FSDP), ``distributed_executor_backend="external_launcher"`` with
+    ``data_parallel_size=W`` -- each rank's engine is one in-process worker over the existing process group
+    (vLLM's torchrun data-parallel mode, which TRL's colocate mode uses too), sampling its own rank's prompts;
+    {} in a single process. Sets ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` where the launcher did not
+    (Lightning's own launcher leaves them unset in rank 0), as the external launcher reads them. Raises
+    ValueError for an out-of-process engine or tensor parallel > 1 (the ranks' prompts differ)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    if not options["in_process"] or options["tensor_parallel_size"] != 1:
+        raise ValueError(
+            "engine=vllm under data parallelism runs one in-process engine per rank: "
+            "engine.in_process=true and engine.tensor_parallel_size=1"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    return {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
+
+
 class VLLMEngine:
     """Samples with a colocated vLLM ``LLM`` whose weights the trainer pushes with ``sync_weights``.
 
@@ -190,6 +214,7 @@ class VLLMEngine:
             kwargs["max_model_len"] = int(o["max_model_len"])
         if not torch.cuda.is_available():
             kwargs.update(cpu_scheduling(o["max_model_len"] or context_length(self.source.config)))
+        kwargs.update(data_parallel_kwargs(o))
         # vLLM's CPU worker replaces torch.set_num_threads in the hosting process (it pins its threads);
         # the trainer keeps the real one.
         set_num_threads = torch.set_num_threads
