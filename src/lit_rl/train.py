@@ -44,6 +44,7 @@ from .hardware import (
     uses_cuda,
 )
 from .kernels import kernel_mode
+from .logprobs import check_head_parity
 from .models import ModelSpec, context_length, load_model_config, load_policy, load_tokenizer
 from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
@@ -190,6 +191,46 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
             f"{tokens} tokens; with {field}={new_tokens} it needs {tokens + new_tokens}, more than "
             f"{where}: {fix}"
         )
+
+
+def check_model_support(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
+    """ConfigError, before the weights load, for a model the run cannot serve: its class does not implement
+    ``model.attn_implementation`` (Gemma-2 has no sdpa path: its attention soft-capping needs eager), or, with
+    ``kernels=batch_invariant``, a sliding-window layer shorter than the run's longest sequence
+    (``batch_invariant.check_sliding_window``). Norm layers the kernels do not cover are refused when the mode
+    is enabled (``batch_invariant.norm_kernels``), still before the first rollout."""
+    if config is None:
+        return
+    model = f"model.name_or_path={cfg.model.name_or_path!r}"
+    impl = cfg.model.attn_implementation
+    cls = causal_lm_class(config)
+    flag = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}.get(impl)
+    if cls is not None and flag is not None and getattr(cls, flag, True) is False:
+        raise ConfigError(
+            f"model.attn_implementation={impl}: {cls.__name__} ({model}) has no {impl} attention in transformers "
+            f"{__import__('transformers').__version__}; use model.attn_implementation=eager"
+        )
+    if cfg.kernels.name == "batch_invariant":
+        from .kernels.batch_invariant import check_sliding_window
+
+        tokens = datamodule.longest_prompt("train")[0] + cfg.sampling.max_new_tokens
+        if cfg.eval.num_examples > 0:
+            tokens = max(tokens, datamodule.longest_prompt("eval")[0] + cfg.eval.max_new_tokens)
+        try:
+            check_sliding_window(config, tokens)
+        except ValueError as err:
+            raise ConfigError(f"{model}: {err}") from err
+
+
+def causal_lm_class(config):
+    """The transformers causal-LM class ``AutoModelForCausalLM`` builds for ``config``; None if unknown (e.g.
+    remote code)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def check_output_folders(out: Path) -> None:
@@ -778,7 +819,9 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         reward_timeout_s=cfg.reward_timeout_s,
         rewards=build_rewards(cfg, task),
     )
-    check_context(cfg, datamodule, model_config(cfg.model))  # before the weights load
+    config = model_config(cfg.model)
+    check_context(cfg, datamodule, config)  # before the weights load
+    check_model_support(cfg, datamodule, config)
     try:  # the verifier workers start and load the reward functions (a user's module) now, not at step 1
         datamodule.rewards.prepare()
     except RuntimeError as err:
@@ -794,9 +837,18 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         policy, tokenizer = load_policy(spec, tokenizer)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from err
+    try:  # the trainer's log-probs must be the model's own distribution (head-side transforms included)
+        check_head_parity(policy, len(tokenizer))
+    except ValueError as err:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
     # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
     # (engine.dtype, the KL reference) inherit it
-    with kernel_mode(cfg.kernels.name, policy):
+    mode = kernel_mode(cfg.kernels.name, policy)
+    try:
+        mode.__enter__()
+    except ValueError as err:  # e.g. a norm layer the batch-invariant kernels do not cover
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
+    with mode:
         module = build_module(cfg, policy, tokenizer)
         assert module.updates_per_step == k
         module.peak_flops, source = peak_flops(precision, trainer_kwargs.get("accelerator", "auto"))
