@@ -14,8 +14,8 @@ from helpers.families import FAMILIES, SLIDING, build_family
 
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
-from lit_rl.kernels import kernel_mode
 from lit_rl.kernels import batch_invariant as bi
+from lit_rl.kernels import kernel_mode
 from lit_rl.logprobs import check_head_parity, head_transform, position_ids_from_mask, response_logprobs
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.torch_engine import TorchEngine
@@ -145,7 +145,9 @@ def test_start_up_refusals_name_the_reason(family_dir, tmp_path):
     with pytest.raises(ConfigError, match="does not cover sliding-window attention: the model's sliding_window=8"):
         run(fast_config(f"model.name_or_path={family_dir('mistral')}", "kernels=batch_invariant"), tmp_path / "a")
     # Gemma-2 has no sdpa attention in transformers
-    with pytest.raises(ConfigError, match="Gemma2ForCausalLM .* has no sdpa attention .*; use model.attn_implementation=eager"):
+    with pytest.raises(
+        ConfigError, match="Gemma2ForCausalLM .* has no sdpa attention .*; use model.attn_implementation=eager"
+    ):
         run(fast_config(f"model.name_or_path={family_dir('gemma2')}"), tmp_path / "b")
     # flash-attn is CUDA-only
     with pytest.raises(ConfigError, match="model.attn_implementation.*flash-attn runs on CUDA GPUs only"):

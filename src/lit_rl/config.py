@@ -126,7 +126,9 @@ def check_attn_implementation(cfg: DictConfig) -> None:
     ``trainer.accelerator=cpu`` or a machine without a CUDA device) and need the ``flash_attn`` package. Whether
     the model's class supports the choice is checked when its config is read (``train.check_model_support``)."""
     impl = cfg.model.attn_implementation
-    _check(impl in ATTN_IMPLEMENTATIONS, "model.attn_implementation", impl, f"choose one of {list(ATTN_IMPLEMENTATIONS)}")
+    _check(
+        impl in ATTN_IMPLEMENTATIONS, "model.attn_implementation", impl, f"choose one of {list(ATTN_IMPLEMENTATIONS)}"
+    )
     if impl != "flash_attention_2":
         return
     import importlib.util

@@ -233,6 +233,67 @@ def causal_lm_class(config):
         return None
 
 
+#: ``logger`` options -> the package each needs (None: installed with lit_rl)
+LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def build_loggers(cfg: DictConfig, out: Path) -> list:
+    """Lightning loggers for every ``logger.<name>`` that is set (``schema.LoggerConfig``), in the order
+    tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
+    ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
+    sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard and CSV write into
+    ``<run>/<name>``. Raises ConfigError naming the install command when a logger's package is missing, and
+    for ``logger.wandb.mode`` outside online | offline | disabled."""
+    import importlib.util
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    chosen = cfg.get("logger") or {}
+    name = chosen.get("run_name") or out.resolve().name
+    loggers = []
+    for key, package in LOGGER_PACKAGES.items():
+        options = chosen.get(key)
+        if options is None:
+            continue
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"logger={key}: the {package} package is not installed; pip install 'lit_rl[loggers]' "
+                f"(or {'mlflow-skinny' if key == 'mlflow' else package})"
+            )
+        if key == "tensorboard":
+            loggers.append(TensorBoardLogger(save_dir=str(out), name=options.name, version="", default_hp_metric=False))
+        elif key == "csv":
+            loggers.append(CSVLogger(save_dir=str(out), name=options.name, version=""))
+        elif key == "wandb":
+            from lightning.pytorch.loggers import WandbLogger
+
+            mode = options.mode
+            if mode not in (None, "online", "offline", "disabled"):
+                raise ConfigError(f"logger.wandb.mode={mode!r}: choose online, offline, disabled or null")
+            kwargs = {"mode": mode} if mode else {}
+            loggers.append(
+                WandbLogger(name=name, save_dir=str(out), project=options.project, entity=options.entity, **kwargs)
+            )
+        elif key == "mlflow":
+            from lightning.pytorch.loggers import MLFlowLogger
+
+            uri = options.tracking_uri or (out / "mlruns").resolve().as_uri()
+            if uri.startswith("file:"):  # MLflow 3 refuses its file store (maintenance mode) unless told to allow it;
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a database store needs sqlalchemy
+            loggers.append(MLFlowLogger(experiment_name=options.experiment_name, run_name=name, tracking_uri=uri))
+    return loggers
+
+
+def finish_loggers(trainer: L.Trainer) -> None:
+    """End the W&B run of a ``WandbLogger`` (its history is complete on disk, in offline mode too, only once
+    ``wandb.finish`` returns; Lightning leaves the run open)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger._experiment.finish()
+
+
 def check_output_folders(out: Path) -> None:
     """ConfigError unless the run folder can be written, and with it the ``checkpoints/``, ``tensorboard/``
     and ``policy/`` folders the run writes into later: each that exists already must be a writable folder.
@@ -376,7 +437,8 @@ class SampleLogger(L.Callback):
         ]
         with open(self.file, "a") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
-        experiment = getattr(trainer.logger, "experiment", None)
+        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        experiment = tensorboard[0].experiment if tensorboard else None
         if hasattr(experiment, "add_text"):
             table = "| prompt | completion | reward | advantage |\n|---|---|---|---|\n" + "".join(
                 f"| {_cell(s['prompt'])} | {_cell(s['completion'])} | {s['reward']:.4g} | {s['advantage']:.4g} |\n"
@@ -751,7 +813,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
-    logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
+    logger = build_loggers(cfg, out)
     checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
@@ -868,6 +930,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
             if module.stale is not None:
                 module.stale.close()  # idempotent; first, so no producer thread still uses the engine
             module.engine.close()
+            finish_loggers(trainer)
         save_final_checkpoint(trainer, checkpoints)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each

@@ -504,8 +504,9 @@ class BatchInvariantMode:
     ``aten::addmm`` and ``aten::_log_softmax`` (``torch.library``; process-wide while enabled), registers
     ``attention`` and ``attention_mask`` as ``"batch_invariant"`` in transformers' attention and mask
     registries, switches every ``model.config._attn_implementation`` to it, and replaces the forward of
-    the models' norm classes by ``rms_norm`` or ``gemma_rms_norm`` (``norm_kernels``). ``disable()`` undoes all of it (the previous kernels, the
-    models' attention implementations and the classes' forwards come back). Also a context manager.
+    the models' norm classes by ``rms_norm`` or ``gemma_rms_norm`` (``norm_kernels``). ``disable()`` undoes
+    all of it (the previous kernels, the models' attention implementations and the classes' forwards come
+    back). Also a context manager.
 
     Models copied (``copy.deepcopy``) while enabled inherit the attention setting. Raises ValueError for a
     model with parameters off the CPU (see the module docstring for CUDA) or a norm layer neither formula
