@@ -40,7 +40,7 @@ class ModelConfig:
     name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     #: weights' dtype: float32 (training keeps float32 master weights) | bfloat16
     dtype: str = "float32"
-    #: sdpa | eager
+    #: sdpa | eager | flash_attention_2 (CUDA with the flash_attn package; refused on the CPU)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     #: recompute layer activations in backward (less memory, ~15% more time)
