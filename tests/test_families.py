@@ -55,7 +55,7 @@ def own_logprobs(model, pids, pmask, response_ids, response_mask):
     return F.log_softmax(logits.float(), -1)[:, p - 1 : -1].gather(-1, response_ids[..., None]).squeeze(-1)
 
 
-def sample_and_score(model, tok, new_tokens=16):
+def sample_and_score(model, tok, new_tokens=12):
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
     prompts = chat_prompts(tok, QUESTIONS)  # 20-40 tokens: longer than the 8-token sliding windows
     r = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens), seeds=[0, 1, 2, 3])
@@ -71,7 +71,7 @@ def test_trainer_logprobs_are_the_model_s_own_and_the_engine_s_equal_them(family
     model.eval()
     r, pids, pmask, trainer = sample_and_score(model, tok)
     m = r.response_mask
-    assert m.sum() > 20
+    assert m.sum() > 16
     with torch.no_grad():
         own = own_logprobs(model, pids, pmask, r.response_ids, r.response_mask)
     assert (trainer - own).abs()[m].max().item() < 1e-5  # soft-capping and embedding scaling included
@@ -156,7 +156,14 @@ def test_start_up_refusals_name_the_reason(family_dir, tmp_path):
         run(fast_config("model.attn_implementation=flash"), tmp_path / "d")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+#: gradient checkpointing in the default suite for three families (Qwen3's q/k norms, Gemma-3, Phi-3's fused
+#: projections); the other five with -m slow
+DEFAULT_CHECKPOINTING = ("qwen3", "gemma3", "phi3")
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in DEFAULT_CHECKPOINTING else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
 def test_gradient_checkpointing_gives_the_same_gradient(family_dir, family):
     grads = []
     for checkpointing in (False, True):
