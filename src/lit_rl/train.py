@@ -206,9 +206,11 @@ def check_model_support(cfg: DictConfig, datamodule: RolloutDataModule, config) 
     cls = causal_lm_class(config)
     flag = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}.get(impl)
     if cls is not None and flag is not None and getattr(cls, flag, True) is False:
+        import transformers
+
         raise ConfigError(
             f"model.attn_implementation={impl}: {cls.__name__} ({model}) has no {impl} attention in transformers "
-            f"{__import__('transformers').__version__}; use model.attn_implementation=eager"
+            f"{transformers.__version__}; use model.attn_implementation=eager"
         )
     if cfg.kernels.name == "batch_invariant":
         from .kernels.batch_invariant import check_sliding_window
