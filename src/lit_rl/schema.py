@@ -40,7 +40,7 @@ class ModelConfig:
     name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     #: weights' dtype: float32 (training keeps float32 master weights) | bfloat16
     dtype: str = "float32"
-    #: sdpa | eager
+    #: sdpa | eager | flash_attention_2 (CUDA with the flash_attn package; refused on the CPU)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     #: recompute layer activations in backward (less memory, ~15% more time)
@@ -479,6 +479,55 @@ def _trainer_defaults() -> dict[str, Any]:
 
 
 @dataclass
+class TensorBoardLoggerConfig:
+    """``logger.tensorboard``: Lightning's TensorBoardLogger, event files in ``<run>/tensorboard``."""
+
+    #: sub-folder of the run folder
+    name: str = "tensorboard"
+
+
+@dataclass
+class CSVLoggerConfig:
+    """``logger.csv``: Lightning's CSVLogger, ``<run>/csv/metrics.csv`` (one row per step, one column per tag)."""
+
+    #: sub-folder of the run folder
+    name: str = "csv"
+
+
+@dataclass
+class WandbLoggerConfig:
+    """``logger.wandb``: Lightning's WandbLogger (``pip install wandb``), files under ``<run>/wandb``."""
+
+    project: str = "lit_rl"
+    #: a W&B team or user; null = the account's default
+    entity: Optional[str] = None
+    #: online | offline | disabled; null = the WANDB_MODE environment variable, else online
+    mode: Optional[str] = None
+
+
+@dataclass
+class MLflowLoggerConfig:
+    """``logger.mlflow``: Lightning's MLFlowLogger (``pip install mlflow-skinny``)."""
+
+    experiment_name: str = "lit_rl"
+    #: a tracking server (http://...) or store URI; null = a local file store in ``<run>/mlruns``
+    tracking_uri: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    """``logger``: where metrics go; each logger set here (not null) is used, several at once with
+    ``logger=[tensorboard,wandb]``; ``logger=none``: none (``train.build_loggers``)."""
+
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    csv: Optional[CSVLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MLflowLoggerConfig] = None
+    #: the run's name in W&B and MLflow; null = the run folder's name (in a sweep: what the sweep varies)
+    run_name: Optional[str] = None
+
+
+@dataclass
 class TrainConfig:
     """The whole run (``conf/train.yaml``): the groups chosen in its defaults list and its own sections.
 
@@ -509,6 +558,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     #: resume: a .ckpt path, or "last" (with hydra.run.dir=<the run>)
     ckpt_path: Optional[str] = None
     #: a run folder to continue (``train.resumed_config``): its saved config.yaml, its last checkpoint, its folder

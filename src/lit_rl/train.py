@@ -44,6 +44,7 @@ from .hardware import (
     uses_cuda,
 )
 from .kernels import kernel_mode
+from .logprobs import check_head_parity
 from .models import ModelSpec, context_length, load_model_config, load_policy, load_tokenizer
 from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
@@ -192,6 +193,109 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
         )
 
 
+def check_model_support(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
+    """ConfigError, before the weights load, for a model the run cannot serve: its class does not implement
+    ``model.attn_implementation`` (Gemma-2 has no sdpa path: its attention soft-capping needs eager), or, with
+    ``kernels=batch_invariant``, a sliding-window layer shorter than the run's longest sequence
+    (``batch_invariant.check_sliding_window``). Norm layers the kernels do not cover are refused when the mode
+    is enabled (``batch_invariant.norm_kernels``), still before the first rollout."""
+    if config is None:
+        return
+    model = f"model.name_or_path={cfg.model.name_or_path!r}"
+    impl = cfg.model.attn_implementation
+    cls = causal_lm_class(config)
+    flag = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}.get(impl)
+    if cls is not None and flag is not None and getattr(cls, flag, True) is False:
+        import transformers
+
+        raise ConfigError(
+            f"model.attn_implementation={impl}: {cls.__name__} ({model}) has no {impl} attention in transformers "
+            f"{transformers.__version__}; use model.attn_implementation=eager"
+        )
+    if cfg.kernels.name == "batch_invariant":
+        from .kernels.batch_invariant import check_sliding_window
+
+        tokens = datamodule.longest_prompt("train")[0] + cfg.sampling.max_new_tokens
+        if cfg.eval.num_examples > 0:
+            tokens = max(tokens, datamodule.longest_prompt("eval")[0] + cfg.eval.max_new_tokens)
+        try:
+            check_sliding_window(config, tokens)
+        except ValueError as err:
+            raise ConfigError(f"{model}: {err}") from err
+
+
+def causal_lm_class(config):
+    """The transformers causal-LM class ``AutoModelForCausalLM`` builds for ``config``; None if unknown (e.g.
+    remote code)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+#: ``logger`` options -> the package each needs (None: installed with lit_rl)
+LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def build_loggers(cfg: DictConfig, out: Path) -> list:
+    """Lightning loggers for every ``logger.<name>`` that is set (``schema.LoggerConfig``), in the order
+    tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
+    ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
+    sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard and CSV write into
+    ``<run>/<name>``. Raises ConfigError naming the install command when a logger's package is missing, and
+    for ``logger.wandb.mode`` outside online | offline | disabled."""
+    import importlib.util
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    chosen = cfg.get("logger") or {}
+    name = chosen.get("run_name") or out.resolve().name
+    loggers = []
+    for key, package in LOGGER_PACKAGES.items():
+        options = chosen.get(key)
+        if options is None:
+            continue
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"logger={key}: the {package} package is not installed; pip install 'lit_rl[loggers]' "
+                f"(or {'mlflow-skinny' if key == 'mlflow' else package})"
+            )
+        if key == "tensorboard":
+            loggers.append(TensorBoardLogger(save_dir=str(out), name=options.name, version="", default_hp_metric=False))
+        elif key == "csv":
+            loggers.append(CSVLogger(save_dir=str(out), name=options.name, version=""))
+        elif key == "wandb":
+            from lightning.pytorch.loggers import WandbLogger
+
+            mode = options.mode
+            if mode not in (None, "online", "offline", "disabled"):
+                raise ConfigError(f"logger.wandb.mode={mode!r}: choose online, offline, disabled or null")
+            kwargs = {"mode": mode} if mode else {}
+            loggers.append(
+                WandbLogger(name=name, save_dir=str(out), project=options.project, entity=options.entity, **kwargs)
+            )
+        elif key == "mlflow":
+            from lightning.pytorch.loggers import MLFlowLogger
+
+            uri = options.tracking_uri or (out / "mlruns").resolve().as_uri()
+            if uri.startswith("file:"):  # MLflow 3 refuses its file store (maintenance mode) unless told to allow it;
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a database store needs sqlalchemy
+            loggers.append(MLFlowLogger(experiment_name=options.experiment_name, run_name=name, tracking_uri=uri))
+    return loggers
+
+
+def finish_loggers(trainer: L.Trainer) -> None:
+    """End the W&B run of a ``WandbLogger`` (its history is complete on disk, in offline mode too, only once
+    ``wandb.finish`` returns; Lightning leaves the run open)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger._experiment.finish()
+
+
 def check_output_folders(out: Path) -> None:
     """ConfigError unless the run folder can be written, and with it the ``checkpoints/``, ``tensorboard/``
     and ``policy/`` folders the run writes into later: each that exists already must be a writable folder.
@@ -335,7 +439,8 @@ class SampleLogger(L.Callback):
         ]
         with open(self.file, "a") as f:
             f.writelines(json.dumps(s) + "\n" for s in samples)
-        experiment = getattr(trainer.logger, "experiment", None)
+        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        experiment = tensorboard[0].experiment if tensorboard else None
         if hasattr(experiment, "add_text"):
             table = "| prompt | completion | reward | advantage |\n|---|---|---|---|\n" + "".join(
                 f"| {_cell(s['prompt'])} | {_cell(s['completion'])} | {s['reward']:.4g} | {s['advantage']:.4g} |\n"
@@ -732,7 +837,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
                 f"(trainer.max_steps={cfg.trainer.max_steps}): nothing to continue; to train it further, give a "
                 f"larger trainer.max_steps (e.g. --resume {out} trainer.max_steps={finished_at + 10})"
             )
-    logger = TensorBoardLogger(save_dir=str(out), name="tensorboard", version="", default_hp_metric=False)
+    logger = build_loggers(cfg, out)
     checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
@@ -800,7 +905,9 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         reward_timeout_s=cfg.reward_timeout_s,
         rewards=build_rewards(cfg, task),
     )
-    check_context(cfg, datamodule, model_config(cfg.model))  # before the weights load
+    config = model_config(cfg.model)
+    check_context(cfg, datamodule, config)  # before the weights load
+    check_model_support(cfg, datamodule, config)
     try:  # the verifier workers start and load the reward functions (a user's module) now, not at step 1
         datamodule.rewards.prepare()
     except RuntimeError as err:
@@ -816,9 +923,18 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         policy, tokenizer = load_policy(spec, tokenizer)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from err
+    try:  # the trainer's log-probs must be the model's own distribution (head-side transforms included)
+        check_head_parity(policy, len(tokenizer))
+    except ValueError as err:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
     # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
     # (engine.dtype, the KL reference) inherit it
-    with kernel_mode(cfg.kernels.name, policy):
+    mode = kernel_mode(cfg.kernels.name, policy)
+    try:
+        mode.__enter__()
+    except ValueError as err:  # e.g. a norm layer the batch-invariant kernels do not cover
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
+    with mode:
         module = build_module(cfg, policy, tokenizer)
         assert module.updates_per_step == k
         module.peak_flops, source = peak_flops(precision, trainer_kwargs.get("accelerator", "auto"))
@@ -838,6 +954,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
             if module.stale is not None:
                 module.stale.close()  # idempotent; first, so no producer thread still uses the engine
             module.engine.close()
+            finish_loggers(trainer)
         save_final_checkpoint(trainer, checkpoints)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each

@@ -756,13 +756,17 @@ class RLAlgorithm(L.LightningModule):
         a resume would never log them. Written here, every checkpointed step has its scalars on disk.
         ``metrics`` must already be reduced over ranks (``reduce_step_metrics``): Lightning's loggers write
         on global rank 0 only, so one TensorBoard run holds the values of the whole step.
+        Every configured logger (``logger=[tensorboard,csv,wandb,mlflow]``) gets the same scalars; TensorBoard's
+        events and the CSV file are flushed to disk here (W&B and MLflow write as they receive).
         """
-        if self.logger is None:
-            return
-        self.logger.log_metrics(metrics, step=rl_step)
-        experiment = getattr(self.logger, "experiment", None)
-        if hasattr(experiment, "flush"):
-            experiment.flush()
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=rl_step)
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.flush()
+            elif isinstance(logger, CSVLogger):
+                logger.save()
 
     # -- what stale rollouts need from the learner (``rollout.staleness.Learner``) ---------------------------------
     @property

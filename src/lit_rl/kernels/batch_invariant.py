@@ -25,8 +25,13 @@ What each kernel fixes (measured with torch 2.13, MKL and oneDNN, SmolLM2-135M s
   same way, whatever the CPU. The thread count is recorded when the mode is enabled and a product at
   another count raises (``_check_threads``); the start-up message says so.
 * **RMSNorm**: each row's mean of squares is a float32 reduction over that row alone (never split across
-  rows or threads; a single row is computed inside a block of two). Installed on the model's RMSNorm
-  classes, so a fused kernel that a transformers version may swap in never replaces it.
+  rows or threads; a single row is computed inside a block of two). Installed on the model's norm classes,
+  so a fused kernel that a transformers version may swap in never replaces it. Two formulas are covered:
+  Llama's (``weight * normed``, cast first: Llama, Qwen2/3 and their q/k norms, Mistral, Phi-3) and Gemma's
+  (``(1 + weight) * normed`` in float32, cast last: Gemma, Gemma-2, Gemma-3). Each norm class of a model is
+  matched to its formula by running its own ``forward`` on a probe input (``norm_kernels``); a norm class that
+  matches neither (a LayerNorm, a new formula) is refused when the mode is enabled, naming the class, rather
+  than left on a batch-variant kernel.
 * **log-softmax** (``aten::_log_softmax``, CPU): a contiguous [rows, V] layout, reduced per row (a lone row
   padded to two), whatever view the caller passes.
 * **attention** (``attention`` + ``attention_mask``, registered in transformers' ``AttentionInterface`` and
@@ -38,7 +43,11 @@ What each kernel fixes (measured with torch 2.13, MKL and oneDNN, SmolLM2-135M s
   [QUERY_ROWS, KEY_BLOCK] x [KEY_BLOCK, d]; softmax uses the exact row maximum, and the value sums are
   accumulated block after block in key order. A query's numbers are therefore a function of its own sequence's real
   keys only: the amount of left padding, the keys after it (masked to exact zeros) and the other queries
-  of the call cannot change them.
+  of the call cannot change them. Gemma-2's attention-logit soft-capping (``softcap``) is applied to the
+  scores as transformers' eager attention does. Sliding-window layers (Mistral, Gemma-2/3) are served only
+  while every sequence fits the window (the mask is then plain causal); a window that cuts a sequence is
+  refused: at start-up by ``check_sliding_window`` (the run's longest prompt plus its new tokens), and by
+  ``attention`` itself if a mask ever is not causal-with-padding.
 
 Sampling is already per sequence (``rollout.torch_engine.sample_rows``: one seeded generator per row).
 
@@ -215,8 +224,116 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (h * torch.rsqrt(variance + eps)).to(dtype)
 
 
+def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's RMSNorm, row by row: ``(x_f32 / sqrt(mean(x_f32**2, -1) + eps) * (1 + weight_f32)).to(x.dtype)``.
+
+    x: [..., H] any float dtype; weight: [H] (stored as the offset from 1, as transformers' ``GemmaRMSNorm``,
+    ``Gemma2RMSNorm``, ``Gemma3RMSNorm``); returns x's shape and dtype. The reduction is ``rms_norm``'s: float32
+    over each row's own H values, a single row inside a block of two.
+    """
+    h = x.to(torch.float32)
+    rows = h.reshape(-1, h.shape[-1]).contiguous()
+    n = rows.shape[0]
+    if n == 1:
+        rows = _pad_rows(rows, 2)
+    variance = rows.pow(2).mean(-1, keepdim=True)[:n].reshape(*h.shape[:-1], 1)
+    return (h * torch.rsqrt(variance + eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def _eps(module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
 def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return rms_norm(hidden_states, self.weight, _eps(self))
+
+
+def _gemma_rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    return gemma_rms_norm(hidden_states, self.weight, _eps(self))
+
+
+#: the norm formulas the mode covers: name -> (kernel, the forward installed on a class)
+NORM_FORMULAS = {
+    "llama": (rms_norm, _rms_norm_forward),
+    "gemma": (gemma_rms_norm, _gemma_rms_norm_forward),
+}
+
+
+def _norm_formula(module: torch.nn.Module) -> str | None:
+    """Which of ``NORM_FORMULAS`` the module's own ``forward`` computes (probed on a copy with random weights, in
+    float32, within 1e-5), or None when it is none of them."""
+    import copy
+
+    weight, eps = getattr(module, "weight", None), _eps(module)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or eps is None:
+        return None
+    probe = copy.deepcopy(module).float().cpu()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(weight.shape, generator=g))
+        x = torch.randn(3, weight.shape[0], generator=g) * 3
+        try:
+            own = probe(x)
+        except Exception:  # noqa: BLE001 - a forward with another signature: not a formula we know
+            return None
+        for name, (kernel, _) in NORM_FORMULAS.items():
+            ours = kernel(x, probe.weight, eps)
+            if ours.shape == own.shape and torch.allclose(ours, own, rtol=1e-5, atol=1e-6):
+                return name
+    return None
+
+
+def norm_kernels(models) -> dict[type, str]:
+    """The norm classes of ``models`` (leaf modules whose class name contains "Norm") -> their formula in
+    ``NORM_FORMULAS``. Raises ValueError naming every norm class whose forward computes neither formula (e.g.
+    ``nn.LayerNorm``): the mode would leave it on torch's batch-variant reduction."""
+    found: dict[type, str | None] = {}
+    for model in models:
+        for module in model.modules():
+            cls = type(module)
+            if "Norm" not in cls.__name__ or cls in found or next(module.children(), None) is not None:
+                continue
+            found[cls] = _norm_formula(module)
+    unsupported = sorted(cls.__name__ for cls, formula in found.items() if formula is None)
+    if unsupported:
+        raise ValueError(
+            f"kernels=batch_invariant does not cover the norm layer(s) {unsupported}: their forward is neither "
+            f"Llama's RMSNorm (weight * x / rms) nor Gemma's ((1 + weight) * x / rms), the two formulas the "
+            f"batch-invariant kernels implement; use kernels=default for this model"
+        )
+    return {cls: formula for cls, formula in found.items() if formula is not None}
+
+
+def sliding_window_limit(config) -> int | None:
+    """The smallest attention window of a transformers config's sliding-window layers (tokens), or None when no
+    layer attends through one (``sliding_window`` unset, ``use_sliding_window`` off, or no layer of type
+    ``sliding_attention`` in ``layer_types``)."""
+    config = getattr(config, "text_config", None) or config
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def check_sliding_window(config, tokens: int) -> None:
+    """ValueError when a sliding-window layer of ``config`` would cut a sequence of ``tokens`` tokens (the run's
+    longest padded prompt plus its new tokens): batch-invariant attention needs each query to see its whole
+    sequence (see ``attention``). Names the window and both numbers."""
+    window = sliding_window_limit(config)
+    if window is not None and tokens > window:
+        raise ValueError(
+            f"kernels=batch_invariant does not cover sliding-window attention: the model's sliding_window="
+            f"{window} tokens is shorter than the run's longest sequence ({tokens} tokens: longest prompt plus "
+            f"max_new_tokens), and the batch-invariant attention needs every query to see its whole sequence; "
+            f"use kernels=default, or shorter prompts / max_new_tokens (at most {window} tokens in all)"
+        )
 
 
 def log_softmax(x: Tensor, dim: int = -1, half_to_float: bool = False) -> Tensor:
@@ -298,6 +415,7 @@ def attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Scaled dot-product attention whose output for a query depends only on its own sequence's real keys.
@@ -307,6 +425,8 @@ def attention(
     None for plain causal). Any float dtype; computed in float32 with autocast off, returned in query's
     dtype as [B, Lq, H, d] (transformers' attention-interface contract), with None for the weights.
     ``dropout`` must be 0 (RL scoring and sampling use none). Fully masked queries (left padding) get 0.
+    ``softcap``: Gemma-2's attention-logit soft-capping, scores -> softcap * tanh(scores / softcap) after the
+    scaling (as transformers' eager attention), or None.
 
     The same call serves the trainer (Lq = Lk, causal), the engine's prefill, and its decode (Lq = 1
     against the KV cache), and gives a query bit-identical outputs in all three: see the module docstring.
@@ -354,6 +474,8 @@ def attention(
             ]
         )
         scores.mul_(scale)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         key_pos = torch.arange(width, device=device).view(nblk, 1, 1, KEY_BLOCK)
         scores.masked_fill_(key_pos >= visible[None, :, :, None], float("-inf"))
         # the exact row maximum (order-free); softmax does not depend on the shift, so no gradient through it
@@ -375,15 +497,6 @@ def attention(
 
 
 # -- installing and removing the mode ----------------------------------------------------------------
-def _rms_norm_classes(models) -> set[type]:
-    classes = set()
-    for model in models:
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-                classes.add(type(module))
-    return classes
-
-
 class BatchInvariantMode:
     """Installs the batch-invariant kernels for the CPU dispatch key and ``models``; removes them cleanly.
 
@@ -391,11 +504,13 @@ class BatchInvariantMode:
     ``aten::addmm`` and ``aten::_log_softmax`` (``torch.library``; process-wide while enabled), registers
     ``attention`` and ``attention_mask`` as ``"batch_invariant"`` in transformers' attention and mask
     registries, switches every ``model.config._attn_implementation`` to it, and replaces the forward of
-    the models' RMSNorm classes by ``rms_norm``. ``disable()`` undoes all of it (the previous kernels, the
-    models' attention implementations and the classes' forwards come back). Also a context manager.
+    the models' norm classes by ``rms_norm`` or ``gemma_rms_norm`` (``norm_kernels``). ``disable()`` undoes
+    all of it (the previous kernels, the models' attention implementations and the classes' forwards come
+    back). Also a context manager.
 
     Models copied (``copy.deepcopy``) while enabled inherit the attention setting. Raises ValueError for a
-    model with parameters off the CPU (see the module docstring for CUDA) and RuntimeError when another
+    model with parameters off the CPU (see the module docstring for CUDA) or a norm layer neither formula
+    covers (``norm_kernels``; nothing is installed then), and RuntimeError when another
     ``BatchInvariantMode`` is already enabled.
     """
 
@@ -424,6 +539,7 @@ class BatchInvariantMode:
                     "On CUDA use Thinking Machines' batch_invariant_ops (set_batch_invariant_mode) for the trainer "
                     "and vLLM's VLLM_BATCH_INVARIANT=1 for a vLLM sampler; lit_rl does not wire them in this version"
                 )
+        norms = norm_kernels(self.models)  # before anything is installed: a refusal leaves nothing behind
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
@@ -433,9 +549,9 @@ class BatchInvariantMode:
             for config in _configs(model):
                 self._saved_attn.append((config, config._attn_implementation))
                 config._attn_implementation = NAME
-        for cls in _rms_norm_classes(self.models):
+        for cls, formula in norms.items():
             self._saved_forward[cls] = cls.__dict__.get("forward")
-            cls.forward = _rms_norm_forward
+            cls.forward = NORM_FORMULAS[formula][1]
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():  # torch warns that it overrides a kernel: that is the point here
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")

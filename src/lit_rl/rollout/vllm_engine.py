@@ -68,6 +68,12 @@ class WeightSyncExtension:
 
         self.reload_weights(weights_iterator=list(load_file(path).items()), is_checkpoint_format=True)
 
+    def lit_rl_top_modules(self) -> list[str]:
+        """Names of the top-level modules of this worker's model (e.g. ``model``, ``lm_head``): which tied
+        aliases of the trainer's state dict the model has a tensor for (``VLLMEngine.weights``)."""
+        model = self.get_model() if hasattr(self, "get_model") else self.model_runner.model
+        return [name for name, _ in model.named_children()]
+
 
 def data_parallel_kwargs(options: dict) -> dict:
     """vLLM's ``LLM`` arguments for one engine per data-parallel rank: inside a torch.distributed world of W > 1
@@ -225,6 +231,8 @@ class VLLMEngine:
             raise
         finally:
             torch.set_num_threads = set_num_threads
+        (modules,) = self.llm.collective_rpc("lit_rl_top_modules")[:1]
+        self.top_modules = set(modules)
         self.start_seconds = time.perf_counter() - t0
 
     def close(self) -> None:
@@ -254,8 +262,9 @@ class VLLMEngine:
 
     # -- weights -------------------------------------------------------------------------------------
     def weights(self, source: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) for every entry of the policy's ``state_dict`` — tied ``lm_head.weight`` included —
-        or of ``source``, detached, through the int8 round trip if configured, in the engine's dtype.
+        """(name, tensor) for every entry of the policy's ``state_dict`` — tied ``lm_head.weight`` included where
+        the vLLM model has an ``lm_head`` module (``lit_rl_top_modules``) — or of ``source``, detached, through the
+        int8 round trip if configured, in the engine's dtype.
 
         A ``source`` that names a tied tensor once (a snapshot that stores each storage once) gets every
         other name of it back: vLLM's CPU build keeps the output layer as a tensor of its own, and leaving
@@ -273,9 +282,20 @@ class VLLMEngine:
                 for other in names.get(name, [name]):
                     full.setdefault(other, value)
             source = full
+        # a tied alias (lm_head.weight = the embedding) goes only to a model that keeps a module for it: vLLM's
+        # CPU Llama keeps its own copy of the output layer, its Gemma-2 has none (and refuses the name)
+        seen, tied = set(), set()
+        for name, value in self.source.state_dict().items():
+            key = (value.data_ptr(), tuple(value.shape), value.stride())
+            if key in seen:
+                tied.add(name)
+            seen.add(key)
+        top = getattr(self, "top_modules", None)
         dtype = getattr(torch, self.options["dtype"])  # cast here: vLLM warns once per tensor otherwise
         out = []
         for name, value in source.items():
+            if top is not None and name in tied and name.split(".", 1)[0] not in top:
+                continue
             value = value.detach()
             if self.int8_roundtrip and value.dim() == 2:
                 value = int8_roundtrip(value)

@@ -1,0 +1,53 @@
+"""The ``logger`` config group: TensorBoard (default), CSV, W&B (offline, no network) and MLflow (a local file
+store) each write the same scalars of a 2-step tiny run, read back from their own files; several at once."""
+
+import math
+
+import pytest
+from helpers import MOVING, compose_config, fast_config
+from helpers.loggers import read_csv_scalars, read_mlflow_scalars, read_wandb_scalars, wandb_run_name
+
+from lit_rl.compare import read_scalars
+from lit_rl.config import ConfigError
+from lit_rl.train import build_loggers, run
+
+
+def same(a, b, tag):
+    assert [s for s, _ in a] == [s for s, _ in b], tag
+    for (_, x), (_, y) in zip(a, b):
+        assert math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9) or (math.isnan(x) and math.isnan(y)), (tag, x, y)
+
+
+def test_every_logger_writes_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "algo=grpo,seed=0"  # a sweep job's folder: its name is the sweep's run name
+    run(fast_config("trainer.max_steps=2", *MOVING, "logger=[tensorboard,csv,wandb,mlflow]"), out)
+    reference = read_scalars(out / "tensorboard")
+    assert len(reference["train/loss"]) == 2 and "eval/accuracy" in reference
+    (wandb_dir,) = (out / "wandb").glob("offline-run-*")
+    mlflow, mlflow_run = read_mlflow_scalars((out / "mlruns").as_uri(), "algo=grpo,seed=0")
+    written = {
+        "csv": read_csv_scalars(out / "csv" / "metrics.csv"),
+        "wandb": read_wandb_scalars(wandb_dir),
+        "mlflow": mlflow,
+    }
+    for name, scalars in written.items():
+        assert set(reference) <= set(scalars), (name, sorted(set(reference) - set(scalars)))
+        for tag, points in reference.items():
+            same(points, scalars[tag], f"{name}:{tag}")
+    assert mlflow_run.info.run_name == "algo=grpo,seed=0"
+    assert wandb_run_name(wandb_dir) == "algo=grpo,seed=0"
+
+
+def test_the_logger_group_composes_one_several_or_none(tmp_path):
+    assert [type(lg).__name__ for lg in build_loggers(compose_config(), tmp_path)] == ["TensorBoardLogger"]
+    both = build_loggers(compose_config("logger=[tensorboard,csv]"), tmp_path)
+    assert [type(lg).__name__ for lg in both] == ["TensorBoardLogger", "CSVLogger"]
+    assert build_loggers(compose_config("logger=none"), tmp_path) == []
+    named = compose_config("logger=mlflow", "logger.run_name=mine")
+    assert build_loggers(named, tmp_path)[0]._run_name == "mine"
+    with pytest.raises(ConfigError, match="logger.wandb.mode='sometimes'"):
+        build_loggers(compose_config("logger=wandb", "logger.wandb.mode=sometimes"), tmp_path)
+    with pytest.raises(Exception, match="logger"):  # a typo in a logger's key fails at composition
+        compose_config("logger=csv", "logger.csv.nmae=x")
