@@ -385,3 +385,53 @@ def test_centring_term_with_the_full_head_is_the_enumerated_expected_score():
     enumerated = sum(mu.exp()[..., v : v + 1] * (torch.eye(vocab, dtype=torch.float64)[v] - pi) for v in range(vocab))
     torch.testing.assert_close(grad_topk, enumerated)
     torch.testing.assert_close(grad_exact, enumerated)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The peers' options (issue 22) join the harness: on-policy identity, and no drift when centred
+# ----------------------------------------------------------------------------------------------
+
+#: (algorithm, overrides) of each objective option: it must keep both identities
+PEER_OPTIONS = [
+    ("grpo", ["algo.clip_ratio_c=1.05"]),
+    ("ppo", ["algo.clip_ratio_c=1.05"]),
+    ("dapo", ["algo.delta=1.05"]),
+]
+
+
+@pytest.mark.parametrize("algo,options", PEER_OPTIONS, ids=[f"{a}-{'-'.join(o)}" for a, o in PEER_OPTIONS])
+def test_peer_options_keep_both_identities(drift_setup, algo, options):
+    # on-policy (μ = π): every correction's E[ĝ] equals none's
+    policy = TabularPolicy(3, 2, seed=1)
+    kw = dict(reward=reward_first_equals_last, group_size=2)
+    reference = expected(policy, algo, "none", policy.table(), options, **kw)
+    assert reference.abs().max() > 1e-3
+    for correction in ("tis", "mis", "sc+tis", "sc+mis"):
+        grad = expected(policy, algo, correction, policy.table(), options, **kw)
+        assert close(grad, reference, float(reference.abs().max())), (correction, options)
+    # a constant advantage after θ moved away from π_old (the option binds): the centred corrections do not drift
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    move = 0.3 * torch.randn(policy.lm_head.weight.shape, generator=torch.Generator().manual_seed(5))
+    theta_old = policy.lm_head.weight.detach().clone()
+
+    def move_away(rb):
+        with torch.no_grad():
+            policy.lm_head.weight.copy_(theta_old + move)
+
+    base = ["algo.ppo_epochs=2", "correction.tis.cap=1.05"]
+    minus_ones = lambda rb: -torch.ones(len(rb))  # noqa: E731  (A < 0: where the dual clip acts)
+    try:
+        for adv in (ONES, minus_ones):
+            none = expected(policy, algo, "none", mu, [*base, *options], advantages=adv, before=move_away)
+            policy.lm_head.weight.data.copy_(theta_old)
+            without = expected(policy, algo, "none", mu, base, advantages=adv, before=move_away)
+            policy.lm_head.weight.data.copy_(theta_old)
+            binds = not close(none, without, float(without.abs().max()), rtol=1e-3)
+            for correction in ("sc", "sc+tis", "sc+mis"):
+                grad = expected(policy, algo, correction, mu, [*base, *options], advantages=adv, before=move_away)
+                policy.lm_head.weight.data.copy_(theta_old)
+                assert close(grad, torch.zeros_like(grad), float(none.abs().max())), (correction, options)
+        assert binds  # the option changed the update (A = -1)
+    finally:
+        policy.lm_head.weight.data.copy_(theta_old)

@@ -189,6 +189,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algo.name != "cispo":  # CISPO's paper turns the lower bound off with eps_low >= 1
         _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
+    check_dual_clip(cfg.algo)
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
     _check(
         cfg.loss.reduction in REDUCTION_MODES,
@@ -328,6 +329,33 @@ def validate(cfg: DictConfig) -> None:
             "model.name_or_path",
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
+        )
+
+
+def check_dual_clip(algo: DictConfig) -> None:
+    """``algo.clip_ratio_c`` (dual clip) and ``algo.delta`` (TRL's two-sided clip): null or a number > 1, at most
+    one of them, and only for an algorithm whose objective is the PPO clip (``RLAlgorithm.ppo_clip``)."""
+    ppo_clip = [n for n in ALGORITHMS if ALGORITHMS[n].ppo_clip]
+    for key, meaning in (("clip_ratio_c", "the dual-clip bound c*|A|"), ("delta", "the cap of the unclipped ratio")):
+        value = algo.get(key)
+        if value is None:
+            continue
+        _check(
+            _is_number(value) and math.isfinite(value) and value > 1,
+            f"algo.{key}",
+            value,
+            f"null (off) or a number > 1 ({meaning}; at ratio 1 no clip may bind)",
+        )
+        _check(
+            algo.name in ppo_clip,
+            f"algo.{key}",
+            value,
+            f"{algo.name}'s objective has no PPO clip for it to bound; it applies to {ppo_clip} (null = off)",
+        )
+    if algo.get("clip_ratio_c") is not None and algo.get("delta") is not None:
+        raise ConfigError(
+            f"algo.clip_ratio_c={algo.clip_ratio_c!r} and algo.delta={algo.delta!r} are both set: for A < 0 both bound "
+            "the loss by a constant times |A| (delta > 1 + eps_high is the dual clip with c = delta); choose one"
         )
 
 

@@ -324,12 +324,29 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
 
 
 def ppo_clip_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: Optional[float] = None,
+    delta: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token PPO clipped surrogate loss (Schulman et al. 2017), with DAPO clip-higher.
+    """Per-token PPO clipped surrogate loss (Schulman et al. 2017), with DAPO clip-higher, dual clip and delta.
 
     r = exp(logprobs − old_logprobs), loss = −min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A).
     ``eps_low = eps_high`` is PPO/GRPO; DAPO (Yu et al. 2025) uses 0.2 / 0.28.
+
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", eq. 5; verl's
+    ``clip_ratio_c``): for A < 0 the loss is also bounded by c·|A|, loss = min(loss, −c·A), so a token whose
+    ratio ran far above 1 with a negative advantage stops pushing (no gradient). One token, A = −1, r = 4,
+    ε = 0.2, c = 3: loss 3 and zero gradient (without: 4, gradient 4 w.r.t. its log-prob).
+
+    Two-sided clip (TRL's ``delta``, INTELLECT-2 report, Prime Intellect 2025): the unclipped ratio is capped,
+    r' = min(r, δ), in the first branch: loss = −min(r'·A, clip(r)·A). For δ > 1 + eps_high this is the dual
+    clip with c = δ (A > 0: the clipped branch already wins above 1 + eps_high; A < 0: the loss is
+    |A|·max(min(r, δ), clip(r)) = min(|A|·max(r, clip(r)), δ|A|)); ``config.validate`` refuses both together.
+    With δ ≤ 1 + eps_high it also caps the A > 0 side below the usual clip.
 
     Args:
         logprobs: float [N, T], current policy log-probs (with gradient).
@@ -338,12 +355,15 @@ def ppo_clip_loss(
         advantages: float [N] (broadcast over tokens) or [N, T].
         eps_low: lower clip range ε_low.
         eps_high: upper clip range ε_high.
+        clip_ratio_c: dual-clip constant c > 1, or None (off).
+        delta: TRL's two-sided bound δ > 1 on the unclipped ratio, or None (off).
 
     Returns:
         (loss [N, T], clipped_low [N, T] bool, clipped_high [N, T] bool). ``clipped_*`` mark the
         tokens where the clip binds (the clipped branch is the min and differs from the unclipped
         one, so the token has no gradient): clipped_high where A > 0 and r > 1 + eps_high,
-        clipped_low where A < 0 and r < 1 − eps_low. Padding is not masked: reduce with a mask.
+        clipped_low where A < 0 and r < 1 − eps_low. Where the dual clip or delta binds see
+        ``dual_clip_binds`` (not folded into either). Padding is not masked: reduce with a mask.
 
     Raises:
         ValueError: on shape mismatch.
@@ -352,11 +372,46 @@ def ppo_clip_loss(
     advantages = _broadcast_advantages(advantages, logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    loss = -torch.minimum(unclipped * advantages, clipped_ratio * advantages)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -clip_ratio_c * advantages), loss)
     ratio = ratio.detach()
     clipped_high = (advantages > 0) & (ratio > 1.0 + eps_high)
     clipped_low = (advantages < 0) & (ratio < 1.0 - eps_low)
     return loss, clipped_low, clipped_high
+
+
+def dual_clip_binds(
+    log_ratio: Tensor, advantages: Tensor, eps_high: float, clip_ratio_c: Optional[float], delta: Optional[float]
+) -> Tensor:
+    """Where the dual clip c (or TRL's δ) of ``ppo_clip_loss`` takes a token's gradient away that the ordinary
+    clip leaves: c where A < 0 and r > c; δ where A < 0 and r > max(δ, 1 + eps_high), or A > 0 and
+    δ < r ≤ 1 + eps_high (above 1 + eps_high the ordinary upper clip binds already). verl logs the dual-clip
+    fraction as ``pg_clipfrac_lower``, which is lit_rl's name for the ordinary lower clip; here it is its own
+    metric (``train/pg_clipfrac_dual``).
+
+    Args:
+        log_ratio: float [N, T], log(π_θ / π_old) (detached here).
+        advantages: float [N] or [N, T].
+        eps_high: upper clip range.
+        clip_ratio_c, delta: as ``ppo_clip_loss``; both None gives all False.
+
+    Returns:
+        bool [N, T].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    advantages = _broadcast_advantages(advantages, log_ratio)
+    ratio = log_ratio.detach().exp()
+    out = torch.zeros_like(ratio, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        out = out | ((advantages < 0) & (ratio > clip_ratio_c))
+    if delta is not None:
+        upper = (advantages > 0) & (ratio > delta) & (ratio <= 1.0 + eps_high)
+        out = out | upper | ((advantages < 0) & (ratio > max(delta, 1.0 + eps_high)))
+    return out
 
 
 def gspo_loss(
@@ -466,15 +521,25 @@ def reinforce_coef(log_ratio: Tensor, advantages: Tensor) -> Tensor:
     return (-_token_advantages(advantages, log_ratio)).expand_as(log_ratio).to(log_ratio.dtype)
 
 
-def ppo_clip_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """∂ℓ/∂log π of ``ppo_clip_loss``: −A·r where the clip does not bind, 0 where it does.
+def ppo_clip_coef(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: Optional[float] = None,
+    delta: Optional[float] = None,
+) -> Tensor:
+    """∂ℓ/∂log π of ``ppo_clip_loss``: −A·r where no clip binds, 0 where one does.
 
     ℓ = −min(r A, clip(r, 1 − eps_low, 1 + eps_high) A), r = exp(log_ratio); the clip binds (the token
     has no gradient) where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 − eps_low (Schulman et al.
-    2017; DAPO's clip-higher with eps_low ≠ eps_high).
+    2017; DAPO's clip-higher with eps_low ≠ eps_high); the dual clip c where A < 0 and r > c (Ye et al.
+    2020); TRL's δ where A > 0 and r > δ, or A < 0 and r > max(δ, 1 + eps_high) (the capped branch
+    min(r, δ) is constant above δ; for A < 0 the clipped branch clip(r) = r wins up to 1 + eps_high).
 
     Args:
-        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; eps_low, eps_high: clip ranges.
+        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; eps_low, eps_high: clip ranges;
+        clip_ratio_c, delta: as ``ppo_clip_loss``.
 
     Returns:
         float [N, T, J].
@@ -485,6 +550,10 @@ def ppo_clip_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_hig
     adv = _token_advantages(advantages, log_ratio)
     ratio = log_ratio.exp()
     clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    if clip_ratio_c is not None:
+        clipped = clipped | ((adv < 0) & (ratio > clip_ratio_c))
+    if delta is not None:  # the capped branch min(r, δ) is constant above δ; for A < 0 clip(r) = r may still win
+        clipped = clipped | ((adv > 0) & (ratio > delta)) | ((adv < 0) & (ratio > max(delta, 1.0 + eps_high)))
     return torch.where(clipped, torch.zeros_like(ratio), -adv * ratio)
 
 

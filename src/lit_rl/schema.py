@@ -174,6 +174,11 @@ class AlgoConfig:
     #: one of ``algorithms.ALGORITHMS``
     name: str = "grpo"
     clip: ClipConfig = field(default_factory=ClipConfig)
+    #: dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, which defaults to 3): for A < 0 the loss is bounded by
+    #: c * |A|; null = off. The PPO-clip objectives only (ppo, grpo, dapo, dr_grpo, reinforce_pp)
+    clip_ratio_c: Optional[Number] = None
+    #: TRL's two-sided clip ``delta`` (INTELLECT-2): the unclipped ratio capped at delta (> 1); null = off
+    delta: Optional[Number] = None
     #: passes over each rollout batch (the PPO schedule); 1 x 1 keeps the update on-policy
     ppo_epochs: int = 1
     #: optimizer steps per pass

@@ -107,6 +107,9 @@ class RLAlgorithm(L.LightningModule):
     # -- construction and Lightning's set-up -----------------------------------------------------------------------
     #: this algorithm's ``algo`` defaults (its conf/algo/<name>.yaml, for modules built from Python)
     algo_config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    #: the objective is the PPO clipped surrogate (``policy_loss`` below), so ``algo.clip_ratio_c`` (dual clip) and
+    #: ``algo.delta`` apply; an algorithm with another objective sets False and ``config.validate`` refuses them
+    ppo_clip: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -467,13 +470,25 @@ class RLAlgorithm(L.LightningModule):
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
+        a = self.algo_cfg
         loss, clip_low, clip_high = obj.ppo_clip_loss(
-            logprobs, old_logprobs, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            self.clip_cfg.eps_low,
+            self.clip_cfg.eps_high,
+            a.clip_ratio_c,
+            a.delta,
         )
         mask = mb.response_mask
         stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
         stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
         stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
+        if a.clip_ratio_c is not None or a.delta is not None:  # its own name: verl's pg_clipfrac_lower is this one
+            dual = obj.dual_clip_binds(
+                logprobs.detach() - old_logprobs, mb.advantages, self.clip_cfg.eps_high, a.clip_ratio_c, a.delta
+            )
+            stats.add("train/pg_clipfrac_dual", dual.float(), mask)
         return loss
 
     def finish_loss(
@@ -565,7 +580,10 @@ class RLAlgorithm(L.LightningModule):
         sampled at position t (``sampled_log_ratio`` [n, T]: the sampled tokens'); [n, T, J]. Score
         centering under a correction evaluates it at the engine's head ids (``corrections.centering_term``).
         Default: the PPO clipped surrogate's, −A·r where the clip does not bind (GRPO, DAPO, Dr.GRPO)."""
-        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        a = self.algo_cfg
+        return obj.ppo_clip_coef(
+            log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high, a.clip_ratio_c, a.delta
+        )
 
     def optimizer_step(self, opt, loss: float = 0.0) -> float:
         """Step ``opt`` (Lightning's optimizer wrapper) on the accumulated gradient, zero it, advance the lr
