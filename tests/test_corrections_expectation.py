@@ -392,24 +392,36 @@ def test_centring_term_with_the_full_head_is_the_enumerated_expected_score():
 # ----------------------------------------------------------------------------------------------
 
 #: (algorithm, overrides) of each objective option: it must keep both identities
-PEER_OPTIONS = [
+PEER_OBJECTIVE_OPTIONS = [
     ("grpo", ["algo.clip_ratio_c=1.05"]),
     ("ppo", ["algo.clip_ratio_c=1.05"]),
     ("dapo", ["algo.delta=1.05"]),
 ]
+#: the options that change the advantages (or the corrections' weights) join the on-policy identity
+PEER_OPTIONS = [
+    *PEER_OBJECTIVE_OPTIONS,
+    ("grpo", ["advantage.std=sample", "advantage.scale=batch"]),
+    ("dr_grpo", ["advantage.scale=none"]),
+]
 
 
 @pytest.mark.parametrize("algo,options", PEER_OPTIONS, ids=[f"{a}-{'-'.join(o)}" for a, o in PEER_OPTIONS])
-def test_peer_options_keep_both_identities(drift_setup, algo, options):
+def test_peer_options_keep_the_on_policy_identity(algo, options):
     # on-policy (μ = π): every correction's E[ĝ] equals none's
     policy = TabularPolicy(3, 2, seed=1)
     kw = dict(reward=reward_first_equals_last, group_size=2)
     reference = expected(policy, algo, "none", policy.table(), options, **kw)
     assert reference.abs().max() > 1e-3
-    for correction in ("tis", "mis", "sc+tis", "sc+mis"):
+    for correction in ("tis", "mis", "mis_mask", "sc+tis", "sc+mis"):
         grad = expected(policy, algo, correction, policy.table(), options, **kw)
         assert close(grad, reference, float(reference.abs().max())), (correction, options)
-    # a constant advantage after θ moved away from π_old (the option binds): the centred corrections do not drift
+
+
+@pytest.mark.parametrize(
+    "algo,options", PEER_OBJECTIVE_OPTIONS, ids=[f"{a}-{'-'.join(o)}" for a, o in PEER_OBJECTIVE_OPTIONS]
+)
+def test_peer_objective_options_do_not_drift_when_centred(drift_setup, algo, options):
+    # a constant advantage ±1 after θ moved away from π_old (the option binds): the centred corrections do not drift
     policy, samplers = drift_setup
     mu = samplers["noise"]
     move = 0.3 * torch.randn(policy.lm_head.weight.shape, generator=torch.Generator().manual_seed(5))

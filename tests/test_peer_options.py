@@ -109,3 +109,66 @@ def test_dual_clip_fraction_is_its_own_metric():
     adv = torch.tensor([[-1.0, -1.0, -1.0, 1.0]])
     assert obj.dual_clip_binds(log_r, adv, 0.2, 3.0, None).tolist() == [[True, False, False, False]]
     assert obj.dual_clip_binds(log_r, adv, 0.2, None, 1.02).tolist() == [[True, False, False, True]]
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Advantage conventions: advantage.std (population | sample), advantage.scale (group | batch | none)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_std_conventions_on_the_issue_example():
+    rewards, groups = torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0, 0])
+    population = obj.group_advantages(rewards, groups, eps=1e-6)
+    assert population.tolist() == pytest.approx([0.999998, -0.999998], abs=1e-6)  # 0.5 / (0.5 + 1e-6)
+    sample = obj.group_advantages(rewards, groups, eps=1e-6, std="sample")
+    assert sample.tolist() == pytest.approx([0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)], rel=1e-12)
+    # verl's GRPO outcome advantage: (r - mean) / (torch.std(r) + 1e-6), torch.std being the sample std
+    verl = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    torch.testing.assert_close(sample, verl, rtol=1e-12, atol=0)
+    assert verl.tolist() == pytest.approx([0.70711, -0.70711], abs=5e-6)
+    # TRL's GRPOTrainer: (r - mean) / (std + 1e-4), std the sample std; its eps is advantage.eps here
+    trl = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+    assert trl.tolist() == pytest.approx([0.70700, -0.70700], abs=1e-5)  # 0.707007: the issue quotes 0.70700
+    torch.testing.assert_close(obj.group_advantages(rewards, groups, eps=1e-4, std="sample"), trl, rtol=1e-12, atol=0)
+
+
+def test_batch_scale_is_trls_scale_rewards_batch():
+    # two groups: [1, 0, 0, 0] and [1, 1, 0, 1]; centred by the group mean, divided by the std of all 8 rewards
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 1], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, -0.75, 0.25], dtype=torch.float64)
+    trl = centred / (rewards.std() + 1e-4)  # TRL: rewards.std() over the batch, sample std
+    got = obj.group_advantages(rewards, groups, eps=1e-4, std="sample", scale="batch")
+    torch.testing.assert_close(got, trl, rtol=1e-12, atol=0)
+    # by hand: mean 0.5, sum of squared deviations 8 * 0.25 = 2, sample std sqrt(2/7)
+    assert float(got[0]) == pytest.approx(0.75 / (math.sqrt(2 / 7) + 1e-4), rel=1e-12)
+    population = obj.group_advantages(rewards, groups, eps=1e-6, scale="batch")
+    assert float(population[0]) == pytest.approx(0.75 / (0.5 + 1e-6), rel=1e-12)
+    # scale=none: the mean-only advantage, as alpha = 0 (TRL scale_rewards="none", Dr.GRPO)
+    torch.testing.assert_close(obj.group_advantages(rewards, groups, alpha=0.0, scale="none"), centred)
+    torch.testing.assert_close(obj.group_advantages(rewards, groups, alpha=0.0), centred)
+    # the moments form (several data-parallel ranks) gives the same std
+    half = [obj.masked_sum(x, torch.ones(4, dtype=torch.bool)) for x in (rewards[:4], rewards[4:])]
+    sq = [float((x**2).sum()) for x in (rewards[:4], rewards[4:])]
+    assert float(obj.std_from_moments(8, sum(half), sum(sq), "sample")) == pytest.approx(math.sqrt(2 / 7))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["advantage.std=unbiased"], r"advantage.std='unbiased' is not allowed: choose one of \['population'"),
+        (["advantage.scale=global"], r"advantage.scale='global' is not allowed: choose one of \['group'"),
+        (["advantage.scale=none"], r"advantage.scale='none' is not allowed: none means no std division, i.e. adv"),
+        (["algo=ppo", "advantage.std=sample"], r"advantage.std='sample' is not allowed: ppo has its own advantage"),
+        (["algo=reinforce", "advantage.scale=batch"], r"advantage.scale='batch' is not allowed: reinforce has its"),
+    ],
+)
+def test_contradictory_advantage_settings_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(*overrides))
+
+
+def test_advantage_settings_accepted():
+    validate(cfg_for("advantage.scale=none", "advantage.alpha=0"))
+    validate(cfg_for("algo=dr_grpo", "advantage.scale=none"))  # dr_grpo sets alpha 0
+    validate(cfg_for("advantage.std=sample", "advantage.scale=batch", "advantage.eps=1e-4"))

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from .algorithms import ALGORITHMS
 from .corrections import CORRECTIONS
 from .kernels import KERNELS
-from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES
+from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES, SCALES, STD_KINDS
 from .rollout.engines import ENGINE_CHOICES as ENGINES
 from .rollout.staleness import ON_STALE, ROLLOUT_MODES
 from .tasks import TASKS
@@ -191,6 +191,7 @@ def validate(cfg: DictConfig) -> None:
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
     check_dual_clip(cfg.algo)
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
+    check_advantage(cfg)
     _check(
         cfg.loss.reduction in REDUCTION_MODES,
         "loss.reduction",
@@ -330,6 +331,31 @@ def validate(cfg: DictConfig) -> None:
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
         )
+
+
+def check_advantage(cfg: DictConfig) -> None:
+    """``advantage.std`` and ``advantage.scale``: known values; ``scale=none`` means no std division, which is
+    alpha = 0 (refused with any other alpha: one of the two would be ignored); non-default values only for an
+    algorithm whose advantages are ``objectives.group_advantages`` (``RLAlgorithm.group_normalised``)."""
+    adv, name = cfg.advantage, cfg.algo.name
+    std, scale = adv.get("std", "population"), adv.get("scale", "group")
+    _check(std in STD_KINDS, "advantage.std", std, f"choose one of {list(STD_KINDS)}")
+    _check(scale in SCALES, "advantage.scale", scale, f"choose one of {list(SCALES)}")
+    _check(
+        scale != "none" or adv.alpha == 0,
+        "advantage.scale",
+        scale,
+        f"none means no std division, i.e. advantage.alpha=0, but advantage.alpha={adv.alpha}: set "
+        "advantage.alpha=0 too (Dr.GRPO's mean-only advantage), or choose scale=group|batch",
+    )
+    if not ALGORITHMS[name].group_normalised:
+        for key, value, default in (("std", std, "population"), ("scale", scale, "group")):
+            _check(
+                value == default,
+                f"advantage.{key}",
+                value,
+                f"{name} has its own advantage estimator (not the group-normalised one): leave it at {default!r}",
+            )
 
 
 def check_dual_clip(algo: DictConfig) -> None:

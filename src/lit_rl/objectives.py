@@ -31,6 +31,10 @@ from torch import Tensor
 
 REDUCTION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 BASELINES = ("none", "batch_mean", "rloo")
+#: ``advantage.std``: the std's denominator n (population, lit_rl's default) or n − 1 (sample: TRL, verl)
+STD_KINDS = ("population", "sample")
+#: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
+SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
 
 
@@ -180,17 +184,25 @@ def group_advantages(
     alpha: float = 1.0,
     eps: float = 1e-6,
     valid: Optional[Tensor] = None,
+    std: str = "population",
+    scale: str = "group",
+    batch_std: Optional[float] = None,
 ) -> Tensor:
-    """Group-relative advantages A_i = (R_i − mean_g R) / (std_g R + eps)^alpha.
+    """Group-relative advantages A_i = (R_i − mean_g R) / (σ + eps)^alpha.
 
     GRPO (Shao et al. 2024) is ``alpha=1``; Dr.GRPO (Liu et al. 2025) is ``alpha=0`` (no std
-    division). The std is the POPULATION std (``unbiased=False``) over the group. Groups are
-    identified by ``group_ids`` (the prompt id), never by position, so any layout works (e.g.
-    interleaved [p1, p2, p1, p2]).
+    division). σ is, by ``scale``: ``"group"`` the std of the completion's group (GRPO); ``"batch"`` the
+    std of every valid reward of the step (TRL's ``scale_rewards="batch"``, after Liu et al. 2025's
+    critique of the group std); ``"none"`` no division (as ``alpha=0``; TRL's ``scale_rewards="none"``).
+    ``std="population"`` divides the squared deviations by n (lit_rl's default, SPEC vector 1),
+    ``"sample"`` by n − 1 (torch's default ``std()``, which TRL and verl call). Rewards [1, 0] of one
+    group: ±0.999998 (population, eps 1e-6), ±0.707106 (sample, eps 1e-6 = verl's GRPO, ±0.70711),
+    TRL's eps 1e-4 gives ±0.70700. Groups are identified by ``group_ids`` (the prompt id), never by
+    position, so any layout works (e.g. interleaved [p1, p2, p1, p2]).
 
     Invalid completions (e.g. zero generated tokens) are excluded from their group's mean and std
-    and get advantage 0. A group whose valid rewards are all equal (or that has no valid member)
-    gets exactly 0 advantages.
+    (and from the batch std) and get advantage 0. A group whose valid rewards are all equal (or that has
+    no valid member) gets exactly 0 advantages. A sample std of a single reward is taken as 0.
 
     Args:
         rewards: float [N].
@@ -198,16 +210,24 @@ def group_advantages(
         alpha: std-normalisation exponent in [0, 1].
         eps: added to the std before the power.
         valid: bool [N]; None means every completion is valid.
+        std: one of ``STD_KINDS``.
+        scale: one of ``SCALES``.
+        batch_std: with ``scale="batch"``, the step's std when it spans more than these rewards (several
+            data-parallel ranks); None computes it from ``rewards``.
 
     Returns:
         Float [N] advantages (same dtype as ``rewards``, float32 if ``rewards`` is not floating).
 
     Raises:
-        ValueError: ``alpha`` outside [0, 1]; ``rewards`` not 1-D; shape mismatch of
-            ``group_ids`` or ``valid`` with ``rewards``.
+        ValueError: ``alpha`` outside [0, 1]; unknown ``std`` or ``scale``; ``rewards`` not 1-D; shape
+            mismatch of ``group_ids`` or ``valid`` with ``rewards``.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if std not in STD_KINDS:
+        raise ValueError(f"Unknown std {std!r}; expected one of {STD_KINDS}")
+    if scale not in SCALES:
+        raise ValueError(f"Unknown scale {scale!r}; expected one of {SCALES}")
     rewards = _as_float(rewards)
     _check_1d(rewards, "rewards")
     _check_same_shape(rewards, group_ids, "rewards", "group_ids")
@@ -223,14 +243,51 @@ def group_advantages(
     count = zeros.index_add(0, inverse, valid.to(rewards.dtype)).clamp(min=1)
     mean = zeros.index_add(0, inverse, valid_rewards) / count
     centered = rewards - mean[inverse]
-    squared = torch.where(valid, centered**2, torch.zeros_like(centered))
-    std = (zeros.index_add(0, inverse, squared) / count).sqrt()
-
-    advantages = centered / (std[inverse] + eps) ** alpha
+    if scale == "group":
+        squared = torch.where(valid, centered**2, torch.zeros_like(centered))
+        dof = count if std == "population" else (count - 1).clamp(min=1)
+        sigma = ((zeros.index_add(0, inverse, squared) / dof).sqrt())[inverse]
+        advantages = centered / (sigma + eps) ** alpha
+    elif scale == "batch":
+        sigma = reward_std(rewards, valid, std) if batch_std is None else batch_std
+        advantages = centered / (torch.as_tensor(sigma, dtype=rewards.dtype) + eps) ** alpha
+    else:
+        advantages = centered
     # Exactly 0 for groups without reward variance, whatever the rounding of the mean.
     has_variance = _group_has_variance(rewards, valid, inverse, num_groups)
     keep = valid & has_variance[inverse]
     return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def reward_std(rewards: Tensor, valid: Optional[Tensor] = None, std: str = "population") -> Tensor:
+    """The std of the valid rewards [N]: population (÷ n) or sample (÷ (n − 1), torch's default).
+
+    Args:
+        rewards: float [N]; valid: bool [N] or None (all valid); std: one of ``STD_KINDS``.
+
+    Returns:
+        0-dim float tensor; 0 for fewer than 2 valid rewards.
+
+    Raises:
+        ValueError: unknown ``std``.
+    """
+    if std not in STD_KINDS:
+        raise ValueError(f"Unknown std {std!r}; expected one of {STD_KINDS}")
+    rewards = _as_float(rewards)
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    return std_from_moments(valid.sum(), masked_sum(rewards, valid), masked_sum(rewards**2, valid), std).to(
+        rewards.dtype
+    )
+
+
+def std_from_moments(count, total, total_sq, std: str = "population") -> Tensor:
+    """The std of n values from n, Σx and Σx² (e.g. summed over data-parallel ranks), in float64 from
+    the centred form Σx² − (Σx)²/n; 0 for n < 2. ``std``: ``"population"`` (÷ n) or ``"sample"`` (÷ (n − 1))."""
+    count, total, total_sq = (torch.as_tensor(x, dtype=torch.float64) for x in (count, total, total_sq))
+    if float(count) < 2:
+        return torch.zeros((), dtype=torch.float64)
+    dof = count if std == "population" else count - 1
+    return ((total_sq - total**2 / count).clamp(min=0) / dof).sqrt()
 
 
 def baseline_advantages(rewards: Tensor, group_ids: Tensor, baseline: str) -> Tensor:

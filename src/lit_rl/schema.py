@@ -428,6 +428,11 @@ class AdvantageConfig:
     #: 1 = GRPO, 0 = Dr.GRPO (mean-only)
     alpha: Number = 1.0
     eps: Number = 1.0e-6
+    #: population (divide by n; SPEC vector 1) | sample (n - 1: TRL, verl) (``objectives.STD_KINDS``)
+    std: str = "population"
+    #: group (the group's std, GRPO) | batch (the step's std, TRL scale_rewards=batch) | none (no division: alpha
+    #: must be 0) (``objectives.SCALES``)
+    scale: str = "group"
 
 
 @dataclass

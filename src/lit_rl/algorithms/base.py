@@ -110,6 +110,10 @@ class RLAlgorithm(L.LightningModule):
     #: the objective is the PPO clipped surrogate (``policy_loss`` below), so ``algo.clip_ratio_c`` (dual clip) and
     #: ``algo.delta`` apply; an algorithm with another objective sets False and ``config.validate`` refuses them
     ppo_clip: ClassVar[bool] = True
+    #: the advantages are ``objectives.group_advantages`` of the ``advantage`` group (alpha, eps, std, scale); an
+    #: algorithm with its own estimator (PPO's GAE, REINFORCE's baselines) sets False and ``config.validate``
+    #: refuses a non-default ``advantage.std`` / ``advantage.scale`` for it
+    group_normalised: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -298,8 +302,21 @@ class RLAlgorithm(L.LightningModule):
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
         """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
         valid = scored.rollouts.response_length > 0
+        a = self.advantage_cfg
+        batch_std = None
+        if a.scale == "batch" and self.world_size > 1:  # the step's std spans every rank's rewards
+            r = torch.where(valid, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+            moments = self.all_reduce(torch.stack([valid.sum().double(), r.sum(), (r**2).sum()]))
+            batch_std = float(obj.std_from_moments(*moments.tolist(), a.std))
         return obj.group_advantages(
-            rewards, scored.group_ids, alpha=self.advantage_cfg.alpha, eps=self.advantage_cfg.eps, valid=valid
+            rewards,
+            scored.group_ids,
+            alpha=a.alpha,
+            eps=a.eps,
+            valid=valid,
+            std=a.std,
+            scale=a.scale,
+            batch_std=batch_std,
         )
 
     @classmethod

@@ -31,6 +31,7 @@ class PPO(RLAlgorithm):
     """Actor-critic PPO with GAE and several epochs of minibatch updates per rollout batch."""
 
     algo_config = PpoConfig
+    group_normalised = False  # advantage.std / advantage.scale are refused (its own advantage estimator)
 
     @classmethod
     def group_baseline(cls, algo) -> bool:
