@@ -14,6 +14,7 @@ from helpers import compose_config
 
 from lit_rl import objectives as obj
 from lit_rl.config import ConfigError, validate
+from lit_rl.corrections import WeightFunction, correction_weights
 
 
 def cfg_for(*overrides):
@@ -172,3 +173,61 @@ def test_advantage_settings_accepted():
     validate(cfg_for("advantage.scale=none", "advantage.alpha=0"))
     validate(cfg_for("algo=dr_grpo", "advantage.scale=none"))  # dr_grpo sets alpha 0
     validate(cfg_for("advantage.std=sample", "advantage.scale=batch", "advantage.eps=1e-4"))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. TIS lower bound (TRL clip_min), geometric-mean MIS (verl's geometric rejection)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_tis_lower_bound_is_trls_clip_min():
+    # weights pi_old / mu = 0.3, 1.0, 3.0: TRL's token_truncate with clip_min 0.5, clip_max 2 gives
+    # clamp(w, 0.5, 2) = 0.5, 1, 2; without the lower bound 0.3, 1, 2
+    w = torch.tensor([[0.3, 1.0, 3.0]])
+    old, rollout, mask = w.log(), torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool)
+    for low, expected_w in ((0.5, [0.5, 1.0, 2.0]), (None, [0.3, 1.0, 2.0])):
+        rule = WeightFunction(tis_cap=2.0, tis_low=low)
+        weights, *_, metrics = correction_weights(old, rollout, mask, rule)
+        assert weights.tolist()[0] == pytest.approx(expected_w)
+        assert weights.tolist()[0] == pytest.approx(w.clamp(min=low, max=2.0).tolist()[0])  # TRL's formula
+        assert float(metrics["tis_clipfrac"]) == pytest.approx(1 / 3)
+        assert ("tis_clipfrac_low" in metrics) == (low is not None)
+    with pytest.raises(ValueError, match="TIS lower bound"):
+        WeightFunction(tis_cap=2.0, tis_low=1.5)
+
+
+def test_geometric_mis_keeps_each_kept_tokens_own_weight():
+    # row 0: w = 1.5, 2.5 -> geometric mean sqrt(3.75) = 1.94 inside [0.5, 2]: both kept, each with its own w
+    # (token-level MIS would drop the 2.5); row 1: w = 2.5, 2.5 -> 2.5 outside: both dropped
+    w = torch.tensor([[1.5, 2.5], [2.5, 2.5]])
+    old, rollout, mask = w.log(), torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.bool)
+    weighted = WeightFunction(mis_band=(0.5, 2.0), mis_level="geometric")
+    weights, _, _, scale, metrics = correction_weights(old, rollout, mask, weighted)
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 2.5], [0.0, 0.0]]))
+    assert float(metrics["mis_maskfrac"]) == 0.5
+    torch.testing.assert_close(scale, torch.full((2, 2), 0.5))
+    # verl's geometric rejection: exp(mean_t log w_t) outside [low, high] drops the sequence; mask only
+    geo = w.log().mean(-1).exp()
+    keep = ((geo >= 0.5) & (geo <= 2.0))[:, None].expand_as(w)
+    mask_only, *_ = correction_weights(
+        old, rollout, mask, WeightFunction(mis_band=(0.5, 2.0), mis_level="geometric", mis_weighted=False)
+    )
+    torch.testing.assert_close(mask_only, keep.float())
+    # padding does not enter the mean: row [1.5, pad] with a huge padded value is kept at w = 1.5
+    pad_mask = torch.tensor([[True, False]])
+    weights, *_ = correction_weights(torch.tensor([[math.log(1.5), 50.0]]), torch.zeros(1, 2), pad_mask, weighted)
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 1.0]]))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["correction=tis", "correction.tis.low=1.5"], r"correction.tis.low=1.5 is not allowed: null \(no lower"),
+        (["correction=tis", "correction.tis.low=0"], r"correction.tis.low=0 is not allowed"),
+        (["correction=tis", "correction.tis.level=geometric"], r"correction.tis.level='geometric' is not allowed"),
+        (["correction=mis", "correction.mis.level=geo"], r"correction.mis.level='geo' is not allowed: choose 'token'"),
+    ],
+)
+def test_correction_options_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(*overrides))

@@ -158,13 +158,21 @@ def validate(cfg: DictConfig) -> None:
     )
     _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
     _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
-    for lvl in ("tis", "mis"):
-        _check(
-            c[lvl].level in ("token", "sequence"),
-            f"correction.{lvl}.level",
-            c[lvl].level,
-            "choose 'token' or 'sequence'",
-        )
+    _check(c.tis.level in ("token", "sequence"), "correction.tis.level", c.tis.level, "choose 'token' or 'sequence'")
+    _check(
+        c.mis.level in ("token", "sequence", "geometric"),
+        "correction.mis.level",
+        c.mis.level,
+        "choose 'token', 'sequence' or 'geometric' (the geometric mean of the sequence's ratios)",
+    )
+    low = c.tis.get("low")
+    _check(
+        low is None or (_is_number(low) and 0 < low <= min(1.0, c.tis.cap)),
+        "correction.tis.low",
+        low,
+        f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={c.tis.cap})] (an on-policy token, "
+        "weight 1, must keep its weight)",
+    )
     if cfg.engine.dtype:
         _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
     if cfg.algo.name == "dapo" and cfg.algo.overlong.enabled:

@@ -288,6 +288,9 @@ class TisConfig:
 
     enabled: bool = False
     cap: Number = 2.0
+    #: lower bound L in (0, min(1, cap)] (TRL's vllm_importance_sampling_clip_min): the weight min(max(w, L), cap);
+    #: null = none
+    low: Optional[Number] = None
     #: token | sequence
     level: str = "token"
 
@@ -299,7 +302,8 @@ class MisConfig:
     enabled: bool = False
     low: Number = 0.5
     high: Number = 2.0
-    #: token | sequence
+    #: token | sequence | geometric (a sequence kept or dropped by the geometric mean of its ratios, verl's
+    #: geometric rejection; weighted: kept tokens keep their own w_t)
     level: str = "token"
     #: true: kept tokens keep their weight w (IcePop, TRL); false: mask only (verl's rejection sampling)
     weighted: bool = True
