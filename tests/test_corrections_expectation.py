@@ -401,6 +401,7 @@ PEER_OPTIONS = [
     *PEER_OBJECTIVE_OPTIONS,
     ("grpo", ["advantage.std=sample", "advantage.scale=batch"]),
     ("dr_grpo", ["advantage.scale=none"]),
+    ("grpo", ["loss.entropy_coef=0.1"]),
     ("grpo", ["correction.tis.low=0.5", "correction.mis.level=geometric"]),
     ("cispo", ["correction.tis.low=0.5", "correction.mis.level=geometric"]),
 ]

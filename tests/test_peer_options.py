@@ -7,6 +7,7 @@ estimators do not drift) are in tests/test_corrections_expectation.py, which run
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from helpers import compose_config
 from lit_rl import objectives as obj
 from lit_rl.config import ConfigError, validate
 from lit_rl.corrections import WeightFunction, correction_weights
+from lit_rl.expectation import TabularPolicy, all_sequences, batch_gradient, rollouts_from, scored_from
+from lit_rl.logprobs import response_logprobs
+from lit_rl.train import build_module
 
 
 def cfg_for(*overrides):
@@ -231,3 +235,68 @@ def test_geometric_mis_keeps_each_kept_tokens_own_weight():
 def test_correction_options_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_for(*overrides))
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Entropy bonus: loss.entropy_coef
+# ----------------------------------------------------------------------------------------------
+
+
+def test_entropy_has_the_samplers_distribution_and_its_gradient():
+    # one prefix, V = 4: logits z, temperature 0.5, top-k 2 -> the sampler's p = softmax(z[top2] / 0.5)
+    z = torch.tensor([[1.0, 0.2, -0.5, 0.7]], dtype=torch.float64)
+    policy = TabularPolicy(4, 1, z)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    scores = response_logprobs(
+        policy, torch.zeros(1, 1, dtype=torch.long), one, torch.tensor([[0]]), one, 0.5, top_k=2, entropy_grad=True
+    )
+    theta = policy.lm_head.weight  # [V, S] = z^T
+    (grad,) = torch.autograd.grad(scores.entropy.sum(), theta)
+    zz = z.T.clone().requires_grad_()
+    p = torch.softmax(zz[[0, 3], 0] / 0.5, -1)
+    h = -(p * p.log()).sum()
+    (ref_grad,) = torch.autograd.grad(h, zz)
+    assert float(scores.entropy.detach()) == pytest.approx(float(h.detach()), rel=1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
+    assert float(grad[1, 0]) == 0.0 and float(grad[2, 0]) == 0.0  # outside the support: no gradient, no NaN
+    # without entropy_grad it stays a detached diagnostic
+    plain = response_logprobs(policy, torch.zeros(1, 1, dtype=torch.long), one, torch.tensor([[0]]), one, 0.5, top_k=2)
+    assert not plain.entropy.requires_grad
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean"])
+def test_entropy_bonus_is_reduced_like_the_loss(reduction):
+    # the module's gradient with the bonus minus without = -coef * grad of reduce_loss(H, mask, reduction)
+    policy = TabularPolicy(3, 2, seed=1)
+    seqs = all_sequences(3, 2)[:5]
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1], [1, 0]], dtype=torch.bool)
+    coef = 0.3
+
+    def gradient(entropy_coef):
+        cfg = compose_config(
+            "model=tiny",
+            "trainer.precision=32-true",
+            "sampling.max_new_tokens=2",
+            f"loss.reduction={reduction}",
+            f"loss.entropy_coef={entropy_coef}",
+        )
+        module = build_module(cfg, policy, SimpleNamespace(pad_token_id=0, eos_token_id=2))
+        rollouts = rollouts_from(seqs, policy.table())
+        rollouts.response_mask = mask.clone()
+        rb = module.build_batch(scored_from(rollouts, torch.tensor([1.0, 0, 1, 0, 1]), 5))
+        return batch_gradient(module, policy, rb)
+
+    diff = gradient(coef) - gradient(0.0)
+    one = torch.ones(5, 1, dtype=torch.bool)
+    scores = response_logprobs(policy, torch.zeros(5, 1, dtype=torch.long), one, seqs, mask, entropy_grad=True)
+    policy.zero_grad(set_to_none=True)
+    (-coef * obj.reduce_loss(scores.entropy, mask, reduction)).backward()
+    torch.testing.assert_close(diff, policy.gradient(), rtol=1e-5, atol=1e-7)
+    assert diff.abs().max() > 1e-3
+
+
+def test_entropy_bonus_value_and_refusal():
+    loss = obj.entropy_bonus_loss(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, 1.5]]), 0.1)
+    torch.testing.assert_close(loss, torch.tensor([[0.95, 1.85]]))
+    with pytest.raises(ConfigError, match=r"loss.entropy_coef=-0.1 is not allowed: must be a finite number >= 0"):
+        validate(cfg_for("loss.entropy_coef=-0.1"))

@@ -207,6 +207,14 @@ def validate(cfg: DictConfig) -> None:
         f"choose one of {list(REDUCTION_MODES)}",
     )
 
+    coef = cfg.loss.get("entropy_coef", 0.0)
+    _check(
+        _is_number(coef) and math.isfinite(coef) and coef >= 0,
+        "loss.entropy_coef",
+        coef,
+        "must be a finite number >= 0 (0 = no entropy bonus)",
+    )
+
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)

@@ -58,7 +58,8 @@ def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
 class TokenScores:
     """The trainer's view of a batch of responses (N rows, T response positions).
 
-    logprobs: [N, T] float32 log pi(y_t) with gradient; entropy: [N, T] float32, no gradient;
+    logprobs: [N, T] float32 log pi(y_t) with gradient; entropy: [N, T] float32 (with gradient only when asked,
+    ``response_logprobs(entropy_grad=True)``: the entropy bonus);
     head_logprobs: [N, T, k] float32 log pi at given ids (the engine's top-k), with gradient, or None;
     hidden: [N, T, H] backbone states that predict each response token (for a value head), or None.
     All are 0 on padding.
@@ -80,6 +81,7 @@ def _chunk_logprobs(
     head_ids: Tensor | None,
     top_k: int = 0,
     top_p: float = 1.0,
+    entropy_grad: bool = False,
 ):
     logits = F.linear(hidden, weight, bias).float() / temperature
     if top_k or top_p < 1.0:  # the sampler's truncated distribution; the sampled token always in its support
@@ -93,8 +95,9 @@ def _chunk_logprobs(
     picked = logp.gather(-1, ids)
     token_logp = picked[:, 0]
     if with_entropy:
-        with torch.no_grad():
-            entropy = -torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            # p·log p with log p := 0 outside the support (p = 0 there), so no inf·0 reaches the backward
+            entropy = -(logp.exp() * torch.where(torch.isfinite(logp), logp, 0.0)).sum(-1)
     else:
         entropy = torch.zeros_like(token_logp)
     return token_logp, entropy, picked[:, 1:]
@@ -113,6 +116,7 @@ def response_logprobs(
     head_ids: Tensor | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    entropy_grad: bool = False,
 ) -> TokenScores:
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
@@ -125,6 +129,8 @@ def response_logprobs(
     The sampled token is always kept in the support, so a token the engine drew just inside its boundary
     (numerical mismatch) gets a finite log-prob instead of -inf; head ids outside the support get -inf,
     which score centering drops. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
+    ``entropy_grad``: the entropy of that same distribution keeps its gradient (the entropy bonus,
+    ``loss.entropy_coef``); otherwise it is a detached diagnostic.
     """
     n, p = prompt_ids.shape
     t = response_ids.shape[1]
@@ -158,6 +164,7 @@ def response_logprobs(
             flat_head[idx] if flat_head is not None else None,
             top_k,
             top_p,
+            entropy_grad,
         )
         if torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)

@@ -712,6 +712,34 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(probs * log_probs).sum(-1)
 
 
+def entropy_bonus_loss(token_loss: Tensor, entropy: Tensor, coef: float) -> Tensor:
+    """The per-token loss with an entropy bonus: token_loss − coef · H_t (Williams & Peng 1991; Mnih et al.
+    2016, A3C; PPO's c_2 · S[π] term, Schulman et al. 2017 eq. 9).
+
+    H_t is the entropy of π_θ(· | h_t) in nats under the sampler's distribution (its temperature and top-k /
+    top-p truncation, ``logprobs.response_logprobs(entropy_grad=True)``), with gradient. Added per token and
+    reduced with the policy loss's own ``loss.reduction`` (as verl's ``entropy_coeff``, aggregated with its
+    ``loss_agg_mode``), so the bonus weighs tokens as the loss does. A per-token average over the batch (how
+    TRL averages entropy) equals this only under ``token_mean``: with ``seq_mean_token_mean`` each completion
+    counts once here, so a long completion's tokens weigh less than in a per-token average; with
+    ``constant`` the sum is divided by G·L_max. Not importance-weighted by a correction (it is not a
+    policy-gradient estimate).
+
+    Args:
+        token_loss: float [N, T], the loss to minimise.
+        entropy: float [N, T], H_t (with gradient for the bonus to act).
+        coef: the bonus's weight (``loss.entropy_coef``; 0 = off).
+
+    Returns:
+        float [N, T].
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(token_loss, entropy, "token_loss", "entropy")
+    return token_loss - coef * entropy
+
+
 def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimators of KL(π_θ || π_ref) from samples of π_θ (Schulman, "Approximating KL").
 

@@ -444,6 +444,9 @@ class LossConfig:
     """``loss``: how per-token losses become one number (``objectives.REDUCTION_MODES``)."""
 
     reduction: str = "seq_mean_token_mean"
+    #: entropy bonus: loss_t - entropy_coef * H(pi_theta(. | h_t)) under the sampler's temperature and
+    #: truncation, reduced like the loss (``objectives.entropy_bonus_loss``); 0 = off
+    entropy_coef: Number = 0.0
 
 
 @dataclass

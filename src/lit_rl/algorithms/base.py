@@ -471,6 +471,8 @@ class RLAlgorithm(L.LightningModule):
         """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
         distribution: its temperature and its top-k / top-p truncation."""
         head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
+        if model is self.policy and self.loss_cfg.entropy_coef and kwargs.get("with_entropy", True):
+            kwargs.setdefault("entropy_grad", True)  # the entropy bonus differentiates it
         return response_logprobs(
             model,
             mb.prompt_ids,
@@ -526,6 +528,8 @@ class RLAlgorithm(L.LightningModule):
         logprobs = scores.logprobs
         if extra_loss is not None:
             token_loss = token_loss + extra_loss
+        if self.loss_cfg.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
+            token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, self.loss_cfg.entropy_coef)
         beta = self.kl_cfg.beta
         if self.ref_policy is not None:
             with torch.no_grad():
