@@ -12,11 +12,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import compose_config
+from test_algorithms import LeadingSpaceTask, fit
+from test_algorithms import cfg_for as algo_cfg
 
 from lit_rl import objectives as obj
 from lit_rl.config import ConfigError, validate
 from lit_rl.corrections import WeightFunction, correction_weights
-from lit_rl.expectation import TabularPolicy, all_sequences, batch_gradient, rollouts_from, scored_from
+from lit_rl.expectation import (
+    TabularPolicy,
+    all_sequences,
+    batch_gradient,
+    rollouts_from,
+    scored_from,
+    sequence_logprobs,
+)
 from lit_rl.logprobs import response_logprobs
 from lit_rl.train import build_module
 
@@ -300,3 +309,128 @@ def test_entropy_bonus_value_and_refusal():
     torch.testing.assert_close(loss, torch.tensor([[0.95, 1.85]]))
     with pytest.raises(ConfigError, match=r"loss.entropy_coef=-0.1 is not allowed: must be a finite number >= 0"):
         validate(cfg_for("loss.entropy_coef=-0.1"))
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. REINFORCE++ (algo=reinforce_pp), KL in the reward (kl.mode), the adaptive controller (kl.target)
+# ----------------------------------------------------------------------------------------------
+
+
+def pp_module(policy, *overrides):
+    cfg = compose_config(
+        "model=tiny",
+        "trainer.precision=32-true",
+        f"sampling.max_new_tokens={policy.length}",
+        "algo=reinforce_pp",
+        *overrides,
+    )
+    return build_module(cfg, policy, SimpleNamespace(pad_token_id=0, eos_token_id=policy.vocab_size - 1))
+
+
+def pp_batch(module, policy, seqs, rewards, group_size=2):
+    rb = module.build_batch(scored_from(rollouts_from(seqs, policy.table()), rewards, group_size))
+    module.start_update(rb)
+    return rb
+
+
+def test_kl_penalised_returns_by_hand():
+    # R = 1, kl = [0.1, 0.3], beta = 0.5: G = [1 - 0.5 * 0.4, 1 - 0.5 * 0.3] = [0.8, 0.85]; padding stays 0
+    g = obj.kl_penalised_returns(
+        torch.tensor([1.0, 0.0]), torch.tensor([[0.1, 0.3], [0.2, 9.0]]), torch.tensor([[1, 1], [1, 0]]).bool(), 0.5
+    )
+    torch.testing.assert_close(g, torch.tensor([[0.8, 0.85], [-0.1, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    "baseline, expected",
+    [
+        # rewards [1, 0 | 1, 1], two tokens each, beta 0 (no reference):
+        # none: token returns [1,1,0,0,1,1,1,1], mean 3/4, std sqrt(3)/4 -> 1/sqrt(3) and -sqrt(3)
+        ("none", [[1 / math.sqrt(3)] * 2, [-math.sqrt(3)] * 2, [1 / math.sqrt(3)] * 2, [1 / math.sqrt(3)] * 2]),
+        # group: minus the group mean -> [.5,.5,-.5,-.5,0,0,0,0], mean 0, std sqrt(1/8) -> ±sqrt(2), 0
+        ("group", [[math.sqrt(2)] * 2, [-math.sqrt(2)] * 2, [0.0, 0.0], [0.0, 0.0]]),
+    ],
+)
+def test_reinforce_pp_advantages_of_a_two_group_batch(baseline, expected):
+    policy = TabularPolicy(3, 2, seed=0)
+    module = pp_module(policy, f"algo.baseline={baseline}", "kl.beta=0")
+    seqs = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 1]])
+    rb = pp_batch(module, policy, seqs, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    torch.testing.assert_close(rb.advantages, torch.tensor(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_reinforce_pp_folds_the_reference_kl_into_the_returns():
+    # the reference is the initial policy; the trained policy has moved: k1 = log pi_old - log pi_ref per token
+    policy = TabularPolicy(3, 2, seed=0)
+    module = pp_module(policy, "kl.beta=0.5")
+    with torch.no_grad():
+        policy.lm_head.weight.add_(
+            0.7 * torch.randn(policy.lm_head.weight.shape, generator=torch.Generator().manual_seed(1))
+        )
+    seqs = torch.tensor([[0, 1], [1, 2], [2, 0], [1, 1]])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    rb = pp_batch(module, policy, seqs, rewards)
+    ref_table = module.ref_policy.table()
+    kl = (sequence_logprobs(policy.table(), seqs) - sequence_logprobs(ref_table, seqs)).float()  # k1 [4, 2]
+    g = rewards[:, None] - 0.5 * torch.stack([kl[:, 0] + kl[:, 1], kl[:, 1]], -1)  # R - beta * sum_{s>=t} kl_s
+    expected = (g - g.mean()) / (g.std(unbiased=False) + 1e-8)
+    torch.testing.assert_close(rb.advantages, expected, rtol=1e-4, atol=1e-5)
+    assert float(kl.abs().max()) > 0.05  # the KL is not negligible
+    assert module.reward_kl == pytest.approx(float(kl.sum(-1).mean()), rel=1e-5)  # the controller's KL per sequence
+
+
+def test_adaptive_kl_controller_after_three_steps_by_hand():
+    # Ziegler et al. 2019: beta *= 1 + clip(KL/target - 1, -0.2, 0.2) * n_steps / horizon; beta0 0.1, target 6,
+    # horizon 10000, 512 sequences per step (K = 0.0512); KL 12 (e = +0.2, clipped), 3 (e = -0.2, clipped), 7 (1/6)
+    by_hand = 0.1 * (1 + 0.2 * 0.0512) * (1 - 0.2 * 0.0512) * (1 + (1 / 6) * 0.0512)
+    assert by_hand == pytest.approx(0.10084276, abs=1e-8)  # 0.1 * 1.01024 * 0.98976 * 1.0085333
+    beta = 0.1
+    for kl in (12.0, 3.0, 7.0):
+        beta = obj.adaptive_kl_coef(beta, kl, 6.0, 10000, 512)
+    assert beta == pytest.approx(by_hand, rel=1e-12)
+    # the module's wiring: each step logs the beta it used and moves it for the next (kl.mode=loss reads the
+    # update's train/ref_kl_seq; n_steps = the step's sequences)
+    policy = TabularPolicy(3, 2, seed=0)
+    module = pp_module(policy, "kl.beta=0.1", "kl.mode=loss", "kl.target=6", "kl.horizon=10000")
+    used = [module.adapt_kl_coef({"train/ref_kl_seq": kl}, 512)["train/kl_coef"] for kl in (12.0, 3.0, 7.0)]
+    assert used[0] == 0.1 and used[1] == pytest.approx(0.1 * 1.01024)
+    assert module.kl_coef == pytest.approx(by_hand, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["kl.mode=reward", "kl.beta=0.1"], r"kl.mode='reward' is not allowed: grpo's advantage is one number per seq"),
+        (["kl.mode=penalty"], r"kl.mode='penalty' is not allowed: choose one of \['loss', 'reward'\]"),
+        (["kl.target=6"], r"kl.beta=0.0 is not allowed: must be > 0 with kl.target=6"),
+        (["kl.beta=0.1", "kl.target=-1"], r"kl.target=-1 is not allowed"),
+        (["algo=reinforce_pp", "algo.baseline=rloo"], r"algo.baseline='rloo' is not allowed: choose none"),
+        (["algo=reinforce_pp", "advantage.scale=batch"], r"advantage.scale='batch' is not allowed: reinforce_pp"),
+    ],
+)
+def test_kl_and_reinforce_pp_settings_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(*overrides))
+
+
+@pytest.mark.parametrize(
+    "algo, overrides",
+    [
+        ("reinforce_pp", ["algo.baseline=group"]),
+        ("ppo", ["kl.mode=reward", "kl.beta=0.05", "algo.ppo_epochs=1", "algo.num_minibatches=1"]),
+    ],
+)
+def test_two_step_run_with_the_kl_in_the_reward_and_an_adaptive_beta(algo, overrides):
+    # 2 RL steps of the tiny model: beta of step 2 is the controller's update of step 1's, from the KL per
+    # sequence step 1 measured and its 16 sequences (a horizon of 16 makes the factor 1 + e)
+    cfg = algo_cfg(algo, *overrides, "kl.target=0.5", "kl.horizon=16", "optim.lr=3e-2")
+    steps, module = fit(cfg, LeadingSpaceTask(), steps=2)
+    assert len(steps) == 2 * module.updates_per_step
+    first, second = steps[0], steps[-1]
+    beta0 = float(cfg.kl.beta)
+    assert first["train/kl_coef"] == pytest.approx(beta0)
+    kl = first["train/ref_kl_seq"]
+    assert second["train/kl_coef"] == pytest.approx(obj.adaptive_kl_coef(beta0, kl, 0.5, 16, 16), rel=1e-6)
+    assert second["train/ref_kl_seq"] > 0  # the policy moved away from the reference
+    assert second["train/kl_coef"] != beta0
+    assert math.isfinite(second["train/loss"])

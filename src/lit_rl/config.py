@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from .algorithms import ALGORITHMS
 from .corrections import CORRECTIONS
 from .kernels import KERNELS
-from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES, SCALES, STD_KINDS
+from .objectives import BASELINES, KL_KINDS, KL_MODES, REDUCTION_MODES, SCALES, STD_KINDS
 from .rollout.engines import ENGINE_CHOICES as ENGINES
 from .rollout.staleness import ON_STALE, ROLLOUT_MODES
 from .tasks import TASKS
@@ -219,7 +219,15 @@ def validate(cfg: DictConfig) -> None:
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
     group_baseline = ALGORITHMS[cfg.algo.name].group_baseline(cfg.algo)
-    if group_baseline and cfg.algo.name == "reinforce":
+    if group_baseline and cfg.algo.name == "reinforce_pp":
+        _check(
+            ro.group_size >= 2,
+            "rollout.group_size",
+            ro.group_size,
+            "must be >= 2 for reinforce_pp with algo.baseline=group (the group's mean reward of one completion is "
+            "its own reward: zero advantage); for groups of one choose algo.baseline=none",
+        )
+    elif group_baseline and cfg.algo.name == "reinforce":
         _check(
             ro.group_size >= 2,
             "rollout.group_size",
@@ -255,10 +263,18 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", cfg.eval.max_new_tokens, "must be > 0")
     _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
     _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
+    check_kl(cfg)
     a = cfg.algo
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
     if a.name == "reinforce":
         _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
+    if a.name == "reinforce_pp":
+        _check(
+            a.baseline in ("none", "group"),
+            "algo.baseline",
+            a.baseline,
+            "choose none (REINFORCE++) or group (REINFORCE++-baseline) for reinforce_pp",
+        )
     if a.name == "ppo":
         _check(
             a.value.model in ("shared", "separate"), "algo.value.model", a.value.model, "choose 'shared' or 'separate'"
@@ -347,6 +363,39 @@ def validate(cfg: DictConfig) -> None:
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
         )
+
+
+def check_kl(cfg: DictConfig) -> None:
+    """``kl.mode`` (loss | reward; reward only where the algorithm has per-token returns to fold it into,
+    ``RLAlgorithm.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
+    from, ``kl.horizon`` > 0)."""
+    kl, name = cfg.kl, cfg.algo.name
+    mode = kl.get("mode", "loss")
+    _check(mode in KL_MODES, "kl.mode", mode, f"choose one of {list(KL_MODES)}")
+    if mode == "reward":
+        takes = [n for n in ALGORITHMS if ALGORITHMS[n].kl_in_reward]
+        _check(
+            ALGORITHMS[name].kl_in_reward,
+            "kl.mode",
+            mode,
+            f"{name}'s advantage is one number per sequence from the group's rewards, with no per-token reward to "
+            f"fold the KL into: use kl.mode=loss, or an algorithm with per-token returns: {takes}",
+        )
+    target, horizon = kl.get("target"), kl.get("horizon", 10000)
+    if target is not None:
+        _check(
+            _is_number(target) and target > 0,
+            "kl.target",
+            target,
+            "null (a fixed beta) or a KL > 0 (nats per sequence)",
+        )
+        _check(
+            kl.beta > 0,
+            "kl.beta",
+            kl.beta,
+            f"must be > 0 with kl.target={target}: the adaptive controller multiplies beta, so it starts from it",
+        )
+    _check(_is_number(horizon) and horizon > 0, "kl.horizon", horizon, "must be > 0 (sequences)")
 
 
 def check_advantage(cfg: DictConfig) -> None:

@@ -36,6 +36,8 @@ STD_KINDS = ("population", "sample")
 #: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
 SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
+#: ``kl.mode``: the KL to the reference as a loss term (GRPO's) or folded into the per-token reward (classic RLHF)
+KL_MODES = ("loss", "reward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -768,6 +770,64 @@ def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tenso
     if kind == "k2":
         return 0.5 * log_ratio**2
     return torch.exp(-log_ratio) + log_ratio - 1.0
+
+
+def kl_penalised_returns(rewards: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """Per-token returns with the KL to the reference folded into the reward (REINFORCE++, Hu et al. 2025;
+    the classic RLHF reward of Ziegler et al. 2019 and Ouyang et al. 2022, γ = 1).
+
+    r_t = −β·kl_t at every valid token, plus the sequence reward R_i at its last valid token; the return is
+    G_t = Σ_{s ≥ t} r_s over the valid tokens, so G_t = R_i − β Σ_{s ≥ t} kl_s. Example: R = 1, kl = [0.1, 0.3],
+    β = 0.5 gives G = [1 − 0.2, 1 − 0.15] = [0.8, 0.85].
+
+    Args:
+        rewards: float [N], the sequence rewards (after any baseline).
+        kl: float [N, T], the per-token KL estimate to the reference (``approx_kl`` of π_old and π_ref).
+        mask: bool [N, T].
+        beta: the KL coefficient β ≥ 0.
+
+    Returns:
+        float [N, T], 0 outside ``mask``; no gradient.
+
+    Raises:
+        ValueError: shape mismatch or ``rewards`` not [N].
+    """
+    _check_same_shape(kl, mask, "kl", "mask")
+    rewards = _as_float(rewards)
+    _check_1d(rewards, "rewards")
+    if rewards.shape[0] != kl.shape[0]:
+        raise ValueError(f"rewards must be [N={kl.shape[0]}], got shape {tuple(rewards.shape)}")
+    valid = mask.bool()
+    token_rewards = torch.where(valid, -beta * kl.detach().to(rewards.dtype), torch.zeros_like(kl, dtype=rewards.dtype))
+    # reversed cumulative sum over valid tokens: G_t = Σ_{s >= t} r_s (padding adds 0)
+    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) + rewards[:, None]
+    return torch.where(valid, returns, torch.zeros_like(returns))
+
+
+def adaptive_kl_coef(beta: float, kl: float, target: float, horizon: float, n_steps: int) -> float:
+    """One update of the adaptive KL controller (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+    Preferences", §2.2): e = clip(KL / KL_target − 1, −0.2, 0.2), β ← β·(1 + e·n_steps / horizon).
+
+    Example: β = 0.1, target 6, horizon 10000, 512 sequences per step, KL = 12 → e = 0.2 (clipped),
+    β ← 0.1·(1 + 0.2·0.0512) = 0.1010240.
+
+    Args:
+        beta: the current β > 0.
+        kl: the step's measured KL to the reference (nats per sequence).
+        target: KL_target > 0.
+        horizon: the controller's horizon H > 0 (in sequences).
+        n_steps: sequences in the step (the peers' n_steps: the batch size).
+
+    Returns:
+        The next β (float).
+
+    Raises:
+        ValueError: ``target`` or ``horizon`` not > 0.
+    """
+    if not (target > 0 and horizon > 0):
+        raise ValueError(f"the adaptive KL controller needs target > 0 and horizon > 0, got {target}, {horizon}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * n_steps / horizon)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ class AlgoConfig:
     ppo_epochs: int = 1
     #: optimizer steps per pass
     num_minibatches: int = 1
-    #: reinforce: none | batch_mean | rloo (``objectives.BASELINES``)
+    #: reinforce: none | batch_mean | rloo (``objectives.BASELINES``); reinforce_pp: none | group
     baseline: str = "rloo"
     #: dapo
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -204,6 +204,13 @@ class AlgoConfig:
 @dataclass
 class ReinforceConfig(AlgoConfig):
     name: str = "reinforce"
+
+
+@dataclass
+class ReinforcePpConfig(AlgoConfig):
+    name: str = "reinforce_pp"
+    #: reinforce_pp: none (REINFORCE++) | group (REINFORCE++-baseline: minus the group's mean reward)
+    baseline: str = "none"
 
 
 @dataclass
@@ -459,6 +466,13 @@ class KlConfig:
     estimator: str = "k3"
     #: log train/ref_kl even with beta = 0 (keeps a reference copy)
     track: bool = False
+    #: loss (beta * KL per token in the loss, GRPO) | reward (-beta * KL folded into the per-token reward, classic
+    #: RLHF PPO and REINFORCE++; ppo and reinforce_pp only) (``objectives.KL_MODES``)
+    mode: str = "loss"
+    #: the adaptive controller's KL_target in nats per sequence (Ziegler et al. 2019); null = a fixed beta
+    target: Optional[Number] = None
+    #: the controller's horizon, in sequences (each RL step moves beta by a fraction n_steps / horizon of the error)
+    horizon: Number = 10000
 
 
 @dataclass

@@ -13,6 +13,7 @@ from .grpo import GRPO
 from .gspo import GSPO
 from .ppo import PPO
 from .reinforce import Reinforce
+from .reinforce_pp import ReinforcePP
 
 ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
     "algo",
@@ -24,6 +25,7 @@ ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
         "dr_grpo": DrGRPO,
         "gspo": GSPO,
         "cispo": CISPO,
+        "reinforce_pp": ReinforcePP,
     },
 )
 
@@ -38,4 +40,5 @@ __all__ = [
     "PPO",
     "RLAlgorithm",
     "Reinforce",
+    "ReinforcePP",
 ]

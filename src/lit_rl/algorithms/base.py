@@ -114,6 +114,9 @@ class RLAlgorithm(L.LightningModule):
     #: algorithm with its own estimator (PPO's GAE, REINFORCE's baselines) sets False and ``config.validate``
     #: refuses a non-default ``advantage.std`` / ``advantage.scale`` for it
     group_normalised: ClassVar[bool] = True
+    #: the algorithm has per-token returns that ``kl.mode=reward`` folds the KL to the reference into (its
+    #: ``snapshot`` calls ``reference_kl``); False: ``config.validate`` refuses kl.mode=reward for it
+    kl_in_reward: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -161,6 +164,8 @@ class RLAlgorithm(L.LightningModule):
             max_logprobs=self.sampling.logprobs_top_k,
             own_copy=self.stale is not None and self.stale.mode == "async",
         )
+        #: beta, the KL coefficient this step uses: kl.beta, moved by the adaptive controller when kl.target is set
+        self.kl_coef = float(self.kl_cfg.beta)
         self.ref_policy = None
         if self.kl_cfg.beta > 0 or self.kl_cfg.track:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -214,6 +219,7 @@ class RLAlgorithm(L.LightningModule):
         if self.stale is not None:  # p_o: the trainer's log-probs under the weights that generated stale rows
             self.stale.score_behaviour(self, rb)
         train_metrics = self.update(rb)  # already reduced over ranks
+        train_metrics.update(self.adapt_kl_coef(train_metrics, len(rb)))
         t_train = time.perf_counter() - t1
 
         metrics["time/rollout_s"] = t_rollout
@@ -530,7 +536,7 @@ class RLAlgorithm(L.LightningModule):
             token_loss = token_loss + extra_loss
         if self.loss_cfg.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
             token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, self.loss_cfg.entropy_coef)
-        beta = self.kl_cfg.beta
+        beta = self.kl_coef if self.kl_cfg.mode == "loss" else 0.0  # kl.mode=reward: in the returns (snapshot)
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
@@ -538,6 +544,8 @@ class RLAlgorithm(L.LightningModule):
             if beta > 0:
                 token_loss = token_loss + beta * kl
             stats.add("train/ref_kl", kl, m)
+            if self.kl_cfg.mode == "loss":  # the KL per sequence, what the adaptive controller reads
+                stats.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
             # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
             # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
             # comparable between samplers, where ref_kl measures the two policies on mu's tokens
@@ -595,6 +603,60 @@ class RLAlgorithm(L.LightningModule):
         )
         stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
         return loss
+
+    @torch.no_grad()
+    def reference_kl(self, rb: RolloutBatch) -> Tensor:
+        """[N, T] the per-token KL estimate (``kl.estimator``) of pi_old (``rb.old_logprobs``) to the frozen
+        reference on the sampled tokens, 0 on padding; zeros without a reference. For ``kl.mode=reward``: a
+        ``snapshot`` folds −beta times it into the per-token reward, and the step's KL per sequence goes to
+        ``self.reward_kl`` (summed over ranks: the adaptive controller's measurement)."""
+        kl = torch.zeros_like(rb.old_logprobs)
+        if self.ref_policy is None:
+            return kl
+        for i in range(0, len(rb), self.micro_batch_size):
+            mb = rb.select(slice(i, i + self.micro_batch_size))
+            ref = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+            w = ref.shape[1]
+            kl[i : i + len(mb), :w] = obj.approx_kl(rb.old_logprobs[i : i + len(mb), :w], ref, self.kl_cfg.estimator)
+        kl = torch.where(rb.response_mask, kl, torch.zeros_like(kl))
+        seqs = rb.response_mask.any(-1)
+        sums = torch.stack([kl.sum().double(), seqs.sum().double()])
+        total, count = self.all_reduce(sums).tolist()
+        self.reward_kl = total / count if count else 0.0
+        return kl
+
+    def whiten(self, adv: Tensor, mask: Tensor) -> Tensor:
+        """(adv - mean) / (std + 1e-8) over the valid tokens of the whole step (all data-parallel ranks);
+        [N, T] in and out, 0 at invalid tokens; unchanged when the step has at most one valid token."""
+        if self.world_size == 1:
+            if mask.sum() <= 1:
+                return adv
+            mean = obj.masked_mean(adv, mask)
+            std = obj.masked_mean((adv - mean) ** 2, mask).sqrt()
+        else:  # the same two passes with sums and counts over ranks
+            sums = torch.stack([mask.sum().double(), obj.masked_sum(adv, mask).double()])
+            count, total = self.all_reduce(sums).tolist()
+            if count <= 1:
+                return adv
+            mean = adv.new_tensor(total / count)
+            sq = float(self.all_reduce(obj.masked_sum((adv - mean) ** 2, mask).double()))
+            std = adv.new_tensor(sq / count).sqrt()
+        return torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
+
+    def adapt_kl_coef(self, train_metrics: dict[str, float], rows: int) -> dict[str, float]:
+        """Log this step's beta as ``train/kl_coef`` and, with ``kl.target`` set, move it for the next step with
+        the adaptive controller (``objectives.adaptive_kl_coef``; Ziegler et al. 2019) from the step's KL per
+        sequence (``kl.mode=loss``: ``train/ref_kl_seq`` of the update; ``reward``: the snapshot's, logged as
+        ``train/ref_kl_seq`` too) and n_steps = the step's sequences over all ranks (``rows`` on this rank)."""
+        out = {"train/kl_coef": self.kl_coef} if self.ref_policy is not None else {}
+        if self.kl_cfg.mode == "reward" and self.ref_policy is not None:
+            out["train/ref_kl_seq"] = float(getattr(self, "reward_kl", 0.0))
+        cfg = self.kl_cfg
+        if cfg.target is not None and self.ref_policy is not None:
+            kl = out.get("train/ref_kl_seq", train_metrics.get("train/ref_kl_seq", 0.0))
+            n_steps = rows * self.world_size
+            self.kl_coef = obj.adaptive_kl_coef(self.kl_coef, kl, float(cfg.target), float(cfg.horizon), n_steps)
+        return out
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """∂ℓ_t/∂log π of ``policy_loss`` had a token with log(π_θ / π_old) = ``log_ratio`` [n, T, J] been
@@ -846,7 +908,11 @@ class RLAlgorithm(L.LightningModule):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lit_rl"] = {"skipped_updates": self.skipped_updates, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        checkpoint["lit_rl"] = {
+            "skipped_updates": self.skipped_updates,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "kl_coef": self.kl_coef,  # the adaptive controller's beta
+        }
         if self.stale is not None:  # lagged: the weight history, so a resumed run samples exactly as before
             checkpoint["lit_rl"]["stale_rollouts"] = self.stale.state_dict()
 
@@ -854,6 +920,7 @@ class RLAlgorithm(L.LightningModule):
         state = checkpoint.get("lit_rl", {})
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         if self.stale is not None and "stale_rollouts" in state:
             self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 
