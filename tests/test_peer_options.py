@@ -434,3 +434,40 @@ def test_two_step_run_with_the_kl_in_the_reward_and_an_adaptive_beta(algo, overr
     assert second["train/ref_kl_seq"] > 0  # the policy moved away from the reference
     assert second["train/kl_coef"] != beta0
     assert math.isfinite(second["train/loss"])
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. SAPO: the soft gate sigma(tau (r - 1)) * 4 / tau (arXiv 2511.20347; TRL and verl implement it)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, loss_value, grad_value",
+    [
+        (1.0, 1.0, -2.0, -1.0),  # on-policy: f(1) = 2 / tau_pos, the gradient REINFORCE's -A
+        (math.e, 1.0, -4 * (1 / (1 + math.exp(-(math.e - 1)))), -1.402203349698022),  # PPO's clip: 0
+        (0.5, -1.0, 1.4159383303033666, 0.4670699116426963),  # A < 0: tau_neg = 1.05
+    ],
+)
+def test_sapo_gate_values(ratio, adv, loss_value, grad_value):
+    lp, old = one_token(ratio)
+    a = torch.tensor([adv], dtype=torch.float64)
+    loss = obj.sapo_loss(lp, old, a, 1.0, 1.05)
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    assert float(loss.detach()) == pytest.approx(loss_value, rel=1e-12)
+    assert float(grad) == pytest.approx(grad_value, rel=1e-12)
+    coef = obj.sapo_coef((lp.detach() - old)[..., None], a, 1.0, 1.05)
+    assert float(coef) == pytest.approx(grad_value, rel=1e-12)
+    # the documented formula (TRL, verl, ms-swift): loss = -sigmoid(tau (r - 1)) * 4 / tau * A
+    tau = 1.0 if adv > 0 else 1.05
+    assert float(loss.detach()) == pytest.approx(-(1 / (1 + math.exp(-tau * (ratio - 1)))) * 4 / tau * adv, rel=1e-12)
+
+
+def test_sapo_refuses_the_clip_options_and_bad_temperatures():
+    with pytest.raises(ConfigError, match=r"algo.clip_ratio_c=3 is not allowed: sapo's objective has no PPO clip"):
+        validate(cfg_for("algo=sapo", "algo.clip_ratio_c=3"))
+    with pytest.raises(ConfigError, match=r"algo.sapo.tau_neg=0 is not allowed: must be a number > 0"):
+        validate(cfg_for("algo=sapo", "algo.sapo.tau_neg=0"))
+    cfg = cfg_for("algo=sapo")
+    validate(cfg)
+    assert (cfg.algo.sapo.tau_pos, cfg.algo.sapo.tau_neg) == (1.0, 1.05)  # the paper's defaults

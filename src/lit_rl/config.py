@@ -197,6 +197,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algo.name != "cispo":  # CISPO's paper turns the lower bound off with eps_low >= 1
         _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
+    if cfg.algo.name == "sapo":
+        for key in ("tau_pos", "tau_neg"):
+            tau = cfg.algo.sapo[key]
+            _check(_is_number(tau) and math.isfinite(tau) and tau > 0, f"algo.sapo.{key}", tau, "must be a number > 0")
     check_dual_clip(cfg.algo)
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
     check_advantage(cfg)

@@ -19,6 +19,7 @@ Sources:
     Dr.GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
     GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization".
     CISPO: MiniMax 2025, "MiniMax-M1".
+    SAPO: Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347.
     RLOO: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
         from Human Feedback in LLMs".
     KL estimators: Schulman 2020, "Approximating KL Divergence" (blog post).
@@ -554,6 +555,50 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_l
     return -weight * advantages * logprobs
 
 
+def sapo_gate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's soft gate f(r) = σ(τ (r − 1)) · 4/τ, τ = tau_pos where A > 0 and tau_neg otherwise
+    (Soft Adaptive Policy Optimization, arXiv 2511.20347). f(1) = 2/τ and df/dr(1) = 1, so on-policy the
+    gradient is REINFORCE's; off-policy df/dlog r = 4 r σ(1 − σ) decays smoothly instead of PPO's hard zero.
+
+    Args:
+        ratio: float [N, T], r = π_θ / π_old (with gradient for the loss).
+        advantages: float [N] or [N, T] (broadcast).
+        tau_pos, tau_neg: the gate's temperatures > 0 (the paper's 1.0 and 1.05: negative advantages decay faster).
+
+    Returns:
+        float [N, T].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    advantages = _broadcast_advantages(advantages, ratio)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+
+
+def sapo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO per-token loss −f(r)·A with the soft gate f of ``sapo_gate`` in place of PPO's clip
+    (arXiv 2511.20347, its token-level objective; group-normalised advantages as GRPO).
+
+    Example: A = 1, r = 1: loss −2 (= −2/τ_pos), gradient w.r.t. the token's log-prob −1 (REINFORCE's −A);
+    A = 1, r = e: gradient −4e·σ(e − 1)(1 − σ(e − 1)) = −1.40220 (PPO's clip would give 0); A = −1, r = 0.5
+    (τ_neg = 1.05): loss σ(−0.525)·4/1.05 = 1.41594, gradient 2σ(−0.525)(1 − σ(−0.525)) = 0.46707.
+
+    Args:
+        logprobs: float [N, T] with gradient; old_logprobs: float [N, T] (constants);
+        advantages: float [N] or [N, T]; tau_pos, tau_neg: as ``sapo_gate``.
+
+    Returns:
+        loss [N, T]; padding is not masked, reduce with a mask.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(logprobs, old_logprobs, "logprobs", "old_logprobs")
+    ratio = torch.exp(logprobs - old_logprobs)
+    return -sapo_gate(ratio, advantages, tau_pos, tau_neg) * _broadcast_advantages(advantages, logprobs)
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-token coefficients: ∂ℓ_t / ∂log π, for the sampled token and for any other token
 # ----------------------------------------------------------------------------------------------
@@ -630,6 +675,39 @@ def cispo_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: 
     """
     adv = _token_advantages(advantages, log_ratio)
     return -adv * log_ratio.exp().clamp(1.0 - eps_low, 1.0 + eps_high)
+
+
+def sapo_coef(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """∂ℓ/∂log π of ``sapo_loss``: −A · 4 r σ(τ(r − 1)) (1 − σ(τ(r − 1))), r = exp(log_ratio) (−A at r = 1).
+
+    Args:
+        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; tau_pos, tau_neg: the gate's temperatures.
+
+    Returns:
+        float [N, T, J].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    adv = _token_advantages(advantages, log_ratio)
+    return -adv * sapo_weight(log_ratio, adv, tau_pos, tau_neg)
+
+
+def sapo_weight(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's gradient weight df/dlog r = 4 r σ(τ(r − 1)) (1 − σ(τ(r − 1))): 1 at r = 1, → 0 far from it.
+
+    Args:
+        log_ratio: float, any shape; advantages: float, broadcastable to it (its sign picks τ);
+        tau_pos, tau_neg: the gate's temperatures.
+
+    Returns:
+        float, ``log_ratio``'s shape.
+    """
+    ratio = log_ratio.exp()
+    adv = advantages.to(ratio.dtype)
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    s = torch.sigmoid(tau * (ratio - 1.0))
+    return 4.0 * ratio * s * (1.0 - s)
 
 
 def gspo_coef(

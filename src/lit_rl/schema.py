@@ -167,6 +167,16 @@ class ValueConfig:
 
 
 @dataclass
+class SapoGateConfig:
+    """``algo.sapo`` (SAPO, arXiv 2511.20347): the soft gate's temperatures, sigma(tau (r - 1)) * 4 / tau."""
+
+    #: tau for A > 0
+    tau_pos: Number = 1.0
+    #: tau for A < 0 (>= tau_pos: negative advantages' off-policy tokens decay faster)
+    tau_neg: Number = 1.05
+
+
+@dataclass
 class AlgoConfig:
     """``algo``: the algorithm (``algorithms.ALGORITHMS``) and its options. One schema for all: the fields an
     algorithm does not read keep their defaults (each ``conf/algo/<name>.yaml`` sets its own)."""
@@ -197,6 +207,8 @@ class AlgoConfig:
     gae: GaeConfig = field(default_factory=GaeConfig)
     #: ppo
     value: ValueConfig = field(default_factory=ValueConfig)
+    #: sapo
+    sapo: SapoGateConfig = field(default_factory=SapoGateConfig)
 
 
 # Each algorithm's own defaults for ``algo`` (``RLAlgorithm.algo_config``): what its conf/algo/<name>.yaml sets,
@@ -237,6 +249,11 @@ class DrGrpoConfig(AlgoConfig):
 class GspoConfig(AlgoConfig):
     name: str = "gspo"
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=3.0e-4, eps_high=4.0e-4))
+
+
+@dataclass
+class SapoConfig(AlgoConfig):
+    name: str = "sapo"
 
 
 @dataclass

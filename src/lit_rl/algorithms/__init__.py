@@ -14,6 +14,7 @@ from .gspo import GSPO
 from .ppo import PPO
 from .reinforce import Reinforce
 from .reinforce_pp import ReinforcePP
+from .sapo import SAPO
 
 ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
     "algo",
@@ -26,6 +27,7 @@ ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
         "gspo": GSPO,
         "cispo": CISPO,
         "reinforce_pp": ReinforcePP,
+        "sapo": SAPO,
     },
 )
 
@@ -41,4 +43,5 @@ __all__ = [
     "RLAlgorithm",
     "Reinforce",
     "ReinforcePP",
+    "SAPO",
 ]
