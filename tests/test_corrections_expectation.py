@@ -173,20 +173,18 @@ def reference_drift(policy, sampler, rule, centred, reduction_weight):
     out = torch.zeros_like(logpi)
     eye = torch.eye(vocab, dtype=torch.float64)
 
-    def f(log_r_tis, log_r_mis):
-        return rule.log_weight(log_r_tis, log_r_mis).exp()
+    def f(log_r_tis, log_r_mis, log_r_token):
+        return rule.log_weight(log_r_tis, log_r_mis, log_r_token).exp()
 
     for i, s in enumerate(seqs):
         p_s = math.exp(float(seq_logmu[i]))
         for t in range(policy.length):
             h = int(rows[i, t])
             pi_h, mu_h = logpi[h].exp(), logmu[h].exp()
-            ctx = {
-                lvl: (float(log_r[i].sum() - log_r[i, t]) if lvl == "sequence" else 0.0)
-                for lvl in ("token", "sequence")
-            }
+            rest = float(log_r[i].sum() - log_r[i, t])  # the other tokens' log-ratios
             lr_v = logpi[h] - logmu[h]  # [V]
-            w_v = f(lr_v + ctx[rule.tis_level], lr_v + ctx[rule.mis_level])
+            level = {"token": lr_v, "sequence": lr_v + rest, "geometric": (lr_v + rest) / policy.length}
+            w_v = f(level[rule.tis_level], level[rule.mis_level], lr_v)
             y = int(s[t])
             g = -w_v[y] * (eye[y] - pi_h)
             if centred:
@@ -195,12 +193,13 @@ def reference_drift(policy, sampler, rule, centred, reduction_weight):
     return out
 
 
-def rule_for(correction, level="token", cap=2.0, band=(0.5, 2.0)):
+def rule_for(correction, level="token", cap=2.0, band=(0.5, 2.0), tis_low=None, mis_level=None):
     return WeightFunction(
         tis_cap=cap if "tis" in correction else None,
+        tis_low=tis_low if "tis" in correction else None,
         tis_level=level,
         mis_band=band if "mis" in correction else None,
-        mis_level=level,
+        mis_level=mis_level or level,
         mis_weighted=not correction.endswith("_mask"),
     )
 
@@ -385,3 +384,93 @@ def test_centring_term_with_the_full_head_is_the_enumerated_expected_score():
     enumerated = sum(mu.exp()[..., v : v + 1] * (torch.eye(vocab, dtype=torch.float64)[v] - pi) for v in range(vocab))
     torch.testing.assert_close(grad_topk, enumerated)
     torch.testing.assert_close(grad_exact, enumerated)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The peers' options (issue 22) join the harness: on-policy identity, and no drift when centred
+# ----------------------------------------------------------------------------------------------
+
+#: (algorithm, overrides) of each objective option: it must keep both identities
+PEER_OBJECTIVE_OPTIONS = [
+    ("grpo", ["algo.clip_ratio_c=1.05"]),
+    ("ppo", ["algo.clip_ratio_c=1.05"]),
+    ("dapo", ["algo.delta=1.05"]),
+    ("sapo", []),  # its soft gate acts wherever the ratio is not 1: the score coefficient 4 r σ (1 − σ) at each token
+    ("reinforce_pp", ["algo.clip_ratio_c=1.05"]),
+]
+#: the options that change the advantages (or the corrections' weights) join the on-policy identity
+PEER_OPTIONS = [
+    *PEER_OBJECTIVE_OPTIONS,
+    ("grpo", ["advantage.std=sample", "advantage.scale=batch"]),
+    ("dr_grpo", ["advantage.scale=none"]),
+    ("grpo", ["loss.entropy_coef=0.1"]),
+    ("grpo", ["correction.tis.low=0.5", "correction.mis.level=geometric"]),
+    ("cispo", ["correction.tis.low=0.5", "correction.mis.level=geometric"]),
+]
+
+
+@pytest.mark.parametrize("algo,options", PEER_OPTIONS, ids=[f"{a}-{'-'.join(o)}" for a, o in PEER_OPTIONS])
+def test_peer_options_keep_the_on_policy_identity(algo, options):
+    # on-policy (μ = π): every correction's E[ĝ] equals none's
+    policy = TabularPolicy(3, 2, seed=1)
+    kw = dict(reward=reward_first_equals_last, group_size=2)
+    reference = expected(policy, algo, "none", policy.table(), options, **kw)
+    assert reference.abs().max() > 1e-3
+    for correction in ("tis", "mis", "mis_mask", "sc+tis", "sc+mis"):
+        grad = expected(policy, algo, correction, policy.table(), options, **kw)
+        assert close(grad, reference, float(reference.abs().max())), (correction, options)
+
+
+@pytest.mark.parametrize(
+    "algo,options", PEER_OBJECTIVE_OPTIONS, ids=[f"{a}-{'-'.join(o)}" for a, o in PEER_OBJECTIVE_OPTIONS]
+)
+def test_peer_objective_options_do_not_drift_when_centred(drift_setup, algo, options):
+    # a constant advantage ±1 after θ moved away from π_old (the option binds): the centred corrections do not drift
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    move = 0.3 * torch.randn(policy.lm_head.weight.shape, generator=torch.Generator().manual_seed(5))
+    theta_old = policy.lm_head.weight.detach().clone()
+
+    def move_away(rb):
+        with torch.no_grad():
+            policy.lm_head.weight.copy_(theta_old + move)
+
+    base = ["algo.ppo_epochs=2", "correction.tis.cap=1.05"]
+    minus_ones = lambda rb: -torch.ones(len(rb))  # noqa: E731  (A < 0: where the dual clip acts)
+    try:
+        for adv in (ONES, minus_ones):
+            none = expected(policy, algo, "none", mu, [*base, *options], advantages=adv, before=move_away)
+            policy.lm_head.weight.data.copy_(theta_old)
+            without = expected(policy, algo, "none", mu, base, advantages=adv, before=move_away)
+            policy.lm_head.weight.data.copy_(theta_old)
+            binds = not close(none, without, float(without.abs().max()), rtol=1e-3)
+            for correction in ("sc", "sc+tis", "sc+mis"):
+                grad = expected(policy, algo, correction, mu, [*base, *options], advantages=adv, before=move_away)
+                policy.lm_head.weight.data.copy_(theta_old)
+                assert close(grad, torch.zeros_like(grad), float(none.abs().max())), (correction, options)
+        assert binds or not options  # the option changed the update (A = -1)
+    finally:
+        policy.lm_head.weight.data.copy_(theta_old)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("sampler", ["noise", "stale"])
+def test_tis_lower_bound_and_geometric_mis_match_the_formula(drift_setup, sampler, setting):
+    # TRL's TIS lower bound (token level: the centred forms stay drift-free even where it binds) and verl's
+    # geometric MIS (kept tokens keep their own w_t), pinned to the independent formula in every case
+    policy, samplers = drift_setup
+    mu = samplers[sampler]
+    overrides, rule_kw = SETTINGS[setting]
+    low = 0.95 if setting == "binding" else 1e-6
+    overrides = [*overrides, f"correction.tis.low={low}", "correction.mis.level=geometric"]
+    none = expected(policy, "reinforce", "none", mu, overrides)
+    for correction in ("tis", "sc+tis", "mis", "mis_mask", "sc+mis", "sc+mis_mask"):
+        grad = expected(policy, "reinforce", correction, mu, overrides)
+        rule = rule_for(correction, "token", tis_low=low, mis_level="geometric", **rule_kw)
+        ref = reference_drift(policy, mu, rule, correction.startswith("sc"), reduction_weight=1.0)
+        assert close(grad, ref, float(none.abs().max())), (correction, float((grad - ref).abs().max()))
+        if correction == "sc+tis" or (correction.startswith("sc") and setting == "loose"):
+            assert close(grad, torch.zeros_like(grad), float(none.abs().max())), correction
+    if setting == "binding":  # the lower bound binds: TIS with it differs from TIS without
+        without = expected(policy, "reinforce", "tis", mu, SETTINGS[setting][0])
+        assert not close(expected(policy, "reinforce", "tis", mu, overrides), without, float(none.abs().max()), 1e-3)

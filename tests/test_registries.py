@@ -64,9 +64,11 @@ def test_a_registry_names_the_field_and_the_choices_on_a_bad_name_and_refuses_a_
 
 def test_the_group_baseline_rule_comes_from_the_algorithm_classes():
     needs_groups = [n for n in ALGORITHMS if ALGORITHMS[n].group_baseline(compose_config(f"algo={n}").algo)]
-    assert needs_groups == ["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo"]  # reinforce: rloo
+    assert needs_groups == ["reinforce", "grpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo"]  # reinforce: rloo
     assert ALGORITHMS["reinforce"].group_baseline({"baseline": "rloo"})
     assert not ALGORITHMS["reinforce"].group_baseline({"baseline": "batch_mean"})
+    assert ALGORITHMS["reinforce_pp"].group_baseline({"baseline": "group"})  # REINFORCE++-baseline
+    assert not ALGORITHMS["reinforce_pp"].group_baseline({"baseline": "none"})
 
 
 def _presets() -> list[str]:

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from .algorithms import ALGORITHMS
 from .corrections import CORRECTIONS
 from .kernels import KERNELS
-from .objectives import BASELINES, KL_KINDS, REDUCTION_MODES
+from .objectives import BASELINES, KL_KINDS, KL_MODES, REDUCTION_MODES, SCALES, STD_KINDS
 from .rollout.engines import ENGINE_CHOICES as ENGINES
 from .rollout.staleness import ON_STALE, ROLLOUT_MODES
 from .tasks import TASKS
@@ -204,13 +204,21 @@ def validate(cfg: DictConfig) -> None:
     )
     _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
     _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
-    for lvl in ("tis", "mis"):
-        _check(
-            c[lvl].level in ("token", "sequence"),
-            f"correction.{lvl}.level",
-            c[lvl].level,
-            "choose 'token' or 'sequence'",
-        )
+    _check(c.tis.level in ("token", "sequence"), "correction.tis.level", c.tis.level, "choose 'token' or 'sequence'")
+    _check(
+        c.mis.level in ("token", "sequence", "geometric"),
+        "correction.mis.level",
+        c.mis.level,
+        "choose 'token', 'sequence' or 'geometric' (the geometric mean of the sequence's ratios)",
+    )
+    low = c.tis.get("low")
+    _check(
+        low is None or (_is_number(low) and 0 < low <= min(1.0, c.tis.cap)),
+        "correction.tis.low",
+        low,
+        f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={c.tis.cap})] (an on-policy token, "
+        "weight 1, must keep its weight)",
+    )
     if cfg.engine.dtype:
         _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
     if cfg.algo.name == "dapo" and cfg.algo.overlong.enabled:
@@ -235,7 +243,13 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algo.name != "cispo":  # CISPO's paper turns the lower bound off with eps_low >= 1
         _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
+    if cfg.algo.name == "sapo":
+        for key in ("tau_pos", "tau_neg"):
+            tau = cfg.algo.sapo[key]
+            _check(_is_number(tau) and math.isfinite(tau) and tau > 0, f"algo.sapo.{key}", tau, "must be a number > 0")
+    check_dual_clip(cfg.algo)
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
+    check_advantage(cfg)
     _check(
         cfg.loss.reduction in REDUCTION_MODES,
         "loss.reduction",
@@ -243,11 +257,27 @@ def validate(cfg: DictConfig) -> None:
         f"choose one of {list(REDUCTION_MODES)}",
     )
 
+    coef = cfg.loss.get("entropy_coef", 0.0)
+    _check(
+        _is_number(coef) and math.isfinite(coef) and coef >= 0,
+        "loss.entropy_coef",
+        coef,
+        "must be a finite number >= 0 (0 = no entropy bonus)",
+    )
+
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
     group_baseline = ALGORITHMS[cfg.algo.name].group_baseline(cfg.algo)
-    if group_baseline and cfg.algo.name == "reinforce":
+    if group_baseline and cfg.algo.name == "reinforce_pp":
+        _check(
+            ro.group_size >= 2,
+            "rollout.group_size",
+            ro.group_size,
+            "must be >= 2 for reinforce_pp with algo.baseline=group (the group's mean reward of one completion is "
+            "its own reward: zero advantage); for groups of one choose algo.baseline=none",
+        )
+    elif group_baseline and cfg.algo.name == "reinforce":
         _check(
             ro.group_size >= 2,
             "rollout.group_size",
@@ -283,10 +313,18 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", cfg.eval.max_new_tokens, "must be > 0")
     _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
     _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
+    check_kl(cfg)
     a = cfg.algo
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
     if a.name == "reinforce":
         _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
+    if a.name == "reinforce_pp":
+        _check(
+            a.baseline in ("none", "group"),
+            "algo.baseline",
+            a.baseline,
+            "choose none (REINFORCE++) or group (REINFORCE++-baseline) for reinforce_pp",
+        )
     if a.name == "ppo":
         _check(
             a.value.model in ("shared", "separate"), "algo.value.model", a.value.model, "choose 'shared' or 'separate'"
@@ -382,6 +420,91 @@ def validate(cfg: DictConfig) -> None:
             "model.name_or_path",
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
+        )
+
+
+def check_kl(cfg: DictConfig) -> None:
+    """``kl.mode`` (loss | reward; reward only where the algorithm has per-token returns to fold it into,
+    ``RLAlgorithm.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
+    from, ``kl.horizon`` > 0)."""
+    kl, name = cfg.kl, cfg.algo.name
+    mode = kl.get("mode", "loss")
+    _check(mode in KL_MODES, "kl.mode", mode, f"choose one of {list(KL_MODES)}")
+    if mode == "reward":
+        takes = [n for n in ALGORITHMS if ALGORITHMS[n].kl_in_reward]
+        _check(
+            ALGORITHMS[name].kl_in_reward,
+            "kl.mode",
+            mode,
+            f"{name}'s advantage is one number per sequence from the group's rewards, with no per-token reward to "
+            f"fold the KL into: use kl.mode=loss, or an algorithm with per-token returns: {takes}",
+        )
+    target, horizon = kl.get("target"), kl.get("horizon", 10000)
+    if target is not None:
+        _check(
+            _is_number(target) and target > 0,
+            "kl.target",
+            target,
+            "null (a fixed beta) or a KL > 0 (nats per sequence)",
+        )
+        _check(
+            kl.beta > 0,
+            "kl.beta",
+            kl.beta,
+            f"must be > 0 with kl.target={target}: the adaptive controller multiplies beta, so it starts from it",
+        )
+    _check(_is_number(horizon) and horizon > 0, "kl.horizon", horizon, "must be > 0 (sequences)")
+
+
+def check_advantage(cfg: DictConfig) -> None:
+    """``advantage.std`` and ``advantage.scale``: known values; ``scale=none`` means no std division, which is
+    alpha = 0 (refused with any other alpha: one of the two would be ignored); non-default values only for an
+    algorithm whose advantages are ``objectives.group_advantages`` (``RLAlgorithm.group_normalised``)."""
+    adv, name = cfg.advantage, cfg.algo.name
+    std, scale = adv.get("std", "population"), adv.get("scale", "group")
+    _check(std in STD_KINDS, "advantage.std", std, f"choose one of {list(STD_KINDS)}")
+    _check(scale in SCALES, "advantage.scale", scale, f"choose one of {list(SCALES)}")
+    _check(
+        scale != "none" or adv.alpha == 0,
+        "advantage.scale",
+        scale,
+        f"none means no std division, i.e. advantage.alpha=0, but advantage.alpha={adv.alpha}: set "
+        "advantage.alpha=0 too (Dr.GRPO's mean-only advantage), or choose scale=group|batch",
+    )
+    if not ALGORITHMS[name].group_normalised:
+        for key, value, default in (("std", std, "population"), ("scale", scale, "group")):
+            _check(
+                value == default,
+                f"advantage.{key}",
+                value,
+                f"{name} has its own advantage estimator (not the group-normalised one): leave it at {default!r}",
+            )
+
+
+def check_dual_clip(algo: DictConfig) -> None:
+    """``algo.clip_ratio_c`` (dual clip) and ``algo.delta`` (TRL's two-sided clip): null or a number > 1, at most
+    one of them, and only for an algorithm whose objective is the PPO clip (``RLAlgorithm.ppo_clip``)."""
+    ppo_clip = [n for n in ALGORITHMS if ALGORITHMS[n].ppo_clip]
+    for key, meaning in (("clip_ratio_c", "the dual-clip bound c*|A|"), ("delta", "the cap of the unclipped ratio")):
+        value = algo.get(key)
+        if value is None:
+            continue
+        _check(
+            _is_number(value) and math.isfinite(value) and value > 1,
+            f"algo.{key}",
+            value,
+            f"null (off) or a number > 1 ({meaning}; at ratio 1 no clip may bind)",
+        )
+        _check(
+            algo.name in ppo_clip,
+            f"algo.{key}",
+            value,
+            f"{algo.name}'s objective has no PPO clip for it to bound; it applies to {ppo_clip} (null = off)",
+        )
+    if algo.get("clip_ratio_c") is not None and algo.get("delta") is not None:
+        raise ConfigError(
+            f"algo.clip_ratio_c={algo.clip_ratio_c!r} and algo.delta={algo.delta!r} are both set: for A < 0 both bound "
+            "the loss by a constant times |A| (delta > 1 + eps_high is the dual clip with c = delta); choose one"
         )
 
 

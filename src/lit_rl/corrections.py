@@ -52,7 +52,9 @@ from torch import Tensor
 from lit_rl.objectives import masked_mean
 from lit_rl.registry import Registry
 
-LEVELS = ("token", "sequence")
+LEVELS = ("token", "sequence", "geometric")
+#: the levels TIS takes (a geometric-mean weight is MIS's rejection rule, verl's ``geometric``)
+TIS_LEVELS = ("token", "sequence")
 
 # Below this trainer tail mass 1 − Σ_H π, the tail is treated as empty (ρ term = 0): a float32 π
 # cannot resolve a smaller tail, and dividing by it would only amplify rounding noise.
@@ -72,6 +74,8 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
     w_i = exp(Σ_t valid (old_logprobs_t − rollout_logprobs_t)), broadcast over its tokens. (It can
     overflow to inf on long or very off-policy sequences; ``tis_weights`` caps it, ``mis_mask``
     drops it.)
+    ``level="geometric"``: the geometric mean of its valid token ratios, exp(mean_t log r_t) (verl's
+    geometric rejection sampling), broadcast over its tokens.
 
     Args:
         old_logprobs: float [N, T], trainer log-probs (π_train; usually π_old). Detached here.
@@ -86,11 +90,7 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Ten
     Raises:
         ValueError: unknown ``level`` or shape mismatch.
     """
-    log_w = _valid_log_ratio(old_logprobs, rollout_logprobs, mask)
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
-    elif level != "token":
-        raise ValueError(f"Unknown importance-weight level {level!r}; expected one of {LEVELS}")
+    log_w = _level_log_ratio(_valid_log_ratio(old_logprobs, rollout_logprobs, mask), level, mask)
     weights = torch.exp(log_w)
     return torch.where(mask.bool(), weights, torch.ones_like(weights))
 
@@ -155,7 +155,7 @@ def mis_mask(
         mask: bool or 0/1 float [N, T].
         low: lower bound of the kept band, ≥ 0.
         high: upper bound of the kept band, ≥ ``low``.
-        level: ``"token"`` or ``"sequence"``.
+        level: ``"token"``, ``"sequence"`` or ``"geometric"`` (the geometric mean of the sequence's ratios).
 
     Returns:
         (new_mask, metrics):
@@ -184,20 +184,25 @@ def mis_mask(
 class WeightFunction:
     """The train–inference correction's weight w = f(r) of a token whose ratio is r = π_old / μ.
 
-    f(r) = t(r) · 1[low ≤ r_mis ≤ high] with t(r) = min(r_tis, C) when TIS is on, r_mis when only
-    weighted MIS is on, and 1 otherwise (none, mask-only MIS). At ``level="sequence"`` the ratio is the
-    sequence's product ratio W_i = Π_t r_t (broadcast over its tokens) instead of the token's r_t.
+    f(r) = t(r) · 1[low ≤ r_mis ≤ high] with t(r) = clip(r_tis, L, C) when TIS is on (L = 0 unless
+    ``tis_low``), r_mis when only weighted MIS is on, and 1 otherwise (none, mask-only MIS). At
+    ``level="sequence"`` the ratio is the sequence's product ratio W_i = Π_t r_t (broadcast over its tokens)
+    instead of the token's r_t. MIS at ``level="geometric"`` (verl's geometric rejection) keeps or drops the
+    whole sequence by its geometric mean G_i = exp(mean_t log r_t), and weighted MIS then keeps each kept
+    token's own r_t (not G_i).
 
     Fields:
         tis_cap: TIS cap C > 0 (Yao et al. 2025), or None: TIS off.
+        tis_low: TIS lower bound L with 0 < L ≤ min(1, C) (TRL's ``vllm_importance_sampling_clip_min``), or
+            None: no lower bound.
         tis_level: "token" | "sequence".
         mis_band: (low, high) with 0 ≤ low ≤ high, or None: MIS off.
-        mis_level: "token" | "sequence".
+        mis_level: "token" | "sequence" | "geometric".
         mis_weighted: True: kept tokens keep their weight r (MIS as IcePop and TRL's ``token_mask`` /
             ``sequence_mask`` define it); False: mask only (verl's rejection sampling ``rollout_rs``).
 
     Raises:
-        ValueError (at construction): a cap ≤ 0, a bad band or an unknown level.
+        ValueError (at construction): a cap ≤ 0, a bad lower bound or band, or an unknown level.
     """
 
     tis_cap: Optional[float] = None
@@ -205,10 +210,15 @@ class WeightFunction:
     mis_band: Optional[tuple[float, float]] = None
     mis_level: str = "token"
     mis_weighted: bool = True
+    tis_low: Optional[float] = None
 
     def __post_init__(self):
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"TIS cap must be > 0, got {self.tis_cap}")
+        if self.tis_low is not None and not 0 < self.tis_low <= min(1.0, self.tis_cap or 1.0):
+            raise ValueError(f"TIS lower bound must lie in (0, min(1, cap)], got {self.tis_low}")
+        if self.tis_level not in TIS_LEVELS:
+            raise ValueError(f"Unknown TIS level {self.tis_level!r}; expected one of {TIS_LEVELS}")
         if self.mis_band is not None and not 0 <= self.mis_band[0] <= self.mis_band[1]:
             raise ValueError(f"MIS band needs 0 <= low <= high, got {self.mis_band}")
         for name in ("tis_level", "mis_level"):
@@ -220,15 +230,18 @@ class WeightFunction:
         """True when neither TIS nor MIS is on (f ≡ 1)."""
         return self.tis_cap is None and self.mis_band is None
 
-    def log_weight(self, log_r_tis: Tensor, log_r_mis: Tensor) -> Tensor:
+    def log_weight(self, log_r_tis: Tensor, log_r_mis: Tensor, log_r_token: Optional[Tensor] = None) -> Tensor:
         """log f elementwise (−inf where MIS drops, NaN ratios dropped by MIS), from log-ratios at the
-        TIS and MIS levels (same shape; equal at token level). Works in the log domain, so a sequence
-        ratio that would overflow exp() is still exact."""
+        TIS and MIS levels (same shape; equal at token level) and, for weighted MIS at the geometric level,
+        the token's own log-ratio ``log_r_token`` (None: ``log_r_mis``). Works in the log domain, so a
+        sequence ratio that would overflow exp() is still exact."""
         out = torch.zeros_like(log_r_tis)
         if self.tis_cap is not None:
-            out = log_r_tis.clamp(max=math.log(self.tis_cap))
+            low = -math.inf if self.tis_low is None else math.log(self.tis_low)
+            out = log_r_tis.clamp(min=low, max=math.log(self.tis_cap))
         elif self.mis_band is not None and self.mis_weighted:
-            out = log_r_mis
+            geometric = self.mis_level == "geometric" and log_r_token is not None
+            out = log_r_token if geometric else log_r_mis
         if self.mis_band is not None:
             low, high = self.mis_band
             log_low = math.log(low) if low > 0 else -math.inf
@@ -239,7 +252,7 @@ class WeightFunction:
 
 def correction_weights(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, rule: WeightFunction
-) -> tuple[Tensor, Tensor, Tensor, dict]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
     """The sampled tokens' correction weights w_y = f(π_old / μ), without gradient, and their metrics.
 
     Multiply the per-token objective by ``weights`` (use ``torch.where(weights > 0, ...)`` so a dropped
@@ -253,24 +266,28 @@ def correction_weights(
         rule: the ``WeightFunction``.
 
     Returns:
-        (weights, context_tis, context_mis, metrics):
+        (weights, context_tis, context_mis, mis_scale, metrics):
             weights: float [N, T] (float32 for half inputs): f on valid tokens (0 where MIS drops), 1 on
                 padding.
-            context_tis / context_mis: float [N, T], log of the other factors of the level's ratio:
-                log W_i − log r_t at sequence level, 0 at token level (and on padding). The weight a head
-                token v would get at position t is f evaluated at log r_v + context (``centering_term``).
+            context_tis / context_mis: float [N, T], the rest of the level's log-ratio once the token's own
+                part is taken out: log W_i − log r_t at sequence level, log G_i − log r_t / T_i at the
+                geometric level, 0 at token level (and on padding). The weight a head token v would get at
+                position t is f evaluated at scale · log r_v + context (``centering_term``).
+            mis_scale: float [N, T], the factor of the token's own log-ratio in the MIS level's: 1/T_i at
+                the geometric level, else 1.
             metrics: detached 0-dim tensors over valid tokens: with TIS ``tis`` (mean untruncated w),
-                ``tis_abs`` (mean |w − 1|), ``tis_clipfrac`` (fraction with w > C); with MIS
-                ``mis_maskfrac`` (fraction dropped). Sequence-level values count each token.
+                ``tis_abs`` (mean |w − 1|), ``tis_clipfrac`` (fraction with w > C; with a lower bound also
+                ``tis_clipfrac_low``, fraction with w < L); with MIS ``mis_maskfrac`` (fraction dropped).
+                Sequence-level values count each token.
 
     Raises:
         ValueError: on shape mismatch.
     """
     log_r = _valid_log_ratio(old_logprobs, rollout_logprobs, mask)
-    log_r_tis = _level_log_ratio(log_r, rule.tis_level)
-    log_r_mis = _level_log_ratio(log_r, rule.mis_level)
+    log_r_tis = _level_log_ratio(log_r, rule.tis_level, mask)
+    log_r_mis = _level_log_ratio(log_r, rule.mis_level, mask)
     valid = mask.bool()
-    log_w = rule.log_weight(log_r_tis, log_r_mis)
+    log_w = rule.log_weight(log_r_tis, log_r_mis, log_r)
     weights = torch.where(valid, log_w.exp(), torch.ones_like(log_w))
     metrics = {}
     if rule.tis_cap is not None:
@@ -278,13 +295,18 @@ def correction_weights(
         metrics["tis"] = masked_mean(w_tis, mask)
         metrics["tis_abs"] = masked_mean((w_tis - 1.0).abs(), mask)
         metrics["tis_clipfrac"] = masked_mean((w_tis > rule.tis_cap).to(w_tis.dtype), mask)
+        if rule.tis_low is not None:
+            metrics["tis_clipfrac_low"] = masked_mean((w_tis < rule.tis_low).to(w_tis.dtype), mask)
     if rule.mis_band is not None:
         dropped = valid & torch.isneginf(log_w)
         metrics["mis_maskfrac"] = masked_mean(dropped.to(weights.dtype), valid)
     zero = torch.zeros_like(log_r)
+    mis_scale = torch.ones_like(log_r)
+    if rule.mis_level == "geometric":
+        mis_scale = (1.0 / valid.sum(-1, keepdim=True).clamp(min=1).to(log_r.dtype)).expand_as(log_r)
     context_tis = torch.where(valid, log_r_tis - log_r, zero)
-    context_mis = torch.where(valid, log_r_mis - log_r, zero)
-    return weights, context_tis, context_mis, metrics
+    context_mis = torch.where(valid, log_r_mis - mis_scale * log_r, zero)
+    return weights, context_tis, context_mis, mis_scale, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +419,7 @@ def centering_term(
     context_tis: Optional[Tensor] = None,
     context_mis: Optional[Tensor] = None,
     head_mask: Optional[Tensor] = None,
+    mis_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) · log π_v, whose gradient is E_μ[c · w · ∇log π].
 
@@ -435,6 +458,8 @@ def centering_term(
         context_tis / context_mis: float [N, T] from ``correction_weights`` (sequence level: the other
             tokens' part of the sequence ratio, so a head token's weight is f(W_i · r_v / r_y)); None = 0.
         head_mask: optional bool [N, T, k], True for the head entries to use.
+        mis_scale: float [N, T] from ``correction_weights`` (geometric MIS: 1/T_i, so a head token's MIS
+            ratio is exp(log G_i + (log r_v − log r_y) / T_i)); None = 1.
 
     Returns:
         float [N, T] (dtype of ``logprobs_head``), gradient through ``logprobs_head`` only; padding
@@ -475,10 +500,15 @@ def centering_term(
     else:
         ctx_t = 0.0 if context_tis is None else context_tis.detach().double().unsqueeze(-1)
         ctx_m = 0.0 if context_mis is None else context_mis.detach().double().unsqueeze(-1)
+        s_m = 1.0 if mis_scale is None else mis_scale.detach().double().unsqueeze(-1)
+
+        def f(log_r):  # log f at the ratio log_r of a head (or tail) token in place of the sampled one
+            return rule.log_weight(log_r + ctx_t, s_m * log_r + ctx_m, log_r)
+
         log_r = lp_old - lmu  # +inf where mu_v = 0: every f maps it to a finite value or to -inf
-        mu_w = torch.where(valid, (lmu + rule.log_weight(log_r + ctx_t, log_r + ctx_m)).exp(), zeros)
+        mu_w = torch.where(valid, (lmu + f(log_r)).exp(), zeros)
         log_r_old_tail = torch.where(has_tail, -(tail_mu.log() - safe(tail_old).log()), no_tail)
-        log_alpha = log_rho + rule.log_weight(log_r_old_tail + ctx_t, log_r_old_tail + ctx_m)
+        log_alpha = log_rho + f(log_r_old_tail)
         log_alpha = torch.where(has_tail, log_alpha, no_tail)
     alpha = log_alpha.exp()
 
@@ -541,9 +571,11 @@ def corrected_policy_loss(
     """
     _check_same_shape(token_loss, mask, "token_loss", "mask")
     if rule.is_identity:
-        loss, context_tis, context_mis, metrics = token_loss, None, None, {}
+        loss, context_tis, context_mis, mis_scale, metrics = token_loss, None, None, None, {}
     else:
-        weights, context_tis, context_mis, metrics = correction_weights(old_logprobs, rollout_logprobs, mask, rule)
+        weights, context_tis, context_mis, mis_scale, metrics = correction_weights(
+            old_logprobs, rollout_logprobs, mask, rule
+        )
         weights = weights.to(token_loss.dtype)
         loss = torch.where(weights > 0, token_loss * weights, torch.zeros_like(token_loss))
     if score_centering:
@@ -558,6 +590,7 @@ def corrected_policy_loss(
             context_tis=context_tis,
             context_mis=context_mis,
             head_mask=head_mask,
+            mis_scale=mis_scale,
         )
     return loss, metrics
 
@@ -588,6 +621,7 @@ def weight_function(correction) -> WeightFunction:
     tis, mis = correction.tis, correction.mis
     return WeightFunction(
         tis_cap=float(tis.cap) if tis.enabled else None,
+        tis_low=float(tis.low) if tis.enabled and getattr(tis, "low", None) is not None else None,
         tis_level=tis.level,
         mis_band=(float(mis.low), float(mis.high)) if mis.enabled else None,
         mis_level=mis.level,
@@ -731,10 +765,13 @@ def _valid_log_ratio(numerator: Tensor, denominator: Tensor, mask: Tensor) -> Te
     return torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
 
 
-def _level_log_ratio(log_r: Tensor, level: str) -> Tensor:
-    """Per-token log-ratios [N, T] (0 on padding) at ``level``: themselves, or each row's sum broadcast."""
+def _level_log_ratio(log_r: Tensor, level: str, mask: Tensor) -> Tensor:
+    """Per-token log-ratios [N, T] (0 on padding) at ``level``: themselves, each row's sum broadcast
+    (sequence), or each row's mean over its valid tokens broadcast (geometric)."""
     if level == "sequence":
         return log_r.sum(-1, keepdim=True).expand_as(log_r)
+    if level == "geometric":
+        return masked_mean(log_r, mask, dim=-1).unsqueeze(-1).expand_as(log_r)
     if level != "token":
         raise ValueError(f"Unknown importance-weight level {level!r}; expected one of {LEVELS}")
     return log_r

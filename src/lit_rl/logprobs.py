@@ -143,7 +143,8 @@ def check_head_parity(model: torch.nn.Module, vocab_size: int | None = None, tok
 class TokenScores:
     """The trainer's view of a batch of responses (N rows, T response positions).
 
-    logprobs: [N, T] float32 log pi(y_t) with gradient; entropy: [N, T] float32, no gradient;
+    logprobs: [N, T] float32 log pi(y_t) with gradient; entropy: [N, T] float32 (with gradient only when asked,
+    ``response_logprobs(entropy_grad=True)``: the entropy bonus);
     head_logprobs: [N, T, k] float32 log pi at given ids (the engine's top-k), with gradient, or None;
     hidden: [N, T, H] backbone states that predict each response token (for a value head), or None.
     All are 0 on padding.
@@ -166,6 +167,7 @@ def _chunk_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     transform: HeadTransform | None = None,
+    entropy_grad: bool = False,
 ):
     logits = F.linear(hidden, weight, bias).float()
     if transform is not None and not transform.identity:
@@ -182,8 +184,9 @@ def _chunk_logprobs(
     picked = logp.gather(-1, ids)
     token_logp = picked[:, 0]
     if with_entropy:
-        with torch.no_grad():
-            entropy = -torch.where(torch.isfinite(logp), logp.exp() * logp, 0.0).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            # p·log p with log p := 0 outside the support (p = 0 there), so no inf·0 reaches the backward
+            entropy = -(logp.exp() * torch.where(torch.isfinite(logp), logp, 0.0)).sum(-1)
     else:
         entropy = torch.zeros_like(token_logp)
     return token_logp, entropy, picked[:, 1:]
@@ -202,6 +205,7 @@ def response_logprobs(
     head_ids: Tensor | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    entropy_grad: bool = False,
 ) -> TokenScores:
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
@@ -216,6 +220,8 @@ def response_logprobs(
     The sampled token is always kept in the support, so a token the engine drew just inside its boundary
     (numerical mismatch) gets a finite log-prob instead of -inf; head ids outside the support get -inf,
     which score centering drops. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
+    ``entropy_grad``: the entropy of that same distribution keeps its gradient (the entropy bonus,
+    ``loss.entropy_coef``); otherwise it is a detached diagnostic.
     """
     n, p = prompt_ids.shape
     t = response_ids.shape[1]
@@ -251,6 +257,7 @@ def response_logprobs(
             top_k,
             top_p,
             transform,
+            entropy_grad,
         )
         if torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)

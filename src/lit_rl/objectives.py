@@ -19,6 +19,7 @@ Sources:
     Dr.GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective".
     GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization".
     CISPO: MiniMax 2025, "MiniMax-M1".
+    SAPO: Qwen team 2025, "Soft Adaptive Policy Optimization", arXiv 2511.20347.
     RLOO: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
         from Human Feedback in LLMs".
     KL estimators: Schulman 2020, "Approximating KL Divergence" (blog post).
@@ -31,7 +32,13 @@ from torch import Tensor
 
 REDUCTION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 BASELINES = ("none", "batch_mean", "rloo")
+#: ``advantage.std``: the std's denominator n (population, lit_rl's default) or n − 1 (sample: TRL, verl)
+STD_KINDS = ("population", "sample")
+#: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
+SCALES = ("group", "batch", "none")
 KL_KINDS = ("k1", "k2", "k3")
+#: ``kl.mode``: the KL to the reference as a loss term (GRPO's) or folded into the per-token reward (classic RLHF)
+KL_MODES = ("loss", "reward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,17 +187,25 @@ def group_advantages(
     alpha: float = 1.0,
     eps: float = 1e-6,
     valid: Optional[Tensor] = None,
+    std: str = "population",
+    scale: str = "group",
+    batch_std: Optional[float] = None,
 ) -> Tensor:
-    """Group-relative advantages A_i = (R_i − mean_g R) / (std_g R + eps)^alpha.
+    """Group-relative advantages A_i = (R_i − mean_g R) / (σ + eps)^alpha.
 
     GRPO (Shao et al. 2024) is ``alpha=1``; Dr.GRPO (Liu et al. 2025) is ``alpha=0`` (no std
-    division). The std is the POPULATION std (``unbiased=False``) over the group. Groups are
-    identified by ``group_ids`` (the prompt id), never by position, so any layout works (e.g.
-    interleaved [p1, p2, p1, p2]).
+    division). σ is, by ``scale``: ``"group"`` the std of the completion's group (GRPO); ``"batch"`` the
+    std of every valid reward of the step (TRL's ``scale_rewards="batch"``, after Liu et al. 2025's
+    critique of the group std); ``"none"`` no division (as ``alpha=0``; TRL's ``scale_rewards="none"``).
+    ``std="population"`` divides the squared deviations by n (lit_rl's default, SPEC vector 1),
+    ``"sample"`` by n − 1 (torch's default ``std()``, which TRL and verl call). Rewards [1, 0] of one
+    group: ±0.999998 (population, eps 1e-6), ±0.707106 (sample, eps 1e-6 = verl's GRPO, ±0.70711),
+    TRL's eps 1e-4 gives ±0.70700. Groups are identified by ``group_ids`` (the prompt id), never by
+    position, so any layout works (e.g. interleaved [p1, p2, p1, p2]).
 
     Invalid completions (e.g. zero generated tokens) are excluded from their group's mean and std
-    and get advantage 0. A group whose valid rewards are all equal (or that has no valid member)
-    gets exactly 0 advantages.
+    (and from the batch std) and get advantage 0. A group whose valid rewards are all equal (or that has
+    no valid member) gets exactly 0 advantages. A sample std of a single reward is taken as 0.
 
     Args:
         rewards: float [N].
@@ -198,16 +213,24 @@ def group_advantages(
         alpha: std-normalisation exponent in [0, 1].
         eps: added to the std before the power.
         valid: bool [N]; None means every completion is valid.
+        std: one of ``STD_KINDS``.
+        scale: one of ``SCALES``.
+        batch_std: with ``scale="batch"``, the step's std when it spans more than these rewards (several
+            data-parallel ranks); None computes it from ``rewards``.
 
     Returns:
         Float [N] advantages (same dtype as ``rewards``, float32 if ``rewards`` is not floating).
 
     Raises:
-        ValueError: ``alpha`` outside [0, 1]; ``rewards`` not 1-D; shape mismatch of
-            ``group_ids`` or ``valid`` with ``rewards``.
+        ValueError: ``alpha`` outside [0, 1]; unknown ``std`` or ``scale``; ``rewards`` not 1-D; shape
+            mismatch of ``group_ids`` or ``valid`` with ``rewards``.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if std not in STD_KINDS:
+        raise ValueError(f"Unknown std {std!r}; expected one of {STD_KINDS}")
+    if scale not in SCALES:
+        raise ValueError(f"Unknown scale {scale!r}; expected one of {SCALES}")
     rewards = _as_float(rewards)
     _check_1d(rewards, "rewards")
     _check_same_shape(rewards, group_ids, "rewards", "group_ids")
@@ -223,14 +246,51 @@ def group_advantages(
     count = zeros.index_add(0, inverse, valid.to(rewards.dtype)).clamp(min=1)
     mean = zeros.index_add(0, inverse, valid_rewards) / count
     centered = rewards - mean[inverse]
-    squared = torch.where(valid, centered**2, torch.zeros_like(centered))
-    std = (zeros.index_add(0, inverse, squared) / count).sqrt()
-
-    advantages = centered / (std[inverse] + eps) ** alpha
+    if scale == "group":
+        squared = torch.where(valid, centered**2, torch.zeros_like(centered))
+        dof = count if std == "population" else (count - 1).clamp(min=1)
+        sigma = ((zeros.index_add(0, inverse, squared) / dof).sqrt())[inverse]
+        advantages = centered / (sigma + eps) ** alpha
+    elif scale == "batch":
+        sigma = reward_std(rewards, valid, std) if batch_std is None else batch_std
+        advantages = centered / (torch.as_tensor(sigma, dtype=rewards.dtype) + eps) ** alpha
+    else:
+        advantages = centered
     # Exactly 0 for groups without reward variance, whatever the rounding of the mean.
     has_variance = _group_has_variance(rewards, valid, inverse, num_groups)
     keep = valid & has_variance[inverse]
     return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def reward_std(rewards: Tensor, valid: Optional[Tensor] = None, std: str = "population") -> Tensor:
+    """The std of the valid rewards [N]: population (÷ n) or sample (÷ (n − 1), torch's default).
+
+    Args:
+        rewards: float [N]; valid: bool [N] or None (all valid); std: one of ``STD_KINDS``.
+
+    Returns:
+        0-dim float tensor; 0 for fewer than 2 valid rewards.
+
+    Raises:
+        ValueError: unknown ``std``.
+    """
+    if std not in STD_KINDS:
+        raise ValueError(f"Unknown std {std!r}; expected one of {STD_KINDS}")
+    rewards = _as_float(rewards)
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    return std_from_moments(valid.sum(), masked_sum(rewards, valid), masked_sum(rewards**2, valid), std).to(
+        rewards.dtype
+    )
+
+
+def std_from_moments(count, total, total_sq, std: str = "population") -> Tensor:
+    """The std of n values from n, Σx and Σx² (e.g. summed over data-parallel ranks), in float64 from
+    the centred form Σx² − (Σx)²/n; 0 for n < 2. ``std``: ``"population"`` (÷ n) or ``"sample"`` (÷ (n − 1))."""
+    count, total, total_sq = (torch.as_tensor(x, dtype=torch.float64) for x in (count, total, total_sq))
+    if float(count) < 2:
+        return torch.zeros((), dtype=torch.float64)
+    dof = count if std == "population" else count - 1
+    return ((total_sq - total**2 / count).clamp(min=0) / dof).sqrt()
 
 
 def baseline_advantages(rewards: Tensor, group_ids: Tensor, baseline: str) -> Tensor:
@@ -324,12 +384,29 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
 
 
 def ppo_clip_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: Optional[float] = None,
+    delta: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token PPO clipped surrogate loss (Schulman et al. 2017), with DAPO clip-higher.
+    """Per-token PPO clipped surrogate loss (Schulman et al. 2017), with DAPO clip-higher, dual clip and delta.
 
     r = exp(logprobs − old_logprobs), loss = −min(r·A, clip(r, 1 − eps_low, 1 + eps_high)·A).
     ``eps_low = eps_high`` is PPO/GRPO; DAPO (Yu et al. 2025) uses 0.2 / 0.28.
+
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", eq. 5; verl's
+    ``clip_ratio_c``): for A < 0 the loss is also bounded by c·|A|, loss = min(loss, −c·A), so a token whose
+    ratio ran far above 1 with a negative advantage stops pushing (no gradient). One token, A = −1, r = 4,
+    ε = 0.2, c = 3: loss 3 and zero gradient (without: 4, gradient 4 w.r.t. its log-prob).
+
+    Two-sided clip (TRL's ``delta``, INTELLECT-2 report, Prime Intellect 2025): the unclipped ratio is capped,
+    r' = min(r, δ), in the first branch: loss = −min(r'·A, clip(r)·A). For δ > 1 + eps_high this is the dual
+    clip with c = δ (A > 0: the clipped branch already wins above 1 + eps_high; A < 0: the loss is
+    |A|·max(min(r, δ), clip(r)) = min(|A|·max(r, clip(r)), δ|A|)); ``config.validate`` refuses both together.
+    With δ ≤ 1 + eps_high it also caps the A > 0 side below the usual clip.
 
     Args:
         logprobs: float [N, T], current policy log-probs (with gradient).
@@ -338,12 +415,15 @@ def ppo_clip_loss(
         advantages: float [N] (broadcast over tokens) or [N, T].
         eps_low: lower clip range ε_low.
         eps_high: upper clip range ε_high.
+        clip_ratio_c: dual-clip constant c > 1, or None (off).
+        delta: TRL's two-sided bound δ > 1 on the unclipped ratio, or None (off).
 
     Returns:
         (loss [N, T], clipped_low [N, T] bool, clipped_high [N, T] bool). ``clipped_*`` mark the
         tokens where the clip binds (the clipped branch is the min and differs from the unclipped
         one, so the token has no gradient): clipped_high where A > 0 and r > 1 + eps_high,
-        clipped_low where A < 0 and r < 1 − eps_low. Padding is not masked: reduce with a mask.
+        clipped_low where A < 0 and r < 1 − eps_low. Where the dual clip or delta binds see
+        ``dual_clip_binds`` (not folded into either). Padding is not masked: reduce with a mask.
 
     Raises:
         ValueError: on shape mismatch.
@@ -352,11 +432,46 @@ def ppo_clip_loss(
     advantages = _broadcast_advantages(advantages, logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    unclipped = ratio if delta is None else ratio.clamp(max=delta)
+    loss = -torch.minimum(unclipped * advantages, clipped_ratio * advantages)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -clip_ratio_c * advantages), loss)
     ratio = ratio.detach()
     clipped_high = (advantages > 0) & (ratio > 1.0 + eps_high)
     clipped_low = (advantages < 0) & (ratio < 1.0 - eps_low)
     return loss, clipped_low, clipped_high
+
+
+def dual_clip_binds(
+    log_ratio: Tensor, advantages: Tensor, eps_high: float, clip_ratio_c: Optional[float], delta: Optional[float]
+) -> Tensor:
+    """Where the dual clip c (or TRL's δ) of ``ppo_clip_loss`` takes a token's gradient away that the ordinary
+    clip leaves: c where A < 0 and r > c; δ where A < 0 and r > max(δ, 1 + eps_high), or A > 0 and
+    δ < r ≤ 1 + eps_high (above 1 + eps_high the ordinary upper clip binds already). verl logs the dual-clip
+    fraction as ``pg_clipfrac_lower``, which is lit_rl's name for the ordinary lower clip; here it is its own
+    metric (``train/pg_clipfrac_dual``).
+
+    Args:
+        log_ratio: float [N, T], log(π_θ / π_old) (detached here).
+        advantages: float [N] or [N, T].
+        eps_high: upper clip range.
+        clip_ratio_c, delta: as ``ppo_clip_loss``; both None gives all False.
+
+    Returns:
+        bool [N, T].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    advantages = _broadcast_advantages(advantages, log_ratio)
+    ratio = log_ratio.detach().exp()
+    out = torch.zeros_like(ratio, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        out = out | ((advantages < 0) & (ratio > clip_ratio_c))
+    if delta is not None:
+        upper = (advantages > 0) & (ratio > delta) & (ratio <= 1.0 + eps_high)
+        out = out | upper | ((advantages < 0) & (ratio > max(delta, 1.0 + eps_high)))
+    return out
 
 
 def gspo_loss(
@@ -440,6 +555,50 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, eps_l
     return -weight * advantages * logprobs
 
 
+def sapo_gate(ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's soft gate f(r) = σ(τ (r − 1)) · 4/τ, τ = tau_pos where A > 0 and tau_neg otherwise
+    (Soft Adaptive Policy Optimization, arXiv 2511.20347). f(1) = 2/τ and df/dr(1) = 1, so on-policy the
+    gradient is REINFORCE's; off-policy df/dlog r = 4 r σ(1 − σ) decays smoothly instead of PPO's hard zero.
+
+    Args:
+        ratio: float [N, T], r = π_θ / π_old (with gradient for the loss).
+        advantages: float [N] or [N, T] (broadcast).
+        tau_pos, tau_neg: the gate's temperatures > 0 (the paper's 1.0 and 1.05: negative advantages decay faster).
+
+    Returns:
+        float [N, T].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    advantages = _broadcast_advantages(advantages, ratio)
+    tau = torch.where(advantages > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    return torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+
+
+def sapo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO per-token loss −f(r)·A with the soft gate f of ``sapo_gate`` in place of PPO's clip
+    (arXiv 2511.20347, its token-level objective; group-normalised advantages as GRPO).
+
+    Example: A = 1, r = 1: loss −2 (= −2/τ_pos), gradient w.r.t. the token's log-prob −1 (REINFORCE's −A);
+    A = 1, r = e: gradient −4e·σ(e − 1)(1 − σ(e − 1)) = −1.40220 (PPO's clip would give 0); A = −1, r = 0.5
+    (τ_neg = 1.05): loss σ(−0.525)·4/1.05 = 1.41594, gradient 2σ(−0.525)(1 − σ(−0.525)) = 0.46707.
+
+    Args:
+        logprobs: float [N, T] with gradient; old_logprobs: float [N, T] (constants);
+        advantages: float [N] or [N, T]; tau_pos, tau_neg: as ``sapo_gate``.
+
+    Returns:
+        loss [N, T]; padding is not masked, reduce with a mask.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(logprobs, old_logprobs, "logprobs", "old_logprobs")
+    ratio = torch.exp(logprobs - old_logprobs)
+    return -sapo_gate(ratio, advantages, tau_pos, tau_neg) * _broadcast_advantages(advantages, logprobs)
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-token coefficients: ∂ℓ_t / ∂log π, for the sampled token and for any other token
 # ----------------------------------------------------------------------------------------------
@@ -466,15 +625,25 @@ def reinforce_coef(log_ratio: Tensor, advantages: Tensor) -> Tensor:
     return (-_token_advantages(advantages, log_ratio)).expand_as(log_ratio).to(log_ratio.dtype)
 
 
-def ppo_clip_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """∂ℓ/∂log π of ``ppo_clip_loss``: −A·r where the clip does not bind, 0 where it does.
+def ppo_clip_coef(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: Optional[float] = None,
+    delta: Optional[float] = None,
+) -> Tensor:
+    """∂ℓ/∂log π of ``ppo_clip_loss``: −A·r where no clip binds, 0 where one does.
 
     ℓ = −min(r A, clip(r, 1 − eps_low, 1 + eps_high) A), r = exp(log_ratio); the clip binds (the token
     has no gradient) where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 − eps_low (Schulman et al.
-    2017; DAPO's clip-higher with eps_low ≠ eps_high).
+    2017; DAPO's clip-higher with eps_low ≠ eps_high); the dual clip c where A < 0 and r > c (Ye et al.
+    2020); TRL's δ where A > 0 and r > δ, or A < 0 and r > max(δ, 1 + eps_high) (the capped branch
+    min(r, δ) is constant above δ; for A < 0 the clipped branch clip(r) = r wins up to 1 + eps_high).
 
     Args:
-        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; eps_low, eps_high: clip ranges.
+        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; eps_low, eps_high: clip ranges;
+        clip_ratio_c, delta: as ``ppo_clip_loss``.
 
     Returns:
         float [N, T, J].
@@ -485,6 +654,10 @@ def ppo_clip_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_hig
     adv = _token_advantages(advantages, log_ratio)
     ratio = log_ratio.exp()
     clipped = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))
+    if clip_ratio_c is not None:
+        clipped = clipped | ((adv < 0) & (ratio > clip_ratio_c))
+    if delta is not None:  # the capped branch min(r, δ) is constant above δ; for A < 0 clip(r) = r may still win
+        clipped = clipped | ((adv > 0) & (ratio > delta)) | ((adv < 0) & (ratio > max(delta, 1.0 + eps_high)))
     return torch.where(clipped, torch.zeros_like(ratio), -adv * ratio)
 
 
@@ -502,6 +675,39 @@ def cispo_coef(log_ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: 
     """
     adv = _token_advantages(advantages, log_ratio)
     return -adv * log_ratio.exp().clamp(1.0 - eps_low, 1.0 + eps_high)
+
+
+def sapo_coef(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """∂ℓ/∂log π of ``sapo_loss``: −A · 4 r σ(τ(r − 1)) (1 − σ(τ(r − 1))), r = exp(log_ratio) (−A at r = 1).
+
+    Args:
+        log_ratio: float [N, T, J]; advantages: float [N] or [N, T]; tau_pos, tau_neg: the gate's temperatures.
+
+    Returns:
+        float [N, T, J].
+
+    Raises:
+        ValueError: advantages of the wrong shape.
+    """
+    adv = _token_advantages(advantages, log_ratio)
+    return -adv * sapo_weight(log_ratio, adv, tau_pos, tau_neg)
+
+
+def sapo_weight(log_ratio: Tensor, advantages: Tensor, tau_pos: float, tau_neg: float) -> Tensor:
+    """SAPO's gradient weight df/dlog r = 4 r σ(τ(r − 1)) (1 − σ(τ(r − 1))): 1 at r = 1, → 0 far from it.
+
+    Args:
+        log_ratio: float, any shape; advantages: float, broadcastable to it (its sign picks τ);
+        tau_pos, tau_neg: the gate's temperatures.
+
+    Returns:
+        float, ``log_ratio``'s shape.
+    """
+    ratio = log_ratio.exp()
+    adv = advantages.to(ratio.dtype)
+    tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    s = torch.sigmoid(tau * (ratio - 1.0))
+    return 4.0 * ratio * s * (1.0 - s)
 
 
 def gspo_coef(
@@ -586,6 +792,34 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(probs * log_probs).sum(-1)
 
 
+def entropy_bonus_loss(token_loss: Tensor, entropy: Tensor, coef: float) -> Tensor:
+    """The per-token loss with an entropy bonus: token_loss − coef · H_t (Williams & Peng 1991; Mnih et al.
+    2016, A3C; PPO's c_2 · S[π] term, Schulman et al. 2017 eq. 9).
+
+    H_t is the entropy of π_θ(· | h_t) in nats under the sampler's distribution (its temperature and top-k /
+    top-p truncation, ``logprobs.response_logprobs(entropy_grad=True)``), with gradient. Added per token and
+    reduced with the policy loss's own ``loss.reduction`` (as verl's ``entropy_coeff``, aggregated with its
+    ``loss_agg_mode``), so the bonus weighs tokens as the loss does. A per-token average over the batch (how
+    TRL averages entropy) equals this only under ``token_mean``: with ``seq_mean_token_mean`` each completion
+    counts once here, so a long completion's tokens weigh less than in a per-token average; with
+    ``constant`` the sum is divided by G·L_max. Not importance-weighted by a correction (it is not a
+    policy-gradient estimate).
+
+    Args:
+        token_loss: float [N, T], the loss to minimise.
+        entropy: float [N, T], H_t (with gradient for the bonus to act).
+        coef: the bonus's weight (``loss.entropy_coef``; 0 = off).
+
+    Returns:
+        float [N, T].
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_same_shape(token_loss, entropy, "token_loss", "entropy")
+    return token_loss - coef * entropy
+
+
 def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimators of KL(π_θ || π_ref) from samples of π_θ (Schulman, "Approximating KL").
 
@@ -614,6 +848,64 @@ def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tenso
     if kind == "k2":
         return 0.5 * log_ratio**2
     return torch.exp(-log_ratio) + log_ratio - 1.0
+
+
+def kl_penalised_returns(rewards: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """Per-token returns with the KL to the reference folded into the reward (REINFORCE++, Hu et al. 2025;
+    the classic RLHF reward of Ziegler et al. 2019 and Ouyang et al. 2022, γ = 1).
+
+    r_t = −β·kl_t at every valid token, plus the sequence reward R_i at its last valid token; the return is
+    G_t = Σ_{s ≥ t} r_s over the valid tokens, so G_t = R_i − β Σ_{s ≥ t} kl_s. Example: R = 1, kl = [0.1, 0.3],
+    β = 0.5 gives G = [1 − 0.2, 1 − 0.15] = [0.8, 0.85].
+
+    Args:
+        rewards: float [N], the sequence rewards (after any baseline).
+        kl: float [N, T], the per-token KL estimate to the reference (``approx_kl`` of π_old and π_ref).
+        mask: bool [N, T].
+        beta: the KL coefficient β ≥ 0.
+
+    Returns:
+        float [N, T], 0 outside ``mask``; no gradient.
+
+    Raises:
+        ValueError: shape mismatch or ``rewards`` not [N].
+    """
+    _check_same_shape(kl, mask, "kl", "mask")
+    rewards = _as_float(rewards)
+    _check_1d(rewards, "rewards")
+    if rewards.shape[0] != kl.shape[0]:
+        raise ValueError(f"rewards must be [N={kl.shape[0]}], got shape {tuple(rewards.shape)}")
+    valid = mask.bool()
+    token_rewards = torch.where(valid, -beta * kl.detach().to(rewards.dtype), torch.zeros_like(kl, dtype=rewards.dtype))
+    # reversed cumulative sum over valid tokens: G_t = Σ_{s >= t} r_s (padding adds 0)
+    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) + rewards[:, None]
+    return torch.where(valid, returns, torch.zeros_like(returns))
+
+
+def adaptive_kl_coef(beta: float, kl: float, target: float, horizon: float, n_steps: int) -> float:
+    """One update of the adaptive KL controller (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+    Preferences", §2.2): e = clip(KL / KL_target − 1, −0.2, 0.2), β ← β·(1 + e·n_steps / horizon).
+
+    Example: β = 0.1, target 6, horizon 10000, 512 sequences per step, KL = 12 → e = 0.2 (clipped),
+    β ← 0.1·(1 + 0.2·0.0512) = 0.1010240.
+
+    Args:
+        beta: the current β > 0.
+        kl: the step's measured KL to the reference (nats per sequence).
+        target: KL_target > 0.
+        horizon: the controller's horizon H > 0 (in sequences).
+        n_steps: sequences in the step (the peers' n_steps: the batch size).
+
+    Returns:
+        The next β (float).
+
+    Raises:
+        ValueError: ``target`` or ``horizon`` not > 0.
+    """
+    if not (target > 0 and horizon > 0):
+        raise ValueError(f"the adaptive KL controller needs target > 0 and horizon > 0, got {target}, {horizon}")
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * n_steps / horizon)
 
 
 # ----------------------------------------------------------------------------------------------

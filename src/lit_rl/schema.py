@@ -167,6 +167,16 @@ class ValueConfig:
 
 
 @dataclass
+class SapoGateConfig:
+    """``algo.sapo`` (SAPO, arXiv 2511.20347): the soft gate's temperatures, sigma(tau (r - 1)) * 4 / tau."""
+
+    #: tau for A > 0
+    tau_pos: Number = 1.0
+    #: tau for A < 0 (>= tau_pos: negative advantages' off-policy tokens decay faster)
+    tau_neg: Number = 1.05
+
+
+@dataclass
 class AlgoConfig:
     """``algo``: the algorithm (``algorithms.ALGORITHMS``) and its options. One schema for all: the fields an
     algorithm does not read keep their defaults (each ``conf/algo/<name>.yaml`` sets its own)."""
@@ -174,11 +184,16 @@ class AlgoConfig:
     #: one of ``algorithms.ALGORITHMS``
     name: str = "grpo"
     clip: ClipConfig = field(default_factory=ClipConfig)
+    #: dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, which defaults to 3): for A < 0 the loss is bounded by
+    #: c * |A|; null = off. The PPO-clip objectives only (ppo, grpo, dapo, dr_grpo, reinforce_pp)
+    clip_ratio_c: Optional[Number] = None
+    #: TRL's two-sided clip ``delta`` (INTELLECT-2): the unclipped ratio capped at delta (> 1); null = off
+    delta: Optional[Number] = None
     #: passes over each rollout batch (the PPO schedule); 1 x 1 keeps the update on-policy
     ppo_epochs: int = 1
     #: optimizer steps per pass
     num_minibatches: int = 1
-    #: reinforce: none | batch_mean | rloo (``objectives.BASELINES``)
+    #: reinforce: none | batch_mean | rloo (``objectives.BASELINES``); reinforce_pp: none | group
     baseline: str = "rloo"
     #: dapo
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -192,6 +207,8 @@ class AlgoConfig:
     gae: GaeConfig = field(default_factory=GaeConfig)
     #: ppo
     value: ValueConfig = field(default_factory=ValueConfig)
+    #: sapo
+    sapo: SapoGateConfig = field(default_factory=SapoGateConfig)
 
 
 # Each algorithm's own defaults for ``algo`` (``RLAlgorithm.algo_config``): what its conf/algo/<name>.yaml sets,
@@ -199,6 +216,13 @@ class AlgoConfig:
 @dataclass
 class ReinforceConfig(AlgoConfig):
     name: str = "reinforce"
+
+
+@dataclass
+class ReinforcePpConfig(AlgoConfig):
+    name: str = "reinforce_pp"
+    #: reinforce_pp: none (REINFORCE++) | group (REINFORCE++-baseline: minus the group's mean reward)
+    baseline: str = "none"
 
 
 @dataclass
@@ -225,6 +249,11 @@ class DrGrpoConfig(AlgoConfig):
 class GspoConfig(AlgoConfig):
     name: str = "gspo"
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=3.0e-4, eps_high=4.0e-4))
+
+
+@dataclass
+class SapoConfig(AlgoConfig):
+    name: str = "sapo"
 
 
 @dataclass
@@ -283,6 +312,9 @@ class TisConfig:
 
     enabled: bool = False
     cap: Number = 2.0
+    #: lower bound L in (0, min(1, cap)] (TRL's vllm_importance_sampling_clip_min): the weight min(max(w, L), cap);
+    #: null = none
+    low: Optional[Number] = None
     #: token | sequence
     level: str = "token"
 
@@ -294,7 +326,8 @@ class MisConfig:
     enabled: bool = False
     low: Number = 0.5
     high: Number = 2.0
-    #: token | sequence
+    #: token | sequence | geometric (a sequence kept or dropped by the geometric mean of its ratios, verl's
+    #: geometric rejection; weighted: kept tokens keep their own w_t)
     level: str = "token"
     #: true: kept tokens keep their weight w (IcePop, TRL); false: mask only (verl's rejection sampling)
     weighted: bool = True
@@ -423,6 +456,11 @@ class AdvantageConfig:
     #: 1 = GRPO, 0 = Dr.GRPO (mean-only)
     alpha: Number = 1.0
     eps: Number = 1.0e-6
+    #: population (divide by n; SPEC vector 1) | sample (n - 1: TRL, verl) (``objectives.STD_KINDS``)
+    std: str = "population"
+    #: group (the group's std, GRPO) | batch (the step's std, TRL scale_rewards=batch) | none (no division: alpha
+    #: must be 0) (``objectives.SCALES``)
+    scale: str = "group"
 
 
 @dataclass
@@ -430,6 +468,9 @@ class LossConfig:
     """``loss``: how per-token losses become one number (``objectives.REDUCTION_MODES``)."""
 
     reduction: str = "seq_mean_token_mean"
+    #: entropy bonus: loss_t - entropy_coef * H(pi_theta(. | h_t)) under the sampler's temperature and
+    #: truncation, reduced like the loss (``objectives.entropy_bonus_loss``); 0 = off
+    entropy_coef: Number = 0.0
 
 
 @dataclass
@@ -442,6 +483,13 @@ class KlConfig:
     estimator: str = "k3"
     #: log train/ref_kl even with beta = 0 (keeps a reference copy)
     track: bool = False
+    #: loss (beta * KL per token in the loss, GRPO) | reward (-beta * KL folded into the per-token reward, classic
+    #: RLHF PPO and REINFORCE++; ppo and reinforce_pp only) (``objectives.KL_MODES``)
+    mode: str = "loss"
+    #: the adaptive controller's KL_target in nats per sequence (Ziegler et al. 2019); null = a fixed beta
+    target: Optional[Number] = None
+    #: the controller's horizon, in sequences (each RL step moves beta by a fraction n_steps / horizon of the error)
+    horizon: Number = 10000
 
 
 @dataclass

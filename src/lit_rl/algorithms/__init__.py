@@ -13,6 +13,8 @@ from .grpo import GRPO
 from .gspo import GSPO
 from .ppo import PPO
 from .reinforce import Reinforce
+from .reinforce_pp import ReinforcePP
+from .sapo import SAPO
 
 ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
     "algo",
@@ -24,6 +26,8 @@ ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
         "dr_grpo": DrGRPO,
         "gspo": GSPO,
         "cispo": CISPO,
+        "reinforce_pp": ReinforcePP,
+        "sapo": SAPO,
     },
 )
 
@@ -38,4 +42,6 @@ __all__ = [
     "PPO",
     "RLAlgorithm",
     "Reinforce",
+    "ReinforcePP",
+    "SAPO",
 ]

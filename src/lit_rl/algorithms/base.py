@@ -107,6 +107,16 @@ class RLAlgorithm(L.LightningModule):
     # -- construction and Lightning's set-up -----------------------------------------------------------------------
     #: this algorithm's ``algo`` defaults (its conf/algo/<name>.yaml, for modules built from Python)
     algo_config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    #: the objective is the PPO clipped surrogate (``policy_loss`` below), so ``algo.clip_ratio_c`` (dual clip) and
+    #: ``algo.delta`` apply; an algorithm with another objective sets False and ``config.validate`` refuses them
+    ppo_clip: ClassVar[bool] = True
+    #: the advantages are ``objectives.group_advantages`` of the ``advantage`` group (alpha, eps, std, scale); an
+    #: algorithm with its own estimator (PPO's GAE, REINFORCE's baselines) sets False and ``config.validate``
+    #: refuses a non-default ``advantage.std`` / ``advantage.scale`` for it
+    group_normalised: ClassVar[bool] = True
+    #: the algorithm has per-token returns that ``kl.mode=reward`` folds the KL to the reference into (its
+    #: ``snapshot`` calls ``reference_kl``); False: ``config.validate`` refuses kl.mode=reward for it
+    kl_in_reward: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -154,6 +164,8 @@ class RLAlgorithm(L.LightningModule):
             max_logprobs=self.sampling.logprobs_top_k,
             own_copy=self.stale is not None and self.stale.mode == "async",
         )
+        #: beta, the KL coefficient this step uses: kl.beta, moved by the adaptive controller when kl.target is set
+        self.kl_coef = float(self.kl_cfg.beta)
         self.ref_policy = None
         if self.kl_cfg.beta > 0 or self.kl_cfg.track:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -240,6 +252,7 @@ class RLAlgorithm(L.LightningModule):
         if self.stale is not None:  # p_o: the trainer's log-probs under the weights that generated stale rows
             self.stale.score_behaviour(self, rb)
         train_metrics = self.update(rb)  # already reduced over ranks
+        train_metrics.update(self.adapt_kl_coef(train_metrics, len(rb)))
         t_train = time.perf_counter() - t1
 
         metrics["time/rollout_s"] = t_rollout
@@ -328,8 +341,21 @@ class RLAlgorithm(L.LightningModule):
     def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
         """[N] float32 advantages. Default: group-normalised with exponent alpha (GRPO / Dr.GRPO)."""
         valid = scored.rollouts.response_length > 0
+        a = self.advantage_cfg
+        batch_std = None
+        if a.scale == "batch" and self.world_size > 1:  # the step's std spans every rank's rewards
+            r = torch.where(valid, rewards.double(), torch.zeros_like(rewards, dtype=torch.float64))
+            moments = self.all_reduce(torch.stack([valid.sum().double(), r.sum(), (r**2).sum()]))
+            batch_std = float(obj.std_from_moments(*moments.tolist(), a.std))
         return obj.group_advantages(
-            rewards, scored.group_ids, alpha=self.advantage_cfg.alpha, eps=self.advantage_cfg.eps, valid=valid
+            rewards,
+            scored.group_ids,
+            alpha=a.alpha,
+            eps=a.eps,
+            valid=valid,
+            std=a.std,
+            scale=a.scale,
+            batch_std=batch_std,
         )
 
     @classmethod
@@ -484,6 +510,8 @@ class RLAlgorithm(L.LightningModule):
         """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
         distribution: its temperature and its top-k / top-p truncation."""
         head_ids = mb.topk_ids if self.correction.sc.enabled and model is self.policy else None
+        if model is self.policy and self.loss_cfg.entropy_coef and kwargs.get("with_entropy", True):
+            kwargs.setdefault("entropy_grad", True)  # the entropy bonus differentiates it
         if isinstance(model, FullyShardedDataParallel):  # FSDP: score inside the unit's forward (its weights whole)
             return parallel.run_as_forward(model, self._score, mb, head_ids, kwargs)
         return self._score(model, mb, head_ids, kwargs)
@@ -505,13 +533,25 @@ class RLAlgorithm(L.LightningModule):
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
+        a = self.algo_cfg
         loss, clip_low, clip_high = obj.ppo_clip_loss(
-            logprobs, old_logprobs, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            self.clip_cfg.eps_low,
+            self.clip_cfg.eps_high,
+            a.clip_ratio_c,
+            a.delta,
         )
         mask = mb.response_mask
         stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
         stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
         stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
+        if a.clip_ratio_c is not None or a.delta is not None:  # its own name: verl's pg_clipfrac_lower is this one
+            dual = obj.dual_clip_binds(
+                logprobs.detach() - old_logprobs, mb.advantages, self.clip_cfg.eps_high, a.clip_ratio_c, a.delta
+            )
+            stats.add("train/pg_clipfrac_dual", dual.float(), mask)
         return loss
 
     def finish_loss(
@@ -532,7 +572,9 @@ class RLAlgorithm(L.LightningModule):
         logprobs = scores.logprobs
         if extra_loss is not None:
             token_loss = token_loss + extra_loss
-        beta = self.kl_cfg.beta
+        if self.loss_cfg.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
+            token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, self.loss_cfg.entropy_coef)
+        beta = self.kl_coef if self.kl_cfg.mode == "loss" else 0.0  # kl.mode=reward: in the returns (snapshot)
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
@@ -540,6 +582,8 @@ class RLAlgorithm(L.LightningModule):
             if beta > 0:
                 token_loss = token_loss + beta * kl
             stats.add("train/ref_kl", kl, m)
+            if self.kl_cfg.mode == "loss":  # the KL per sequence, what the adaptive controller reads
+                stats.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
             # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
             # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
             # comparable between samplers, where ref_kl measures the two policies on mu's tokens
@@ -598,12 +642,69 @@ class RLAlgorithm(L.LightningModule):
         stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
         return loss
 
+    @torch.no_grad()
+    def reference_kl(self, rb: RolloutBatch) -> Tensor:
+        """[N, T] the per-token KL estimate (``kl.estimator``) of pi_old (``rb.old_logprobs``) to the frozen
+        reference on the sampled tokens, 0 on padding; zeros without a reference. For ``kl.mode=reward``: a
+        ``snapshot`` folds −beta times it into the per-token reward, and the step's KL per sequence goes to
+        ``self.reward_kl`` (summed over ranks: the adaptive controller's measurement)."""
+        kl = torch.zeros_like(rb.old_logprobs)
+        if self.ref_policy is None:
+            return kl
+        for i in range(0, len(rb), self.micro_batch_size):
+            mb = rb.select(slice(i, i + self.micro_batch_size))
+            ref = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+            w = ref.shape[1]
+            kl[i : i + len(mb), :w] = obj.approx_kl(rb.old_logprobs[i : i + len(mb), :w], ref, self.kl_cfg.estimator)
+        kl = torch.where(rb.response_mask, kl, torch.zeros_like(kl))
+        seqs = rb.response_mask.any(-1)
+        sums = torch.stack([kl.sum().double(), seqs.sum().double()])
+        total, count = self.all_reduce(sums).tolist()
+        self.reward_kl = total / count if count else 0.0
+        return kl
+
+    def whiten(self, adv: Tensor, mask: Tensor) -> Tensor:
+        """(adv - mean) / (std + 1e-8) over the valid tokens of the whole step (all data-parallel ranks);
+        [N, T] in and out, 0 at invalid tokens; unchanged when the step has at most one valid token."""
+        if self.world_size == 1:
+            if mask.sum() <= 1:
+                return adv
+            mean = obj.masked_mean(adv, mask)
+            std = obj.masked_mean((adv - mean) ** 2, mask).sqrt()
+        else:  # the same two passes with sums and counts over ranks
+            sums = torch.stack([mask.sum().double(), obj.masked_sum(adv, mask).double()])
+            count, total = self.all_reduce(sums).tolist()
+            if count <= 1:
+                return adv
+            mean = adv.new_tensor(total / count)
+            sq = float(self.all_reduce(obj.masked_sum((adv - mean) ** 2, mask).double()))
+            std = adv.new_tensor(sq / count).sqrt()
+        return torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
+
+    def adapt_kl_coef(self, train_metrics: dict[str, float], rows: int) -> dict[str, float]:
+        """Log this step's beta as ``train/kl_coef`` and, with ``kl.target`` set, move it for the next step with
+        the adaptive controller (``objectives.adaptive_kl_coef``; Ziegler et al. 2019) from the step's KL per
+        sequence (``kl.mode=loss``: ``train/ref_kl_seq`` of the update; ``reward``: the snapshot's, logged as
+        ``train/ref_kl_seq`` too) and n_steps = the step's sequences over all ranks (``rows`` on this rank)."""
+        out = {"train/kl_coef": self.kl_coef} if self.ref_policy is not None else {}
+        if self.kl_cfg.mode == "reward" and self.ref_policy is not None:
+            out["train/ref_kl_seq"] = float(getattr(self, "reward_kl", 0.0))
+        cfg = self.kl_cfg
+        if cfg.target is not None and self.ref_policy is not None:
+            kl = out.get("train/ref_kl_seq", train_metrics.get("train/ref_kl_seq", 0.0))
+            n_steps = rows * self.world_size
+            self.kl_coef = obj.adaptive_kl_coef(self.kl_coef, kl, float(cfg.target), float(cfg.horizon), n_steps)
+        return out
+
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """∂ℓ_t/∂log π of ``policy_loss`` had a token with log(π_θ / π_old) = ``log_ratio`` [n, T, J] been
         sampled at position t (``sampled_log_ratio`` [n, T]: the sampled tokens'); [n, T, J]. Score
         centering under a correction evaluates it at the engine's head ids (``corrections.centering_term``).
         Default: the PPO clipped surrogate's, −A·r where the clip does not bind (GRPO, DAPO, Dr.GRPO)."""
-        return obj.ppo_clip_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        a = self.algo_cfg
+        return obj.ppo_clip_coef(
+            log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high, a.clip_ratio_c, a.delta
+        )
 
     def optimizer_step(self, opt, loss: float = 0.0) -> float:
         """Step ``opt`` (Lightning's optimizer wrapper) on the accumulated gradient, zero it, advance the lr
@@ -848,7 +949,11 @@ class RLAlgorithm(L.LightningModule):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lit_rl"] = {"skipped_updates": self.skipped_updates, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        checkpoint["lit_rl"] = {
+            "skipped_updates": self.skipped_updates,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "kl_coef": self.kl_coef,  # the adaptive controller's beta
+        }
         if self.stale is not None:  # lagged: the weight history, so a resumed run samples exactly as before
             checkpoint["lit_rl"]["stale_rollouts"] = self.stale.state_dict()
 
@@ -856,6 +961,7 @@ class RLAlgorithm(L.LightningModule):
         state = checkpoint.get("lit_rl", {})
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        self.kl_coef = float(state.get("kl_coef", self.kl_coef))
         if self.stale is not None and "stale_rollouts" in state:
             self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 

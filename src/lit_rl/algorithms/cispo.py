@@ -17,6 +17,7 @@ class CISPO(RLAlgorithm):
     """Clipped, stop-gradient importance weights times the REINFORCE score, group advantages."""
 
     algo_config = CispoConfig
+    ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         eps_low, eps_high = self.clip_cfg.eps_low, self.clip_cfg.eps_high

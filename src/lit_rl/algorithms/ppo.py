@@ -31,6 +31,8 @@ class PPO(RLAlgorithm):
     """Actor-critic PPO with GAE and several epochs of minibatch updates per rollout batch."""
 
     algo_config = PpoConfig
+    kl_in_reward = True  # kl.mode=reward: -beta * KL in the per-token reward before GAE
+    group_normalised = False  # advantage.std / advantage.scale are refused (its own advantage estimator)
 
     @classmethod
     def group_baseline(cls, algo) -> bool:
@@ -91,29 +93,14 @@ class PPO(RLAlgorithm):
         lengths = mask.sum(-1)
         token_rewards = torch.zeros_like(old_v)
         token_rewards[torch.arange(n, device=device), (lengths - 1).clamp(min=0)] = rb.rewards * (lengths > 0)
+        rb.old_logprobs = old_lp
+        if self.kl_cfg.mode == "reward":  # the classic RLHF reward: -beta * KL(pi_old || pi_ref) per token
+            token_rewards = token_rewards - self.kl_coef * self.reference_kl(rb)
         gae = self.algo_cfg.gae
         adv, returns = obj.gae(token_rewards, old_v, mask, gae.gamma, gae.lam)
         if self.algo_cfg.whiten_advantages:
             adv = self.whiten(adv, mask)
         rb.advantages, rb.old_logprobs, rb.old_values, rb.returns = adv, old_lp, old_v, returns
-
-    def whiten(self, adv: Tensor, mask: Tensor) -> Tensor:
-        """(adv - mean) / (std + 1e-8) over the valid tokens of the whole step (all data-parallel ranks);
-        [N, T] in and out, 0 at invalid tokens; unchanged when the step has at most one valid token."""
-        if self.world_size == 1:
-            if mask.sum() <= 1:
-                return adv
-            mean = obj.masked_mean(adv, mask)
-            std = obj.masked_mean((adv - mean) ** 2, mask).sqrt()
-        else:  # the same two passes with sums and counts over ranks
-            sums = torch.stack([mask.sum().double(), obj.masked_sum(adv, mask).double()])
-            count, total = self.all_reduce(sums).tolist()
-            if count <= 1:
-                return adv
-            mean = adv.new_tensor(total / count)
-            sq = float(self.all_reduce(obj.masked_sum((adv - mean) ** 2, mask).double()))
-            std = adv.new_tensor(sq / count).sqrt()
-        return torch.where(mask, (adv - mean) / (std + 1e-8), torch.zeros_like(adv))
 
     def start_update(self, rb: RolloutBatch) -> None:
         """The snapshot (pi_old, the critic's values, GAE advantages) runs even for a single update."""

@@ -20,6 +20,8 @@ class Reinforce(RLAlgorithm):
     """Plain policy gradient: no ratio, no clip; only the baseline is a choice."""
 
     algo_config = ReinforceConfig
+    group_normalised = False  # advantage.std / advantage.scale are refused (its own advantage estimator)
+    ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
     @classmethod
     def group_baseline(cls, algo) -> bool:
