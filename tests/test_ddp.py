@@ -125,25 +125,8 @@ def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
     """``trainer=ddp trainer.devices=2``: one TensorBoard run (rank 0 writes), train/loss at steps 0, 1, 2,
     a checkpoint and finished.json; every logged value equals the one-device run's (seeds do not depend on
     the rank, and each value is reduced over ranks with the weights one device would use)."""
-    common = [*FAST, "trainer.max_steps=3"]
     out = tmp_path / "ddp"
-    res = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "recipes", "train.py"),
-            *common,
-            "trainer=ddp",
-            "trainer.devices=2",
-            "threads=1",
-            f"hydra.run.dir={out}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env=ENV,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    launch_recipe("trainer.max_steps=3", "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
     events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert len(events) == 1, events
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
