@@ -38,7 +38,8 @@ def test_merged_weights_are_the_base_plus_the_scaled_low_rank_product_peft_merge
     a, b = sd[f"{q}.lora_A.default.weight"], sd[f"{q}.lora_B.default.weight"]
     want = sd[f"{q}.base_layer.weight"] + b @ a * (8 / 4)  # W0 + (alpha / r) B A
     torch.testing.assert_close(merged[f"{q}.weight"], want, rtol=0, atol=1e-6)
-    assert merged["model.embed_tokens.weight"] is sd["model.embed_tokens.weight"]  # untouched: the same tensor
+    embed = "model.embed_tokens.weight"
+    assert merged[embed].data_ptr() == sd[embed].data_ptr()  # untouched: the same storage (ties stay visible)
     # PEFT's own merge (merge_and_unload) gives the same model
     from lit_rl.models import peft_model
 
@@ -59,7 +60,7 @@ def test_the_reference_is_the_shared_base_scored_with_the_adapter_disabled():
     (group,) = module.configure_optimizers().param_groups
     names = {id(p): n for n, p in policy.named_parameters()}
     assert group["params"] and all("lora_" in names[id(p)] for p in group["params"])
-    assert sum(p.numel() for p in group["params"]) == 2 * 2 * 4 * (  # 2 layers, A [4, in] + B [out, 4]
+    assert sum(p.numel() for p in group["params"]) == 2 * 4 * (  # 2 layers x r (in + out) per projection
         (64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + (64 + 128) + (64 + 128) + (128 + 64)
     )
     # reference log-probs = the base model's, bit for bit; the adapted policy's differ
@@ -138,6 +139,30 @@ def test_bad_lora_settings_are_refused_at_start_up(override, named):
         validate(cfg)
 
 
+def test_lora_with_batch_invariant_kernels_at_float32_is_refused(tmp_path):
+    cfg = fast_config(*LORA, "kernels=batch_invariant", "trainer.precision=32-true")
+    with pytest.raises(ConfigError, match=r"kernels='batch_invariant'.*only under trainer\.precision=bf16-mixed"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
 def test_target_modules_the_model_lacks_are_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules=\['no_such_proj'\]"):
         run(fast_config("model.lora.r=4", "model.lora.target_modules=[no_such_proj]"), tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "engine, bound",
+    [
+        (["kernels=batch_invariant", "trainer.precision=bf16-mixed"], 0.0),  # batch-invariant: bit for bit
+        (["engine.dtype=float32"], 1e-4),  # the embedded engine's own copy of the adapted model
+    ],
+    ids=["batch_invariant", "own_copy"],
+)
+def test_the_embedded_engine_samples_through_the_adapter(tmp_path, engine, bound):
+    """Two moving steps: the engine's log-probs equal the trainer's (the adapted model's) after the update."""
+    run(fast_config("trainer.max_steps=2", "eval.num_examples=0", *MOVING, *LORA, *engine), tmp_path / "run")
+    s = read_scalars(tmp_path / "run" / "tensorboard")
+    gaps = [v for _, v in s["train/logprob_abs_diff"]]
+    assert len(gaps) == 2 and all(v <= bound for v in gaps), gaps
+    assert s["train/grad_norm"][0][1] > 0

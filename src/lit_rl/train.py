@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
-from .config import ConfigError, check_world_size, static_world_size, validate
+from .config import ConfigError, check_lora_kernels, check_world_size, static_world_size, validate
 from .hardware import (
     ThreadGovernor,
     auto_threads,
@@ -820,6 +820,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     validate(cfg)
     requested_threads = cfg.threads
     hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
+    check_lora_kernels(cfg)  # needs the resolved precision
     governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
     for line in hardware:
         print(f"lit_rl: {line}", flush=True)
