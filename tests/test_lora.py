@@ -166,3 +166,54 @@ def test_the_embedded_engine_samples_through_the_adapter(tmp_path, engine, bound
     gaps = [v for _, v in s["train/logprob_abs_diff"]]
     assert len(gaps) == 2 and all(v <= bound for v in gaps), gaps
     assert s["train/grad_norm"][0][1] > 0
+
+
+@pytest.mark.slow
+def test_a_three_step_lora_run_on_smollm2(tmp_path):
+    """SmolLM2-135M with a rank-16 adapter and a KL term: 3 moving steps, the engine's log-probs within 1e-4 of
+    the trainer's, a checkpoint of adapter tensors only, the adapter exported."""
+    out = tmp_path / "run"
+    cfg = compose_config(
+        "model=smollm2-135m",
+        "model.lora.r=16",
+        "model.lora.alpha=32",
+        "trainer.precision=32-true",
+        "trainer.enable_progress_bar=false",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "sampling.max_new_tokens=16",
+        "eval.num_examples=0",
+        "checkpoint.every_n_steps=3",
+        "trainer.max_steps=3",
+        "kl.beta=0.05",
+        *MOVING,
+    )
+    run(cfg, out)
+    s = read_scalars(out / "tensorboard")
+    assert all(v < 1e-4 for _, v in s["train/logprob_abs_diff"])
+    assert s["train/ref_kl"][-1][1] > 0  # the adapter moved away from the shared base
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert all(".lora_A." in k or ".lora_B." in k for k in ckpt["state_dict"])
+    # adapter 4.9 M parameters + 2 Adam moments: ~59 MB; the full model's weights alone are 540 MB
+    assert (out / "checkpoints" / "last.ckpt").stat().st_size < 100e6
+    assert (out / "policy" / "adapter_model.safetensors").is_file()
+
+
+def test_an_engine_with_its_own_copy_holds_the_merged_weights():
+    from helpers import chat_prompts
+
+    from lit_rl.logprobs import response_logprobs
+    from lit_rl.rollout.torch_engine import TorchEngine
+    from lit_rl.rollout.types import SamplingParams
+
+    policy, tok = lora_policy()
+    engine = TorchEngine(policy, tok.pad_token_id, [tok.eos_token_id], own_copy=True)
+    assert not any("lora" in n or "base_layer" in n for n, _ in engine.model.named_parameters())
+    with torch.no_grad():
+        for name, value in merged_weights(policy).items():
+            assert torch.equal(engine.model.state_dict()[name], value), name
+    r = engine.generate(chat_prompts(tok, ["What is 2 + 3?", "Hi"]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
+    pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        lp = response_logprobs(policy, pi, pm, r.response_ids, r.response_mask, with_entropy=False).logprobs
+    assert (lp - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-5
