@@ -217,3 +217,24 @@ def test_an_engine_with_its_own_copy_holds_the_merged_weights():
     with torch.no_grad():
         lp = response_logprobs(policy, pi, pm, r.response_ids, r.response_mask, with_entropy=False).logprobs
     assert (lp - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama3", "gemma", "gemma2", "gemma3", "mistral", "phi3"])
+def test_the_default_targets_adapt_every_projection_of_each_family(family):
+    """model.lora.target_modules' default puts an adapter on every attention and MLP projection (Phi-3's fused
+    qkv_proj / gate_up_proj too), none on the output layer; the merged weights carry the base model's names."""
+    from helpers.families import family_config
+    from transformers import AutoModelForCausalLM
+
+    from lit_rl.models import LoraSpec, add_lora
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config(family, 256))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    names = set(model.state_dict())
+    adapted = add_lora(model, LoraSpec(r=2))
+    from peft.tuners.lora import LoraLayer
+
+    assert {n for n, m in adapted.named_modules() if isinstance(m, LoraLayer)} == linears
+    assert set(merged_weights(adapted)) == names
+    assert all(("lora_" in n) == p.requires_grad for n, p in adapted.named_parameters())
