@@ -65,7 +65,7 @@ def child(cfg: dict) -> None:
         for _ in range(GROUP)
     ]
     prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
-    times, tokens = [], 0
+    times, tokens = [], []
     for step in range(STEPS):
         t0 = time.perf_counter()
         r = module.engine.generate(prompts, module.sampling, seeds=[1000 * step + i for i in range(len(prompts))])
@@ -74,7 +74,7 @@ def child(cfg: dict) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        tokens += int(r.response_mask.sum())
+        tokens.append(int(r.response_mask.sum()))
     trainable = sum(p.numel() for p in module.trainable_parameters())
     print(
         json.dumps(
@@ -123,7 +123,7 @@ def main() -> None:
             f"\nLoRA / full: peak RSS {lora['peak_rss_gb'] / full['peak_rss_gb']:.2f}x, "
             f"step time {lora['step_s'] / full['step_s']:.2f}x, "
             f"trainable parameters {lora['trainable'] / full['trainable']:.4f}x "
-            f"(generated tokens: full {full['tokens']}, LoRA {lora['tokens']})"
+            f"(generated tokens per step: full {full['tokens']}, LoRA {lora['tokens']})"
         )
 
 
