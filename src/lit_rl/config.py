@@ -161,6 +161,58 @@ def check_attn_implementation(cfg: DictConfig) -> None:
     )
 
 
+def check_lora(cfg: DictConfig) -> None:
+    """``model.lora``: r an int >= 0 (0: off), alpha > 0, dropout in [0, 1), target_modules a non-empty list of
+    module names; LoRA with trainer=fsdp is refused (see the message). Raises ConfigError."""
+    lora = cfg.model.get("lora")
+    if lora is None:
+        return
+    r = lora.r
+    _check(isinstance(r, int) and not isinstance(r, bool) and r >= 0, "model.lora.r", r, "an int >= 0 (0 = off)")
+    if r == 0:
+        return
+    _check(_is_number(lora.alpha) and lora.alpha > 0, "model.lora.alpha", lora.alpha, "a number > 0 (scale alpha/r)")
+    _check(_is_number(lora.dropout) and 0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "in [0, 1)")
+    targets = lora.target_modules
+    _check(
+        targets is not None and len(targets) > 0 and all(isinstance(t, str) and t for t in targets),
+        "model.lora.target_modules",
+        targets,
+        "a non-empty list of module-name suffixes (e.g. [q_proj, v_proj])",
+    )
+    _check(
+        str(cfg.trainer.get("strategy", "auto")) != "fsdp",
+        "model.lora.r",
+        r,
+        "LoRA is not wired for trainer=fsdp: FSDP flattens each unit's frozen base and trainable adapter weights "
+        "into one parameter, the reference policy is the same module with the adapter disabled (no second copy "
+        "to shard), and the engine's merged-weights sync reads the unsharded module. The adapter's point is "
+        "that the model fits one device: use trainer=cpu, trainer=gpu or trainer=ddp",
+    )
+
+
+def check_lora_kernels(cfg: DictConfig) -> None:
+    """LoRA with ``kernels=batch_invariant`` needs a bf16 trainer precision (``trainer.precision`` resolved,
+    ``resolve_hardware``): there the engine's log-probs equal the trainer's bit for bit through the updates
+    (tests/test_lora.py). At 32-true, gaps of 1e-8 to 1e-6 nats appeared (tiny model, 4 steps; also with B = 0,
+    i.e. the adapter contributing exact zeros, and gone when the embedding weight is left trainable: a code path
+    of the trainer's float32 forward with frozen weights that the kernels do not pin down, not isolated), so the
+    mode's guarantee does not hold and the run is refused. Raises ConfigError."""
+    lora = cfg.model.get("lora")
+    if lora is None or not lora.r or cfg.kernels.name != "batch_invariant":
+        return
+    precision = str(cfg.trainer.get("precision"))
+    _check(
+        precision.startswith("bf16"),
+        "kernels",
+        cfg.kernels.name,
+        f"with a LoRA adapter (model.lora.r={lora.r}) the batch-invariant kernels keep the engine's log-probs bit for "
+        f"bit equal to the trainer's only under trainer.precision=bf16-mixed (at {precision}, with the base "
+        "weights frozen, gaps of 1e-8 to 1e-6 nats were measured); use trainer.precision=bf16-mixed, or "
+        "kernels=default",
+    )
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
@@ -402,6 +454,7 @@ def validate(cfg: DictConfig) -> None:
             "cannot run with trainer=fsdp: PPO's critic reads the policy's backbone outside the policy's sharded "
             "forward; use trainer=ddp for PPO",
         )
+    check_lora(cfg)
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
     check_reward(cfg)

@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -217,6 +217,25 @@ def tiny_config(vocab_size: int, seed_config: dict | None = None):
     return LlamaConfig(**kwargs)
 
 
+#: ``model.lora.target_modules`` default: the attention and MLP projections of the families lit_rl is tested on
+#: (Llama, Qwen2/3, Mistral, Gemma: q/k/v/o_proj, gate/up/down_proj; Phi-3: fused qkv_proj and gate_up_proj).
+#: PEFT matches them as name suffixes; the names a model lacks are skipped.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+@dataclass
+class LoraSpec:
+    """``model.lora``: a LoRA adapter (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
+    eq. 3: h = W0 x + (alpha / r) B A x) trained on a frozen base, with PEFT. ``r = 0``: off (full fine-tuning)."""
+
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    #: the export at the end of the run (``policy/``): the adapter (False) or the merged full model (True)
+    merge_on_export: bool = False
+
+
 @dataclass
 class ModelSpec:
     """What to load: mirrors ``conf/model/*.yaml``."""
@@ -227,6 +246,11 @@ class ModelSpec:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     init_seed: int = 0  # used by ``tiny`` only
+    lora: LoraSpec = field(default_factory=LoraSpec)
+
+    def __post_init__(self):
+        if not isinstance(self.lora, LoraSpec):
+            self.lora = LoraSpec(**dict(self.lora or {}))
 
 
 def load_policy(spec: ModelSpec, tokenizer=None):
@@ -261,5 +285,92 @@ def load_policy(spec: ModelSpec, tokenizer=None):
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.lora.r > 0:
+        model = add_lora(model, spec.lora)
     model.train()
     return model, tokenizer
+
+
+# -- LoRA (PEFT) ------------------------------------------------------------------------------------------------------
+def add_lora(model, lora: LoraSpec):
+    """Inject a LoRA adapter (PEFT's ``get_peft_model``, adapter "default") into ``model`` in place and freeze
+    the base weights; returns the same transformers model (its forward now the adapted one).
+
+    The model stays the transformers class the rest of lit_rl reads (``get_decoder``, ``get_output_embeddings``):
+    PEFT replaces each target ``nn.Linear`` by a ``lora.Linear`` holding it as ``base_layer`` plus ``lora_A`` /
+    ``lora_B``. The ``PeftModel`` wrapper is kept beside it (``peft_model``) for ``disable_adapter`` and
+    ``save_pretrained``. B starts at zero (PEFT's default), so the adapted model starts equal to the base.
+    Raises ValueError (PEFT's) when no module matches ``target_modules``.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=int(lora.r),
+        lora_alpha=float(lora.alpha),
+        lora_dropout=float(lora.dropout),
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    wrapper = get_peft_model(model, config)
+    base = wrapper.get_base_model()
+    # not a registered submodule (that would make a module cycle); deepcopies of ``base`` copy it along
+    base.__dict__["lit_rl_peft"] = wrapper
+    return base
+
+
+def peft_model(model):
+    """The ``PeftModel`` around ``model`` (``add_lora``), or None for a model without an adapter."""
+    return model.__dict__.get("lit_rl_peft") if isinstance(model, torch.nn.Module) else None
+
+
+def has_lora(model) -> bool:
+    """True if ``model`` carries a LoRA adapter (``add_lora``)."""
+    return peft_model(model) is not None
+
+
+def adapter_disabled(model):
+    """Context manager: inside it ``model`` computes the frozen base model (PEFT's ``disable_adapter``), the
+    reference policy of a LoRA run. A no-op context for a model without an adapter."""
+    import contextlib
+
+    wrapper = peft_model(model)
+    return wrapper.disable_adapter() if wrapper is not None else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def merged_weights(model, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The full weights under the base model's names, the adapter merged in: W = W0 + (alpha / r) B A
+    (Hu et al. 2021, section 4.1: "we can explicitly compute and store W = W0 + BA" for inference).
+
+    ``state``: a state dict of ``model`` (default: its current one), e.g. an older version kept for lagged
+    rollouts. Keys ``<m>.base_layer.weight|bias`` become ``<m>.weight|bias``; ``<m>.lora_A/B.default.weight``
+    ([r, in] and [out, r]) are folded into the weight, in float32, cast back to its dtype; every other tensor is
+    passed through as the same object (so tied tensors stay recognisable by storage). A model without an
+    adapter: ``state`` (or its state dict) unchanged. Scalings are read from the model's LoRA layers (alpha / r).
+    """
+    state = model.state_dict() if state is None else state
+    if not has_lora(model):
+        return state
+    from peft.tuners.lora import LoraLayer
+
+    scalings = {name: m.scaling["default"] for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            continue
+        if ".base_layer." not in key:
+            out[key] = value
+            continue
+        prefix, leaf = key.rsplit(".base_layer.", 1)
+        if leaf == "weight" and prefix in scalings:
+            a = state[f"{prefix}.lora_A.default.weight"].float()
+            b = state[f"{prefix}.lora_B.default.weight"].float()
+            value = (value.float() + (b @ a) * scalings[prefix]).to(value.dtype)
+        out[f"{prefix}.{leaf}"] = value
+    return out
+
+
+def adapter_key(name: str) -> bool:
+    """True for a state-dict key of the LoRA adapter's weights (what a LoRA run checkpoints)."""
+    return ".lora_A." in name or ".lora_B." in name

@@ -33,6 +33,34 @@ Number = Union[int, float]
 
 # -- groups chosen in the defaults list ------------------------------------------------------------------
 @dataclass
+class LoraConfig:
+    """``model.lora``: a LoRA adapter trained with PEFT on the frozen base (``models.LoraSpec`` mirrors it)."""
+
+    #: the adapter's rank; 0 = off (full fine-tuning)
+    r: int = 0
+    #: the scale is alpha / r (Hu et al. 2021, eq. 3)
+    alpha: float = 16.0
+    #: dropout on the adapter's input (PEFT's lora_dropout), in [0, 1)
+    dropout: float = 0.0
+    #: module-name suffixes that get an adapter: the attention and MLP projections (Phi-3's fused ones too)
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "qkv_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "gate_up_proj",
+        ]
+    )
+    #: policy/ at the end holds the adapter (false) or the merged full model (true)
+    merge_on_export: bool = False
+
+
+@dataclass
 class ModelConfig:
     """``model``: what to load (``models.ModelSpec`` mirrors it)."""
 
@@ -47,6 +75,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     #: seed of the random initialisation (``tiny`` only)
     init_seed: int = 0
+    #: LoRA adapter (r = 0: off)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
-from .config import ConfigError, check_world_size, static_world_size, validate
+from .config import ConfigError, check_lora_kernels, check_world_size, static_world_size, validate
 from .hardware import (
     ThreadGovernor,
     auto_threads,
@@ -45,7 +45,15 @@ from .hardware import (
 )
 from .kernels import kernel_mode
 from .logprobs import check_head_parity
-from .models import ModelSpec, context_length, load_model_config, load_policy, load_tokenizer
+from .models import (
+    ModelSpec,
+    context_length,
+    load_model_config,
+    load_policy,
+    load_tokenizer,
+    merged_weights,
+    peft_model,
+)
 from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
@@ -118,6 +126,21 @@ def register_resolvers() -> None:
     ):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+
+
+def export_policy(policy, folder: Path, weights: dict | None = None, merge: bool = False) -> None:
+    """Write the trained policy to ``folder`` in save_pretrained format (safetensors): the full model, or with
+    LoRA the adapter (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
+    ``PeftModel.from_pretrained`` on the base model) -- or, with ``merge``, the merged full model
+    (W0 + (alpha / r) B A, the base model's names: loadable without PEFT). ``weights``: the full state dict
+    (FSDP's gathered one), None for the module's own."""
+    wrapper = peft_model(policy)
+    if wrapper is None:
+        policy.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+    elif merge:
+        policy.save_pretrained(folder, state_dict=merged_weights(policy), safe_serialization=True)
+    else:
+        wrapper.save_pretrained(folder, safe_serialization=True)
 
 
 def model_config(model_cfg: DictConfig):
@@ -797,6 +820,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     validate(cfg)
     requested_threads = cfg.threads
     hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
+    check_lora_kernels(cfg)  # needs the resolved precision
     governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
     for line in hardware:
         print(f"lit_rl: {line}", flush=True)
@@ -923,6 +947,10 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         policy, tokenizer = load_policy(spec, tokenizer)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from err
+    except ValueError as err:  # PEFT: no module matches model.lora.target_modules
+        if spec.lora.r <= 0:
+            raise
+        raise ConfigError(f"model.lora.target_modules={list(spec.lora.target_modules)}: {err}") from err
     try:  # the trainer's log-probs must be the model's own distribution (head-side transforms included)
         check_head_parity(policy, len(tokenizer))
     except ValueError as err:
@@ -966,7 +994,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     if trainer.is_global_zero:
         export = out / "policy"
         try:
-            policy.save_pretrained(export, state_dict=weights, safe_serialization=True)
+            export_policy(policy, export, weights, merge=bool(spec.lora.merge_on_export))
             tokenizer.save_pretrained(export)
             (out / FINISHED_MARKER).write_text(
                 json.dumps({"global_step": trainer.global_step, "metrics": metrics}, indent=2)

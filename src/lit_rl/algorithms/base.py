@@ -53,6 +53,7 @@ from .. import corrections as corr
 from .. import objectives as obj
 from ..flops import FlopModel
 from ..logprobs import TokenScores, response_logprobs
+from ..models import adapter_disabled, adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.staleness import build_stale_rollouts
@@ -167,7 +168,12 @@ class RLAlgorithm(L.LightningModule):
         #: beta, the KL coefficient this step uses: kl.beta, moved by the adaptive controller when kl.target is set
         self.kl_coef = float(self.kl_cfg.beta)
         self.ref_policy = None
-        if self.kl_cfg.beta > 0 or self.kl_cfg.track:
+        #: a LoRA policy (``model.lora.r > 0``): the reference is the frozen base the policy shares, scored with the
+        #: adapter disabled (``models.adapter_disabled``), never a second copy of the weights
+        self.lora = has_lora(policy)
+        #: True when a reference policy is scored (kl.beta > 0 or kl.track): ``ref_policy`` or the shared base
+        self.has_reference = bool(self.kl_cfg.beta > 0 or self.kl_cfg.track)
+        if self.has_reference and not self.lora:
             self.ref_policy = copy.deepcopy(policy).eval().requires_grad_(False)
 
     def configure_optimizers(self):
@@ -183,8 +189,9 @@ class RLAlgorithm(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """What the optimizer updates: the policy's parameters (PPO adds its critic)."""
-        return list(self.policy.parameters())
+        """What the optimizer updates: the policy's trainable parameters (with LoRA the adapter's only; PPO adds
+        its critic)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
 
     def on_fit_start(self) -> None:
         self.datamodule.set_start_step(lambda: self.global_step // self.updates_per_step)
@@ -575,9 +582,8 @@ class RLAlgorithm(L.LightningModule):
         if self.loss_cfg.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
             token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, self.loss_cfg.entropy_coef)
         beta = self.kl_coef if self.kl_cfg.mode == "loss" else 0.0  # kl.mode=reward: in the returns (snapshot)
-        if self.ref_policy is not None:
-            with torch.no_grad():
-                ref_logprobs = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+        if self.has_reference:
+            ref_logprobs = self.reference_logprobs(mb)
             kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.estimator)
             if beta > 0:
                 token_loss = token_loss + beta * kl
@@ -643,17 +649,27 @@ class RLAlgorithm(L.LightningModule):
         return loss
 
     @torch.no_grad()
+    def reference_logprobs(self, mb: RolloutBatch) -> Tensor:
+        """[n, T] float32 log-probs of the micro-batch's response tokens under the frozen reference policy (the
+        sampler's temperature / top-k / top-p, like the trainer's): the ``ref_policy`` copy, or with LoRA the
+        policy itself with its adapter disabled (the shared base weights). No gradient."""
+        if not self.lora:
+            return self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+        with adapter_disabled(self.policy):  # lora.dropout acts on the adapter's input only: off here too
+            return self._score(self.policy, mb, None, {"with_entropy": False}).logprobs
+
+    @torch.no_grad()
     def reference_kl(self, rb: RolloutBatch) -> Tensor:
         """[N, T] the per-token KL estimate (``kl.estimator``) of pi_old (``rb.old_logprobs``) to the frozen
         reference on the sampled tokens, 0 on padding; zeros without a reference. For ``kl.mode=reward``: a
         ``snapshot`` folds −beta times it into the per-token reward, and the step's KL per sequence goes to
         ``self.reward_kl`` (summed over ranks: the adaptive controller's measurement)."""
         kl = torch.zeros_like(rb.old_logprobs)
-        if self.ref_policy is None:
+        if not self.has_reference:
             return kl
         for i in range(0, len(rb), self.micro_batch_size):
             mb = rb.select(slice(i, i + self.micro_batch_size))
-            ref = self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+            ref = self.reference_logprobs(mb)
             w = ref.shape[1]
             kl[i : i + len(mb), :w] = obj.approx_kl(rb.old_logprobs[i : i + len(mb), :w], ref, self.kl_cfg.estimator)
         kl = torch.where(rb.response_mask, kl, torch.zeros_like(kl))
@@ -686,11 +702,11 @@ class RLAlgorithm(L.LightningModule):
         the adaptive controller (``objectives.adaptive_kl_coef``; Ziegler et al. 2019) from the step's KL per
         sequence (``kl.mode=loss``: ``train/ref_kl_seq`` of the update; ``reward``: the snapshot's, logged as
         ``train/ref_kl_seq`` too) and n_steps = the step's sequences over all ranks (``rows`` on this rank)."""
-        out = {"train/kl_coef": self.kl_coef} if self.ref_policy is not None else {}
-        if self.kl_cfg.mode == "reward" and self.ref_policy is not None:
+        out = {"train/kl_coef": self.kl_coef} if self.has_reference else {}
+        if self.kl_cfg.mode == "reward" and self.has_reference:
             out["train/ref_kl_seq"] = float(getattr(self, "reward_kl", 0.0))
         cfg = self.kl_cfg
-        if cfg.target is not None and self.ref_policy is not None:
+        if cfg.target is not None and self.has_reference:
             kl = out.get("train/ref_kl_seq", train_metrics.get("train/ref_kl_seq", 0.0))
             n_steps = rows * self.world_size
             self.kl_coef = obj.adaptive_kl_coef(self.kl_coef, kl, float(cfg.target), float(cfg.horizon), n_steps)
@@ -965,16 +981,23 @@ class RLAlgorithm(L.LightningModule):
         if self.stale is not None and "stale_rollouts" in state:
             self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 
+    def saved_key(self, name: str) -> bool:
+        """True for a state-dict key a checkpoint holds: not the frozen reference copy's, and with LoRA not the
+        frozen base weights' (re-derivable from ``model.name_or_path``): only the adapter's of the policy."""
+        if name.startswith("ref_policy."):
+            return False
+        return not (self.lora and name.startswith("policy.") and not adapter_key(name))
+
     def state_dict(self, *args, **kwargs):
-        """The policy's weights only (the frozen reference copy is re-derivable and not saved)."""
+        """The trained weights only (``saved_key``): the policy's (with LoRA its adapter's), PPO's critic."""
         sd = super().state_dict(*args, **kwargs)
-        return {k: v for k, v in sd.items() if not k.startswith("ref_policy.")}
+        return {k: v for k, v in sd.items() if self.saved_key(k)}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Strict about every key except the frozen reference copy's, which ``state_dict`` leaves out.
+        """Strict about every key except those ``state_dict`` leaves out (``saved_key``).
         Raises RuntimeError naming missing and unexpected keys."""
         result = super().load_state_dict(state_dict, strict=False, assign=assign)
-        missing = [k for k in result.missing_keys if not k.startswith("ref_policy.")]
+        missing = [k for k in result.missing_keys if self.saved_key(k)]
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(
                 f"checkpoint does not fit this module: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"

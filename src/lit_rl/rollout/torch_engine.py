@@ -21,6 +21,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..logprobs import position_ids_from_mask, process_logits
+from ..models import merged_weights, peft_model
 from .types import Rollouts, SamplingParams, left_pad
 
 
@@ -150,6 +151,10 @@ class TorchEngine:
 
     def _copy_model(self) -> None:
         self.model = copy.deepcopy(self.source).requires_grad_(False)
+        wrapper = peft_model(self.model)
+        if wrapper is not None:  # LoRA: the copy is the plain base architecture; syncs fill in merged weights
+            self.model = wrapper.merge_and_unload()
+            self.model.__dict__.pop("lit_rl_peft", None)
         if self.weights_dtype is not None:
             self.model.to(self.weights_dtype)
         if getattr(self.model, "is_activation_checkpointing", False):
@@ -174,8 +179,9 @@ class TorchEngine:
         ``weights`` (a name -> tensor dict of the trainer's state dict, e.g. an older version kept by
         ``rollout.staleness.WeightHistory``; own copy only).
 
-        Shared module: nothing to copy. Own copy: every tensor of the state dict (tied output embeddings
-        included) is copied, cast to the copy's dtype, through the int8 round trip if configured.
+        Shared module: nothing to copy (a LoRA policy samples through its adapter). Own copy: every tensor of the
+        state dict (tied output embeddings included) is copied, cast to the copy's dtype, through the int8 round
+        trip if configured; a LoRA policy's weights merged first, W0 + (alpha / r) B A (``models.merged_weights``).
         """
         if weights is not None and not self.own_copy:
             raise ValueError("sync_weights(weights=...) needs an engine with its own copy of the weights")
@@ -186,7 +192,7 @@ class TorchEngine:
         if next(self.model.parameters()).device != device:  # follow the trainer (e.g. onto its GPU)
             self.model.to(device)
         target = self.model.state_dict()
-        source = self.source.state_dict() if weights is None else weights
+        source = merged_weights(self.source, weights)
         for name, value in source.items():
             if self.int8_roundtrip and value.dim() == 2:
                 value = int8_roundtrip(value)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import context_length
+from ..models import context_length, merged_weights
 from .torch_engine import GenerationStats, int8_roundtrip
 from .types import Rollouts, SamplingParams
 
@@ -270,11 +270,15 @@ class VLLMEngine:
         other name of it back: vLLM's CPU build keeps the output layer as a tensor of its own, and leaving
         ``lm_head.weight`` out would leave it stale (off by 0.1 nats on the tiny model, with no error).
         """
+        # a LoRA policy: the merged weights W0 + (alpha / r) B A under the base model's names (``merged_weights``);
+        # every other tensor is the same object, so tied tensors keep their storage
+        current = merged_weights(self.source)
         if source is None:
-            source = self.source.state_dict()
+            source = current
         else:
+            source = merged_weights(self.source, source)
             aliases: dict[tuple, list[str]] = {}
-            for name, value in self.source.state_dict().items():
+            for name, value in current.items():
                 aliases.setdefault((value.data_ptr(), tuple(value.shape), value.stride()), []).append(name)
             names = {n: group for group in aliases.values() for n in group}
             full = dict(source)
@@ -285,7 +289,7 @@ class VLLMEngine:
         # a tied alias (lm_head.weight = the embedding) goes only to a model that keeps a module for it: vLLM's
         # CPU Llama keeps its own copy of the output layer, its Gemma-2 has none (and refuses the name)
         seen, tied = set(), set()
-        for name, value in self.source.state_dict().items():
+        for name, value in current.items():
             key = (value.data_ptr(), tuple(value.shape), value.stride())
             if key in seen:
                 tied.add(name)
