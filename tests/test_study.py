@@ -50,7 +50,7 @@ def test_study_runs_each_job_and_compare_groups_the_seeds(tmp_path, capsys):
     ]
     assert main(args + ["--dry-run"]) == 0
     assert not out.exists() and "hydra.run.dir=" in capsys.readouterr().out
-    assert main(args) == 0
+    assert main(args + ["--drop-weights"]) == 0
     names = sorted(os.listdir(out))
     assert names == [
         "engine.logit_noise=0,seed=0",
@@ -60,6 +60,8 @@ def test_study_runs_each_job_and_compare_groups_the_seeds(tmp_path, capsys):
         "study_log.tsv",
     ]
     assert all((out / n / "finished.json").exists() for n in names[:4])
+    assert not any((out / n / w).exists() for n in names[:4] for w in ("checkpoints", "policy"))  # dropped
+    assert all(any((out / n / "tensorboard").iterdir()) for n in names[:4])  # what compare.py reads stays
     assert len((out / "study_log.tsv").read_text().splitlines()) == 4
     assert main(args) == 0  # everything finished: nothing runs again
     assert len((out / "study_log.tsv").read_text().splitlines()) == 4

@@ -12,13 +12,15 @@ the swept ``key=value`` items joined by "," as a multirun names its folders (``c
 setting's seed 0 first), so a study stopped early holds whole seeds; a job whose folder holds
 ``finished.json`` is skipped, and one with checkpoints but no ``finished.json`` is continued with
 ``recipes/train.py --resume <folder>`` (its saved config, its last checkpoint: docs/reliability.md). Each
-job's wall time goes to ``<out>/study_log.tsv``.
+job's wall time goes to ``<out>/study_log.tsv``. ``--drop-weights`` deletes a finished job's checkpoints and
+exported policy (what fills a disk: 40 SmolLM2-135M jobs keep ~64 GB of them), keeping what compare.py reads.
 """
 
 from __future__ import annotations
 
 import itertools
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -120,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wrap", default="", help='a command prefix for every job, e.g. "cpulock shared"')
     p.add_argument("--dry-run", action="store_true", help="print the jobs' commands and exit")
     p.add_argument("--max-jobs", type=int, default=0, help="stop after starting this many jobs (0 = all)")
+    p.add_argument(
+        "--drop-weights",
+        action="store_true",
+        help="after a job finishes, delete its checkpoints/ and policy/ (a SmolLM2-135M job leaves ~1.6 GB; "
+        "the scalars, config and finished.json stay: all compare.py reads)",
+    )
     args = p.parse_args(argv)
     try:
         jobs = expand(preset_params(args.overrides), args.overrides)
@@ -167,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"study: {job.name}: exit {code}, {wall:.0f} s", flush=True)
         if code != 0:
             return code
+        if args.drop_weights and (folder / "finished.json").exists():
+            for weights in ("checkpoints", "policy"):
+                shutil.rmtree(folder / weights, ignore_errors=True)
     return 0
 
 
