@@ -1,17 +1,20 @@
-"""Tasks whose verifier fails, in a module that imports no torch: a verifier worker that is killed and replaced
-re-imports the task's module, and importing a test module (torch, Lightning) would cost seconds each time."""
+"""The tests' own tasks (leading space; a verifier that fails), in a module that imports no torch: a verifier
+worker that is killed and replaced re-imports the task's module, and importing a test module (torch,
+Lightning) would cost seconds each time."""
 
 import time
 
 from lit_rl.tasks import Example, Task
 
 
-class FaultyVerifierTask(Task):
-    """Reward 1 when the completion starts with a space; prompt 0's verifier raises, prompt 1's hangs for 30 s."""
+class LeadingSpaceTask(Task):
+    """Reward 1 when the completion starts with a space. Sampling keeps the top 8 tokens (``sampling.top_k``),
+    so learning means re-ranking a few specific tokens — something a random tiny model can do in a few
+    dozen steps (an unrestricted random 49k-token distribution offers no such handle)."""
 
-    name = "faulty_verifier"
+    name = "leading_space"
 
-    def __init__(self, n=4):
+    def __init__(self, n=64):
         self._ex = [Example(i, f"Say something {i}", "x") for i in range(n)]
 
     def train_examples(self):
@@ -21,8 +24,20 @@ class FaultyVerifierTask(Task):
         return self._ex[:4]
 
     def reward(self, completion, ex):
+        return 1.0 if completion.startswith(" ") else 0.0
+
+
+class FaultyVerifierTask(LeadingSpaceTask):
+    """Reward 1 when the completion starts with a space; prompt 0's verifier raises, prompt 1's hangs for 30 s."""
+
+    name = "faulty_verifier"
+
+    def __init__(self, n=4):
+        super().__init__(n)
+
+    def reward(self, completion, ex):
         if ex.id == 0:
             raise RuntimeError("verifier crashed")
         if ex.id == 1:
             time.sleep(30)
-        return 1.0 if completion.startswith(" ") else 0.0
+        return super().reward(completion, ex)

@@ -4,35 +4,15 @@ dynamic sampling and shaping, PPO's fixed snapshot."""
 import lightning as L
 import pytest
 import torch
+from faulty_tasks import LeadingSpaceTask
 from helpers import compose_config
 
 from lit_rl.algorithms import ALGORITHMS
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
-from lit_rl.tasks import Example, Task
 from lit_rl.train import build_module
 
 ALGOS = list(ALGORITHMS)  # every registered algorithm
-
-
-class LeadingSpaceTask(Task):
-    """Reward 1 when the completion starts with a space. Sampling keeps the top 8 tokens (``sampling.top_k``),
-    so learning means re-ranking a few specific tokens — something a random tiny model can do in a few
-    dozen steps (an unrestricted random 49k-token distribution offers no such handle)."""
-
-    name = "leading_space"
-
-    def __init__(self, n=64):
-        self._ex = [Example(i, f"Say something {i}", "x") for i in range(n)]
-
-    def train_examples(self):
-        return self._ex
-
-    def eval_examples(self):
-        return self._ex[:4]
-
-    def reward(self, completion, ex):
-        return 1.0 if completion.startswith(" ") else 0.0
 
 
 class ConstantByPromptTask(LeadingSpaceTask):

@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from faulty_tasks import LeadingSpaceTask
 from helpers import compose_config
-from test_algorithms import LeadingSpaceTask, fit
 from test_algorithms import cfg_for as algo_cfg
+from test_algorithms import fit
 
 from lit_rl import objectives as obj
 from lit_rl.config import ConfigError, validate
