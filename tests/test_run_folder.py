@@ -115,6 +115,39 @@ def test_a_live_claim_refuses_a_second_run_and_resume_and_a_dead_one_is_taken_ov
     assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == [0, 1]
 
 
+def test_a_claim_refused_while_the_holder_writes_its_record_names_the_holder(tmp_path):
+    """CI case: the loser of a start-together race tried the lock after the winner had taken it but before the
+    winner had written its pid, and named "another process". The refused claim now waits for the record."""
+    import fcntl
+    import json
+    import socket
+    import threading
+
+    out = tmp_path / "run"
+    out.mkdir()
+    path = out / LOCK_NAME
+    path.write_text(json.dumps({"pid": 999999999, "host": socket.gethostname(), "started": "old"}))  # a dead run's
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the winner holds the lock; its record is not written yet
+
+    def write_record():
+        time.sleep(0.3)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}).encode(), 0)
+        os.ftruncate(fd, len(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"})))
+
+    writer = threading.Thread(target=write_record)
+    writer.start()
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"in use by a running lit_rl run \(pid {os.getpid()} on host .*, started now\)"
+        ):
+            claim_run_folder(out)
+    finally:
+        writer.join()
+        os.close(fd)
+    claim_run_folder(out).release()  # the lock dropped: the folder is free again
+
+
 def test_default_run_and_sweep_folders_carry_the_process_id():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf

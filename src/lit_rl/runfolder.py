@@ -74,6 +74,21 @@ def _read(fd: int) -> dict | None:
         return None
 
 
+def _read_holder(fd: int, wait_s: float = 2.0) -> dict | None:
+    """The live holder's record. A run that has just taken the lock writes its record a moment later, so a
+    claim refused in that window waits up to ``wait_s`` for a record that names a process (not an old one
+    left by a dead run: that one carries a pid that is no longer alive, and is returned when nothing newer
+    comes)."""
+    deadline = time.monotonic() + wait_s
+    info = _read(fd)
+    while time.monotonic() < deadline:
+        if info and (_alive_here(info) or info.get("host") != socket.gethostname() or info.get("pid") == os.getpid()):
+            return info
+        time.sleep(0.02)
+        info = _read(fd)
+    return info
+
+
 def _holder(info: dict | None) -> str:
     if not info:
         return "another process"
@@ -100,8 +115,9 @@ def claim_run_folder(out: str | os.PathLike, resume: bool = False) -> RunFolderC
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
-        info = _read(fd)
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) or _alive_here(info):
+        locked = err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        info = _read_holder(fd) if locked else _read(fd)
+        if locked or _alive_here(info):
             os.close(fd)
             what = (
                 "wait until it has stopped, then continue it"
@@ -114,8 +130,9 @@ def claim_run_folder(out: str | os.PathLike, resume: bool = False) -> RunFolderC
         # no flock on this file system (ENOLCK, EOPNOTSUPP) and no live holder here: the pid record is the claim
     previous = _read(fd)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    data = json.dumps(record).encode()
+    os.pwrite(fd, data, 0)  # written over the old record, then cut to length: the file is never empty
+    os.ftruncate(fd, len(data))
     os.fsync(fd)
     return RunFolderClaim(path, fd, previous)
 
