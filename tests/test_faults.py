@@ -53,7 +53,10 @@ def straight(tmp_path_factory):
     return scalars
 
 
-@pytest.mark.parametrize("fault", ["rollout", "update", "ckpt_write", "ckpt_link"])
+# the update kill point runs with -m slow (the default suite is at its time limit): rollout covers a kill mid-step
+@pytest.mark.parametrize(
+    "fault", ["rollout", pytest.param("update", marks=pytest.mark.slow), "ckpt_write", "ckpt_link"]
+)
 def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fault):
     """Killed during the third step's rollout or update, or while its checkpoint is written or linked."""
     out = tmp_path / "run"
@@ -109,7 +112,9 @@ RARE_CHECKPOINTS = "checkpoint.every_n_steps=10"
     "fault, step",
     [
         ("sigterm_rollout", 3),  # during the third step's rollout: the step finishes, then its checkpoint
-        ("sigterm_between", 2),  # after the second step's checkpoint hook: no third step starts
+        # after the second step's checkpoint hook: no third step starts (-m slow; the DDP test below covers the
+        # between-steps window with two ranks in the default suite)
+        pytest.param("sigterm_between", 2, marks=pytest.mark.slow),
     ],
 )
 def test_sigterm_checkpoints_the_last_finished_step_exits_143_and_resumes_exactly(straight, tmp_path, fault, step):
@@ -260,7 +265,9 @@ def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_pa
         # right after the ranks agreed at the end of step 2 (the window where a flag raised on rank 0 alone
         # made it leave the loop while rank 1 waited in step 3's first collective: a hang, seen in CI)
         ("sigusr1_between", 2, 3),
-        ("sigterm_rollout", 2, 2),  # mid-step (Lightning's own SIGTERM handler is replaced during training)
+        # mid-step (Lightning's own SIGTERM handler is replaced during training); -m slow: one process's
+        # mid-step SIGTERM runs in the default suite above
+        pytest.param("sigterm_rollout", 2, 2, marks=pytest.mark.slow),
     ],
 )
 def test_a_signal_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_step(tmp_path, fault, call, step):
