@@ -11,7 +11,7 @@ export LIT_RL_VLLM=${LIT_RL_VLLM:-1}
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 if [ "$#" -eq 0 ]; then
-  .venv/bin/python -m pytest -q -m "not slow"
+  .venv/bin/python -m pytest -q -m "not slow" --durations=15  # lists the slowest: the suite must stay < ~15 min
   # the batch-invariant tests once more, in reverse order: bit-exactness must not depend on what ran before
   exec .venv/bin/python -m pytest -q -m "not slow" --reverse tests/test_batch_invariant.py
 fi
