@@ -12,7 +12,7 @@ from helpers import compose_config
 from lit_rl.algorithms import ALGORITHMS
 from lit_rl.algorithms.base import group_micro_batches
 from lit_rl.config import ConfigError, validate
-from lit_rl.logprobs import resolve_shared_prefix, response_logprobs, shared_prefix_applies
+from lit_rl.logprobs import resolve_shared_prefix, response_buckets, response_logprobs, shared_prefix_applies
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.train import build_module
@@ -149,14 +149,16 @@ def test_prompt_encoded_once_and_rows_whose_prompts_differ_are_still_exact(tiny)
             s = response_logprobs(policy, pids, pmask, rids, rmask, shared_prefix=shared, entropy_grad=True)
             (s.logprobs.sum() + s.entropy.sum()).backward()
             grad = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
-            out[shared] = (s.logprobs, s.entropy, grad, sum(tokens))
+            out[shared] = (s.logprobs, s.entropy, grad, list(tokens))
     finally:
         hook.remove()
         policy.zero_grad()
     (lp, ent, grad, n_plain), (s_lp, s_ent, s_grad, n_shared) = out[False], out[True]
     n, p, t = pids.shape[0], pids.shape[1], rids.shape[1]
-    assert n_plain == n * (p + t)
-    assert n_shared == 4 * p + n * t  # 4 distinct prompts (group 0 split by the differing row), each once
+    assert n_plain == [n * (p + t)]
+    assert n_shared[0] == 4 * p  # 4 distinct prompts (group 0 split by the differing row), each once
+    # then the completions, in forwards of similar length (response_buckets): no more than one padded forward
+    assert int(rmask.sum()) <= sum(n_shared[1:]) <= n * t
     torch.testing.assert_close(s_lp, lp, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s_ent, ent, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s_grad, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
@@ -173,6 +175,13 @@ def test_groups_of_one_share_nothing_and_take_the_one_forward_path_bit_for_bit(t
     assert resolve_shared_prefix("auto", policy, 1) == (False, "rollout.group_size=1: no prompt is shared")
     assert resolve_shared_prefix(True, policy, 1) == (True, "")
     assert resolve_shared_prefix(False, policy, 8) == (False, "")
+
+
+def test_completions_are_cut_where_a_split_saves_more_padding_than_a_forward_costs():
+    assert response_buckets([64, 60, 10, 8], overhead=64) == [2, 4]  # (2 x 64 + 64) + (2 x 10 + 64) < 4 x 64 + 64
+    assert response_buckets([64, 60, 50, 48], overhead=64) == [4]  # a split would save 28 positions only
+    assert response_buckets([5, 5, 5], overhead=0) == [3]
+    assert response_buckets([], overhead=64) == []
 
 
 def test_micro_batches_keep_groups_whole_and_split_only_groups_larger_than_a_micro_batch():

@@ -251,6 +251,32 @@ def shared_prefix_applies(model: torch.nn.Module, prompt_ids: Tensor, prompt_mas
     return torch.unique(keys, dim=0).shape[0] < keys.shape[0]
 
 
+#: a backbone forward's fixed cost, counted in token positions, when the shared-prefix path splits a micro-batch's
+#: completions into forwards of similar length (``response_buckets``): a split is taken where it saves more padded
+#: positions than this
+BUCKET_OVERHEAD_TOKENS = 64
+
+
+def response_buckets(lengths: list[int], overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[int]:
+    """Where to cut completions sorted longest first (``lengths``, non-increasing) into forwards of similar
+    length: the ends of the buckets (exclusive), minimising sum over buckets of (rows x its longest length +
+    ``overhead``), the positions each forward pays for (padding included) plus a fixed cost per forward. Exact
+    dynamic programme over contiguous buckets, O(N^2) for N rows."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cost of rows [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * lengths[i] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    ends, j = [], n
+    while j > 0:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
 def _shared_prefix_hidden(
     backbone: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
 ) -> Tensor:
@@ -258,12 +284,14 @@ def _shared_prefix_hidden(
 
     prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded. The k distinct
     prompts (rows equal in ids and mask) run once, [k, P], with a KV cache (``transformers.DynamicCache``, as the
-    embedded engine's prefill); the cache is copied to the N rows by an index (its backward sums each prompt's
-    key/value gradients over the rows that read them); the responses [N, T] then attend over [prompt; response]
-    keys with attention mask [prompt_mask; response_mask] and position ids that continue each prompt's
-    (``position_ids_from_mask`` of the whole row: the same mask, positions and causal order as the one-forward
-    path, so the same function of the weights: Prefix Grouper, Liu et al. 2025, arXiv 2506.05433). The state
-    that predicts response token 0 is the prompt's last position; token j > 0's is response position j - 1.
+    embedded engine's prefill). The completions then run on top of it, sorted by length and cut into forwards of
+    similar length (``response_buckets``: a micro-batch of whole groups mixes short and long completions), each
+    with its rows' prompt keys/values taken by an index (its backward sums each prompt's key/value gradients
+    over the rows that read them), attention mask [prompt_mask; response_mask] and position ids that continue
+    each prompt's (``position_ids_from_mask`` of the whole row): the same keys, positions and causal order as
+    the one-forward path, so the same function of the weights (Prefix Grouper, Liu et al. 2025, arXiv
+    2506.05433). The state that predicts response token 0 is the prompt's last position; token j > 0's is
+    response position j - 1. States past a row's last response token are 0.
     """
     from transformers import DynamicCache
 
@@ -275,14 +303,30 @@ def _shared_prefix_hidden(
     prompt_hidden = backbone(
         input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask), cache=cache, use_cache=True
     ).last_hidden_state
-    cache.batch_select_indices(row_of)  # [k, ...] -> [N, ...], differentiable (an index, not a copy in place)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-    position_ids = position_ids_from_mask(attention_mask)[:, p:]
-    response_hidden = backbone(
-        input_ids=response_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
-    ).last_hidden_state
-    first = prompt_hidden[:, -1:][row_of]  # [N, 1, H]: the prompt's last position predicts response token 0
-    return torch.cat([first, response_hidden[:, : t - 1]], dim=1)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    first = prompt_hidden[:, -1:]  # [k, 1, H]: the prompt's last position predicts response token 0
+    lengths = response_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sorted_lengths = lengths[order].tolist()
+    parts, start = [], 0
+    for end in response_buckets(sorted_lengths):
+        rows = order[start:end]
+        width = max(int(sorted_lengths[start]), 1)
+        start = end
+        src = row_of[rows]
+        bucket_cache = DynamicCache(ddp_cache_data=[(k[src], v[src]) for k, v in kv])
+        attention_mask = torch.cat([prompt_mask[rows].long(), response_mask[rows, :width].long()], dim=1)
+        position_ids = position_ids_from_mask(attention_mask)[:, p:]
+        hidden = backbone(
+            input_ids=response_ids[rows, :width],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=bucket_cache,
+            use_cache=True,
+        ).last_hidden_state
+        hidden = torch.cat([first[src], hidden[:, : width - 1]], dim=1)
+        parts.append(F.pad(hidden, (0, 0, 0, t - width)) if width < t else hidden[:, :t])
+    return torch.cat(parts)[torch.argsort(order)]
 
 
 def response_logprobs(
@@ -324,7 +368,7 @@ def response_logprobs(
     n, p = prompt_ids.shape
     t = response_ids.shape[1]
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    if shared_prefix and shared_prefix_applies(model, prompt_ids, prompt_mask):
+    if shared_prefix and t > 0 and shared_prefix_applies(model, prompt_ids, prompt_mask):
         hidden = _shared_prefix_hidden(backbone, prompt_ids, prompt_mask, response_ids, response_mask)
     else:
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
