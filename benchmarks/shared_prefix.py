@@ -59,11 +59,21 @@ def timed_update(module, opt, rb, shared: bool) -> tuple[float, list[torch.Tenso
 
 def backbone_tokens(rb, micro_batches, shared: bool) -> int:
     """Token positions the backbone runs over for ``rb`` cut into ``micro_batches``."""
+    from lit_rl.logprobs import response_buckets
+
     total = 0
     for mb in micro_batches:
         p, t = mb.prompt_ids.shape[1], mb.response_ids.shape[1]
         distinct = torch.unique(torch.cat([mb.prompt_ids, mb.prompt_mask.long()], 1), dim=0).shape[0]
-        total += (distinct * p + len(mb) * t) if shared and distinct < len(mb) else len(mb) * (p + t)
+        if not (shared and distinct < len(mb)):
+            total += len(mb) * (p + t)
+            continue
+        lengths = sorted(mb.response_mask.sum(-1).tolist(), reverse=True)
+        start = 0
+        for end in response_buckets(lengths):  # the completions' forwards (logprobs._shared_prefix_hidden)
+            total += (end - start) * max(lengths[start], 1)
+            start = end
+        total += distinct * p
     return total
 
 
