@@ -41,3 +41,12 @@ class FaultyVerifierTask(LeadingSpaceTask):
         if ex.id == 1:
             time.sleep(30)
         return super().reward(completion, ex)
+
+
+class UnevenPromptsTask(LeadingSpaceTask):
+    """LeadingSpaceTask with prompts of 0-5 extra words: the prompts of a step differ in length (left padding)."""
+
+    name = "uneven_prompts"
+
+    def __init__(self, n=12):
+        self._ex = [Example(i, "Say something" + " again" * (i % 6) + f" {i}", "x") for i in range(n)]

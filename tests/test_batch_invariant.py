@@ -198,7 +198,9 @@ def prompts_of(n, seed=0, vocab=2000):
 def engine_and_trainer_logprobs(model, tok, prompts, precision, micro_batch_sizes, new_tokens=12, seed=0):
     """(rollouts, [trainer log-probs for each micro-batch size]) for the same tokens: the engine samples; the
     trainer scores the left-padded batch (as ``RLAlgorithm.build_batch`` pads it) in shuffled micro-batches,
-    the first size with autograd on (the update's forward, whose detached log-probs are old_logprobs)."""
+    the first size with autograd on (the update's forward, whose detached log-probs are old_logprobs). Sizes
+    0, 2, ... score with ``update.shared_prefix`` (the repeated prompts of a micro-batch encoded once, their
+    cache reused), sizes 1, 3, ... with one forward per row: both equal the engine bit for bit."""
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
     with autocast(precision):
@@ -212,7 +214,13 @@ def engine_and_trainer_logprobs(model, tok, prompts, precision, micro_batch_size
                 rows = order[s : s + mbs]
                 with torch.set_grad_enabled(j == 0):
                     out = response_logprobs(
-                        model, pids[rows], pmask[rows], r.response_ids[rows], r.response_mask[rows], chunk_tokens=64
+                        model,
+                        pids[rows],
+                        pmask[rows],
+                        r.response_ids[rows],
+                        r.response_mask[rows],
+                        chunk_tokens=64,
+                        shared_prefix=j % 2 == 0,
                     ).logprobs
                 lp[rows] = out.detach()
             scored.append(lp)

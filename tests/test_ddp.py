@@ -46,6 +46,7 @@ def one_process():
         torch.manual_seed(0)
         policy, tok = load_policy(ModelSpec("tiny"))
         module = make_module(policy, tok)
+        assert module.shared_prefix  # update.shared_prefix=auto: each group's prompt runs once, on the ranks too
         out = {}
         for name, (reduction, rank1_empty) in CASES.items():
             module.loss_cfg.reduction = reduction

