@@ -51,3 +51,26 @@ def test_the_logger_group_composes_one_several_or_none(tmp_path):
         build_loggers(compose_config("logger=wandb", "logger.wandb.mode=sometimes"), tmp_path)
     with pytest.raises(Exception, match="logger"):  # a typo in a logger's key fails at composition
         compose_config("logger=csv", "logger.csv.nmae=x")
+
+
+def test_an_online_wandb_run_without_a_login_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A new user's case: ``logger=wandb`` with no WANDB_MODE and no API key loaded the model, then stopped in
+    fit with wandb's 40-line ``UsageError: No API key configured``. Now one line, at start-up."""
+    import io
+
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO())  # a batch job: wandb cannot prompt for a key
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login me password x\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    cfg = compose_config("logger=wandb")
+    with pytest.raises(ConfigError, match=r"logger=wandb runs online but has no login for api.wandb.ai .*WANDB_MODE="):
+        build_loggers(cfg, tmp_path)
+    assert build_loggers(compose_config("logger=wandb", "logger.wandb.mode=offline"), tmp_path)  # no login needed
+    netrc.write_text("machine api.wandb.ai login user password k" + "0" * 39 + "\n")  # what `wandb login` writes
+    assert build_loggers(cfg, tmp_path)
+    netrc.write_text("")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    assert build_loggers(cfg, tmp_path)

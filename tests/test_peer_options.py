@@ -176,6 +176,8 @@ def test_batch_scale_is_trls_scale_rewards_batch():
         (["advantage.scale=none"], r"advantage.scale='none' is not allowed: none means no std division, i.e. adv"),
         (["algo=ppo", "advantage.std=sample"], r"advantage.std='sample' is not allowed: ppo has its own advantage"),
         (["algo=reinforce", "advantage.scale=batch"], r"advantage.scale='batch' is not allowed: reinforce has its"),
+        # a new user's case: accepted and silently ignored before (REINFORCE++ whitens over the batch)
+        (["algo=reinforce_pp", "advantage.alpha=0.3"], r"advantage.alpha=0.3 is not allowed: reinforce_pp has its"),
     ],
 )
 def test_contradictory_advantage_settings_are_refused(overrides, message):

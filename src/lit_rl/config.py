@@ -530,7 +530,9 @@ def check_kl(cfg: DictConfig) -> None:
 def check_advantage(cfg: DictConfig) -> None:
     """``advantage.std`` and ``advantage.scale``: known values; ``scale=none`` means no std division, which is
     alpha = 0 (refused with any other alpha: one of the two would be ignored); non-default values only for an
-    algorithm whose advantages are ``objectives.group_advantages`` (``RLAlgorithm.group_normalised``)."""
+    algorithm whose advantages are ``objectives.group_advantages`` (``RLAlgorithm.group_normalised``); the
+    others (PPO, REINFORCE, REINFORCE++) do not read ``advantage.alpha`` either, so a value other than its
+    default 1.0 is refused there too instead of being ignored."""
     adv, name = cfg.advantage, cfg.algo.name
     std, scale = adv.get("std", "population"), adv.get("scale", "group")
     _check(std in STD_KINDS, "advantage.std", std, f"choose one of {list(STD_KINDS)}")
@@ -543,7 +545,7 @@ def check_advantage(cfg: DictConfig) -> None:
         "advantage.alpha=0 too (Dr.GRPO's mean-only advantage), or choose scale=group|batch",
     )
     if not ALGORITHMS[name].group_normalised:
-        for key, value, default in (("std", std, "population"), ("scale", scale, "group")):
+        for key, value, default in (("std", std, "population"), ("scale", scale, "group"), ("alpha", adv.alpha, 1.0)):
             _check(
                 value == default,
                 f"advantage.{key}",

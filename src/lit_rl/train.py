@@ -262,6 +262,33 @@ def causal_lm_class(config):
 LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
 
 
+def check_wandb_login(mode: str | None) -> None:
+    """Refuse, before the model loads, an online W&B run that would stop at its first log for want of a login.
+
+    Online (``logger.wandb.mode``, else ``$WANDB_MODE``, else online) in a process without a terminal (a batch
+    job: wandb cannot prompt) needs ``WANDB_API_KEY`` or a netrc entry for the W&B host (``wandb login`` writes
+    it; ``$WANDB_BASE_URL`` names another host). Without either, wandb used to raise ``UsageError: No API key
+    configured`` inside fit, after the model loaded, as a traceback. Raises ConfigError saying what to set."""
+    import netrc
+    import sys
+    from urllib.parse import urlparse
+
+    effective = mode or os.environ.get("WANDB_MODE") or "online"
+    if effective != "online" or os.environ.get("WANDB_API_KEY") or sys.stdin.isatty():
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        found = netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"logger=wandb runs online but has no login for {host} (no WANDB_API_KEY, no netrc entry): run "
+            "`wandb login` or set WANDB_API_KEY, or log without an account: WANDB_MODE=offline (or "
+            "logger.wandb.mode=offline; `wandb sync` uploads it later)"
+        )
+
+
 def build_loggers(cfg: DictConfig, out: Path) -> list:
     """Lightning loggers for every ``logger.<name>`` that is set (``schema.LoggerConfig``), in the order
     tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
@@ -296,6 +323,7 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
             if mode not in (None, "online", "offline", "disabled"):
                 raise ConfigError(f"logger.wandb.mode={mode!r}: choose online, offline, disabled or null")
             kwargs = {"mode": mode} if mode else {}
+            check_wandb_login(mode)
             loggers.append(
                 WandbLogger(name=name, save_dir=str(out), project=options.project, entity=options.entity, **kwargs)
             )
