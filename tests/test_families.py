@@ -149,17 +149,6 @@ def test_start_up_refusals_name_the_reason(family_dir, tmp_path):
         ConfigError, match="Gemma2ForCausalLM .* has no sdpa attention .*; use model.attn_implementation=eager"
     ):
         run(fast_config(f"model.name_or_path={family_dir('gemma2')}"), tmp_path / "b")
-    # soft-capping under the batch-invariant kernels: bit for bit at 32-true only (a new user's bf16 run: 4e-5)
-    with pytest.raises(ConfigError, match=r"soft-capping \(attn_logit_softcapping, final_logit_softcapping\) is bit"):
-        run(
-            fast_config(
-                f"model.name_or_path={family_dir('gemma2')}",
-                "model.attn_implementation=eager",
-                "kernels=batch_invariant",
-                "trainer.precision=bf16-mixed",
-            ),
-            tmp_path / "e",
-        )
     # flash-attn is CUDA-only
     with pytest.raises(ConfigError, match="model.attn_implementation.*flash-attn runs on CUDA GPUs only"):
         run(fast_config("model.attn_implementation=flash_attention_2"), tmp_path / "c")

@@ -241,18 +241,6 @@ def check_model_support(cfg: DictConfig, datamodule: RolloutDataModule, config) 
         tokens = datamodule.longest_prompt("train")[0] + cfg.sampling.max_new_tokens
         if cfg.eval.num_examples > 0:
             tokens = max(tokens, datamodule.longest_prompt("eval")[0] + cfg.eval.max_new_tokens)
-        caps = [k for k in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(config, k, None)]
-        precision = cfg.trainer.get("precision", "auto")
-        if precision in (None, "auto"):
-            precision, _ = resolve_precision(precision, cfg.trainer.get("accelerator", "auto"))
-        if caps and str(precision) != "32-true":
-            # measured on a tiny Gemma-2 (a new user's run): logprob_abs_diff 1e-5..5e-5 under bf16-mixed, 0 at
-            # 32-true and 0 with both caps off -- the soft-capping's tanh is not taken in the same dtype on both sides
-            raise ConfigError(
-                f"kernels=batch_invariant with {model}: its soft-capping ({', '.join(caps)}) is bit-for-bit "
-                f"between sampler and trainer only at trainer.precision=32-true (at {precision} the gap measured "
-                "1e-5..5e-5 per token); set trainer.precision=32-true, or kernels=default"
-            )
         try:
             check_sliding_window(config, tokens)
         except ValueError as err:
