@@ -131,6 +131,16 @@ def test_batch_invariant_kernels_are_bit_for_bit_on_every_family(family_dir, fam
     assert (trainer - reference).abs()[m].max().item() < 1e-4
 
 
+def test_final_soft_capping_is_bit_for_bit_under_bf16_autocast(family_dir):
+    """A new user's case: Gemma-2 with kernels=batch_invariant at bf16-mixed was 1e-5..2e-4 per token off the
+    engine: the model's forward soft-caps its bf16 logits, the trainer capped them after casting to float32."""
+    model, tok = load(family_dir("gemma2", sliding_window=4096), "gemma2")
+    with kernel_mode("batch_invariant", model), torch.autocast("cpu", dtype=torch.bfloat16):
+        r, _, _, trainer = sample_and_score(model, tok)
+    m = r.response_mask
+    assert torch.equal(trainer[m], r.rollout_logprobs[m])
+
+
 def test_norm_layers_the_kernels_do_not_cover_are_refused_by_name(tiny):
     model, _ = tiny
     model = torch.nn.ModuleDict({"policy": model, "extra": torch.nn.LayerNorm(64)})
