@@ -53,9 +53,14 @@ def straight(tmp_path_factory):
     return scalars
 
 
-# the update kill point runs with -m slow (the default suite is at its time limit): rollout covers a kill mid-step
+# the update and checkpoint-write kill points run with -m slow (the default suite is at its time limit): rollout
+# covers a kill mid-step, ckpt_link one during checkpointing, test_atomic_checkpoint_io_replaces_whole_files the
+# half-written file
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
-    "fault", ["rollout", pytest.param("update", marks=pytest.mark.slow), "ckpt_write", "ckpt_link"]
+    "fault", ["rollout", pytest.param("update", marks=SLOW), pytest.param("ckpt_write", marks=SLOW), "ckpt_link"]
 )
 def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fault):
     """Killed during the third step's rollout or update, or while its checkpoint is written or linked."""
