@@ -8,9 +8,10 @@ same cores. Each setting runs in its own process, because OpenMP reads its setti
 
 * ``old default``: lit_rl before issue 16: ``OMP_WAIT_POLICY`` unset (libgomp spins at barriers before it
   sleeps), torch's default thread count (one per core);
-* ``PASSIVE`` (the adopted default): ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once),
-  ``threads: auto`` (``hardware.auto_threads``);
-* ``GOMP_SPINCOUNT=1000``: libgomp spins 1000 rounds at a barrier, then sleeps (a middle way);
+* ``PASSIVE`` (the default from issue 16 to 2026-12-01): ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps
+  at once), ``threads: auto`` (``hardware.auto_threads``);
+* ``GOMP_SPINCOUNT=1000`` (the adopted default since 2026-12-01): libgomp spins 1000 rounds at a barrier, then
+  sleeps (a middle way); ``GOMP_SPINCOUNT=10000`` and ``=100000`` spin longer;
 * ``adaptive threads``, ``PASSIVE + adaptive threads``: ``hardware.ThreadGovernor`` before each step sets as
   many threads as the cores other processes left free during the previous step (the first contended step
   still runs with the threads chosen alone);
@@ -46,6 +47,8 @@ SETTINGS = {  # name: (environment changes (None = remove), threads argument)
     "old default": (UNSET, "default"),
     "PASSIVE": ({**UNSET, "OMP_WAIT_POLICY": "PASSIVE"}, "auto"),
     "GOMP_SPINCOUNT=1000": ({**UNSET, "GOMP_SPINCOUNT": "1000"}, "auto"),
+    "GOMP_SPINCOUNT=10000": ({**UNSET, "GOMP_SPINCOUNT": "10000"}, "auto"),
+    "GOMP_SPINCOUNT=100000": ({**UNSET, "GOMP_SPINCOUNT": "100000"}, "auto"),
     "PASSIVE + adaptive threads": ({**UNSET, "OMP_WAIT_POLICY": "PASSIVE"}, "adaptive"),
     "adaptive threads": (UNSET, "adaptive"),
     "1 thread": (UNSET, "1"),

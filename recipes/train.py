@@ -15,8 +15,9 @@ import sys
 import traceback
 
 # OpenMP reads its settings once, when torch loads it: set lit_rl's defaults first (an exported value wins).
-# OMP_WAIT_POLICY=PASSIVE lets torch's waiting threads sleep: beside another CPU-bound process a step lost
-# 1.4-2.0x instead of 2.9-4.8x, for 10% alone (benchmarks/contention.py, benchmarks/README.md)
+# GOMP_SPINCOUNT=1000: torch's waiting threads spin briefly, then sleep. Beside another CPU-bound process a step
+# lost 1.8-1.9x instead of 2.9-4.8x with libgomp's default, for 3-6% alone (benchmarks/contention.py and its
+# README: OMP_WAIT_POLICY=PASSIVE, the default until 2026-12-01, cost 1.3-1.6x on the main job's step alone)
 from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()

@@ -183,10 +183,13 @@ def test_auto_threads_honours_omp_num_threads_and_shares_cores_among_ranks(monke
 
 
 def test_omp_defaults_keep_what_the_user_exported():
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert hardware.set_omp_defaults(env) == {} and env["OMP_WAIT_POLICY"] == "ACTIVE"
-    env = {}
-    assert hardware.set_omp_defaults(env) == {"OMP_WAIT_POLICY": "PASSIVE"} == env
+    # an exported policy alone must win: libgomp lets GOMP_SPINCOUNT override OMP_WAIT_POLICY, so none is added
+    for exported in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(exported)
+        assert hardware.set_omp_defaults(env) == {} and env == exported
+    env = {"OMP_NUM_THREADS": "2"}
+    assert hardware.set_omp_defaults(env) == {"GOMP_SPINCOUNT": "1000"}
+    assert env == {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "1000"}
 
 
 @pytest.mark.parametrize(

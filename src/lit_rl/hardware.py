@@ -1,6 +1,6 @@
 """The machine a run lands on, and what the ``auto`` settings make of it.
 
-    set_omp_defaults()                      # before torch is imported: OpenMP threads that sleep when idle
+    set_omp_defaults()                      # before torch is imported: OpenMP threads that spin briefly, then sleep
     precision, reason = resolve_precision("auto", "cpu")   # bf16-mixed where bfloat16 is native, else 32-true
     threads = configure_threads("auto")     # the cores this process may run on
     peak = peak_flops(precision, "cpu")     # FLOP/s a matrix product reaches here (cached probe)
@@ -11,7 +11,7 @@ matmul probe measures the peak that ``perf/mfu`` divides by; on CPUs that are ne
 torch does not report a bf16 fact) it also decides the precision, by comparing the two dtypes.
 
 Nothing here imports torch at module level, so ``set_omp_defaults`` can run before torch loads its OpenMP
-runtime (libgomp reads ``OMP_WAIT_POLICY`` once, when it is loaded).
+runtime (libgomp reads ``GOMP_SPINCOUNT`` and ``OMP_WAIT_POLICY`` once, when it is loaded).
 """
 
 from __future__ import annotations
@@ -23,12 +23,20 @@ import platform
 import time
 from pathlib import Path
 
-#: OpenMP settings lit_rl's entry points set before torch loads, unless the environment already sets them.
-#: PASSIVE: a thread that waits at a barrier sleeps instead of spinning. With another process on the cores,
-#: spinning threads burn the time slices the thread they wait for needs: beside a competing process a step
-#: lost 1.4-2.0x with PASSIVE and 2.9-4.8x without; alone PASSIVE costs 10% (the sleeping thread's wake-up
-#: at each small decode product). Measured by benchmarks/contention.py (benchmarks/README.md).
-OMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+#: OpenMP settings lit_rl's entry points set before torch loads, unless the environment already says how OpenMP
+#: should wait (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` exported: nothing is added, since libgomp lets
+#: GOMP_SPINCOUNT override the policy). GOMP_SPINCOUNT=1000: a thread waiting at a barrier spins ~1000 times
+#: (microseconds), then sleeps. libgomp's default spins ~3 ms; beside a competing process those spinning threads
+#: burn the time slices the thread they wait for needs (a step lost 2.9-4.8x). Measured by
+#: benchmarks/contention.py (benchmarks/README.md, AMD EPYC with AVX512-BF16, 2 cores): alone 1.03-1.06x
+#: the default's step time, beside a competitor 1.8-1.9x; OMP_WAIT_POLICY=PASSIVE (sleep at once, the default
+#: until 2026-12-01) costs 1.10-1.24x alone (the real main job 1.3-1.4x: decoding's many small products wait
+#: for a sleeping thread to wake) for 1.25-2.0x under contention. Torch's Linux CPU wheels use libgomp; other
+#: OpenMP runtimes ignore the variable.
+OMP_DEFAULTS = {"GOMP_SPINCOUNT": "1000"}
+
+#: variables that already say how OpenMP waits: when one is exported, set_omp_defaults adds nothing
+OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 #: oneDNN CPU ISA caps (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``) that leave out bfloat16 dot products:
 #: under them torch's bf16 matrix products run emulated, slower than float32.
@@ -65,12 +73,12 @@ def set_omp_defaults(environ=None) -> dict[str, str]:
     """Put ``OMP_DEFAULTS`` into ``environ`` (default ``os.environ``) where it does not set them already.
 
     Must run before torch is imported: the OpenMP runtime reads its environment once, when it loads. Returns
-    the variables it set. A value the user exported is always kept."""
+    the variables it set. A user who exported ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` gets nothing added."""
     environ = os.environ if environ is None else environ
-    added = {}
-    for key, value in OMP_DEFAULTS.items():
-        if key not in environ:
-            environ[key] = added[key] = value
+    if any(key in environ for key in OMP_WAIT_VARIABLES):
+        return {}
+    added = {key: value for key, value in OMP_DEFAULTS.items() if key not in environ}
+    environ.update(added)
     return added
 
 
@@ -204,13 +212,13 @@ class ThreadGovernor:
 
 
 def omp_summary() -> str:
-    """How OpenMP waits in this process, e.g. ``OMP_WAIT_POLICY=PASSIVE``, for start-up lines."""
+    """How OpenMP waits in this process, e.g. ``GOMP_SPINCOUNT=1000``, for start-up lines."""
     policy = os.environ.get("OMP_WAIT_POLICY")
     spin = os.environ.get("GOMP_SPINCOUNT")
-    parts = [f"OMP_WAIT_POLICY={policy or 'unset (spin, then sleep)'}"]
+    parts = [f"OMP_WAIT_POLICY={policy}"] if policy is not None else []
     if spin is not None:
         parts.append(f"GOMP_SPINCOUNT={spin}")
-    return ", ".join(parts)
+    return ", ".join(parts) or "OMP_WAIT_POLICY=unset (spin ~3 ms, then sleep)"
 
 
 # -- what the hardware multiplies natively ----------------------------------------------------------------
