@@ -178,6 +178,9 @@ def test_batch_scale_is_trls_scale_rewards_batch():
         (["algo=reinforce", "advantage.scale=batch"], r"advantage.scale='batch' is not allowed: reinforce has its"),
         # a new user's case: accepted and silently ignored before (REINFORCE++ whitens over the batch)
         (["algo=reinforce_pp", "advantage.alpha=0.3"], r"advantage.alpha=0.3 is not allowed: reinforce_pp has its"),
+        # the same class: a clip the algorithm never reads
+        (["algo=sapo", "algo.clip.eps_high=0.28"], r"algo.clip.eps_high=0.28 is not allowed: algo=sapo does not read"),
+        (["algo=reinforce", "algo.clip.eps_low=0.1"], r"algo.clip.eps_low=0.1 is not allowed: algo=reinforce does not"),
     ],
 )
 def test_contradictory_advantage_settings_are_refused(overrides, message):

@@ -135,6 +135,9 @@ class RLAlgorithm(L.LightningModule):
     #: the objective is the PPO clipped surrogate (``policy_loss`` below), so ``algo.clip_ratio_c`` (dual clip) and
     #: ``algo.delta`` apply; an algorithm with another objective sets False and ``config.validate`` refuses them
     ppo_clip: ClassVar[bool] = True
+    #: the objective reads ``algo.clip.eps_low`` / ``eps_high`` (a ratio clip or truncation); an algorithm without
+    #: one (REINFORCE, SAPO's soft gate) sets False and ``config.validate`` refuses values other than the preset's
+    uses_clip: ClassVar[bool] = True
     #: the advantages are ``objectives.group_advantages`` of the ``advantage`` group (alpha, eps, std, scale); an
     #: algorithm with its own estimator (PPO's GAE, REINFORCE's baselines) sets False and ``config.validate``
     #: refuses a non-default ``advantage.std`` / ``advantage.scale`` for it

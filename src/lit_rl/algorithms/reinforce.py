@@ -22,6 +22,7 @@ class Reinforce(RLAlgorithm):
     algo_config = ReinforceConfig
     group_normalised = False  # advantage.std / advantage.scale are refused (its own advantage estimator)
     ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
+    uses_clip = False  # and algo.clip.*: there is no ratio to clip
 
     @classmethod
     def group_baseline(cls, algo) -> bool:

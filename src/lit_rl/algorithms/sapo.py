@@ -19,6 +19,7 @@ class SAPO(RLAlgorithm):
 
     algo_config = SapoConfig
     ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate): there is no clip
+    uses_clip = False  # algo.clip.* too: the gate's temperatures algo.sapo.tau_pos / tau_neg take its place
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
         gate = self.algo_cfg.sapo
