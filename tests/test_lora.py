@@ -7,6 +7,7 @@ import torch
 from helpers import MOVING, compose_config, fast_config
 from safetensors.torch import load_file
 
+import lit_rl.train
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.models import ModelSpec, adapter_disabled, load_policy, merged_weights
@@ -146,8 +147,17 @@ def test_lora_with_batch_invariant_kernels_at_float32_is_refused(tmp_path):
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
-def test_target_modules_the_model_lacks_are_refused_before_training(tmp_path):
-    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules=\['no_such_proj'\]"):
+def test_target_modules_the_model_lacks_are_refused_before_the_weights_load(tmp_path, monkeypatch):
+    # a new user's finding: refused only after the weights had loaded; now from the config on the meta device
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the targets were checked")
+
+    monkeypatch.setattr(lit_rl.train, "load_policy", no_load)
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.lora\.target_modules=\['no_such_proj'\]: no module of .* "
+        r"its linear layers are named \[.*'q_proj'",
+    ):
         run(fast_config("model.lora.r=4", "model.lora.target_modules=[no_such_proj]"), tmp_path / "run")
 
 

@@ -319,6 +319,35 @@ def add_lora(model, lora: LoraSpec):
     return base
 
 
+def check_lora_targets(config, lora: LoraSpec, trust_remote_code: bool = False) -> None:
+    """Refuse ``model.lora.target_modules`` that match no module of the model ``config`` describes, before any
+    weight loads: the model is built on the meta device (no memory, no weights) and each module name is matched
+    as PEFT matches it (``check_target_module_exists``: a name or a suffix ``.name``). Does nothing when LoRA is
+    off or ``config`` is None (unreadable: the load reports it).
+
+    Raises ValueError naming the targets that matched nothing and the linear layers the model has."""
+    if config is None or int(lora.r) <= 0:
+        return
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001  (a class that cannot be built here: PEFT checks the targets at the load)
+        return
+    probe = LoraConfig(r=int(lora.r), target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    names = [name for name, _ in skeleton.named_modules() if name]
+    if any(check_target_module_exists(probe, name) for name in names):
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)})
+    raise ValueError(
+        f"no module of {type(skeleton).__name__} matches {list(lora.target_modules)}; its linear layers are named "
+        f"{linear}"
+    )
+
+
 def peft_model(model):
     """The ``PeftModel`` around ``model`` (``add_lora``), or None for a model without an adapter."""
     return model.__dict__.get("lit_rl_peft") if isinstance(model, torch.nn.Module) else None

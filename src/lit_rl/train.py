@@ -47,6 +47,7 @@ from .kernels import kernel_mode
 from .logprobs import check_head_parity
 from .models import (
     ModelSpec,
+    check_lora_targets,
     context_length,
     load_model_config,
     load_policy,
@@ -961,6 +962,10 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     config = model_config(cfg.model)
     check_context(cfg, datamodule, config)  # before the weights load
     check_model_support(cfg, datamodule, config)
+    try:  # LoRA targets against the model's module names, on the meta device (no weights yet)
+        check_lora_targets(config, spec.lora, spec.trust_remote_code)
+    except ValueError as err:
+        raise ConfigError(f"model.lora.target_modules={list(spec.lora.target_modules)}: {err}") from err
     try:  # the verifier workers start and load the reward functions (a user's module) now, not at step 1
         datamodule.rewards.prepare()
     except RuntimeError as err:
