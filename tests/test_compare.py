@@ -404,6 +404,20 @@ def test_cli_intervals_and_welch_test(seeded, tmp_path):
     assert (out / "train_ref_kl.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_cli_test_tag_one_setting_lacks(tmp_path):
+    # a tag only one setting logs (tis_clipfrac: runs without TIS have none) is reported, not a failed comparison
+    root = tmp_path / "sweep"
+    for seed in range(2):
+        write_run(str(root / f"correction=tis,seed={seed}"), {"r": {0: 0.1 * seed, 1: 0.5}, "clip": {0: 0.1, 1: 0.2}})
+        write_run(str(root / f"correction=none,seed={seed}"), {"r": {0: 0.0, 1: 0.5 + seed}})
+    res = cli(root, "--tags", "r,clip", "--out", tmp_path / "o", "--test", "correction=tis", "correction=none")
+    assert res.returncode == 0, res.stderr
+    _, rows = table_rows((tmp_path / "o" / "summary.md").read_text().split("## --test", 1)[1])
+    assert rows["clip"]["result"] == "not tested: needs >= 2 seeds of the tag in each setting"
+    assert rows["clip"]["A mean ±"] == "2 seed(s)" and rows["clip"]["B mean ±"] == "0 seed(s)"
+    assert rows["r"]["A − B"] == "-0.5" and rows["r"]["result"] == "indistinguishable at 2, 2 seeds"
+
+
 def test_cli_test_unknown_setting(seeded, tmp_path):
     res = cli(seeded, "--tags", "train/ref_kl", "--out", tmp_path / "o", "--test", "correction=sc", "correction=mis")
     assert res.returncode == 2 and "--test: no setting 'correction=mis'" in res.stderr
