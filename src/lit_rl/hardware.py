@@ -30,8 +30,9 @@ from pathlib import Path
 #: burn the time slices the thread they wait for needs (a step lost 2.9-4.8x). Measured by
 #: benchmarks/contention.py (benchmarks/README.md, AMD EPYC with AVX512-BF16, 2 cores): alone 1.03-1.06x
 #: the default's step time (the main job's first steps ~1.2x ACTIVE's, in decoding), beside a competitor
-#: 1.8-1.9x; OMP_WAIT_POLICY=PASSIVE (sleep at once, the default until 2026-12-01) costs 1.10-1.24x alone (the real main job 1.3-1.4x: decoding's many small products wait
-#: for a sleeping thread to wake) for 1.25-2.0x under contention. Torch's Linux CPU wheels use libgomp; other
+#: 1.8-1.9x; OMP_WAIT_POLICY=PASSIVE (sleep at once, the default until 2026-12-01) costs 1.10-1.24x alone
+#: (the real main job 1.3-1.4x: decoding's many small products wait for a sleeping thread to wake) for
+#: 1.25-2.0x under contention. Torch's Linux CPU wheels use libgomp; other
 #: OpenMP runtimes ignore the variable.
 OMP_DEFAULTS = {"GOMP_SPINCOUNT": "1000"}
 
