@@ -42,10 +42,6 @@ class ConfigError(ValueError):
     """A config field holds a value lit_rl cannot run with; the message says which and what is allowed."""
 
 
-#: algo.clip.eps_low / eps_high of the presets of algorithms that do not read them (reinforce, sapo via grpo)
-UNUSED_CLIP = 0.2
-
-
 def _check(ok: bool, field: str, value, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
@@ -317,6 +313,7 @@ def validate(cfg: DictConfig) -> None:
         _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
     if not ALGORITHMS[cfg.algo.name].uses_clip:  # accepted and ignored before (a new user's finding)
+        preset = ALGORITHMS[cfg.algo.name].algo_config().clip  # the schema's defaults, as its YAML preset
         why = (
             "its soft gate replaces the clip: tune algo.sapo.tau_pos / tau_neg"
             if cfg.algo.name == "sapo"
@@ -324,10 +321,10 @@ def validate(cfg: DictConfig) -> None:
         )
         for key in ("eps_low", "eps_high"):
             _check(
-                clip[key] == UNUSED_CLIP,
+                clip[key] == getattr(preset, key),
                 f"algo.clip.{key}",
                 clip[key],
-                f"algo={cfg.algo.name} does not read algo.clip ({why}): leave it at {UNUSED_CLIP}",
+                f"algo={cfg.algo.name} does not read algo.clip ({why}): leave it at {getattr(preset, key)}",
             )
     if cfg.algo.name == "sapo":
         for key in ("tau_pos", "tau_neg"):
