@@ -194,6 +194,82 @@ def _chunk_logprobs(
     return token_logp, entropy, picked[:, 1:]
 
 
+class FusedChunkLogprobs(torch.autograd.Function):
+    """``_chunk_logprobs`` without top-k/top-p truncation or a head-side transform, with its backward written out:
+    the same values (up to float32 rounding: log-sum-exp instead of log-softmax) and gradients, in about a third of
+    the passes over the [rows, V] logits.
+
+    forward(hidden [R, H], weight [V, H], bias [V] or None, targets [R] int64, head_ids [R, k] int64 or None,
+    temperature > 0, with_entropy, entropy_grad) -> (token log-probs [R], entropies [R], head log-probs [R, k]),
+    float32. z = (hidden W^T + b) / T in float32 (the product in the autocast dtype, as the model's own
+    forward); log p(y) = z_y - logsumexp(z); H = logsumexp(z) - sum_v p_v z_v. Only hidden, the ids and the
+    [R] log-sum-exp are kept; the backward recomputes z (one product, as activation checkpointing did) and
+    applies d log p(y) / dz = onehot(y) - p and dH / dz = -p (log p + H) (the latter only with
+    ``entropy_grad``; otherwise the entropy is a detached diagnostic), then the two products of the linear
+    layer's backward. Autocast is restored in the backward as it was in the forward (``torch.amp.custom_bwd``).
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, hidden, weight, bias, targets, head_ids, temperature, with_entropy, entropy_grad):
+        z = F.linear(hidden, weight, bias).float()
+        if temperature != 1.0:
+            z = z / temperature
+        lse = torch.logsumexp(z, dim=-1)
+        ids = targets.unsqueeze(-1) if head_ids is None else torch.cat([targets.unsqueeze(-1), head_ids], dim=-1)
+        picked = z.gather(-1, ids) - lse.unsqueeze(-1)
+        if with_entropy:
+            # sum_v p_v z_v as an elementwise product and a sum: float32 under autocast too (a dot product would be
+            # cast to bf16)
+            entropy = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).sum(-1)
+        else:
+            entropy = torch.zeros_like(lse)
+        ctx.entropy_grad = bool(with_entropy and entropy_grad)
+        ctx.temperature = float(temperature)
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else weight.new_empty(0), ids, lse, entropy)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return picked[:, 0], entropy, picked[:, 1:]
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g_token, g_entropy, g_head):
+        hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        logits = F.linear(hidden, weight, bias if ctx.has_bias else None)
+        z = logits.float()
+        if ctx.temperature != 1.0:
+            z = z / ctx.temperature  # (else z is the recomputed product itself: only its dtype is read below)
+        g_ids = g_token.unsqueeze(-1) if g_head is None else torch.cat([g_token.unsqueeze(-1), g_head], dim=-1)
+        g_sum = g_ids.sum(-1, keepdim=True)
+        logp = z.sub_(lse.unsqueeze(-1))
+        if ctx.entropy_grad and g_entropy is not None:
+            p = logp.exp()
+            # -g_sum p - g_H p (log p + H), in place over log p
+            grad = p.mul_(logp.add_(entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1)).add_(g_sum)).neg_()
+        else:
+            grad = logp.exp_().mul_(-g_sum)
+        grad.scatter_add_(-1, ids, g_ids)
+        if ctx.temperature != 1.0:
+            grad = grad.div_(ctx.temperature)
+        grad = grad.to(logits.dtype)
+        w = weight.to(logits.dtype)
+        grad_hidden = (grad @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.t() @ hidden.to(logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def fused_head_applies(top_k: int, top_p: float, transform: "HeadTransform | None") -> bool:
+    """Whether ``FusedChunkLogprobs`` computes what ``_chunk_logprobs`` does: no top-k/top-p truncation, no
+    head-side transform, and the batch-invariant kernels off (they own log-softmax; the fused path would not
+    reduce as the engine's sampler does)."""
+    from .kernels.batch_invariant import BatchInvariantMode
+
+    plain = not top_k and top_p >= 1.0 and (transform is None or transform.identity)
+    return plain and BatchInvariantMode._active is None
+
+
 #: ``config.model_type`` of the families whose shared-prefix forward is tested equal to the one-forward path
 #: (tests/test_families.py: Llama incl. SmolLM2 and Llama 3, Qwen2/3, Gemma 1-3 incl. sliding windows and
 #: Gemma-2's attention soft-capping, Mistral's sliding window, Phi-3); ``update.shared_prefix=auto`` is off for
@@ -391,6 +467,7 @@ def response_logprobs(
     logp = hidden.new_zeros(n * t, dtype=torch.float32)
     ent = hidden.new_zeros(n * t, dtype=torch.float32)
     head = hidden.new_zeros(n * t, k, dtype=torch.float32)
+    fused = fused_head_applies(top_k, top_p, transform)
     for start in range(0, rows.numel(), chunk_tokens):
         idx = rows[start : start + chunk_tokens]
         args = (
@@ -406,7 +483,9 @@ def response_logprobs(
             transform,
             entropy_grad,
         )
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and fused:
+            lp, en, hd = FusedChunkLogprobs.apply(*args[:4], args[6], temperature, with_entropy, entropy_grad)
+        elif torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, en, hd = _chunk_logprobs(*args)
