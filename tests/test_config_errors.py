@@ -77,6 +77,14 @@ def cfg_for(*overrides):
             ["engine=vllm", "engine.logit_noise=0.5"],
             r"engine.logit_noise=0.5 is not allowed: is wired for the embedded engine only \(engine=torch\)",
         ),
+        (
+            ["kernels.fp32_gemm=mkl"],
+            r"kernels.fp32_gemm='mkl' is not allowed: choose one of \['auto', 'aten', 'onednn'\]",
+        ),
+        (
+            ["engine=torch", "kernels=batch_invariant", "kernels.fp32_gemm=onednn"],
+            r"kernels.fp32_gemm='onednn' is not allowed: kernels=batch_invariant runs every product through its own",
+        ),
     ],
 )
 def test_bad_values_are_named(overrides, message):

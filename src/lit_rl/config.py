@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from .algorithms import ALGORITHMS
 from .corrections import CORRECTIONS
 from .kernels import KERNELS
+from .kernels.fp32_gemm import CHOICES as FP32_GEMM_CHOICES
 from .objectives import BASELINES, KL_KINDS, KL_MODES, REDUCTION_MODES, SCALES, STD_KINDS
 from .rollout.engines import ENGINE_CHOICES as ENGINES
 from .rollout.staleness import ON_STALE, ROLLOUT_MODES
@@ -246,6 +247,14 @@ def validate(cfg: DictConfig) -> None:
     check_attn_implementation(cfg)
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
+    gemm = cfg.kernels.get("fp32_gemm", "auto")
+    _check(gemm in FP32_GEMM_CHOICES, "kernels.fp32_gemm", gemm, f"choose one of {list(FP32_GEMM_CHOICES)}")
+    _check(
+        not (kernels == "batch_invariant" and gemm == "onednn"),
+        "kernels.fp32_gemm",
+        gemm,
+        "kernels=batch_invariant runs every product through its own blocked kernels: leave kernels.fp32_gemm at aten",
+    )
     if kernels == "batch_invariant":
         _check(
             cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"),

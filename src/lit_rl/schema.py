@@ -390,6 +390,9 @@ class KernelsConfig:
     """``kernels``: default | batch_invariant (``kernels.KERNELS``)."""
 
     name: str = "default"
+    #: float32 matrix products on the CPU: auto (oneDNN where measured faster than torch's BLAS on the model's
+    #: shapes, ``kernels.fp32_gemm.resolve``) | aten (torch's own) | onednn; kernels=batch_invariant: aten
+    fp32_gemm: str = "auto"
 
 
 # -- sections of train.yaml ----------------------------------------------------------------------------

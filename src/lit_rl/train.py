@@ -40,6 +40,7 @@ from .hardware import (
     configure_threads,
     omp_summary,
     peak_flops,
+    precision_dtype,
     resolve_precision,
     uses_cuda,
 )
@@ -991,7 +992,12 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
     # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
     # (engine.dtype, the KL reference) inherit it
-    mode = kernel_mode(cfg.kernels.name, policy)
+    # float32 products: oneDNN or torch's BLAS, whichever is measured faster on the policy's shapes (on the CPU at
+    # 32-true; under bf16-mixed autocast the products are bf16 and oneDNN's already)
+    gemm = cfg.kernels.get("fp32_gemm", "auto")
+    if gemm == "auto" and (uses_cuda(trainer_kwargs.get("accelerator")) or precision_dtype(precision) != torch.float32):
+        gemm = "aten"
+    mode = kernel_mode(cfg.kernels.name, policy, fp32_gemm=gemm)
     try:
         mode.__enter__()
     except ValueError as err:  # e.g. a norm layer the batch-invariant kernels do not cover

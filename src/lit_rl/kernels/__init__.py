@@ -1,6 +1,7 @@
-"""Kernel modes (the ``kernels`` config group): ``default`` (torch's and transformers' own kernels) or
-``batch_invariant`` (``batch_invariant.BatchInvariantMode``: the engine's rollout log-probs equal the
-trainer's bit for bit before the first update)."""
+"""Kernel modes (the ``kernels`` config group): ``default`` (torch's and transformers' own kernels, with float32
+products through oneDNN where that is measured faster: ``fp32_gemm``) or ``batch_invariant``
+(``batch_invariant.BatchInvariantMode``: the engine's rollout log-probs equal the trainer's bit for bit before the
+first update)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import contextlib
 
 from ..registry import Registry
 from .batch_invariant import BatchInvariantMode
+from .fp32_gemm import OneDNNGemm
+from .fp32_gemm import resolve as resolve_fp32_gemm
 
 #: ``kernels`` -> what the mode does (``kernel_mode`` builds it); each has its ``conf/kernels/<name>.yaml``
 KERNELS: Registry[str] = Registry(
@@ -19,14 +22,22 @@ KERNELS: Registry[str] = Registry(
 )
 
 
-def kernel_mode(name: str, *models):
+def kernel_mode(name: str, *models, fp32_gemm: str = "aten"):
     """A context manager that runs its body under kernel mode ``name`` for ``models`` (transformers causal
-    LMs): ``default`` changes nothing, ``batch_invariant`` is ``BatchInvariantMode(*models)``.
-    Raises ValueError for another name."""
+    LMs): ``default`` changes nothing but the float32 products, through oneDNN (``fp32_gemm.OneDNNGemm``) when
+    ``fp32_gemm.resolve(fp32_gemm, models[0])`` says so (it prints which and why); ``batch_invariant`` is
+    ``BatchInvariantMode(*models)`` (``fp32_gemm`` must then be aten or auto: its own kernels run every product).
+    Raises ValueError for another name or an ``fp32_gemm`` value outside ``fp32_gemm.CHOICES``."""
     if name == "default":
-        return contextlib.nullcontext()
+        on, why = resolve_fp32_gemm(fp32_gemm, models[0]) if models else (False, "")
+        if fp32_gemm != "aten":
+            print(f"lit_rl: {why}", flush=True)
+        return OneDNNGemm() if on else contextlib.nullcontext()
     if name == "batch_invariant":
         import torch
+
+        if fp32_gemm not in ("aten", "auto"):
+            raise ValueError(f"kernels.fp32_gemm={fp32_gemm!r} with kernels=batch_invariant: leave it at aten")
 
         from .batch_invariant import GEMM_ROWS
 
@@ -40,4 +51,4 @@ def kernel_mode(name: str, *models):
     raise ValueError(f"kernels={name!r} is not allowed: choose one of {list(KERNELS)}")
 
 
-__all__ = ["KERNELS", "BatchInvariantMode", "kernel_mode"]
+__all__ = ["KERNELS", "BatchInvariantMode", "OneDNNGemm", "kernel_mode"]
