@@ -238,3 +238,47 @@ def test_temperature_offset_samples_at_t_plus_delta(tiny):
     assert (at_trainer - r.rollout_logprobs).abs()[m].mean().item() > 1e-3
     with pytest.raises(ValueError, match="must be > 0"):
         make_engine(model, tok, temperature_offset=-0.8).generate(prompts, params, list(range(8)))
+
+
+def test_the_reserved_kv_cache_samples_what_a_growing_cache_does(tiny, monkeypatch):
+    """``ReservedLayer`` writes into room reserved up front instead of concatenating: the same keys and values,
+    so the same tokens and log-probs (a group's prompt prefilled once, rows dropped as they finish, and a
+    capacity too small for the run, which must grow)."""
+    from transformers import DynamicCache
+
+    import lit_rl.rollout.torch_engine as te
+
+    model, tok = tiny
+    stops = list(range(0, len(tok), 8))  # about one token in eight ends a row: rows finish at different steps
+
+    def make_engine(model, tok):
+        return TorchEngine(model, tok.pad_token_id, stop_token_ids=stops)
+
+    prompts = [p for p in chat_prompts(tok, QUESTIONS) for _ in range(3)]
+    params = SamplingParams(max_new_tokens=20)
+    seeds = list(range(len(prompts)))
+    reserved = make_engine(model, tok).generate(prompts, params, seeds)
+    original = te.reserved_cache
+    monkeypatch.setattr(te, "reserved_cache", lambda capacity: original(8))  # too small: grows mid-run
+    too_small = make_engine(model, tok).generate(prompts, params, seeds)
+    monkeypatch.setattr(te, "reserved_cache", lambda capacity: te.DynamicCache())
+    growing = make_engine(model, tok).generate(prompts, params, seeds)
+    assert te.DynamicCache is DynamicCache
+    assert reserved.response_mask.sum(-1).unique().numel() > 1  # rows finished at different steps
+    torch.testing.assert_close(reserved.rollout_logprobs, growing.rollout_logprobs, rtol=0, atol=1e-6)
+    assert torch.equal(reserved.response_ids, growing.response_ids)
+    assert torch.equal(too_small.response_ids, reserved.response_ids)
+    torch.testing.assert_close(too_small.rollout_logprobs, reserved.rollout_logprobs, rtol=0, atol=1e-6)
+
+
+def test_a_reserved_layer_grows_past_its_capacity():
+    from lit_rl.rollout.torch_engine import ReservedLayer
+
+    layer, expected = ReservedLayer(capacity=3), []
+    for step in range(5):
+        k = torch.full((2, 1, 2 if step == 0 else 1, 4), float(step))
+        keys, values = layer.update(k, -k)
+        expected.append(k)
+        assert torch.equal(keys, torch.cat(expected, dim=-2)) and torch.equal(values, -keys)
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape == (1, 1, 6, 4) and layer.get_seq_length() == 6
