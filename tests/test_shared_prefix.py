@@ -141,7 +141,12 @@ def test_prompt_encoded_once_and_rows_whose_prompts_differ_are_still_exact(tiny)
     pids, pmask, rids, rmask = hand_batch([5, 9, 3], [3, 2, 1])
     pids[1, -1] += 1  # a row that claims group 0 but whose prompt differs: encoded on its own
     tokens = []
-    hook = policy.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens.append(i[0].numel()))
+
+    def count(module, args, kwargs):  # token positions entering the first decoder layer, per forward
+        hidden = args[0] if args else kwargs["hidden_states"]
+        tokens.append(hidden.shape[0] * hidden.shape[1])
+
+    hook = policy.get_decoder().layers[0].register_forward_pre_hook(count, with_kwargs=True)
     try:
         out = {}
         for shared in (False, True):

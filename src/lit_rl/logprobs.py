@@ -377,9 +377,18 @@ def _shared_prefix_hidden(
     keys = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
     unique, row_of = torch.unique(keys, dim=0, return_inverse=True)
     u_ids, u_mask = unique[:, :p], unique[:, p:]
+    # one embedding lookup for the prompts and every completion: its backward builds the dense [V, H] gradient of
+    # the (often tied) embedding once per micro-batch, not once per forward
+    k = u_ids.shape[0]
+    embeds = backbone.get_input_embeddings()(torch.cat([u_ids.reshape(-1), response_ids.reshape(-1)]))
+    prompt_embeds, response_embeds = embeds[: k * p].view(k, p, -1), embeds[k * p :].view(len(response_ids), t, -1)
     cache = DynamicCache()
     prompt_hidden = backbone(
-        input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids_from_mask(u_mask), cache=cache, use_cache=True
+        inputs_embeds=prompt_embeds,
+        attention_mask=u_mask,
+        position_ids=position_ids_from_mask(u_mask),
+        cache=cache,
+        use_cache=True,
     ).last_hidden_state
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     first = prompt_hidden[:, -1:]  # [k, 1, H]: the prompt's last position predicts response token 0
@@ -396,7 +405,7 @@ def _shared_prefix_hidden(
         attention_mask = torch.cat([prompt_mask[rows].long(), response_mask[rows, :width].long()], dim=1)
         position_ids = position_ids_from_mask(attention_mask)[:, p:]
         hidden = backbone(
-            input_ids=response_ids[rows, :width],
+            inputs_embeds=response_embeds[rows, :width],
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=bucket_cache,
