@@ -423,7 +423,7 @@ def response_logprobs(
     response_ids: Tensor,
     response_mask: Tensor,
     temperature: float = 1.0,
-    chunk_tokens: int = 256,
+    chunk_tokens: int = 512,
     with_entropy: bool = True,
     return_hidden: bool = False,
     head_ids: Tensor | None = None,

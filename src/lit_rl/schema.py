@@ -654,8 +654,8 @@ class TrainConfig:
     ckpt_path: Optional[str] = None
     #: a run folder to continue (``train.resumed_config``): its saved config.yaml, its last checkpoint, its folder
     resume: Optional[str] = None
-    #: rows of float32 logits alive at once when the trainer scores tokens (50 MB at V=49152)
-    logprob_chunk_tokens: int = 256
+    #: rows of float32 logits alive at once when the trainer scores tokens (100 MB at V=49152)
+    logprob_chunk_tokens: int = 512
 
 
 # -- the gradient-bias probe (recipes/probe_gradients.py, conf/probe.yaml) ---------------------------------

