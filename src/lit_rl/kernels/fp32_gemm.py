@@ -84,7 +84,9 @@ class OneDNNGemm:
     """Installs ``mm`` and ``addmm`` as the CPU kernels of ``aten::mm`` and ``aten::addmm`` (``torch.library``,
     process-wide while enabled, below autograd: backward passes use them too); ``disable()`` brings torch's own
     back. Also a context manager. Raises RuntimeError when oneDNN is not ``available``, or when the
-    batch-invariant kernels (which own ``aten::mm``) are enabled."""
+    batch-invariant kernels (which own ``aten::mm``) are enabled. Keep a reference while it should act: the
+    registration lives in a ``torch.library.Library`` that unregisters itself when garbage-collected, so
+    ``OneDNNGemm().enable()`` alone ends at once."""
 
     def __init__(self):
         self._lib = None
