@@ -418,6 +418,26 @@ def _cache_file() -> Path:
     return cache_dir() / "peak_flops.json"
 
 
+def read_cache(cache: Path) -> dict:
+    """The measurements in a JSON cache file (``peak_flops.json``, ``fp32_gemm.json``), {} when absent or unreadable."""
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_cache(cache: Path, cached: dict) -> None:
+    """Write ``cached`` to ``cache`` atomically (a partial file renamed over it, so concurrent runs never read half a
+    file); a read-only location is skipped (it costs a measurement per run, nothing else)."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
+        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+
+
 def peak_flops(
     precision: str, accelerator="cpu", threads: int | None = None, probe=None, cache: Path | None = None
 ) -> tuple[float, str]:
@@ -451,10 +471,7 @@ def peak_flops(
         ]
     )
     cache = _cache_file() if cache is None else cache
-    try:
-        cached = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_cache(cache)
     if key in cached:
         return float(cached[key]["flops"]), f"matmul probe (cached {cached[key]['measured']})"
     start = _other_cpu_seconds()
@@ -464,11 +481,5 @@ def peak_flops(
     if others > 0.1:
         return flops, f"matmul probe (not cached: other processes used {others:.1f} cores meanwhile)"
     cached[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M")}
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
-        tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-        os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only cache costs a probe per run, nothing else
+    write_cache(cache, cached)
     return flops, "matmul probe"

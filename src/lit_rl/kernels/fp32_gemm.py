@@ -17,8 +17,6 @@ peak-FLOPs probe) and turns oneDNN on only where it is at least ``MIN_SPEEDUP`` 
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import warnings
 from collections import Counter
@@ -189,15 +187,12 @@ def resolve(setting: str, model: torch.nn.Module, cache: Path | None = None, tim
     shapes = linear_shapes(model)
     if not shapes or not available():
         return False, "no float32 CPU linear layers" if shapes or available() else "no oneDNN in this torch build"
-    from ..hardware import _other_cpu_seconds, cpu_model
+    from ..hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
 
     signature = ",".join(f"{o}x{i}*{c}" for (o, i), c in sorted(shapes.items()))
     key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}", signature])
     cache = _cache_file() if cache is None else cache
-    try:
-        cached = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_cache(cache)
     if key in cached:
         speedup, when = float(cached[key]["speedup"]), f"measured {cached[key]['measured']}, cached"
     else:
@@ -211,13 +206,7 @@ def resolve(setting: str, model: torch.nn.Module, cache: Path | None = None, tim
         else:
             when = "measured now"
             cached[key] = {"speedup": speedup, "measured": time.strftime("%Y-%m-%d %H:%M")}
-            try:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                tmp = cache.with_name(f"{cache.name}.partial-{os.getpid()}")
-                tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-                os.replace(tmp, cache)
-            except OSError:
-                pass  # a read-only cache costs a measurement per run, nothing else
+            write_cache(cache, cached)
     on = speedup >= MIN_SPEEDUP
     verdict = "oneDNN" if on else "torch's BLAS"
     return on, (
