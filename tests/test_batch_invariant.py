@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import ROOT, compose_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
@@ -62,6 +63,49 @@ def test_linear_under_the_mode_is_batch_invariant_in_float32_where_the_default_i
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 assert torch.equal(F.linear(x[:m].clone(), w), full_bf16[:m]), m
     assert torch.equal(F.linear(x, w), default_full)  # disabled: the native kernel again
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a region dispatches (names only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frozen_linear_that_torch_computes_with_bmm_gets_the_trainer_s_bits(dtype):
+    """The bug behind ``rollout.mode=async``'s nonzero gap on an AVX2-only EPYC: the engine's own (frozen) copy
+    scored a prefill's last position, a strided [B, 1, K] slice, and ``torch.matmul`` computed that linear
+    layer as ``aten::bmm`` against the expanded weight (it folds rows into one ``aten::mm`` only when the
+    weight requires grad or the fold is a view), outside the mode's kernels. Under the mode both routes give
+    the rows' bits of one ``mm`` of all rows: the trainable layer (mm), the frozen one (bmm), any batch."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 49, 64, generator=g).to(dtype)
+    trainable = torch.nn.Linear(64, 4000, bias=False).to(dtype)
+    frozen = torch.nn.Linear(64, 4000, bias=False).to(dtype).requires_grad_(False)
+    with torch.no_grad():
+        frozen.weight.copy_(trainable.weight)
+    last = hidden[:, -1:, :]  # [3, 1, 64], strides (3136, 64, 1): not foldable into [3, 64] as a view
+    with BatchInvariantMode(), torch.no_grad():
+        with _Ops() as ops:
+            got = frozen(last)
+        assert "aten.bmm.default" in ops.names  # the route this test is about (torch's matmul rule)
+        with _Ops() as ops:
+            want = trainable(last)
+        assert "aten.mm.default" in ops.names
+        assert torch.equal(got, want)
+        assert torch.equal(frozen(hidden[1:2, -1:, :]), want[1:2])  # alone: the same bits
+        rows = hidden.reshape(-1, 64)[[48, 97, 146]]  # the same three rows, contiguous, among 64 rows of a call
+        assert torch.equal(bi.mm(rows, frozen.weight.t()), want[:, 0])
+        batched = torch.randn(3, 4, 5, generator=g).to(dtype)  # a real batch keeps the native kernel
+        other = torch.randn(3, 5, 6, generator=g).to(dtype)
+        native = torch.ops.aten.bmm.out(batched, other, out=batched.new_empty(3, 4, 6))
+        assert torch.equal(torch.bmm(batched, other), native)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,9 +13,11 @@ batch-variant ops, the article's "bitwise consistency" section on vLLM's batch-i
 
 What each kernel fixes (measured with torch 2.13, MKL and oneDNN, SmolLM2-135M shapes):
 
-* **matrix products** (``aten::mm``, ``aten::addmm`` for the CPU dispatch key): every float product of a
-  forward pass runs as native calls of one shape per weight matrix, [``GEMM_ROWS``, K] x [K, N] (rows in
-  blocks, the last one zero-padded), at one thread count for the whole run. A BLAS library chooses its
+* **matrix products** (``aten::mm``, ``aten::addmm`` and ``aten::bmm`` of a batch against one broadcast
+  matrix, how ``torch.matmul`` computes a frozen linear layer whose input it cannot fold: ``bmm``) for the
+  CPU dispatch key: every float product of a forward pass runs as native calls of one shape per weight
+  matrix, [``GEMM_ROWS``, K] x [K, N] (rows in blocks, the last one zero-padded), at one thread count for
+  the whole run. A BLAS library chooses its
   kernel, its split of the work over threads and whether it splits the sum over K from the call's shape
   and the thread count, so the same row can get other bits in a call of another size: on this AMD EPYC
   (MKL's AMD path, AVX512-BF16) products of 1-11 rows differed from larger ones; on the path of an Intel
@@ -203,6 +205,27 @@ def addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
         out = a.new_empty((m, b.shape[1]))
         return torch.ops.aten.addmm.out(bias, a, b, beta=beta, alpha=alpha, out=out)
     return _blocked_product(a, b, bias, beta, alpha)
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for a [B, M, K] and b [B, K, N]: where ``b`` is one [K, N] matrix broadcast over the batch
+    (stride 0 on its batch axis, or B = 1), the B·M rows of ``a`` go through ``mm``'s blocked product, so each row gets
+    the bits it gets there; any other batch uses the native kernel. Returns [B, M, N] in the inputs' dtype.
+
+    Why: ``torch.matmul`` computes a linear layer of a [B, M, K] input as one ``aten::mm`` of the rows folded to
+    [B·M, K] when the weight requires grad or the fold is a view, and otherwise as ``aten::bmm`` against the
+    weight expanded over the batch. A frozen copy of the policy (the async rollout engine's own copy, the KL
+    reference) scoring the last position of a prefill (a strided [B, 1, K] slice) took that second route and
+    missed the mode's ``mm``: on an AVX2-only AMD EPYC its log-probs then differed from the trainer's in the
+    last bit (``rollout.mode=async`` logged ``train/r_num_abs`` 6e-8; on an AVX512 EPYC the bits happened to
+    agree). The attention kernel's batched products (real batches, fixed shapes) keep the native kernel."""
+    one_matrix = b.shape[0] == 1 or b.stride(0) == 0  # a batch of 1 is one product too
+    if a.is_floating_point() and a.dim() == 3 and b.dim() == 3 and one_matrix and a.numel() and b.numel():
+        if not _in_backward():
+            rows = a.reshape(a.shape[0] * a.shape[1], a.shape[2])
+            return _blocked_product(rows, b[0]).view(a.shape[0], a.shape[1], b.shape[2])
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
+    return torch.ops.aten.bmm.out(a, b, out=out)
 
 
 # -- row reductions ----------------------------------------------------------------------------------
@@ -500,8 +523,8 @@ def attention(
 class BatchInvariantMode:
     """Installs the batch-invariant kernels for the CPU dispatch key and ``models``; removes them cleanly.
 
-    ``enable()``: registers ``mm``/``addmm``/``log_softmax`` as the CPU kernels of ``aten::mm``,
-    ``aten::addmm`` and ``aten::_log_softmax`` (``torch.library``; process-wide while enabled), registers
+    ``enable()``: registers ``mm``/``addmm``/``bmm``/``log_softmax`` as the CPU kernels of ``aten::mm``,
+    ``aten::addmm``, ``aten::bmm`` and ``aten::_log_softmax`` (``torch.library``; process-wide while enabled), registers
     ``attention`` and ``attention_mask`` as ``"batch_invariant"`` in transformers' attention and mask
     registries, switches every ``model.config._attn_implementation`` to it, and replaces the forward of
     the models' norm classes by ``rms_norm`` or ``gemma_rms_norm`` (``norm_kernels``). ``disable()`` undoes
@@ -557,6 +580,7 @@ class BatchInvariantMode:
             warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
             lib.impl("mm", mm, "CPU")
             lib.impl("addmm", addmm, "CPU")
+            lib.impl("bmm", bmm, "CPU")
             lib.impl("_log_softmax", log_softmax, "CPU")
         self._lib = lib
         _threads[:] = [torch.get_num_threads()]
