@@ -297,7 +297,8 @@ def uses_cuda(accelerator) -> bool:
 
 def resolve_precision(requested, accelerator="cpu", probe=None) -> tuple[str, str]:
     """``trainer.precision``: ``auto`` -> (``bf16-mixed`` or ``32-true``, the reason); anything else is
-    returned as given (an explicit precision is always honoured), with the reason "set explicitly".
+    returned as given (an explicit precision is always honoured), with the reason "set explicitly" — followed,
+    for a bf16 precision on an x86 CPU without native bfloat16, by the warning of ``emulated_bf16_warning``.
 
     The rule: bf16-mixed where the hardware multiplies bfloat16 natively — a CUDA device with bf16 support
     (``torch.cuda.is_bf16_supported(including_emulation=False)``: Ampere and later), or a CPU with AVX512-BF16
@@ -307,7 +308,8 @@ def resolve_precision(requested, accelerator="cpu", probe=None) -> tuple[str, st
     ``probe`` (default ``probe_flops``) times both dtypes and bf16 must be ``PROBE_BF16_MARGIN`` faster.
     """
     if requested not in (None, "auto"):
-        return str(requested), "set explicitly"
+        warning = emulated_bf16_warning(str(requested), accelerator)
+        return str(requested), "set explicitly" + (f"; {warning}" if warning else "")
     import torch
 
     if uses_cuda(accelerator):
@@ -337,6 +339,26 @@ def resolve_precision(requested, accelerator="cpu", probe=None) -> tuple[str, st
     if bf16 >= PROBE_BF16_MARGIN * fp32:
         return "bf16-mixed", f"bf16 matrix products measured {bf16 / fp32:.2f}x float32's on this {facts['arch']} CPU"
     return "32-true", f"bf16 matrix products measured only {bf16 / fp32:.2f}x float32's on this {facts['arch']} CPU"
+
+
+def emulated_bf16_warning(precision: str, accelerator="cpu") -> str | None:
+    """A warning for an explicit bf16 ``precision`` (``bf16-mixed``, ``bf16-true``, ...) on an x86 CPU whose
+    bfloat16 matrix products are emulated (``cpu_facts()["bf16_native"]`` false), else None. Emulated bf16 is
+    slower than float32 by a factor that depends on the CPU: the main job's step 3.7-4.6x on an AVX-512 Xeon
+    without AVX512-BF16 (issue 16's report), the products themselves about 90-110x on an AVX2-only AMD EPYC
+    (torch 2.13, benchmarks/README.md). The precision is still honoured; ``auto`` would pick 32-true."""
+    if not str(precision).startswith("bf16") or uses_cuda(accelerator):
+        return None
+    if str(accelerator or "auto").lower() not in ("cpu", "auto"):
+        return None
+    facts = cpu_facts()
+    if facts["arch"].lower() not in ("x86_64", "amd64", "i386", "i686") or facts["bf16_native"]:
+        return None
+    return (
+        f"WARNING: this CPU has no native bfloat16 matrix products ({facts['model']}, torch CPU capability "
+        f"{facts['capability']}): every bf16 product is emulated and runs slower than float32, on AVX2-only "
+        f"CPUs about 100x slower; trainer.precision=auto (or 32-true) runs float32"
+    )
 
 
 # -- the peak that perf/mfu divides by ----------------------------------------------------------------------

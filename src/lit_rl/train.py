@@ -415,7 +415,10 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
         requested = cfg.trainer.get("precision", "auto")
         precision, why = resolve_precision(requested, accelerator)
         cfg.trainer.precision = precision
-        lines.append(f"trainer.precision={precision}" + (f" (auto: {why})" if requested in (None, "auto") else ""))
+        if requested in (None, "auto"):
+            lines.append(f"trainer.precision={precision} (auto: {why})")
+        else:  # honoured; the reason carries a warning where bf16 would be emulated on this CPU
+            lines.append(f"trainer.precision={precision}" + (f" ({why})" if why != "set explicitly" else ""))
         requested = cfg.threads
         if requested in (None, "auto", "adaptive"):
             ranks = static_world_size(cfg.trainer) or 1
