@@ -106,6 +106,18 @@ def test_a_frozen_linear_that_torch_computes_with_bmm_gets_the_trainer_s_bits(dt
         other = torch.randn(3, 5, 6, generator=g).to(dtype)
         native = torch.ops.aten.bmm.out(batched, other, out=batched.new_empty(3, 4, 6))
         assert torch.equal(torch.bmm(batched, other), native)
+        # the attention kernel's own products stay native even as a batch of one (one sequence, one key head,
+        # one block of queries): computed as they are among other sequences
+        q, k = torch.randn(1, 1, 3, 32, generator=g).to(dtype), torch.randn(1, 1, 3, 32, generator=g).to(dtype)
+        blocked = []
+        original = bi._blocked_product
+        bi._blocked_product = lambda *args, **kw: blocked.append(1) or original(*args, **kw)
+        try:
+            with _Ops() as ops:
+                bi.attention(None, q, k, k.clone(), None, scaling=0.125)
+        finally:
+            bi._blocked_product = original
+        assert "aten.bmm.default" in ops.names and not blocked
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -61,8 +61,10 @@ sampler. ``enable`` raises for a model on any device other than the CPU rather t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
 import warnings
 
 import torch
@@ -218,14 +220,33 @@ def bmm(a: Tensor, b: Tensor) -> Tensor:
     reference) scoring the last position of a prefill (a strided [B, 1, K] slice) took that second route and
     missed the mode's ``mm``: on an AVX2-only AMD EPYC its log-probs then differed from the trainer's in the
     last bit (``rollout.mode=async`` logged ``train/r_num_abs`` 6e-8; on an AVX512 EPYC the bits happened to
-    agree). The attention kernel's batched products (real batches, fixed shapes) keep the native kernel."""
+    agree). The attention kernel's own batched products ([QUERY_ROWS, d] x [d, KEY_BLOCK] and the value
+    products, whatever their batch) always keep the native kernel (``_keeps_native_bmm``)."""
     one_matrix = b.shape[0] == 1 or b.stride(0) == 0  # a batch of 1 is one product too
     if a.is_floating_point() and a.dim() == 3 and b.dim() == 3 and one_matrix and a.numel() and b.numel():
-        if not _in_backward():
+        if not _in_backward() and not getattr(_native_bmm, "depth", 0):
             rows = a.reshape(a.shape[0] * a.shape[1], a.shape[2])
             return _blocked_product(rows, b[0]).view(a.shape[0], a.shape[1], b.shape[2])
     out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]))
     return torch.ops.aten.bmm.out(a, b, out=out)
+
+
+_native_bmm = threading.local()  # depth > 0: this thread is inside ``attention``, whose bmm calls stay native
+
+
+def _keeps_native_bmm(fn):
+    """``fn`` with every ``aten::bmm`` it calls on the native kernel (per thread): the attention kernel fixes its
+    own product shapes, and a batch of one sequence's single block must be computed as in a larger batch."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _native_bmm.depth = getattr(_native_bmm, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _native_bmm.depth -= 1
+
+    return wrapper
 
 
 # -- row reductions ----------------------------------------------------------------------------------
@@ -430,6 +451,7 @@ def _compute_key_ranges(mask: Tensor | None, b: int, lq: int, lk: int, device) -
     return shift, count
 
 
+@_keeps_native_bmm
 def attention(
     module,
     query: Tensor,
