@@ -136,8 +136,8 @@ def main():
         "| other processes, cores |\n|---|---|---|---|---|---|---|---|"
     )
     best = {}
+    fastest_rate = max(probe.values())
     for name, rate in skipped.items():
-        fastest_rate = max(probe.values())
         print(
             f"| {name} | not run: matmul probe {rate / 1e9:.2f} GFLOP/s against {fastest_rate / 1e9:.1f}, "
             f"{fastest_rate / rate:.0f}x slower (--max-probe-gap {args.max_probe_gap:g}) | | | | | | |"

@@ -43,6 +43,9 @@ OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 #: under them torch's bf16 matrix products run emulated, slower than float32.
 NO_BF16_ISA_CAPS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 
+#: ``platform.machine()`` names of x86 CPUs, whose bf16 facts torch reports (AVX512-BF16, AMX)
+X86_ARCHES = ("x86_64", "amd64", "i386", "i686")
+
 #: bf16 wins the probe-based choice only when it is at least this much faster than float32
 PROBE_BF16_MARGIN = 1.2
 
@@ -320,7 +323,7 @@ def resolve_precision(requested, accelerator="cpu", probe=None) -> tuple[str, st
             return "bf16-mixed", f"CUDA device {name} multiplies bfloat16 natively"
         return "32-true", f"CUDA device {name} has no native bfloat16 (fp16 autocast: trainer.precision=16-mixed)"
     facts = cpu_facts()
-    if facts["arch"].lower() in ("x86_64", "amd64", "i386", "i686"):
+    if facts["arch"].lower() in X86_ARCHES:
         if facts["bf16_native"]:
             unit = "AMX" if facts["amx"] else "AVX512-BF16"
             return "bf16-mixed", f"the CPU multiplies bfloat16 natively ({unit}; {facts['model']})"
@@ -347,12 +350,11 @@ def emulated_bf16_warning(precision: str, accelerator="cpu") -> str | None:
     slower than float32 by a factor that depends on the CPU: the main job's step 3.7-4.6x on an AVX-512 Xeon
     without AVX512-BF16 (issue 16's report), the products themselves about 90-110x on an AVX2-only AMD EPYC
     (torch 2.13, benchmarks/README.md). The precision is still honoured; ``auto`` would pick 32-true."""
-    if not str(precision).startswith("bf16") or uses_cuda(accelerator):
-        return None
-    if str(accelerator or "auto").lower() not in ("cpu", "auto"):
+    on_cpu = str(accelerator or "auto").lower() in ("cpu", "auto") and not uses_cuda(accelerator)
+    if not (str(precision).startswith("bf16") and on_cpu):
         return None
     facts = cpu_facts()
-    if facts["arch"].lower() not in ("x86_64", "amd64", "i386", "i686") or facts["bf16_native"]:
+    if facts["arch"].lower() not in X86_ARCHES or facts["bf16_native"]:
         return None
     return (
         f"WARNING: this CPU has no native bfloat16 matrix products ({facts['model']}, torch CPU capability "
