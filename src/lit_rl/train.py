@@ -59,7 +59,7 @@ from .models import (
 from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
-from .rollout.staleness import StaleRolloutsShutdown
+from .rollout.sources import RolloutSourceShutdown
 from .runfolder import RunFolderClaim, claim_run_folder, lightning_rank, run_tag
 from .tasks import build_task
 from .tasks.reward_functions import RewardFunctions
@@ -911,7 +911,7 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     precision = trainer_kwargs.get("precision")
     plugins = precision_plugins(trainer_kwargs)
     eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
-    callbacks = [checkpoints, StaleRolloutsShutdown()]  # the latter stops an async rollout producer
+    callbacks = [checkpoints, RolloutSourceShutdown()]  # the latter stops an async rollout producer
     if governor is not None:
         callbacks.append(governor)
     callbacks.append(SampleLogger(cfg.log.samples_every_n_steps, cfg.log.num_samples, out))
@@ -1022,9 +1022,8 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
             raise preempted(trainer, checkpoints, out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
-            if module.stale is not None:
-                module.stale.close()  # idempotent; first, so no producer thread still uses the engine
-            module.engine.close()
+            module.source.close()  # idempotent; first, so no producer thread still uses the engine
+            module.source.close_engine()
             finish_loggers(trainer)
         save_final_checkpoint(trainer, checkpoints)
 

@@ -53,10 +53,11 @@ from .. import corrections as corr
 from .. import objectives as obj
 from ..flops import FlopModel
 from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
+from ..loss import LossSettings, TokenMetrics, assemble_loss
 from ..models import adapter_disabled, adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
-from ..rollout.staleness import build_stale_rollouts
+from ..rollout.sources import RolloutSource, source_class
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
 from ..schema import (
     AdvantageConfig,
@@ -186,18 +187,23 @@ class RLAlgorithm(L.LightningModule):
         self.shared_prefix, why = resolve_shared_prefix(self.update_cfg.shared_prefix, policy, group_size)
         if why and self.update_cfg.shared_prefix == "auto" and group_size >= 2:
             print(f"lit_rl: update.shared_prefix=auto is off: {why}", flush=True)
-        self.weight_rule = corr.weight_function(self.correction)
         stop_ids = [tokenizer.eos_token_id]
         gen_eos = getattr(policy.generation_config, "eos_token_id", None) if policy.generation_config else None
         stop_ids += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
-        self.stale = build_stale_rollouts(config_of(RolloutConfig, rollout_mode))  # None: sync
-        self.engine = build_engine(
-            engine,
-            policy,
-            tokenizer.pad_token_id,
-            stop_ids,
-            max_logprobs=self.sampling.logprobs_top_k,
-            own_copy=self.stale is not None and self.stale.mode == "async",
+        rollout_cfg = config_of(RolloutConfig, rollout_mode)
+        source = source_class(rollout_cfg)
+        #: where the step's rollouts come from (``rollout.mode``): the engine, every weight sync into it, the
+        #: weight versions a stale mode keeps (``lit_rl.rollout.sources``)
+        self.source: RolloutSource = source(
+            build_engine(
+                engine,
+                policy,
+                tokenizer.pad_token_id,
+                stop_ids,
+                max_logprobs=self.sampling.logprobs_top_k,
+                own_copy=source.engine_owns_weights(rollout_cfg),
+            ),
+            rollout_cfg,
         )
         #: beta, the KL coefficient this step uses: kl.beta, moved by the adaptive controller when kl.target is set
         self.kl_coef = float(self.kl_cfg.beta)
@@ -246,28 +252,27 @@ class RLAlgorithm(L.LightningModule):
     sharded_modules: ClassVar[tuple[str, ...]] = ("policy", "ref_policy")
 
     def setup(self, stage: str) -> None:
-        """Before the strategy wraps the module: under FSDP the embedded engine samples from a copy of its own
-        (``TorchEngine.take_own_copy``), filled from the gathered full weights at every sync, never through
-        the sharded forward."""
-        if self.sharded and hasattr(self.engine, "take_own_copy"):
-            self.engine.take_own_copy()
+        """Before the strategy wraps the module (``RolloutSource.setup``: under FSDP the engine's own copy)."""
+        self.source.setup(self, self.sharded)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        """Under FSDP the engine is synced here, before the step: Lightning runs ``training_step`` inside the
-        wrapped root's forward, where the shards cannot be gathered into a full state dict."""
-        self._presynced_s = None
-        if self.sharded and self.stale is None:
-            t0 = time.perf_counter()
-            self.sync_engine()
-            self._presynced_s = time.perf_counter() - t0
+        """``RolloutSource.before_step``: under FSDP the sync happens here, outside the wrapped forward."""
+        self.source.before_step(self, self.sharded)
 
-    _presynced_s: float | None = None
+    @property
+    def engine(self):
+        """The rollout engine (``RolloutEngine``) of the source."""
+        return self.source.engine
 
-    def sync_engine(self) -> None:
-        """``engine.sync_weights`` with this step's weights; under FSDP the full policy weights are gathered from
-        the shards first (``parallel.full_policy_weights``: a collective every rank joins, once per sync)."""
-        weights = parallel.full_policy_weights(self.trainer.strategy.model, "policy.") if self.sharded else None
-        self.engine.sync_weights(self.global_step, weights)
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.source.engine = engine
+
+    def full_policy_weights(self) -> dict[str, Tensor] | None:
+        """The policy's full weights for an engine sync: under FSDP gathered from the shards
+        (``parallel.full_policy_weights``, a collective every rank joins); None otherwise (the engine reads
+        the policy's own tensors)."""
+        return parallel.full_policy_weights(self.trainer.strategy.model, "policy.") if self.sharded else None
 
     @property
     def datamodule(self) -> RolloutDataModule:
@@ -281,15 +286,8 @@ class RLAlgorithm(L.LightningModule):
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
         rl_step = self.global_step // self.updates_per_step
-        if self.stale is None:  # sync: sample with the weights about to be trained
-            if self._presynced_s is None:  # (under FSDP: done in on_train_batch_start)
-                self.sync_engine()
-            t_sync = time.perf_counter() - t0 + (self._presynced_s or 0.0)
-            scored, collect_metrics = self.collect(batch)  # this rank's share of the step's prompts
-        else:  # lagged / async: older weights (rollout.staleness)
-            t_sync = 0.0  # part of the stale collection
-            scored, collect_metrics = self.stale.collect(self, batch)
-        self.engine.sleep()  # vLLM with sleep_mode frees its GPU memory for the update; a no-op otherwise
+        # this rank's share of the step's prompts, sampled with the weights the source chooses (rollout.mode)
+        scored, collect_metrics, t_sync = self.source.collect(self, batch)
         t_rollout = time.perf_counter() - t0
         metrics = {**self.rollout_metrics(scored), **collect_metrics}
         weights = self.metric_weights(batch, scored, metrics)
@@ -297,8 +295,7 @@ class RLAlgorithm(L.LightningModule):
         rb = self.build_batch(scored)
         self.last_step = (rl_step, scored, rb.advantages)  # for the sample logger (``train.SampleLogger``)
         t1 = time.perf_counter()
-        if self.stale is not None:  # p_o: the trainer's log-probs under the weights that generated stale rows
-            self.stale.score_behaviour(self, rb)
+        self.source.score_behaviour(self, rb)  # p_o of rows generated by older weights (stale sources)
         train_metrics = self.update(rb)  # already reduced over ranks
         train_metrics.update(self.adapt_kl_coef(train_metrics, len(rb)))
         t_train = time.perf_counter() - t1
@@ -550,12 +547,16 @@ class RLAlgorithm(L.LightningModule):
         return parallel.padding_micro_batch(rb, self.tokenizer.pad_token_id)
 
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
-        """The scalar loss of one micro-batch, already divided by the whole step's totals."""
+        """The scalar loss of one micro-batch, already divided by the whole step's totals: the tokens scored, the
+        objective's per-token loss (``policy_loss``), the rest assembled by ``finish_loss``; the metrics of every
+        term recorded once into ``stats``."""
         scores = self.logprobs_of(self.policy, mb)
         # One update per rollout batch: the trainer's own forward *is* the snapshot pi_old.
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else scores.logprobs.detach()
-        pg_loss = self.policy_loss(scores.logprobs, old_logprobs, mb, stats)
-        return self.finish_loss(pg_loss, scores, old_logprobs, mb, stats, num_tokens, num_seqs)
+        pg_loss, metrics = self.policy_loss(scores.logprobs, old_logprobs, mb)
+        loss, loss_metrics = self.finish_loss(pg_loss, scores, old_logprobs, mb, num_tokens, num_seqs)
+        stats.record(metrics.extend(loss_metrics))
+        return loss
 
     def logprobs_of(self, model: torch.nn.Module, mb: RolloutBatch, **kwargs) -> TokenScores:
         """Trainer log-probs (and entropies, and the SC head when on) of a micro-batch, under the sampler's
@@ -583,8 +584,8 @@ class RLAlgorithm(L.LightningModule):
             **kwargs,
         )
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
-        """Per-token loss [n, T] to minimise. Default: PPO clipped surrogate (GRPO)."""
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
+        """(Per-token loss [n, T] to minimise, the objective's metrics). Default: PPO clipped surrogate (GRPO)."""
         a = self.algo_cfg
         loss, clip_low, clip_high = obj.ppo_clip_loss(
             logprobs,
@@ -596,15 +597,30 @@ class RLAlgorithm(L.LightningModule):
             a.delta,
         )
         mask = mb.response_mask
-        stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
-        stats.add("train/pg_clipfrac_lower", clip_low.float(), mask)
-        stats.add("train/pg_clipfrac_upper", clip_high.float(), mask)
+        metrics = TokenMetrics()
+        metrics.add("train/pg_clipfrac", (clip_low | clip_high).float(), mask)
+        metrics.add("train/pg_clipfrac_lower", clip_low.float(), mask)
+        metrics.add("train/pg_clipfrac_upper", clip_high.float(), mask)
         if a.clip_ratio_c is not None or a.delta is not None:  # its own name: verl's pg_clipfrac_lower is this one
             dual = obj.dual_clip_binds(
                 logprobs.detach() - old_logprobs, mb.advantages, self.clip_cfg.eps_high, a.clip_ratio_c, a.delta
             )
-            stats.add("train/pg_clipfrac_dual", dual.float(), mask)
-        return loss
+            metrics.add("train/pg_clipfrac_dual", dual.float(), mask)
+        return loss, metrics
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        """What ``loss.assemble_loss`` reads from the config groups (``loss``, ``correction``, ``kl``, ``sampling``),
+        read at each call."""
+        return LossSettings(
+            reduction=self.loss_cfg.reduction,
+            max_response_length=self.sampling.max_new_tokens,
+            weight_rule=corr.weight_function(self.correction),
+            score_centering=self.correction.sc.enabled,
+            entropy_coef=self.loss_cfg.entropy_coef,
+            kl_estimator=self.kl_cfg.estimator,
+            kl_in_loss=self.kl_cfg.mode == "loss",
+        )
 
     def finish_loss(
         self,
@@ -612,86 +628,27 @@ class RLAlgorithm(L.LightningModule):
         scores: TokenScores,
         old_logprobs: Tensor,
         mb: RolloutBatch,
-        stats: MetricSums,
         num_tokens: Tensor,
         num_seqs: Tensor,
         extra_loss: Tensor | None = None,
-    ) -> Tensor:
-        """Corrections on the policy-gradient term, then the value and reference-KL terms, the per-token
-        diagnostics, and the reduction to a scalar normalised by the step's totals."""
-        token_loss = self.correct(pg_loss, scores, old_logprobs, mb, stats)
-        m = mb.response_mask
-        logprobs = scores.logprobs
-        if extra_loss is not None:
-            token_loss = token_loss + extra_loss
-        if self.loss_cfg.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
-            token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, self.loss_cfg.entropy_coef)
-        beta = self.kl_coef if self.kl_cfg.mode == "loss" else 0.0  # kl.mode=reward: in the returns (snapshot)
-        if self.has_reference:
-            ref_logprobs = self.reference_logprobs(mb)
-            kl = obj.approx_kl(logprobs, ref_logprobs, self.kl_cfg.estimator)
-            if beta > 0:
-                token_loss = token_loss + beta * kl
-            stats.add("train/ref_kl", kl, m)
-            if self.kl_cfg.mode == "loss":  # the KL per sequence, what the adaptive controller reads
-                stats.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
-            # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
-            # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
-            # comparable between samplers, where ref_kl measures the two policies on mu's tokens
-            w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
-            stats.add("train/ref_kl_is", w * kl, m)
-        stats.add("train/entropy", scores.entropy, m)
-        stats.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
-        # the three ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines),
-        # r_stale = pi_theta/p_o (same engine, two weight versions); logged apart, never only the product.
-        # p_o = pi_old unless rows are stale: then the trainer's log-probs under their generating weights
-        p_o = (
-            old_logprobs
-            if mb.behaviour_logprobs is None
-            else torch.where(torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
-        )
-        stats.add_means(
-            {
-                f"train/{k}": v
-                for k, v in corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m).items()
-            },
-            m,
-        )
-        # tokens MIS drops leave the numerator only (``correct`` zeroes their weight): every reduction keeps the
-        # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
-        return obj.reduce_loss(
-            token_loss,
-            m,
-            self.loss_cfg.reduction,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            max_response_length=self.sampling.max_new_tokens,
-        )
-
-    def correct(
-        self, pg_loss: Tensor, scores: TokenScores, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums
-    ) -> Tensor:
-        """Apply the train-inference corrections of ``correction`` to a per-token policy-gradient loss [n, T].
-
-        One call to ``corrections.corrected_policy_loss``: the sampled token's loss is weighted by w_y =
-        f(pi_old / mu) (TIS: min(r, cap); MIS: r inside [low, high], 0 outside, or 1 / 0 with
-        ``mis.weighted=false``), and score centering subtracts E_mu[c w grad log pi] over the engine's head
-        (plus the rescaled tail), where c is this objective's own coefficient (``score_coefficients``) and w
-        the same weight, so ``sc+tis`` and ``sc+mis`` stay centred (SPEC test vector 15). Tokens MIS drops
-        keep their place in the step's denominators. Logs tis / tis_abs / tis_clipfrac / mis_maskfrac.
-        """
-        loss, metrics = corr.correct_policy_loss(
+    ) -> tuple[Tensor, TokenMetrics]:
+        """``loss.assemble_loss`` of the objective's per-token loss with this run's settings: the corrections
+        (with this objective's ``score_coefficients``), ``extra_loss``, the entropy bonus, the KL to the
+        reference (scored here when there is one) and the reduction by the step's totals.
+        Returns (the scalar loss, the terms' metrics)."""
+        return assemble_loss(
             pg_loss,
-            scores.logprobs,
+            scores,
             old_logprobs,
             mb,
-            self.weight_rule,
-            score_centering=self.correction.sc.enabled,
-            logprobs_head=scores.head_logprobs,
+            self.loss_settings,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
             score_coefficients=lambda log_ratio, sampled: self.score_coefficients(log_ratio, sampled, mb),
+            ref_logprobs=self.reference_logprobs(mb) if self.has_reference else None,
+            kl_coef=self.kl_coef,
+            extra_loss=extra_loss,
         )
-        stats.add_means({f"train/{k}": v for k, v in metrics.items()}, mb.response_mask)
-        return loss
 
     @torch.no_grad()
     def reference_logprobs(self, mb: RolloutBatch) -> Tensor:
@@ -958,9 +915,7 @@ class RLAlgorithm(L.LightningModule):
 
     # -- evaluation: greedy pass@1 on the held-out split -----------------------------------------------------------
     def on_validation_start(self) -> None:
-        if self.stale is not None:
-            self.stale.pause()  # async: the producer finishes its batch and leaves the engine to evaluation
-        self.sync_engine()  # an engine with its own copy must see the latest update
+        self.source.pause(self)  # the engine is evaluation's, synced to the latest update
 
     #: ``eval.n`` samples per problem and ``eval.k`` for pass@k (``lit_rl.train.run`` sets them from the config)
     eval_n: int = 1
@@ -1005,8 +960,7 @@ class RLAlgorithm(L.LightningModule):
             self.log(f"eval/pass@{int(self.eval_k)}", passed / problems if problems else 0.0, sync_dist=True)
 
     def on_validation_end(self) -> None:
-        if self.stale is not None:
-            self.stale.resume()
+        self.source.resume(self)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -1015,16 +969,17 @@ class RLAlgorithm(L.LightningModule):
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "kl_coef": self.kl_coef,  # the adaptive controller's beta
         }
-        if self.stale is not None:  # lagged: the weight history, so a resumed run samples exactly as before
-            checkpoint["lit_rl"]["stale_rollouts"] = self.stale.state_dict()
+        source_state = self.source.state_dict()  # lagged: the weight history, so a resume samples exactly as before
+        if source_state is not None:
+            checkpoint["lit_rl"]["stale_rollouts"] = source_state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("lit_rl", {})
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.kl_coef = float(state.get("kl_coef", self.kl_coef))
-        if self.stale is not None and "stale_rollouts" in state:
-            self.stale.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
+        if "stale_rollouts" in state:
+            self.source.load_state_dict(state["stale_rollouts"], next(self.policy.parameters()).device)
 
     def saved_key(self, name: str) -> bool:
         """True for a state-dict key a checkpoint holds: not the frozen reference copy's, and with LoRA not the
@@ -1051,9 +1006,8 @@ class RLAlgorithm(L.LightningModule):
 
     # -- the end of the run ----------------------------------------------------------------------------------------
     def on_train_end(self) -> None:
-        if self.stale is not None:
-            self.stale.close()  # no producer thread outlives the run (exceptions: ``StaleRolloutsShutdown``)
+        self.source.close()  # no producer thread outlives the run (exceptions: ``RolloutSourceShutdown``)
 
     def teardown(self, stage: str) -> None:
         """Shut the rollout engine down (vLLM's engine core and its files) at the end of fit."""
-        self.engine.close()
+        self.source.close_engine()

@@ -8,9 +8,10 @@ PPO's clip no token loses its gradient (``objectives.cispo_loss``). The paper se
 from torch import Tensor
 
 from .. import objectives as obj
+from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
 from ..schema import CispoConfig
-from .base import MetricSums, RLAlgorithm
+from .base import RLAlgorithm
 
 
 class CISPO(RLAlgorithm):
@@ -19,13 +20,14 @@ class CISPO(RLAlgorithm):
     algo_config = CispoConfig
     ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         eps_low, eps_high = self.clip_cfg.eps_low, self.clip_cfg.eps_high
         ratio = (logprobs.detach() - old_logprobs).exp()
-        stats.add("train/pg_clipfrac_lower", (ratio < 1 - eps_low).float(), mb.response_mask)
-        stats.add("train/pg_clipfrac_upper", (ratio > 1 + eps_high).float(), mb.response_mask)
-        stats.add("train/pg_clipfrac", ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float(), mb.response_mask)
-        return obj.cispo_loss(logprobs, old_logprobs, mb.advantages, eps_low, eps_high)
+        metrics = TokenMetrics()
+        metrics.add("train/pg_clipfrac_lower", (ratio < 1 - eps_low).float(), mb.response_mask)
+        metrics.add("train/pg_clipfrac_upper", (ratio > 1 + eps_high).float(), mb.response_mask)
+        metrics.add("train/pg_clipfrac", ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float(), mb.response_mask)
+        return obj.cispo_loss(logprobs, old_logprobs, mb.advantages, eps_low, eps_high), metrics
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-sg(clip(r_v)) A: the clipped weight of the token's own ratio."""

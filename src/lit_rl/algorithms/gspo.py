@@ -8,9 +8,10 @@ small (the paper's 3e-4 / 4e-4) because a sequence ratio moves much less than a 
 from torch import Tensor
 
 from .. import objectives as obj
+from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
 from ..schema import GspoConfig
-from .base import MetricSums, RLAlgorithm
+from .base import RLAlgorithm
 
 
 class GSPO(RLAlgorithm):
@@ -19,15 +20,16 @@ class GSPO(RLAlgorithm):
     algo_config = GspoConfig
     ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         loss, clip_low, clip_high = obj.gspo_loss(
             logprobs, old_logprobs, mb.advantages, mb.response_mask, self.clip_cfg.eps_low, self.clip_cfg.eps_high
         )
         seq = mb.response_mask.any(-1)
-        stats.add("train/pg_clipfrac", (clip_low | clip_high).float(), seq)  # fraction of sequences
-        stats.add("train/pg_clipfrac_lower", clip_low.float(), seq)
-        stats.add("train/pg_clipfrac_upper", clip_high.float(), seq)
-        return loss
+        metrics = TokenMetrics()
+        metrics.add("train/pg_clipfrac", (clip_low | clip_high).float(), seq)  # fraction of sequences
+        metrics.add("train/pg_clipfrac_lower", clip_low.float(), seq)
+        metrics.add("train/pg_clipfrac_upper", clip_high.float(), seq)
+        return loss, metrics
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-A s_i(v), s_i(v) the sequence ratio with v in place of the sampled token, 0 where it is clipped."""

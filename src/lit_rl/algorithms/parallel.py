@@ -74,6 +74,14 @@ class MetricSums:
             self.sums[name] += float(value) * count
             self.counts[name] += count
 
+    def record(self, metrics) -> None:
+        """Fold a micro-batch's ``loss.TokenMetrics`` in, entry by entry (``add`` / ``add_means``)."""
+        for name, values, mask, averaged in metrics:
+            if averaged:
+                self.add_means({name: values}, mask)
+            else:
+                self.add(name, values, mask)
+
     def means(self) -> dict[str, float]:
         """name -> sum / count (0.0 where the count is 0)."""
         return {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}

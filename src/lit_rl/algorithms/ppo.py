@@ -109,8 +109,12 @@ class PPO(RLAlgorithm):
     def micro_batch_loss(self, mb: RolloutBatch, stats: MetricSums, num_tokens: Tensor, num_seqs: Tensor) -> Tensor:
         m = mb.response_mask
         scores, values = self._forward(mb)
-        pg = self.policy_loss(scores.logprobs, mb.old_logprobs, mb, stats)
+        pg, metrics = self.policy_loss(scores.logprobs, mb.old_logprobs, mb)
         vcfg = self.algo_cfg.value
         vf = obj.clipped_value_loss(values, mb.old_values, mb.returns, vcfg.clip)
-        stats.add("train/value_loss", vf, m)
-        return self.finish_loss(pg, scores, mb.old_logprobs, mb, stats, num_tokens, num_seqs, extra_loss=vcfg.coef * vf)
+        metrics.add("train/value_loss", vf, m)
+        loss, loss_metrics = self.finish_loss(
+            pg, scores, mb.old_logprobs, mb, num_tokens, num_seqs, extra_loss=vcfg.coef * vf
+        )
+        stats.record(metrics.extend(loss_metrics))
+        return loss

@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from .. import objectives as obj
+from ..loss import TokenMetrics
 from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
 from ..schema import ReinforceConfig, config_of
-from .base import MetricSums, RLAlgorithm
+from .base import RLAlgorithm
 
 
 class Reinforce(RLAlgorithm):
@@ -39,9 +40,9 @@ class Reinforce(RLAlgorithm):
             return rewards.float() - rewards.new_tensor(total / count, dtype=torch.float32)
         return obj.baseline_advantages(rewards, scored.group_ids, baseline)
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
-        return -adv * logprobs
+        return -adv * logprobs, TokenMetrics()
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-A for every token: REINFORCE's coefficient does not depend on the ratio."""

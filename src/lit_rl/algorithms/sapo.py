@@ -9,9 +9,10 @@ is cut off as by PPO's clip. GRPO otherwise: group-normalised advantages, its re
 from torch import Tensor
 
 from .. import objectives as obj
+from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
 from ..schema import SapoConfig
-from .base import MetricSums, RLAlgorithm
+from .base import RLAlgorithm
 
 
 class SAPO(RLAlgorithm):
@@ -21,13 +22,13 @@ class SAPO(RLAlgorithm):
     ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate): there is no clip
     uses_clip = False  # algo.clip.* too: the gate's temperatures algo.sapo.tau_pos / tau_neg take its place
 
-    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch, stats: MetricSums) -> Tensor:
+    def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         gate = self.algo_cfg.sapo
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
         # the gradient weight 4 r σ (1 − σ): 1 on-policy, smaller as the ratio moves away
         weight = obj.sapo_weight(logprobs.detach() - old_logprobs, adv, gate.tau_pos, gate.tau_neg)
-        stats.add("train/sapo_gate", weight, mb.response_mask)
-        return obj.sapo_loss(logprobs, old_logprobs, mb.advantages, gate.tau_pos, gate.tau_neg)
+        metrics = TokenMetrics().add("train/sapo_gate", weight, mb.response_mask)
+        return obj.sapo_loss(logprobs, old_logprobs, mb.advantages, gate.tau_pos, gate.tau_neg), metrics
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """−A · 4 r_v σ(1 − σ) at the token's own ratio."""

@@ -35,16 +35,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from ..registry import Registry
-from ..schema import RolloutConfig, config_of
 from .types import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -423,37 +420,3 @@ class StaleRollouts:
         self.dropped_total = int(state.get("dropped_total", 0))
         if "history" in state:
             self.history.load_state_dict(state["history"], device)
-
-
-def build_stale_rollouts(rollout: RolloutConfig | Mapping | None) -> StaleRollouts | None:
-    """The ``StaleRollouts`` of the ``rollout`` config section (``schema.RolloutConfig`` or a mapping of its
-    fields), or None for ``mode: sync``."""
-    ro = config_of(RolloutConfig, rollout)
-    if ro.mode == "sync":
-        return None
-    return StaleRollouts(
-        ro.mode,
-        lag=ro.lag,
-        max_staleness=ro.max_staleness,
-        on_stale=ro.on_stale,
-        buffer_size=ro.buffer_size,
-        behaviour_logprobs=ro.behaviour_logprobs,
-        save_history=ro.save_history,
-    )
-
-
-class StaleRolloutsShutdown(Callback):
-    """Stops the async producer when the fit loop ends in any way: Lightning calls ``on_exception`` for an
-    exception or Ctrl-C (then ``teardown``), which the LightningModule itself is not told about."""
-
-    @staticmethod
-    def _close(pl_module) -> None:
-        stale = getattr(pl_module, "stale", None)
-        if stale is not None:
-            stale.close()
-
-    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._close(pl_module)
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        self._close(pl_module)

@@ -1,0 +1,187 @@
+"""The per-token loss of one micro-batch, assembled in one place: objective ⊗ correction weights, score centering
+with the objective's coefficients, the extra (value) term, the entropy bonus, the KL to the reference, and the
+reduction by the whole step's totals. Pure: tensors and settings in, ``(loss, metrics)`` out, no module state.
+
+An algorithm supplies only its objective: the per-token loss ℓ_t of ``policy_loss`` (with its own metrics, e.g.
+``train/pg_clipfrac``) and its score coefficients c = ∂ℓ_t/∂log π (``score_coefficients``), which score
+centering evaluates at the engine's head ids. The learner (``RLAlgorithm.micro_batch_loss``) scores the tokens,
+calls the objective, then ``assemble_loss``, and records the returned metrics once (``MetricSums.record``).
+
+Every term and metric, in the order they are applied (SPEC.md, "Objectives" and "Train–inference corrections"):
+
+1. corrections (``corrections.correct_policy_loss``): ℓ_t · w_t with w_t = f(π_old/μ) (TIS / MIS), and score
+   centering's −E_μ[c w ∇log π] over the head; logs ``train/tis``, ``tis_abs``, ``tis_clipfrac``, ``mis_maskfrac``;
+2. ``extra_loss`` (PPO's ``vf_coef`` · value loss), added per token;
+3. the entropy bonus −coef · H(π_θ(·|h_t)) (``loss.entropy_coef``);
+4. the KL to the frozen reference (``kl.estimator``) added with β when ``kl.mode=loss``; logs ``train/ref_kl``,
+   ``ref_kl_seq`` (``kl.mode=loss``: the adaptive controller's measurement), ``ref_kl_is`` (the same KL
+   importance-weighted by π_old/μ: comparable between samplers);
+5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
+   ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart;
+6. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS drops
+   leave the numerator only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import corrections as corr
+from . import objectives as obj
+from .logprobs import TokenScores
+
+
+class TokenMetrics:
+    """One micro-batch's metric values, each with the mask it is averaged over; what the objective and
+    ``assemble_loss`` return instead of writing into shared state. ``MetricSums.record`` folds them into the
+    step's token-weighted means (sum of values over the mask, and the mask's count).
+
+    Entries keep their order: ``add`` (per-token values [any shape] and a bool mask of the same shape) and
+    ``add_means`` (values already averaged over the mask's valid entries, weighted by its count).
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, Tensor | float, Tensor, bool]] = []
+
+    def add(self, name: str, values: Tensor, mask: Tensor) -> TokenMetrics:
+        """Record ``values`` to be averaged over ``mask``'s true entries. Returns self."""
+        self.entries.append((name, values, mask, False))
+        return self
+
+    def add_means(self, means: dict[str, Tensor | float], mask: Tensor) -> TokenMetrics:
+        """Record values already averaged over ``mask``'s valid entries (weighted by their count). Returns self."""
+        for name, value in means.items():
+            self.entries.append((name, value, mask, True))
+        return self
+
+    def extend(self, other: TokenMetrics) -> TokenMetrics:
+        """Append ``other``'s entries after these. Returns self."""
+        self.entries.extend(other.entries)
+        return self
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor | float, Tensor, bool]]:
+        return iter(self.entries)
+
+    def names(self) -> list[str]:
+        """The recorded names, in order."""
+        return [e[0] for e in self.entries]
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the assembly reads from the config, fixed for a run.
+
+    Attributes:
+        reduction: ``loss.reduction`` (``objectives.REDUCTION_MODES``).
+        max_response_length: L_max, ``sampling.max_new_tokens`` (the ``constant`` reduction's denominator).
+        weight_rule: the correction's weight function f (``corrections.weight_function`` of ``correction``).
+        score_centering: ``correction.sc.enabled``.
+        entropy_coef: ``loss.entropy_coef`` (0 = no bonus).
+        kl_estimator: ``kl.estimator`` (k1 | k2 | k3).
+        kl_in_loss: ``kl.mode == "loss"`` (False: the KL went into the rewards, only logged here).
+    """
+
+    reduction: str
+    max_response_length: int
+    weight_rule: corr.WeightFunction
+    score_centering: bool = False
+    entropy_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_loss: bool = True
+
+
+def assemble_loss(
+    pg_loss: Tensor,
+    scores: TokenScores,
+    old_logprobs: Tensor,
+    mb,
+    settings: LossSettings,
+    *,
+    num_tokens: Tensor,
+    num_seqs: Tensor,
+    score_coefficients: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    extra_loss: Tensor | None = None,
+) -> tuple[Tensor, TokenMetrics]:
+    """The scalar loss of one micro-batch, normalised by the whole step's totals, and its metrics.
+
+    Args:
+        pg_loss: float [n, T], the objective's per-token policy-gradient loss ℓ_t (to minimise).
+        scores: the trainer's ``TokenScores`` of the micro-batch: ``logprobs`` [n, T] (with gradient),
+            ``entropy`` [n, T], ``head_logprobs`` [n, T, k] (score centering) or None.
+        old_logprobs: float [n, T], log π_old (the trainer's forward itself when one update per batch).
+        mb: the micro-batch (``rollout.types.RolloutBatch``): ``response_mask`` [n, T] bool,
+            ``rollout_logprobs`` μ [n, T], ``behaviour_logprobs`` (stale rows' p_o, NaN for the trained
+            version's rows, or None), the head ``topk_logprobs`` / ``old_head_logprobs`` for score centering.
+        settings: the run's ``LossSettings``.
+        num_tokens, num_seqs: 0-dim, the whole step's valid tokens and sequences (over every micro-batch and
+            data-parallel rank), the reduction's denominators.
+        score_coefficients: ``(log_ratio [n, T, J], sampled_log_ratio [n, T]) -> c [n, T, J]``, the objective's
+            ∂ℓ_t/∂log π had each head token been sampled; needed with score centering.
+        ref_logprobs: float [n, T], the frozen reference's log-probs (no gradient), or None without a reference.
+        kl_coef: β, the KL coefficient of this step (used when ``settings.kl_in_loss``).
+        extra_loss: float [n, T] added per token before the reduction (PPO's weighted value loss), or None.
+
+    Returns:
+        (loss: 0-dim float, this micro-batch's share of the step's loss; metrics: ``TokenMetrics`` of the
+        corrections, the KL terms and the diagnostics listed in the module docstring).
+    """
+    m = mb.response_mask
+    logprobs = scores.logprobs
+    metrics = TokenMetrics()
+    token_loss, correction_metrics = corr.correct_policy_loss(
+        pg_loss,
+        logprobs,
+        old_logprobs,
+        mb,
+        settings.weight_rule,
+        score_centering=settings.score_centering,
+        logprobs_head=scores.head_logprobs,
+        score_coefficients=score_coefficients,
+    )
+    metrics.add_means({f"train/{k}": v for k, v in correction_metrics.items()}, m)
+    if extra_loss is not None:
+        token_loss = token_loss + extra_loss
+    if settings.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
+        token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, settings.entropy_coef)
+    if ref_logprobs is not None:
+        kl = obj.approx_kl(logprobs, ref_logprobs, settings.kl_estimator)
+        beta = kl_coef if settings.kl_in_loss else 0.0  # kl.mode=reward: in the returns (the snapshot)
+        if beta > 0:
+            token_loss = token_loss + beta * kl
+        metrics.add("train/ref_kl", kl, m)
+        if settings.kl_in_loss:  # the KL per sequence, what the adaptive controller reads
+            metrics.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
+        # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
+        # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
+        # comparable between samplers, where ref_kl measures the two policies on mu's tokens
+        w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
+        metrics.add("train/ref_kl_is", w * kl, m)
+    metrics.add("train/entropy", scores.entropy, m)
+    metrics.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
+    # the ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines), r_stale = pi_theta/p_o
+    # (same engine, two weight versions); logged apart, never only the product. p_o = pi_old unless rows are
+    # stale: then the trainer's log-probs under their generating weights
+    p_o = (
+        old_logprobs
+        if mb.behaviour_logprobs is None
+        else torch.where(torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
+    )
+    decomposition = corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m)
+    metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
+    # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
+    # denominators (num_tokens, num_seqs and each sequence's T_i)
+    loss = obj.reduce_loss(
+        token_loss,
+        m,
+        settings.reduction,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        max_response_length=settings.max_response_length,
+    )
+    return loss, metrics

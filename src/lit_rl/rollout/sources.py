@@ -1,0 +1,216 @@
+"""Rollout sources: where a step's scored rollouts come from, with which weights, and when the engine is synced.
+
+The learner (``RLAlgorithm``) never branches on the rollout mode: it asks its ``RolloutSource`` for the step's
+rollouts and hands it the hooks below. A source owns
+
+- the rollout engine (``RolloutEngine``: the embedded torch sampler or vLLM) and every weight sync into it
+  (under FSDP from the gathered full weights; after evaluation's pause the engine is synced again);
+- the weight versions a stale mode keeps (``rollout.staleness``) and their checkpoint state;
+- the end of the run (the async producer thread, then the engine).
+
+``rollout.mode`` names the source (``ROLLOUT_SOURCES``): ``sync`` (``SyncSource``: sample with the weights
+about to be trained) and ``lagged`` / ``async`` (``StaleSource``: older weights). A new rollout mode is a new
+source class registered here (``register_source``) plus its YAML values, not a branch in the learner::
+
+    @register_source("my_mode", "what it samples with")
+    class MySource(SyncSource):
+        def collect(self, learner, batch): ...
+
+The learner side of the contract is ``staleness.Learner`` (its policy, engine, version counter, ``collect``
+of one prompt batch with the engine, ``score_rows``...), plus ``full_policy_weights()`` (None unless the
+weights are sharded) for the sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from ..registry import Registry
+from ..schema import RolloutConfig, config_of
+from .staleness import ROLLOUT_MODES, StaleRollouts
+from .types import RolloutEngine
+
+
+class RolloutSource:
+    """The ``sync`` source, and the base every source extends: sample with the weights about to be trained.
+
+    Args:
+        engine: the ``RolloutEngine`` this source samples with (closed by ``close``).
+        rollout: the ``rollout`` config section (``schema.RolloutConfig`` or a mapping of its fields).
+
+    Hooks the learner calls, in a step's order: ``setup`` (once, before a strategy wraps the module),
+    ``before_step`` (Lightning's ``on_train_batch_start``), ``collect``, ``score_behaviour`` (after the
+    batch is built); ``pause`` / ``resume`` around evaluation; ``state_dict`` / ``load_state_dict`` with
+    the checkpoint; ``close`` at the end of the run (idempotent).
+    """
+
+    @classmethod
+    def engine_owns_weights(cls, rollout: RolloutConfig) -> bool:
+        """True when the engine must hold its own copy of the weights (``build_engine``'s ``own_copy``)."""
+        return False
+
+    def __init__(self, engine: RolloutEngine, rollout: RolloutConfig | Mapping | None = None):
+        self.engine = engine
+        self.cfg = config_of(RolloutConfig, rollout)
+        self._presynced_s: float | None = None
+
+    # -- the weights -------------------------------------------------------------------------------------
+    def sync(self, learner) -> float:
+        """Push the learner's current weights (version ``learner.policy_version``) into the engine; returns the
+        seconds it took. Under FSDP the full weights are gathered from the shards first (a collective every
+        rank joins, once per sync: ``learner.full_policy_weights``)."""
+        t0 = time.perf_counter()
+        self.engine.sync_weights(learner.policy_version, learner.full_policy_weights())
+        return time.perf_counter() - t0
+
+    def setup(self, learner, sharded: bool) -> None:
+        """Before the strategy wraps the module: under FSDP the embedded engine samples from a copy of its own
+        (``TorchEngine.take_own_copy``), filled from the gathered full weights at every sync, never through
+        the sharded forward."""
+        if sharded and hasattr(self.engine, "take_own_copy"):
+            self.engine.take_own_copy()
+
+    def before_step(self, learner, sharded: bool) -> None:
+        """Under FSDP the engine is synced here, before the step: Lightning runs ``training_step`` inside the
+        wrapped root's forward, where the shards cannot be gathered into a full state dict."""
+        self._presynced_s = self.sync(learner) if sharded else None
+
+    # -- the step's rollouts -----------------------------------------------------------------------------
+    def collect(self, learner, batch) -> tuple[Any, dict[str, float], float]:
+        """This rank's ``(ScoredRollouts, metrics, weight-sync seconds)`` for prompt batch ``batch``: the engine
+        synced to the weights about to be trained (unless ``before_step`` did it), then ``learner.collect``
+        (the algorithm's way of filling a batch: one round, or DAPO's dynamic sampling)."""
+        if self._presynced_s is None:
+            t_sync = self.sync(learner)
+        else:
+            t_sync, self._presynced_s = self._presynced_s, None
+        scored, metrics = learner.collect(batch)
+        self.engine.sleep()  # vLLM with sleep_mode frees its GPU memory for the update; a no-op otherwise
+        return scored, metrics, t_sync
+
+    def score_behaviour(self, learner, rb) -> None:
+        """Fill ``rb.behaviour_logprobs`` (p_o of stale rows) where the source sampled with older weights; a
+        no-op for a source whose rows are all of the trained version."""
+
+    # -- evaluation, checkpoints, the end ----------------------------------------------------------------
+    def pause(self, learner) -> None:
+        """Before evaluation: the engine is the evaluator's, synced to the latest update."""
+        self.sync(learner)
+
+    def resume(self, learner) -> None:
+        """After evaluation."""
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of the source (None: nothing)."""
+        return None
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Restore ``state_dict``'s output (``device``: where the weights live)."""
+
+    def close(self) -> None:
+        """Stop what the source runs beside the trainer (idempotent). The engine is closed by ``close_engine``."""
+
+    def close_engine(self) -> None:
+        """Shut the engine down (vLLM's engine core and its files)."""
+        self.engine.close()
+
+
+class SyncSource(RolloutSource):
+    """``rollout.mode=sync``: generate with the weights about to be trained, then train; staleness 0."""
+
+
+class StaleSource(RolloutSource):
+    """``rollout.mode=lagged | async``: sample with older weights (``staleness.StaleRollouts``: the lagged
+    weight history, or the async producer thread and its buffer). The rows' versions and, with
+    ``rollout.behaviour_logprobs``, their generating weights' log-probs (p_o) go to the update."""
+
+    def __init__(self, engine: RolloutEngine, rollout: RolloutConfig | Mapping | None = None):
+        super().__init__(engine, rollout)
+        ro = self.cfg
+        self.stale = StaleRollouts(
+            ro.mode,
+            lag=ro.lag,
+            max_staleness=ro.max_staleness,
+            on_stale=ro.on_stale,
+            buffer_size=ro.buffer_size,
+            behaviour_logprobs=ro.behaviour_logprobs,
+            save_history=ro.save_history,
+        )
+
+    @classmethod
+    def engine_owns_weights(cls, rollout: RolloutConfig) -> bool:
+        """async: the producer thread samples while the trainer updates its weights."""
+        return rollout.mode == "async"
+
+    def before_step(self, learner, sharded: bool) -> None:
+        """Nothing: the stale collection syncs the engine with the version it samples."""
+
+    def collect(self, learner, batch) -> tuple[Any, dict[str, float], float]:
+        scored, metrics = self.stale.collect(learner, batch)  # the sync is part of the stale collection
+        self.engine.sleep()
+        return scored, metrics, 0.0
+
+    def score_behaviour(self, learner, rb) -> None:
+        self.stale.score_behaviour(learner, rb)
+
+    def pause(self, learner) -> None:
+        self.stale.pause()  # async: the producer finishes its batch and leaves the engine to evaluation
+        super().pause(learner)
+
+    def resume(self, learner) -> None:
+        self.stale.resume()
+
+    def state_dict(self) -> dict:
+        return self.stale.state_dict()  # lagged: the weight history, so a resumed run samples exactly as before
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.stale.load_state_dict(state, device)
+
+    def close(self) -> None:
+        self.stale.close()  # no producer thread outlives the run (exceptions: ``RolloutSourceShutdown``)
+
+
+#: ``rollout.mode`` -> its ``RolloutSource`` class (the names and descriptions: ``staleness.ROLLOUT_MODES``)
+ROLLOUT_SOURCES: Registry[type[RolloutSource]] = Registry(
+    "rollout.mode", {"sync": SyncSource, "lagged": StaleSource, "async": StaleSource}
+)
+
+
+def register_source(name: str, description: str):
+    """Class decorator: make ``rollout.mode=<name>`` build the decorated ``RolloutSource`` subclass
+    (``description`` is what ``config.validate`` lists beside the name). Raises ValueError for a taken name."""
+
+    def decorate(cls: type[RolloutSource]) -> type[RolloutSource]:
+        ROLLOUT_SOURCES.register(name, cls)
+        ROLLOUT_MODES.register(name, description)
+        return cls
+
+    return decorate
+
+
+def source_class(rollout: RolloutConfig | Mapping | None) -> type[RolloutSource]:
+    """The ``RolloutSource`` class of the ``rollout`` config section's ``mode``. Raises ``UnknownChoice``."""
+    return ROLLOUT_SOURCES[config_of(RolloutConfig, rollout).mode]
+
+
+class RolloutSourceShutdown(Callback):
+    """Stops the source (the async producer) when the fit loop ends in any way: Lightning calls
+    ``on_exception`` for an exception or Ctrl-C (then ``teardown``), which the LightningModule itself is not
+    told about."""
+
+    @staticmethod
+    def _close(pl_module) -> None:
+        source = getattr(pl_module, "source", None)
+        if source is not None:
+            source.close()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._close(pl_module)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._close(pl_module)
