@@ -61,6 +61,12 @@ class Registry(Mapping[str, T], Generic[T]):
         self._entries[name] = entry
         return entry
 
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (a choice registered for a while, e.g. by a test or a plugin it unloads).
+        Raises ``UnknownChoice`` for a name that is not registered."""
+        self[name]  # the error of an unknown name
+        del self._entries[name]
+
     @property
     def choices(self) -> list[str]:
         """The registered names, in registration order."""

@@ -193,6 +193,12 @@ def register_source(name: str, description: str):
     return decorate
 
 
+def unregister_source(name: str) -> None:
+    """Undo ``register_source(name, ...)``. Raises ``UnknownChoice`` for a name that is not registered."""
+    ROLLOUT_SOURCES.unregister(name)
+    ROLLOUT_MODES.unregister(name)
+
+
 def source_class(rollout: RolloutConfig | Mapping | None) -> type[RolloutSource]:
     """The ``RolloutSource`` class of the ``rollout`` config section's ``mode``. Raises ``UnknownChoice``."""
     return ROLLOUT_SOURCES[config_of(RolloutConfig, rollout).mode]

@@ -1,0 +1,105 @@
+"""The loss assembly (``lit_rl.loss.assemble_loss``) on values derived by hand: SPEC test vector 16 (MIS keeps a
+token's weight inside the band, drops it outside, and the dropped token still counts in the step's
+denominator), the KL term with beta, the entropy bonus, the extra (value) term, and the metrics it returns
+recorded once into the step's sums."""
+
+import math
+
+import pytest
+import torch
+
+from lit_rl.algorithms.parallel import MetricSums
+from lit_rl.corrections import WeightFunction
+from lit_rl.logprobs import TokenScores
+from lit_rl.loss import LossSettings, TokenMetrics, assemble_loss
+from lit_rl.rollout.types import RolloutBatch
+
+
+def batch(train_probs, rollout_probs, advantages):
+    """One row of len(train_probs) tokens; pi_old = the trainer's (one update per batch: ratio 1)."""
+    n = len(train_probs)
+    logprobs = torch.tensor([[math.log(p) for p in train_probs]], requires_grad=True)
+    mb = RolloutBatch(
+        prompt_ids=torch.zeros(1, 1, dtype=torch.long),
+        prompt_mask=torch.ones(1, 1, dtype=torch.bool),
+        response_ids=torch.zeros(1, n, dtype=torch.long),
+        response_mask=torch.ones(1, n, dtype=torch.bool),
+        rollout_logprobs=torch.tensor([[math.log(p) for p in rollout_probs]]),
+        rewards=torch.ones(1),
+        advantages=torch.tensor(advantages),
+        group_ids=torch.zeros(1, dtype=torch.long),
+        policy_version=torch.zeros(1, dtype=torch.long),
+    )
+    return logprobs, mb
+
+
+def reinforce_ratio_loss(logprobs, old_logprobs, advantages):
+    """-A r per token (the PPO surrogate where the clip does not bind)."""
+    return -advantages[:, None] * torch.exp(logprobs - old_logprobs)
+
+
+def settings(**kw):
+    return LossSettings(reduction="token_mean", max_response_length=8, **kw)
+
+
+def test_mis_keeps_the_weight_inside_the_band_and_drops_the_token_outside_but_counts_it():
+    # w = pi_old / mu: 0.6 / 0.4 = 1.5 (inside [0.5, 2]) and 0.5 / 0.2 = 2.5 (outside)
+    logprobs, mb = batch([0.6, 0.5], [0.4, 0.2], [1.0])
+    old = logprobs.detach()
+    scores = TokenScores(logprobs=logprobs, entropy=torch.zeros(1, 2))
+    pg = reinforce_ratio_loss(logprobs, old, mb.advantages)
+    rule = WeightFunction(mis_band=(0.5, 2.0))
+    loss, metrics = assemble_loss(
+        pg, scores, old, mb, settings(weight_rule=rule), num_tokens=torch.tensor(2), num_seqs=torch.tensor(1)
+    )
+    assert float(loss.detach()) == pytest.approx((-1.5 + 0.0) / 2)  # SPEC 16: -1.5 kept, 0 dropped, denominator 2
+    stats = MetricSums()
+    stats.record(metrics)
+    assert stats.means()["train/mis_maskfrac"] == pytest.approx(0.5)
+    # mask-only (verl's rejection sampling): the kept token's loss is -1
+    rule = WeightFunction(mis_band=(0.5, 2.0), mis_weighted=False)
+    loss, _ = assemble_loss(
+        pg, scores, old, mb, settings(weight_rule=rule), num_tokens=torch.tensor(2), num_seqs=torch.tensor(1)
+    )
+    assert float(loss.detach()) == pytest.approx(-1.0 / 2)
+
+
+def test_kl_entropy_and_extra_terms_are_added_per_token_before_the_reduction():
+    logprobs, mb = batch([0.5, 0.25], [0.5, 0.25], [1.0])
+    old = logprobs.detach()
+    entropy = torch.tensor([[0.3, 0.7]])
+    scores = TokenScores(logprobs=logprobs, entropy=entropy)
+    pg = reinforce_ratio_loss(logprobs, old, mb.advantages)  # -1 per token
+    ref = torch.log(torch.tensor([[0.25, 0.25]]))
+    # k1 KL per token: log pi - log pi_ref = [log 2, 0]
+    kw = dict(num_tokens=torch.tensor(2), num_seqs=torch.tensor(1), ref_logprobs=ref)
+    s = settings(weight_rule=WeightFunction(), kl_estimator="k1", entropy_coef=0.1)
+    extra = torch.tensor([[0.5, 0.5]])
+    loss, metrics = assemble_loss(pg, scores, old, mb, s, kl_coef=0.2, extra_loss=extra, **kw)
+    per_token = torch.tensor([-1.0, -1.0]) + 0.5 - 0.1 * entropy[0] + 0.2 * torch.tensor([math.log(2), 0.0])
+    assert float(loss.detach()) == pytest.approx(float(per_token.mean()))
+    stats = MetricSums()
+    stats.record(metrics)
+    means = stats.means()
+    assert means["train/ref_kl"] == pytest.approx(math.log(2) / 2)
+    assert means["train/ref_kl_seq"] == pytest.approx(math.log(2))  # one sequence: its KL sum
+    assert means["train/entropy"] == pytest.approx(0.5)
+    assert means["train/ppo_kl"] == 0.0 and means["train/logprob_abs_diff"] == 0.0
+    # kl.mode=reward: the KL is only logged, beta does not enter the loss, ref_kl_seq is not measured here
+    loss, metrics = assemble_loss(
+        pg, scores, old, mb, LossSettings("token_mean", 8, WeightFunction(), kl_in_loss=False), kl_coef=0.2, **kw
+    )
+    assert float(loss.detach()) == pytest.approx(-1.0)
+    assert "train/ref_kl" in metrics.names() and "train/ref_kl_seq" not in metrics.names()
+
+
+def test_token_metrics_are_recorded_as_the_step_sums_add_them():
+    mask = torch.tensor([[True, True, False]])
+    values = torch.tensor([[1.0, 3.0, 100.0]])
+    direct = MetricSums()
+    direct.add("a", values, mask)
+    direct.add_means({"b": 0.25}, mask)
+    recorded = MetricSums()
+    recorded.record(TokenMetrics().add("a", values, mask).add_means({"b": 0.25}, mask))
+    assert recorded.sums == direct.sums and recorded.counts == direct.counts
+    assert recorded.means() == {"a": 2.0, "b": 0.25}
