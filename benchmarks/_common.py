@@ -63,9 +63,9 @@ def machine() -> str:
 
 def grpo_module(policy, tok, new_tokens: int, group_size: int, logprobs_top_k: int = 0, correction=None):
     """A GRPO module around ``policy`` with the benchmarks' shared settings (micro-batches of 16, lr 1e-6)."""
-    from lit_rl.algorithms import GRPO
+    from lit_rl.algorithms import RLModule
 
-    return GRPO(
+    return RLModule(
         policy,
         tok,
         sampling={"max_new_tokens": new_tokens, "logprobs_top_k": logprobs_top_k},

@@ -39,12 +39,12 @@ def child(cfg: dict) -> None:
     torch.set_num_threads(2)
     from _common import as_rollout_batch
 
-    from lit_rl.algorithms import GRPO
+    from lit_rl.algorithms import RLModule
     from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
 
     lora = {"r": cfg["r"], "alpha": cfg.get("alpha", 16)}
     policy, tok = load_policy(ModelSpec(SMOLLM2_ID, lora=lora))
-    module = GRPO(
+    module = RLModule(
         policy,
         tok,
         sampling={"max_new_tokens": NEW_TOKENS},

@@ -6,7 +6,7 @@ The same GRPO step twice, on identical work (same prompts, same per-row seeds, s
 
 * ``correction=none``: the engine records no top-k; the update scores the sampled tokens only;
 * ``correction=sc``: the engine records its top-128 ids and log-probs per generated token, and the update
-  gathers the trainer's log-probs at those ids and adds the centring term (``RLAlgorithm.correct``).
+  gathers the trainer's log-probs at those ids and adds the centring term (``loss.assemble_loss``).
 
 Rollout = ``engine.generate``; update = ``accumulate_gradients`` over the whole batch (forward, backward,
 micro-batches of 16) plus an AdamW step, under bf16 autocast as ``trainer.precision=bf16-mixed`` trains.

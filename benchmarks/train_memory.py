@@ -3,7 +3,7 @@
     python benchmarks/train_memory.py
 
 Each configuration runs in its own process (peak RSS is per process) and does exactly one optimizer step
-of lit_rl's update path (``RLAlgorithm.update``: micro-batches, chunked log-probs, AdamW). The floor is
+of lit_rl's update path (``RLModule.update``: micro-batches, chunked log-probs, AdamW). The floor is
 what any update needs: weights + gradients + Adam's two moments (4 x parameters x 4 bytes), plus the
 process's own libraries. ``naive`` scores the whole batch at once with full [N, T, V] float32 logits
 (what a straightforward implementation does); it is measured with 16 sequences and reported as measured.
@@ -33,7 +33,7 @@ def child(cfg: dict) -> None:
     import torch
 
     torch.set_num_threads(2)
-    from lit_rl.algorithms import GRPO
+    from lit_rl.algorithms import RLModule
     from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
     from lit_rl.rollout.types import RolloutBatch
 
@@ -51,7 +51,7 @@ def child(cfg: dict) -> None:
         group_ids=torch.arange(n) // 8,
         policy_version=torch.zeros(n, dtype=torch.long),
     )
-    module = GRPO(
+    module = RLModule(
         policy,
         tok,
         sampling={"max_new_tokens": t},

@@ -6,7 +6,7 @@
     python recipes/train.py --resume <run folder>             # continue a run (its config.yaml, its last checkpoint)
     tensorboard --logdir outputs/
 
-The whole loop is in lit_rl.algorithms.base.RLAlgorithm.training_step; this file is only the front door.
+The whole loop is in lit_rl.algorithms.module.RLModule.training_step; this file is only the front door.
 ``--resume <folder>`` is ``resume="<folder>"`` written for the shell: a sweep job's folder
 (``algo=grpo,advantage.alpha=0``) holds ``=`` and ``,``, which Hydra's override grammar needs quoted.
 """

@@ -163,7 +163,7 @@ def test_dapo_overlong_shaping_uses_the_buffer(tiny):
     for i, length in enumerate([4, 6, 8, 3]):
         scored.rollouts.response_mask[i, length:] = False
     scored.rewards = torch.ones(4)
-    torch.testing.assert_close(module.shape_rewards(scored), torch.tensor([1.0, 0.5, 0.0, 1.0]))
+    torch.testing.assert_close(module.algorithm.shape_rewards(module, scored), torch.tensor([1.0, 0.5, 0.0, 1.0]))
 
 
 def test_ppo_ratio_uses_the_fixed_snapshot():

@@ -253,7 +253,7 @@ def prompts_of(n, seed=0, vocab=2000):
 
 def engine_and_trainer_logprobs(model, tok, prompts, precision, micro_batch_sizes, new_tokens=12, seed=0):
     """(rollouts, [trainer log-probs for each micro-batch size]) for the same tokens: the engine samples; the
-    trainer scores the left-padded batch (as ``RLAlgorithm.build_batch`` pads it) in shuffled micro-batches,
+    trainer scores the left-padded batch (as ``RLModule.build_batch`` pads it) in shuffled micro-batches,
     the first size with autograd on (the update's forward, whose detached log-probs are old_logprobs). Sizes
     0, 2, ... score with ``update.shared_prefix`` (the repeated prompts of a micro-batch encoded once, their
     cache reused), sizes 1, 3, ... with one forward per row: both equal the engine bit for bit."""

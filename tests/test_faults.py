@@ -196,9 +196,9 @@ def nan_advantages_at(steps):
     """GRPO advantages that are NaN at the given optimizer steps (a diverged batch)."""
     original = GRPO.advantages
 
-    def advantages(self, scored, rewards):
-        adv = original(self, scored, rewards)
-        return torch.full_like(adv, math.nan) if self.global_step in steps else adv
+    def advantages(self, learner, rb):
+        adv = original(self, learner, rb)
+        return torch.full_like(adv, math.nan) if learner.global_step in steps else adv
 
     return advantages
 
@@ -246,7 +246,7 @@ def test_continuing_with_another_algorithm_is_a_config_error(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"does not fit this config \(it was written by algo=grpo\): missing "
-        r"\['value_head.weight'",
+        r"\['algorithm.value_head.weight'",
     ):
         run(
             cfg_for(

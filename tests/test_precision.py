@@ -14,13 +14,13 @@ from helpers import fast_config as cfg_for
 from helpers.ddp_probe import make_batch
 from torch.utils.data import DataLoader
 
-from lit_rl.algorithms import GRPO
+from lit_rl.algorithms import RLModule
 from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.train import precision_plugins, run
 
 
-class FixedBatchGRPO(GRPO):
+class FixedBatchGRPO(RLModule):
     """GRPO whose every training step is ``update`` on one fixed batch (no rollouts)."""
 
     def on_fit_start(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import CONF, ROOT, compose_config
 
-from lit_rl.algorithms import ALGORITHMS, RLAlgorithm
+from lit_rl.algorithms import ALGORITHMS, RLModule
 from lit_rl.config import validate
 from lit_rl.corrections import CORRECTIONS
 from lit_rl.kernels import KERNELS
@@ -131,9 +131,9 @@ def test_the_learner_implements_what_stale_rollouts_need(tiny):
     module = build_module(compose_config("model=tiny", "rollout.mode=lagged", "rollout.lag=1"), *tiny)
     assert isinstance(module, Learner) and module.policy_version == 0
     for name in ("collect", "prompt_batch", "precision_context", "score_rows"):
-        assert callable(getattr(RLAlgorithm, name)), name
+        assert callable(getattr(RLModule, name)), name
     for name in ("policy_version", "updates_per_step"):
-        assert isinstance(getattr(RLAlgorithm, name), property), name
+        assert isinstance(getattr(RLModule, name), property), name
     members = {n for n in vars(Learner) if not n.startswith("_")} | set(Learner.__annotations__)
     assert members == {
         "policy",

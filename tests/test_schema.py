@@ -10,7 +10,7 @@ from helpers import CONF, compose_config
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lit_rl.algorithms import ALGORITHMS, RLAlgorithm
+from lit_rl.algorithms import ALGORITHMS, RLModule
 from lit_rl.logprobs import response_logprobs
 from lit_rl.schema import (
     ArithmeticConfig,
@@ -81,14 +81,12 @@ def test_each_task_file_holds_its_schema_defaults():
 def test_the_three_defaults_that_disagreed_now_agree(tiny):
     """The bug class: a module built from Python stopped never on NaN (max_nonfinite_updates 0 vs 3) and kept 4x
     the logits (logprob_chunk_tokens 1024 vs 256); the precision fallback read "32" where the YAML says bf16."""
-    from lit_rl.algorithms import GRPO
-
-    module = GRPO(*tiny, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, optim={"lr": 1e-3})
+    module = RLModule(*tiny, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, optim={"lr": 1e-3})
     assert module.optim_cfg.max_nonfinite_updates == 3 == compose_config().optim.max_nonfinite_updates
     chunk = compose_config().logprob_chunk_tokens
     assert module.chunk_tokens == chunk == TrainConfig.logprob_chunk_tokens
     assert inspect.signature(response_logprobs).parameters["chunk_tokens"].default == chunk
-    assert inspect.signature(RLAlgorithm.__init__).parameters["logprob_chunk_tokens"].default == chunk
+    assert inspect.signature(RLModule.__init__).parameters["logprob_chunk_tokens"].default == chunk
     assert TrainConfig().trainer["precision"] == compose_config().trainer.precision
 
 

@@ -1,9 +1,15 @@
-"""Rollout sources (``lit_rl.rollout.sources``): a new rollout mode is a source class registered from the user's
-own code, and a run uses it with nothing in src/ edited; the built-in modes resolve to their sources."""
+"""Extending the step from the user's own code, with nothing in src/ edited: a rollout mode is a ``RolloutSource``
+registered with ``register_source`` (``lit_rl.rollout.sources``), an algorithm an ``Algorithm`` registered in
+``ALGORITHMS``; a run uses each. The built-in modes resolve to their sources."""
+
+import json
 
 import pytest
+import torch
 from helpers import fast_config as cfg_for
 
+from lit_rl.algorithms import ALGORITHMS
+from lit_rl.algorithms.grpo import GRPO
 from lit_rl.compare import read_scalars
 from lit_rl.registry import UnknownChoice
 from lit_rl.rollout.sources import (
@@ -61,3 +67,31 @@ def test_the_built_in_modes_resolve_to_their_sources(counting_source):
         source_class({"mode": "nope"})
     with pytest.raises(ValueError, match="registered twice"):
         register_source("sync", "again")(SyncSource)
+
+
+class SignGRPO(GRPO):
+    """GRPO whose advantage is only the sign of the group-normalised one (a toy estimator from a user's file)."""
+
+    calls = 0
+
+    def advantages(self, learner, rb):
+        SignGRPO.calls += 1
+        return torch.sign(super().advantages(learner, rb))
+
+
+@pytest.fixture
+def sign_algorithm():
+    """``algo.name=test_sign`` while the test runs."""
+    ALGORITHMS.register("test_sign", SignGRPO)
+    SignGRPO.calls = 0
+    yield SignGRPO
+    ALGORITHMS.unregister("test_sign")
+
+
+def test_an_algorithm_registered_from_a_test_file_runs_a_step(tmp_path, sign_algorithm):
+    overrides = ("trainer.max_steps=2", "algo.name=test_sign", "eval.num_examples=0", "log.samples_every_n_steps=1")
+    run(cfg_for(*overrides), tmp_path / "r")
+    assert SignGRPO.calls == 2
+    samples = [json.loads(line) for line in open(tmp_path / "r" / "samples.jsonl")]
+    assert samples and {s["advantage"] for s in samples} <= {-1.0, 0.0, 1.0}
+    assert "train/pg_clipfrac" in read_scalars(str(tmp_path / "r"))

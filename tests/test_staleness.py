@@ -13,7 +13,7 @@ from helpers import FAST, MOVING, ROOT
 from helpers import fast_config as cfg_for
 from safetensors.torch import load_file
 
-from lit_rl.algorithms.base import RLAlgorithm
+from lit_rl.algorithms import RLModule
 from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.train import run
@@ -99,7 +99,7 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
 
 
 def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):
-    original, calls = RLAlgorithm.update, {"n": 0}
+    original, calls = RLModule.update, {"n": 0}
 
     def failing(self, rb):
         calls["n"] += 1
@@ -107,7 +107,7 @@ def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):
             raise RuntimeError("injected failure")
         return original(self, rb)
 
-    monkeypatch.setattr(RLAlgorithm, "update", failing)
+    monkeypatch.setattr(RLModule, "update", failing)
     with pytest.raises(RuntimeError, match="injected failure"):
         run(cfg_for("trainer.max_steps=6", "rollout.mode=async", "rollout.max_staleness=2", *MOVING), tmp_path / "x")
     assert not producer_threads()

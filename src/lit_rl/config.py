@@ -519,7 +519,7 @@ def validate(cfg: DictConfig) -> None:
 
 def check_kl(cfg: DictConfig) -> None:
     """``kl.mode`` (loss | reward; reward only where the algorithm has per-token returns to fold it into,
-    ``RLAlgorithm.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
+    ``Algorithm.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
     from, ``kl.horizon`` > 0)."""
     kl, name = cfg.kl, cfg.algo.name
     mode = kl.get("mode", "loss")
@@ -553,7 +553,7 @@ def check_kl(cfg: DictConfig) -> None:
 def check_advantage(cfg: DictConfig) -> None:
     """``advantage.std`` and ``advantage.scale``: known values; ``scale=none`` means no std division, which is
     alpha = 0 (refused with any other alpha: one of the two would be ignored); non-default values only for an
-    algorithm whose advantages are ``objectives.group_advantages`` (``RLAlgorithm.group_normalised``); the
+    algorithm whose advantages are ``objectives.group_advantages`` (``Algorithm.group_normalised``); the
     others (PPO, REINFORCE, REINFORCE++) do not read ``advantage.alpha`` either, so a value other than its
     default 1.0 is refused there too instead of being ignored."""
     adv, name = cfg.advantage, cfg.algo.name
@@ -579,7 +579,7 @@ def check_advantage(cfg: DictConfig) -> None:
 
 def check_dual_clip(algo: DictConfig) -> None:
     """``algo.clip_ratio_c`` (dual clip) and ``algo.delta`` (TRL's two-sided clip): null or a number > 1, at most
-    one of them, and only for an algorithm whose objective is the PPO clip (``RLAlgorithm.ppo_clip``)."""
+    one of them, and only for an algorithm whose objective is the PPO clip (``Algorithm.ppo_clip``)."""
     ppo_clip = [n for n in ALGORITHMS if ALGORITHMS[n].ppo_clip]
     for key, meaning in (("clip_ratio_c", "the dual-clip bound c*|A|"), ("delta", "the cap of the unclipped ratio")):
         value = algo.get(key)

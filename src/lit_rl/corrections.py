@@ -652,7 +652,7 @@ def correct_policy_loss(
         score_centering: subtract the weighted centring term over the engine's head.
         logprobs_head: float [n, T, k], log π_θ at the head ids (score centering).
         score_coefficients: ``(log_ratio [n, T, J], sampled_log_ratio [n, T]) -> c [n, T, J]``, the objective's
-            coefficient ∂ℓ_t/∂log π had each head token been sampled (``RLAlgorithm.score_coefficients``).
+            coefficient ∂ℓ_t/∂log π had each head token been sampled (``Algorithm.score_coefficients``).
 
     Returns:
         (loss [n, T], metrics of ``correction_weights``), as ``corrected_policy_loss``.

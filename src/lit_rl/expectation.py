@@ -7,7 +7,7 @@ of the update's gradient under a sampler μ is a finite, exact sum:
 
     E_μ[ĝ] = Σ_batches μ(batch) · ∇_θ loss(batch),   μ(batch) = Π_rows Π_t μ(y_t | y_<t).
 
-The gradient is the one the trainer computes: ``RLAlgorithm.build_batch`` (advantages),
+The gradient is the one the trainer computes: ``RLModule.build_batch`` (advantages),
 ``snapshot`` where the algorithm has one, and ``accumulate_gradients`` (the log-probs of
 ``logprobs.response_logprobs``, ``policy_loss``, ``correct``, ``finish_loss``, ``reduce_loss``). Nothing is
 re-implemented; the policy below only replaces the transformer, through the same interface
@@ -239,7 +239,7 @@ def expected_gradient(
       PPO's advantages but none of the identities tested with it. ``second`` is NaN.
 
     Args:
-        module: an ``RLAlgorithm`` built around ``policy`` (``lit_rl.train.build_module``).
+        module: an ``RLModule`` built around ``policy`` (``lit_rl.train.build_module``).
         policy: the ``TabularPolicy`` the module trains.
         sampler_table: float [S, V], the sampler μ's logit table (``policy.table()`` for on-policy).
         reward: maps sequences int64 [N, L] to rewards float [N].

@@ -4,7 +4,7 @@ reduction by the whole step's totals. Pure: tensors and settings in, ``(loss, me
 
 An algorithm supplies only its objective: the per-token loss ℓ_t of ``policy_loss`` (with its own metrics, e.g.
 ``train/pg_clipfrac``) and its score coefficients c = ∂ℓ_t/∂log π (``score_coefficients``), which score
-centering evaluates at the engine's head ids. The learner (``RLAlgorithm.micro_batch_loss``) scores the tokens,
+centering evaluates at the engine's head ids. The learner (``RLModule.micro_batch_loss``) scores the tokens,
 calls the objective, then ``assemble_loss``, and records the returned metrics once (``MetricSums.record``).
 
 Every term and metric, in the order they are applied (SPEC.md, "Objectives" and "Train–inference corrections"):

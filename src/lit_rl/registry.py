@@ -5,7 +5,7 @@ A ``Registry`` maps the names a config field accepts (``algo``, ``task``, ``engi
 defined, e.g. an algorithm class::
 
     @ALGORITHMS.register("grpo")
-    class GRPO(RLAlgorithm): ...
+    class GRPO(Algorithm): ...
 
 and ``config.validate``, ``train.build_module`` and the tests (every ``conf/<group>/*.yaml`` must name a
 registered choice and every registered choice must have its file) look names up here. Adding an algorithm,

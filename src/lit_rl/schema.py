@@ -241,7 +241,7 @@ class AlgoConfig:
     sapo: SapoGateConfig = field(default_factory=SapoGateConfig)
 
 
-# Each algorithm's own defaults for ``algo`` (``RLAlgorithm.algo_config``): what its conf/algo/<name>.yaml sets,
+# Each algorithm's own defaults for ``algo`` (``Algorithm.algo_config``): what its conf/algo/<name>.yaml sets,
 # for modules built from Python (a test checks that the two agree).
 @dataclass
 class ReinforceConfig(AlgoConfig):

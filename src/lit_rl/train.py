@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .algorithms import ALGORITHMS
+from .algorithms import RLModule
 from .algorithms.base import updates_per_step
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .config import ConfigError, check_lora_kernels, check_world_size, static_world_size, validate
@@ -548,7 +548,8 @@ def precision_plugins(trainer_kwargs: dict) -> list:
 
 
 def build_module(cfg: DictConfig, policy, tokenizer):
-    """The algorithm's LightningModule for ``cfg`` around an already loaded policy."""
+    """The ``RLModule`` of ``cfg`` (its algorithm: ``algo.name``; its rollout source: ``rollout.mode``) around an
+    already loaded policy."""
     sampling = OmegaConf.to_container(cfg.sampling, resolve=True)
     correction = OmegaConf.to_container(cfg.correction, resolve=True)
     sc = cfg.correction.sc
@@ -566,8 +567,7 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         logprobs_top_k=0,
         max_new_tokens=cfg.eval.max_new_tokens,
     )
-    cls = ALGORITHMS[cfg.algo.name]
-    module = cls(
+    module = RLModule(
         policy=policy,
         tokenizer=tokenizer,
         sampling=sampling,

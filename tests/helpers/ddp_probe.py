@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 torch.set_num_threads(1)
 
-from lit_rl.algorithms import GRPO  # noqa: E402
+from lit_rl.algorithms import RLModule  # noqa: E402
 from lit_rl.rollout.datamodule import shard  # noqa: E402
 from lit_rl.rollout.types import RolloutBatch  # noqa: E402
 
@@ -71,7 +71,7 @@ def make_batch(rank1_empty: bool = False, vocab: int = 49152) -> RolloutBatch:
     )
 
 
-def make_module(policy, tok, module_cls=GRPO, **kwargs):
+def make_module(policy, tok, module_cls=RLModule, **kwargs):
     """A GRPO module around ``policy``: no gradient clipping (the raw gradient is compared), float32."""
     return module_cls(
         policy=policy,
@@ -89,7 +89,7 @@ def make_module(policy, tok, module_cls=GRPO, **kwargs):
     )
 
 
-class Probe(GRPO):
+class Probe(RLModule):
     """GRPO whose training step runs ``update`` on its rank's share of each case and saves the gradient."""
 
     def __init__(self, out_dir: str, **kwargs):

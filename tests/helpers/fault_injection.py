@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
 from helpers import compose_config  # noqa: E402  (and the same thread and offline settings as the tests)
 
-from lit_rl.algorithms.base import RLAlgorithm  # noqa: E402
+from lit_rl.algorithms import RLModule  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
 from lit_rl.train import run  # noqa: E402
 
@@ -108,15 +108,15 @@ def main() -> None:
     elif fault == "sigusr1_rollout":
         signal_on_call(TorchEngine, "generate", call, signal.SIGUSR1)
     elif fault == "sigterm_between":
-        signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGTERM)
+        signal_on_call(RLModule, "on_train_batch_end", call, signal.SIGTERM)
     elif fault == "sigusr1_between":
-        signal_on_call(RLAlgorithm, "on_train_batch_end", call, signal.SIGUSR1)
+        signal_on_call(RLModule, "on_train_batch_end", call, signal.SIGUSR1)
     elif fault == "short_rank1":
         short_completions_on_rank_1(call)
     elif fault == "rollout":
         kill_on_call(TorchEngine, "generate", call)
     elif fault == "update":
-        kill_on_call(RLAlgorithm, "optimizer_step", call)
+        kill_on_call(RLModule, "optimizer_step", call)
     elif fault == "ckpt_write":
         kill_on_call(torch, "save", call, before=half_write_then_die)
     elif fault == "ckpt_link":

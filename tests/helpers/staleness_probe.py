@@ -16,14 +16,14 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for helpers
 from helpers import compose_config  # noqa: E402  (and the same thread and offline settings as the tests)
 
-from lit_rl.algorithms.base import RLAlgorithm  # noqa: E402
+from lit_rl.algorithms import RLModule  # noqa: E402
 from lit_rl.train import run  # noqa: E402
 
 
 def main() -> None:
     call, out, *overrides = sys.argv[1:]
     call, count = int(call), {"n": 0}
-    original = RLAlgorithm.optimizer_step
+    original = RLModule.optimizer_step
 
     def interrupted(self, *args, **kwargs):
         count["n"] += 1
@@ -31,7 +31,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt in this (the main) thread
         return original(self, *args, **kwargs)
 
-    RLAlgorithm.optimizer_step = interrupted
+    RLModule.optimizer_step = interrupted
     # Ctrl-C in a terminal raises KeyboardInterrupt; a process started in the background by a non-interactive
     # shell (as CI may start the suite) inherits SIGINT ignored, and the signal below would then do nothing
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,22 +1,24 @@
-"""One LightningModule per algorithm, on the shared base ``RLAlgorithm``; each holds only what differs.
-
-``ALGORITHMS`` is the one list of them: ``algo.name`` -> class. A new algorithm is a module here with its
-subclass, one line below and its ``conf/algo/<name>.yaml`` (the tests check that the two lists agree).
+"""The RL step (``RLModule``, one LightningModule for every algorithm) and the algorithms, one ``Algorithm`` per
+paper, each holding only what its paper changes. ``ALGORITHMS`` is the one list of them: ``algo.name`` -> class.
+A new algorithm is a module with its ``Algorithm`` subclass, registered here or from the user's own code
+(``ALGORITHMS.register("name", cls)``), plus its ``conf/algo/<name>.yaml`` (the tests check that the lists agree).
 """
 
 from ..registry import Registry
-from .base import NonFiniteUpdates, RLAlgorithm
+from .base import Algorithm, PolicyTerms
 from .cispo import CISPO
 from .dapo import DAPO
 from .dr_grpo import DrGRPO
 from .grpo import GRPO
 from .gspo import GSPO
+from .module import RLModule
+from .optimization import NonFiniteUpdates
 from .ppo import PPO
 from .reinforce import Reinforce
 from .reinforce_pp import ReinforcePP
 from .sapo import SAPO
 
-ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
+ALGORITHMS: Registry[type[Algorithm]] = Registry(
     "algo",
     {
         "reinforce": Reinforce,
@@ -33,6 +35,7 @@ ALGORITHMS: Registry[type[RLAlgorithm]] = Registry(
 
 __all__ = [
     "ALGORITHMS",
+    "Algorithm",
     "CISPO",
     "DAPO",
     "DrGRPO",
@@ -40,7 +43,8 @@ __all__ = [
     "GSPO",
     "NonFiniteUpdates",
     "PPO",
-    "RLAlgorithm",
+    "PolicyTerms",
+    "RLModule",
     "Reinforce",
     "ReinforcePP",
     "SAPO",

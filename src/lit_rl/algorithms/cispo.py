@@ -11,17 +11,17 @@ from .. import objectives as obj
 from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
 from ..schema import CispoConfig
-from .base import RLAlgorithm
+from .grpo import GRPO
 
 
-class CISPO(RLAlgorithm):
+class CISPO(GRPO):
     """Clipped, stop-gradient importance weights times the REINFORCE score, group advantages."""
 
     algo_config = CispoConfig
     ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
-        eps_low, eps_high = self.clip_cfg.eps_low, self.clip_cfg.eps_high
+        eps_low, eps_high = self.clip.eps_low, self.clip.eps_high
         ratio = (logprobs.detach() - old_logprobs).exp()
         metrics = TokenMetrics()
         metrics.add("train/pg_clipfrac_lower", (ratio < 1 - eps_low).float(), mb.response_mask)
@@ -31,4 +31,4 @@ class CISPO(RLAlgorithm):
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-sg(clip(r_v)) A: the clipped weight of the token's own ratio."""
-        return obj.cispo_coef(log_ratio, mb.advantages, self.clip_cfg.eps_low, self.clip_cfg.eps_high)
+        return obj.cispo_coef(log_ratio, mb.advantages, self.clip.eps_low, self.clip.eps_high)

@@ -23,20 +23,20 @@ from torch import Tensor
 from .. import objectives as obj
 from ..rollout.datamodule import PromptBatch, ScoredRollouts, concat_scored, select_rows
 from ..schema import DapoConfig
-from .base import RLAlgorithm
+from .grpo import GRPO
 
 
-class DAPO(RLAlgorithm):
+class DAPO(GRPO):
     """GRPO with clip-higher, token-mean loss, dynamic sampling and overlong shaping."""
 
     algo_config = DapoConfig
 
-    def collect(self, batch: PromptBatch):
-        ds = self.algo_cfg.dynamic_sampling
+    def collect(self, learner, batch: PromptBatch):
+        ds = self.cfg.dynamic_sampling
         if not ds.enabled:
-            return super().collect(batch)
+            return super().collect(learner, batch)
         target = len(batch.examples)
-        dm = self.datamodule
+        dm = learner.datamodule
         kept: list[ScoredRollouts] = []
         n_kept = all_correct = all_wrong = rounds = 0
         examples = batch.examples
@@ -45,9 +45,9 @@ class DAPO(RLAlgorithm):
         while True:
             # group ids and seeds by a prompt's position in the round's full list (all ranks): one id per group
             scored = dm.collect(
-                self.engine,
+                learner.engine,
                 examples,
-                self.sampling,
+                learner.sampling,
                 batch.step,
                 round=rounds,
                 group_offset=rounds * target * world,
@@ -71,7 +71,7 @@ class DAPO(RLAlgorithm):
         if not kept:  # nothing useful in any round: train on the last round (zero advantages, unless overlong
             # shaping makes a group's shaped rewards differ)
             kept = [scored]
-        out = concat_scored(kept, self.tokenizer.pad_token_id)
+        out = concat_scored(kept, learner.tokenizer.pad_token_id)
         generated = torch.cat(rewards_seen)
         # these replace the base's rollout metrics: reward over everything generated (comparable with the
         # other algorithms), the dropped groups' counts, and the reward of the groups kept for training
@@ -86,28 +86,30 @@ class DAPO(RLAlgorithm):
         }
         return out, metrics
 
-    def metric_weights(self, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]) -> dict[str, float]:
+    def metric_weights(
+        self, learner, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]
+    ) -> dict[str, float]:
         """rollout/reward_mean averages every generated completion: rounds x this rank's prompts x G."""
-        weights = super().metric_weights(batch, scored, metrics)
+        weights = super().metric_weights(learner, batch, scored, metrics)
         if "rollout/generation_rounds" in metrics:
             rounds = metrics["rollout/generation_rounds"]
-            weights["rollout/reward_mean"] = rounds * len(batch.examples) * self.group_size
+            weights["rollout/reward_mean"] = rounds * len(batch.examples) * learner.group_size
         return weights
 
-    def shape_rewards(self, scored: ScoredRollouts) -> Tensor:
-        ol = self.algo_cfg.overlong
+    def shape_rewards(self, learner, scored: ScoredRollouts) -> Tensor:
+        ol = self.cfg.overlong
         if not ol.enabled:
             return scored.rewards
-        penalty = obj.overlong_penalty(scored.rollouts.response_length, self.sampling.max_new_tokens, ol.buffer_length)
+        penalty = obj.overlong_penalty(
+            scored.rollouts.response_length, learner.sampling.max_new_tokens, ol.buffer_length
+        )
         return scored.rewards + penalty * ol.penalty_factor
 
-    def build_batch(self, scored: ScoredRollouts):
-        """Rewards and advantages see every completion; truncated ones then leave the loss (both its
+    def finish_batch(self, learner, scored: ScoredRollouts, rb) -> None:
+        """Rewards and advantages have seen every completion; truncated ones now leave the loss (both its
         numerator and its denominator) when ``algo.mask_truncated`` is on."""
-        rb = super().build_batch(scored)
-        if self.algo_cfg.mask_truncated:
+        if self.cfg.mask_truncated:
             truncated = torch.tensor(
                 [f == "length" for f in scored.rollouts.finish_reason], device=rb.response_mask.device
             )
             rb.response_mask = rb.response_mask & ~truncated[:, None]
-        return rb

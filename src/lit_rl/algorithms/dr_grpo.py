@@ -7,10 +7,10 @@ Both are set in ``conf/algo/dr_grpo.yaml``; the objective is GRPO's PPO clip.
 """
 
 from ..schema import DrGrpoConfig
-from .base import RLAlgorithm
+from .grpo import GRPO
 
 
-class DrGRPO(RLAlgorithm):
+class DrGRPO(GRPO):
     """GRPO with mean-only advantages and a constant loss normaliser (see the module docstring)."""
 
     algo_config = DrGrpoConfig

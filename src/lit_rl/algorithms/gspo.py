@@ -11,10 +11,10 @@ from .. import objectives as obj
 from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
 from ..schema import GspoConfig
-from .base import RLAlgorithm
+from .grpo import GRPO
 
 
-class GSPO(RLAlgorithm):
+class GSPO(GRPO):
     """Group-normalised advantages (as GRPO) with a sequence-level clipped ratio."""
 
     algo_config = GspoConfig
@@ -22,7 +22,7 @@ class GSPO(RLAlgorithm):
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         loss, clip_low, clip_high = obj.gspo_loss(
-            logprobs, old_logprobs, mb.advantages, mb.response_mask, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+            logprobs, old_logprobs, mb.advantages, mb.response_mask, self.clip.eps_low, self.clip.eps_high
         )
         seq = mb.response_mask.any(-1)
         metrics = TokenMetrics()
@@ -34,5 +34,5 @@ class GSPO(RLAlgorithm):
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """-A s_i(v), s_i(v) the sequence ratio with v in place of the sampled token, 0 where it is clipped."""
         return obj.gspo_coef(
-            log_ratio, sampled_log_ratio, mb.advantages, mb.response_mask, self.clip_cfg.eps_low, self.clip_cfg.eps_high
+            log_ratio, sampled_log_ratio, mb.advantages, mb.response_mask, self.clip.eps_low, self.clip.eps_high
         )

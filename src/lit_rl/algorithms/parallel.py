@@ -12,7 +12,7 @@ the single-process one lives here:
   full weights gathered from its shards, for the engine's own copy; ``run_as_forward``: the trainer's scoring
   run as an FSDP unit's forward.
 
-The collectives themselves are Lightning's (``RLAlgorithm.all_reduce`` calls ``strategy.reduce``); these
+The collectives themselves are Lightning's (``RLModule.all_reduce`` calls ``strategy.reduce``); these
 functions take the reduce as an argument, so they run (and are tested) without a process group.
 """
 
@@ -33,7 +33,7 @@ from .. import objectives as obj
 from ..rollout.types import RolloutBatch
 
 #: step metrics that add up over ranks (counts) and those whose maximum over ranks is logged; every other
-#: rollout/time metric is a mean weighted by ``RLAlgorithm.metric_weights`` (train/* are reduced in ``update``)
+#: rollout/time metric is a mean weighted by ``Algorithm.metric_weights`` (train/* are reduced in ``update``)
 SUMMED_METRICS = (
     "rollout/reward_errors",
     "rollout/groups_all_correct",
@@ -95,7 +95,7 @@ class MetricSums:
     def all_reduce(self, reduce_sums: Callable[[dict[str, float]], dict[str, float]]) -> MetricSums:
         """Sums and counts summed over data-parallel ranks, in place, so ``means`` weighs every rank's
         tokens (or sequences) alike. ``reduce_sums`` maps a name -> float dict to its sum over ranks
-        (``RLAlgorithm.all_reduce_dict``). Returns self."""
+        (``RLModule.all_reduce_dict``). Returns self."""
         flat = {**{f"sum:{k}": v for k, v in self.sums.items()}, **{f"count:{k}": v for k, v in self.counts.items()}}
         total = reduce_sums(flat)
         for k in list(self.sums):
@@ -135,7 +135,7 @@ def reduce_step_metrics(
 ) -> dict[str, float]:
     """Combine this rank's step metrics with the other ranks': names in ``summed`` are summed, in ``maxima``
     maximised, every other one is a mean weighted by ``weights`` (default 1). ``reduce_dict(values, op)``
-    reduces a name -> float dict over ranks (``RLAlgorithm.all_reduce_dict``). A collective."""
+    reduces a name -> float dict over ranks (``RLModule.all_reduce_dict``). A collective."""
     sums, maxes = {}, {}
     for name, value in metrics.items():
         if name in maxima:

@@ -11,13 +11,12 @@ from torch import Tensor
 
 from .. import objectives as obj
 from ..loss import TokenMetrics
-from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
 from ..schema import ReinforceConfig, config_of
-from .base import RLAlgorithm
+from .base import Algorithm
 
 
-class Reinforce(RLAlgorithm):
+class Reinforce(Algorithm):
     """Plain policy gradient: no ratio, no clip; only the baseline is a choice."""
 
     algo_config = ReinforceConfig
@@ -30,15 +29,15 @@ class Reinforce(RLAlgorithm):
         """True for ``algo.baseline=rloo`` (the leave-one-out mean of the group), else False."""
         return config_of(cls.algo_config, algo).baseline == "rloo"
 
-    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
+    def advantages(self, learner, rb: RolloutBatch) -> Tensor:
         """[N] A = R - b. ``batch_mean`` averages over the whole step, all data-parallel ranks; ``rloo``
         needs only the group, which stays on one rank."""
-        baseline = self.algo_cfg.baseline
-        if baseline == "batch_mean" and self.world_size > 1:
+        rewards, baseline = rb.rewards, self.cfg.baseline
+        if baseline == "batch_mean" and learner.world_size > 1:
             sums = torch.stack([rewards.sum().double(), torch.tensor(float(len(rewards)), dtype=torch.float64)])
-            total, count = self.all_reduce(sums).tolist()
+            total, count = learner.all_reduce(sums).tolist()
             return rewards.float() - rewards.new_tensor(total / count, dtype=torch.float32)
-        return obj.baseline_advantages(rewards, scored.group_ids, baseline)
+        return obj.baseline_advantages(rewards, rb.group_ids, baseline)
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]

@@ -18,16 +18,15 @@ import torch
 from torch import Tensor
 
 from .. import objectives as obj
-from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
 from ..schema import ReinforcePpConfig, config_of
-from .base import RLAlgorithm
+from .base import Algorithm
 
 #: ``algo.baseline`` for reinforce_pp
 BASELINES_PP = ("none", "group")
 
 
-class ReinforcePP(RLAlgorithm):
+class ReinforcePP(Algorithm):
     """REINFORCE++ and REINFORCE++-baseline: KL-penalised returns, batch-whitened, PPO-clipped."""
 
     algo_config = ReinforcePpConfig
@@ -39,24 +38,17 @@ class ReinforcePP(RLAlgorithm):
         """True for ``algo.baseline=group`` (REINFORCE++-baseline: the group's mean reward is subtracted)."""
         return config_of(cls.algo_config, algo).baseline == "group"
 
-    def advantages(self, scored: ScoredRollouts, rewards: Tensor) -> Tensor:
-        """[N] R'_i: the reward, minus its group's mean with ``baseline=group`` (the per-token advantages
-        come from ``snapshot``, which needs pi_old and the reference)."""
-        rewards = rewards.float()
-        if self.algo_cfg.baseline == "group":
-            valid = scored.rollouts.response_length > 0
-            return obj.group_advantages(rewards, scored.group_ids, alpha=0.0, valid=valid, scale="none")
-        return rewards
-
-    def start_update(self, rb: RolloutBatch) -> None:
-        """The snapshot (pi_old, the KL-penalised whitened returns) runs even for a single update."""
-        self.snapshot(rb)
-
     @torch.no_grad()
-    def snapshot(self, rb: RolloutBatch) -> None:
-        """pi_old, then A [N, T] = whiten(R'_i − beta Σ_{s≥t} kl_s) over the step's valid tokens."""
-        super().snapshot(rb)
+    def advantages(self, learner, rb: RolloutBatch) -> Tensor:
+        """[N, T] A = whiten(R'_i − beta Σ_{s≥t} kl_s) over the step's valid tokens (all ranks), R'_i the reward
+        minus its group's mean with ``baseline=group``; kl_t of pi_old (``learner.snapshot``, taken here) against
+        the reference with ``kl.mode=reward``, else 0."""
+        rewards = rb.rewards.float()
+        if self.cfg.baseline == "group":
+            valid = rb.response_mask.sum(-1) > 0
+            rewards = obj.group_advantages(rewards, rb.group_ids, alpha=0.0, valid=valid, scale="none")
+        learner.snapshot(rb)
         mask = rb.response_mask
-        kl = self.reference_kl(rb) if self.kl_cfg.mode == "reward" else torch.zeros_like(rb.old_logprobs)
-        returns = obj.kl_penalised_returns(rb.advantages, kl, mask, self.kl_coef)
-        rb.advantages = self.whiten(returns, mask)
+        kl = learner.reference_kl(rb) if learner.kl_cfg.mode == "reward" else torch.zeros_like(rb.old_logprobs)
+        returns = obj.kl_penalised_returns(rewards, kl, mask, learner.kl_coef)
+        return learner.whiten(returns, mask)

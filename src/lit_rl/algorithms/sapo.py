@@ -12,10 +12,10 @@ from .. import objectives as obj
 from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
 from ..schema import SapoConfig
-from .base import RLAlgorithm
+from .grpo import GRPO
 
 
-class SAPO(RLAlgorithm):
+class SAPO(GRPO):
     """Group-normalised advantages with SAPO's soft, temperature-controlled gate on the token ratio."""
 
     algo_config = SapoConfig
@@ -23,7 +23,7 @@ class SAPO(RLAlgorithm):
     uses_clip = False  # algo.clip.* too: the gate's temperatures algo.sapo.tau_pos / tau_neg take its place
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
-        gate = self.algo_cfg.sapo
+        gate = self.cfg.sapo
         adv = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
         # the gradient weight 4 r σ (1 − σ): 1 on-policy, smaller as the ratio moves away
         weight = obj.sapo_weight(logprobs.detach() - old_logprobs, adv, gate.tau_pos, gate.tau_neg)
@@ -32,5 +32,5 @@ class SAPO(RLAlgorithm):
 
     def score_coefficients(self, log_ratio: Tensor, sampled_log_ratio: Tensor, mb: RolloutBatch) -> Tensor:
         """−A · 4 r_v σ(1 − σ) at the token's own ratio."""
-        gate = self.algo_cfg.sapo
+        gate = self.cfg.sapo
         return obj.sapo_coef(log_ratio, mb.advantages, gate.tau_pos, gate.tau_neg)

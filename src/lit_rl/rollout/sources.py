@@ -1,6 +1,6 @@
 """Rollout sources: where a step's scored rollouts come from, with which weights, and when the engine is synced.
 
-The learner (``RLAlgorithm``) never branches on the rollout mode: it asks its ``RolloutSource`` for the step's
+The learner (``RLModule``) never branches on the rollout mode: it asks its ``RolloutSource`` for the step's
 rollouts and hands it the hooks below. A source owns
 
 - the rollout engine (``RolloutEngine``: the embedded torch sampler or vLLM) and every weight sync into it

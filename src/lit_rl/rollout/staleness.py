@@ -68,7 +68,7 @@ JOIN_TIMEOUT_S = 60.0
 
 @runtime_checkable
 class Learner(Protocol):
-    """What stale rollouts need from the learner (``RLAlgorithm`` implements it; a test checks it): the
+    """What stale rollouts need from the learner (``RLModule`` implements it; a test checks it): the
     weights to record and swap, the engine to sample with, the step counter, and three calls. Nothing else
     of the learner is touched, so the rollout package stays independent of the loss.
 

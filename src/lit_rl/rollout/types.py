@@ -139,7 +139,7 @@ class RolloutBatch:
             value = getattr(self, name)
             if value is not None:
                 changes[name] = value[:, :t1]
-        if self.advantages.dim() == 2:
+        if self.advantages is not None and self.advantages.dim() == 2:  # None: not computed yet (build_batch)
             changes["advantages"] = self.advantages[:, :t1]
         return replace(self, **changes)
 

@@ -1,0 +1,65 @@
+"""Evaluation: pass@1 (greedy) or mean@n / pass@k on the held-out split, between RL steps.
+
+``EvaluationMixin`` is part of ``RLModule`` (``algorithms.module``). The rollout source pauses around it (the async
+producer finishes its batch; the engine is synced to the latest update).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rollout.datamodule import PromptBatch
+from ..tasks.reward_functions import pass_at_k
+
+
+class EvaluationMixin:
+    """Lightning's validation hooks for a LightningModule with a ``source``, ``datamodule``, ``eval_sampling``
+    and ``all_reduce``."""
+
+    def on_validation_start(self) -> None:
+        self.source.pause(self)  # the engine is evaluation's, synced to the latest update
+
+    #: ``eval.n`` samples per problem and ``eval.k`` for pass@k (``lit_rl.train.run`` sets them from the config)
+    eval_n: int = 1
+
+    eval_k: int = 1
+
+    def on_validation_epoch_start(self) -> None:
+        # reward sum, samples, pass@k sum, problems (this rank's share of the eval split)
+        self._eval_sums = [0.0, 0.0, 0.0, 0.0]
+
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        if not batch.examples:  # this rank's share of the eval split is empty; it still joins the reduction
+            return
+        n = int(self.eval_n)
+        scored = self.datamodule.collect(
+            self.engine,
+            batch.examples,
+            self.eval_sampling,
+            step=-1,
+            group_size=n,
+            split="eval",
+            first_index=batch.offset,
+        )
+        self._eval_sums[0] += float(scored.rewards.sum())
+        self._eval_sums[1] += len(scored.rewards)
+        correct = (scored.rewards >= 1.0).view(len(batch.examples), n).sum(-1)  # a reward >= 1 counts as correct
+        self._eval_sums[2] += sum(pass_at_k(n, int(c), int(self.eval_k)) for c in correct.tolist())
+        self._eval_sums[3] += len(batch.examples)
+
+    def on_validation_epoch_end(self) -> None:
+        """eval/accuracy: the mean reward of the eval samples over the whole eval split (greedy pass@1 with
+        ``eval.n=1``, mean@n otherwise), summed over the ranks' shares; with ``eval.n > 1`` also
+        ``eval/mean@n`` (the same number, named) and ``eval/pass@k`` (Chen et al. 2021's unbiased estimator,
+        ``reward_functions.pass_at_k``; a sample is correct when its reward is >= 1)."""
+        total, count, passed, problems = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
+        # already the same on every rank; sync_dist=True averages equal values (and keeps Lightning quiet when
+        # vLLM has set up a one-process torch.distributed group of its own)
+        mean = total / count if count else 0.0
+        self.log("eval/accuracy", mean, prog_bar=True, sync_dist=True)
+        if int(self.eval_n) > 1:
+            self.log(f"eval/mean@{int(self.eval_n)}", mean, sync_dist=True)
+            self.log(f"eval/pass@{int(self.eval_k)}", passed / problems if problems else 0.0, sync_dist=True)
+
+    def on_validation_end(self) -> None:
+        self.source.resume(self)

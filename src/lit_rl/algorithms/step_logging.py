@@ -1,0 +1,115 @@
+"""The step's metrics: FLOPs and rates, the reduction over data-parallel ranks, and the write to the loggers.
+
+``StepLoggingMixin`` is part of ``RLModule`` (``algorithms.module``); the bookkeeping of the reductions lives in
+``parallel``, the FLOP counts in ``lit_rl.flops``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..flops import FlopModel
+from ..rollout.datamodule import ScoredRollouts
+from ..rollout.types import RolloutBatch
+from . import parallel
+
+
+class StepLoggingMixin:
+    """Efficiency metrics, collectives over ranks and the per-step write, for a LightningModule with a
+    ``policy``, ``epochs`` and Lightning's ``trainer``."""
+
+    #: peak FLOP/s of one device at the run's precision (``hardware.peak_flops``), that ``perf/mfu`` divides
+    #: by; ``lit_rl.train.run`` sets it at start-up, else the first step measures it
+    peak_flops: float | None = None
+
+    @property
+    def flop_model(self) -> FlopModel:
+        """The policy's ``FlopModel`` (verl's FlopsCounter convention), built once."""
+        if getattr(self, "_flop_model", None) is None:
+            self._flop_model = FlopModel.from_config(
+                self.policy.config, num_parameters=sum(p.numel() for p in self.policy.parameters())
+            )
+        return self._flop_model
+
+    def step_flops(self, scored: ScoredRollouts, rb: RolloutBatch) -> dict[str, float]:
+        """This rank's FLOPs of the step (``lit_rl.flops``): ``perf/rollout_flops``, generating the scored
+        completions (2·N per generated token + attention), and ``perf/update_flops``, ``epochs`` forward +
+        backward passes over the rows that carry loss (6·N per valid prompt and response token + attention)."""
+        r = scored.rollouts
+        rollout = self.flop_model.rollout_flops([len(p) for p in r.prompt_ids], r.response_length.tolist())
+        response = rb.response_mask.sum(-1)
+        seq = (rb.prompt_mask.sum(-1) + response)[response > 0]
+        update = self.epochs * self.flop_model.update_flops(seq.tolist())
+        return {"perf/rollout_flops": rollout, "perf/update_flops": update}
+
+    def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
+        """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
+        ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
+        and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
+        if self.peak_flops is None:
+            from ..hardware import peak_flops
+
+            accelerator = "cuda" if self.device.type == "cuda" else "cpu"
+            precision = self.trainer.precision if self._trainer is not None else "32-true"
+            self.peak_flops = peak_flops(precision, accelerator)[0]
+        t_train, t_rollout = metrics["time/train_s"], metrics["time/rollout_s"]
+        update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
+        rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
+        peak = self.peak_flops * self.world_size
+        return {
+            "perf/update_tflops": update / 1e12,
+            "perf/rollout_tflops": rollout / 1e12,
+            "perf/peak_tflops": peak / 1e12,
+            "perf/mfu": update / peak if peak > 0 else 0.0,
+        }
+
+    #: step metrics summed / maximised over ranks (``parallel.reduce_step_metrics``); others are weighted means
+    SUMMED_METRICS = parallel.SUMMED_METRICS
+
+    MAX_METRICS = parallel.MAX_METRICS
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks (1 without a trainer or on one device)."""
+        return self.trainer.world_size if self._trainer is not None else 1
+
+    def all_reduce(self, values: Tensor, op: str = "sum") -> Tensor:
+        """``values`` (any shape) summed (``op="sum"``) or maximised (``"max"``) elementwise over the
+        data-parallel ranks with Lightning's ``strategy.reduce``, on ``values``' device; on one rank the
+        tensor itself. A collective: every rank calls it at the same point with the same shape."""
+        if self.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values.detach().to(self.device).clone(), reduce_op=op).to(values.device)
+
+    def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
+        """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
+        return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)
+
+    def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
+        """This rank's step metrics combined with the other ranks' (``parallel.reduce_step_metrics`` with this
+        class's ``SUMMED_METRICS`` and ``MAX_METRICS``). A collective (every rank calls it once per step)."""
+        if self.world_size == 1:
+            return dict(metrics)
+        return parallel.reduce_step_metrics(
+            metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS, maxima=self.MAX_METRICS
+        )
+
+    def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
+        """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
+
+        Lightning hands ``self.log`` values to the logger only after the step's checkpoint is written, and
+        TensorBoard buffers them; a kill in between would leave a checkpoint whose step has no metrics, and
+        a resume would never log them. Written here, every checkpointed step has its scalars on disk.
+        ``metrics`` must already be reduced over ranks (``reduce_step_metrics``): Lightning's loggers write
+        on global rank 0 only, so one TensorBoard run holds the values of the whole step.
+        Every configured logger (``logger=[tensorboard,csv,wandb,mlflow]``) gets the same scalars; TensorBoard's
+        events and the CSV file are flushed to disk here (W&B and MLflow write as they receive).
+        """
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=rl_step)
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.flush()
+            elif isinstance(logger, CSVLogger):
+                logger.save()

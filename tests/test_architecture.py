@@ -1,0 +1,62 @@
+"""The fixed step never names an algorithm or a rollout mode: what a paper changes is its ``Algorithm``, what a
+rollout mode changes is its ``RolloutSource``. A scan of the step's modules for string constants equal to a
+registered name (a branch such as ``algo.name == "dapo"`` or ``mode in ("lagged", "async")``) and for identifiers
+built from an algorithm's name (an attribute such as ``self.ppo_critic``)."""
+
+import ast
+import os
+
+import pytest
+from helpers import ROOT
+
+from lit_rl.algorithms import ALGORITHMS
+from lit_rl.rollout.staleness import ROLLOUT_MODES
+
+#: the fixed step: RLModule and the infrastructure it is made of
+STEP_MODULES = ["module.py", "optimization.py", "step_logging.py", "evaluation.py", "parallel.py"]
+#: field names of the config that carry an algorithm's name as the field's standard term (PPO's schedule)
+ALLOWED_IDENTIFIERS = {"ppo_epochs"}
+
+
+def names_in(path: str) -> tuple[set[str], set[str]]:
+    """(string constants, identifiers) of the Python file at ``path``; docstrings are not constants here."""
+    tree = ast.parse(open(path).read())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    strings, identifiers = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            strings.add(node.value)
+        elif isinstance(node, ast.Name):
+            identifiers.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            identifiers.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            identifiers.add(node.name)
+        elif isinstance(node, ast.arg):
+            identifiers.add(node.arg)
+    return strings, identifiers
+
+
+@pytest.mark.parametrize("module", STEP_MODULES)
+def test_the_step_names_no_algorithm_and_no_rollout_mode(module):
+    strings, identifiers = names_in(os.path.join(ROOT, "src", "lit_rl", "algorithms", module))
+    named = sorted(strings & (set(ALGORITHMS) | set(ROLLOUT_MODES)))
+    assert not named, f"{module} branches on {named}: the Algorithm or the RolloutSource owns that"
+    built = sorted(
+        i for i in identifiers - ALLOWED_IDENTIFIERS if any(i.lower().split("_")[0] == a for a in ALGORITHMS)
+    )
+    assert not built, f"{module} has identifiers named after an algorithm: {built}"
+
+
+def test_the_scan_finds_a_branch_on_a_name(tmp_path):
+    path = tmp_path / "step.py"
+    path.write_text('"""doc mentioning dapo"""\ndef f(cfg):\n    return cfg.algo.name == "dapo" or cfg.ppo_critic\n')
+    strings, identifiers = names_in(str(path))
+    assert "dapo" in strings and "doc mentioning dapo" not in strings and "ppo_critic" in identifiers
