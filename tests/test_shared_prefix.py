@@ -10,7 +10,7 @@ from faulty_tasks import UnevenPromptsTask
 from helpers import compose_config
 
 from lit_rl.algorithms import ALGORITHMS
-from lit_rl.algorithms.base import group_micro_batches
+from lit_rl.algorithms.module import group_micro_batches
 from lit_rl.config import ConfigError, validate
 from lit_rl.logprobs import resolve_shared_prefix, response_buckets, response_logprobs, shared_prefix_applies
 from lit_rl.models import ModelSpec, load_policy

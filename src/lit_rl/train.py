@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -827,8 +828,58 @@ def _finished_rl_step(marker: Path, updates_per_rl_step: int) -> int | None:
         return None
 
 
+@dataclass
+class Prepared:
+    """A run's config and folder once ``prepare_output`` has checked them.
+
+    cfg: the config (a continued run's: its saved one, with the command line's changes), validated and with its
+    auto settings resolved; out: the run folder (claimed); ckpt_path: the checkpoint it continues from, or None;
+    hardware: what the auto settings chose, one line each (printed, and written at the top of config.yaml);
+    governor: the ``threads=adaptive`` callback or None; updates_per_rl_step: optimizer steps per RL step.
+    """
+
+    cfg: DictConfig
+    out: Path
+    ckpt_path: str | None
+    hardware: list[str]
+    governor: AdaptiveThreads | None
+    updates_per_rl_step: int
+
+
+@dataclass
+class RunParts:
+    """What ``build`` makes of a prepared run: everything ``fit`` runs.
+
+    trainer: Lightning's Trainer (loggers, callbacks, strategy, precision); checkpoints: its ``RunCheckpoint``;
+    datamodule: the prompts, the verifier pool; spec / policy / tokenizer: the model; module: the ``RLModule``;
+    kernels: the kernel mode's context manager, entered by ``build`` (the module's copies of the policy inherit
+    it) and left by ``fit`` at the end of the training.
+    """
+
+    prepared: Prepared
+    trainer: L.Trainer
+    checkpoints: RunCheckpoint
+    datamodule: RolloutDataModule
+    spec: ModelSpec
+    policy: torch.nn.Module
+    tokenizer: object
+    module: RLModule
+    kernels: object
+
+
 def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
-    out = Path(out_dir)
+    prepared = prepare_output(cfg, out_dir, overrides, claims)
+    parts = build(prepared)
+    metrics = fit(parts)
+    export(parts, metrics)
+    return metrics
+
+
+def continued_run(cfg: DictConfig, out: Path, overrides) -> tuple[DictConfig, Path]:
+    """(cfg, run folder) of a run that continues another: ``resume=<folder>`` (that folder, ``ckpt_path=last``),
+    a SLURM requeue of a job whose folder holds a checkpoint (``ckpt_path=last``), or an explicit ``ckpt_path``;
+    the config is then the folder's saved one with the command line's changes (``resumed_config``). Other runs
+    come back as they are. Raises ConfigError for a ``resume`` folder without a run."""
     if cfg.resume:
         out = Path(str(cfg.resume)).expanduser()
         if not (out / "config.yaml").is_file():
@@ -851,20 +902,12 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
             )
     if cfg.ckpt_path not in (None, "", "null") and (out / "config.yaml").is_file():
         cfg = resumed_config(cfg, out, overrides)
-    validate(cfg)
-    requested_threads = cfg.threads
-    hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
-    check_lora_kernels(cfg)  # needs the resolved precision
-    governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
-    for line in hardware:
-        print(f"lit_rl: {line}", flush=True)
-    resolve_engine(cfg)
-    # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
-    # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
-    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
-    if lightning_rank() == 0:  # first, so two runs cannot both pass the checks below before either writes
-        claims.append(claim_run_folder(out, resume=ckpt_path is not None))
+    return cfg, out
+
+
+def check_run_folder(out: Path, ckpt_path: str | None) -> None:
+    """ConfigError unless ``out`` may take this run: no finished run unless it continues one (``ckpt_path``),
+    and no logs of another run that it does not continue."""
     if (out / FINISHED_MARKER).exists() and ckpt_path is None:
         raise ConfigError(
             f"output folder {out} already holds a finished run; choose another "
@@ -884,6 +927,29 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
                 f"ckpt_path=last, or choose another folder (hydra.run.dir=...) — lit_rl never mixes "
                 f"two runs in one folder"
             )
+
+
+def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list) -> Prepared:
+    """Check the config and claim the run folder, before anything heavy: the continued run's config
+    (``continued_run``), ``config.validate``, the hardware and engine settings resolved (``resolve_hardware``,
+    ``resolve_engine``), the folder claimed by global rank 0 (appended to ``claims``, released by ``run``) and
+    checked (``check_run_folder``), the seed set. Raises ConfigError."""
+    cfg, out = continued_run(cfg, Path(out_dir), overrides)
+    validate(cfg)
+    requested_threads = cfg.threads
+    hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
+    check_lora_kernels(cfg)  # needs the resolved precision
+    governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
+    for line in hardware:
+        print(f"lit_rl: {line}", flush=True)
+    resolve_engine(cfg)
+    # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
+    # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, out)
+    if lightning_rank() == 0:  # first, so two runs cannot both pass the checks below before either writes
+        claims.append(claim_run_folder(out, resume=ckpt_path is not None))
+    check_run_folder(out, ckpt_path)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
@@ -895,6 +961,16 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
                 f"(trainer.max_steps={cfg.trainer.max_steps}): nothing to continue; to train it further, give a "
                 f"larger trainer.max_steps (e.g. --resume {out} trainer.max_steps={finished_at + 10})"
             )
+    return Prepared(cfg, out, ckpt_path, hardware, governor, k)
+
+
+def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
+    """Lightning's Trainer of a prepared run (loggers, checkpoints every ``checkpoint.every_n_steps`` RL steps,
+    the rollout source's shutdown, the sample logger, plain lines, the strategy and precision plugins) and its
+    ``RunCheckpoint``. ``trainer.max_steps`` counts RL steps; Lightning counts optimizer steps. Raises
+    ConfigError for a trainer Lightning refuses (e.g. trainer=gpu without a GPU) or a world size the run
+    cannot use."""
+    cfg, out, k = prepared.cfg, prepared.out, prepared.updates_per_rl_step
     logger = build_loggers(cfg, out)
     checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
         dirpath=out / "checkpoints",
@@ -908,12 +984,11 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         trainer_kwargs["max_steps"] *= k
     if "strategy" in trainer_kwargs:
         trainer_kwargs["strategy"] = build_strategy(trainer_kwargs["strategy"])
-    precision = trainer_kwargs.get("precision")
     plugins = precision_plugins(trainer_kwargs)
     eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
     callbacks = [checkpoints, RolloutSourceShutdown()]  # the latter stops an async rollout producer
-    if governor is not None:
-        callbacks.append(governor)
+    if prepared.governor is not None:
+        callbacks.append(prepared.governor)
     callbacks.append(SampleLogger(cfg.log.samples_every_n_steps, cfg.log.num_samples, out))
     if plain_lines_on(cfg.log.plain_lines):
         callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1)))
@@ -934,10 +1009,14 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
     except MisconfigurationException as err:  # e.g. trainer=gpu on a machine without one
         raise ConfigError(f"trainer: {err}") from err
     check_world_size(cfg, trainer.world_size)  # devices=auto is known only now
+    return trainer, checkpoints
 
-    if trainer.is_global_zero:
-        check_output_folders(out)
 
+def build_data(cfg: DictConfig) -> tuple[RolloutDataModule, ModelSpec, object]:
+    """(the ``RolloutDataModule``, the model's ``ModelSpec``, its tokenizer) of ``cfg``, checked before any
+    weight loads: the task's data, the tokenizer's chat template, the prompts against the context, the model's
+    support, the LoRA targets (on the meta device), the reward functions loaded in the verifier workers.
+    Raises ConfigError naming the field or file."""
     try:  # data and model problems are the user's input too: report them like config errors
         task = build_task_from_cfg(cfg)
     except (ValueError, FileNotFoundError) as err:
@@ -974,13 +1053,23 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         datamodule.rewards.prepare()
     except RuntimeError as err:
         raise ConfigError(f"reward.functions: {err}") from err
+    return datamodule, spec, tokenizer
 
-    if trainer.is_global_zero:
-        config_file = out / "config.yaml"
-        if ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
-            config_file = out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-        header = "".join(f"# {line}\n" for line in hardware)  # what the auto settings chose here, and why
-        config_file.write_text(header + OmegaConf.to_yaml(cfg, resolve=True))
+
+def write_run_config(prepared: Prepared) -> None:
+    """The resolved config as ``config.yaml`` in the run folder, headed by what the auto settings chose; a
+    continued run keeps the original and adds ``config.resume-<time>.yaml``. Global rank 0 only."""
+    config_file = prepared.out / "config.yaml"
+    if prepared.ckpt_path is not None and config_file.exists():  # continuing: keep the original, add this one
+        config_file = prepared.out / f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
+    header = "".join(f"# {line}\n" for line in prepared.hardware)  # what the auto settings chose here, and why
+    config_file.write_text(header + OmegaConf.to_yaml(prepared.cfg, resolve=True))
+
+
+def load_checked_policy(cfg: DictConfig, spec: ModelSpec, tokenizer):
+    """(policy, tokenizer) of ``spec``, loaded, whose log-probs the trainer reproduces (``check_head_parity``).
+    Raises ConfigError for missing weights, LoRA targets PEFT refuses, or a head-side transform lit_rl does
+    not know."""
     try:
         policy, tokenizer = load_policy(spec, tokenizer)
     except FileNotFoundError as err:
@@ -993,22 +1082,60 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         check_head_parity(policy, len(tokenizer))
     except ValueError as err:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
-    # the kernel mode wraps the whole fit (rollouts, update, eval); copies of the policy made by the module
-    # (engine.dtype, the KL reference) inherit it
-    # float32 products: oneDNN or torch's BLAS, whichever is measured faster on the policy's shapes (on the CPU at
-    # 32-true; under bf16-mixed autocast the products are bf16 and oneDNN's already)
+    return policy, tokenizer
+
+
+def enter_kernel_mode(cfg: DictConfig, policy):
+    """The run's kernel mode (``kernels``) for ``policy``, entered: it wraps the whole fit (rollouts, update,
+    eval), and copies of the policy made by the module (engine.dtype, the KL reference) inherit it. float32
+    products go through oneDNN or torch's BLAS, whichever is measured faster on the policy's shapes (on the CPU
+    at 32-true; under bf16-mixed autocast the products are bf16 and oneDNN's already). Raises ConfigError for a
+    model the mode does not cover (e.g. a norm layer the batch-invariant kernels do not know). ``fit`` leaves it
+    at the end of the run."""
+    precision = cfg.trainer.get("precision")
     gemm = cfg.kernels.get("fp32_gemm", "auto")
-    if gemm == "auto" and (uses_cuda(trainer_kwargs.get("accelerator")) or precision_dtype(precision) != torch.float32):
+    if gemm == "auto" and (uses_cuda(cfg.trainer.get("accelerator")) or precision_dtype(precision) != torch.float32):
         gemm = "aten"
     mode = kernel_mode(cfg.kernels.name, policy, fp32_gemm=gemm)
     try:
         mode.__enter__()
-    except ValueError as err:  # e.g. a norm layer the batch-invariant kernels do not cover
+    except ValueError as err:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
-    with mode:
+    return mode
+
+
+def build(prepared: Prepared) -> RunParts:
+    """Everything a prepared run trains with, in the order that keeps failures cheap: the Trainer, the data and
+    the tokenizer (checked), config.yaml, the policy (checked), the kernel mode, the ``RLModule`` (its
+    algorithm, rollout source and engine). Raises ConfigError."""
+    cfg = prepared.cfg
+    trainer, checkpoints = build_trainer(prepared)
+    if trainer.is_global_zero:
+        check_output_folders(prepared.out)
+    datamodule, spec, tokenizer = build_data(cfg)
+    if trainer.is_global_zero:
+        write_run_config(prepared)
+    policy, tokenizer = load_checked_policy(cfg, spec, tokenizer)
+    mode = enter_kernel_mode(cfg, policy)
+    try:  # the module's copies of the policy (engine.dtype, the KL reference) are made under the mode
         module = build_module(cfg, policy, tokenizer)
+    except BaseException:
+        mode.__exit__(None, None, None)
+        raise
+    return RunParts(prepared, trainer, checkpoints, datamodule, spec, policy, tokenizer, module, mode)
+
+
+def fit(parts: RunParts) -> dict[str, float]:
+    """Lightning's fit of the built run under its kernel mode, from its checkpoint when it continues one (which
+    must fit the module), then the final checkpoint. Returns the last logged metrics (reduced over ranks).
+    Raises a ``preemption`` stop for SIGTERM / SIGUSR1 (checkpointed at a safe point), ConfigError for a
+    checkpoint that does not fit."""
+    prepared, trainer, module = parts.prepared, parts.trainer, parts.module
+    k, ckpt_path = prepared.updates_per_rl_step, prepared.ckpt_path
+    precision = prepared.cfg.trainer.get("precision")
+    with parts.kernels:
         assert module.updates_per_step == k
-        module.peak_flops, source = peak_flops(precision, trainer_kwargs.get("accelerator", "auto"))
+        module.peak_flops, source = peak_flops(precision, prepared.cfg.trainer.get("accelerator", "auto"))
         if trainer.is_global_zero:
             print(
                 f"lit_rl: peak {module.peak_flops / 1e12:.3g} TFLOP/s per device at {precision} ({source}): "
@@ -1018,34 +1145,40 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
         if ckpt_path is not None:
             check_checkpoint_fits(ckpt_path, module)
         try:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            trainer.fit(module, datamodule=parts.datamodule, ckpt_path=ckpt_path)
         except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
-            raise preempted(trainer, checkpoints, out, k) from stop
+            raise preempted(trainer, parts.checkpoints, prepared.out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
             module.source.close()  # idempotent; first, so no producer thread still uses the engine
             module.source.close_engine()
             finish_loggers(trainer)
-        save_final_checkpoint(trainer, checkpoints)
+        save_final_checkpoint(trainer, parts.checkpoints)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
+
+def export(parts: RunParts, metrics: dict[str, float]) -> None:
+    """The trained policy (``policy/``, with its tokenizer; LoRA: the adapter, or merged) and ``finished.json``
+    in the run folder, written by global rank 0 (under FSDP from the gathered full weights, a collective every
+    rank joins). Raises OutputWriteError when they cannot be written (the last checkpoint stays whole)."""
+    trainer, out = parts.trainer, parts.prepared.out
     weights = None
     if isinstance(trainer.strategy, FSDPStrategy):
         # FSDP: each rank holds a shard; gather the full weights (a collective; full tensors on rank 0)
         full = trainer.strategy.lightning_module_state_dict()
         weights = {name[len("policy.") :]: v for name, v in full.items() if name.startswith("policy.")}
-    if trainer.is_global_zero:
-        export = out / "policy"
-        try:
-            export_policy(policy, export, weights, merge=bool(spec.lora.merge_on_export))
-            tokenizer.save_pretrained(export)
-            (out / FINISHED_MARKER).write_text(
-                json.dumps({"global_step": trainer.global_step, "metrics": metrics}, indent=2)
-            )
-        except OSError as err:
-            last = find_last(out / "checkpoints")
-            raise OutputWriteError(
-                f"could not write the trained policy to {export} ({err.strerror or err}); the "
-                f"run's last checkpoint {last} is complete: once there is room, export it by "
-                f"continuing the run (ckpt_path=last)"
-            ) from err
-    return metrics
+    if not trainer.is_global_zero:
+        return
+    export_dir = out / "policy"
+    try:
+        export_policy(parts.policy, export_dir, weights, merge=bool(parts.spec.lora.merge_on_export))
+        parts.tokenizer.save_pretrained(export_dir)
+        (out / FINISHED_MARKER).write_text(
+            json.dumps({"global_step": trainer.global_step, "metrics": metrics}, indent=2)
+        )
+    except OSError as err:
+        last = find_last(out / "checkpoints")
+        raise OutputWriteError(
+            f"could not write the trained policy to {export_dir} ({err.strerror or err}); the "
+            f"run's last checkpoint {last} is complete: once there is room, export it by "
+            f"continuing the run (ckpt_path=last)"
+        ) from err
