@@ -9,6 +9,10 @@
 The whole loop is in lit_rl.algorithms.module.RLModule.training_step; this file is only the front door.
 ``--resume <folder>`` is ``resume="<folder>"`` written for the shell: a sweep job's folder
 (``algo=grpo,advantage.alpha=0``) holds ``=`` and ``,``, which Hydra's override grammar needs quoted.
+
+A mistake in the config exits with 2 before torch or Lightning is imported (they load only to run): a value
+``lit_rl.config.validate`` refuses, and what Hydra refuses while composing the config (a value of the wrong
+type, an unknown group option or key), which Hydra prints itself, naming the field.
 """
 
 import sys
@@ -27,14 +31,22 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lit_rl.algorithms import NonFiniteUpdates  # noqa: E402
-from lit_rl.checkpoints import OutputWriteError  # noqa: E402
-from lit_rl.config import ConfigError  # noqa: E402
-from lit_rl.runfolder import discard_refused_run_folder  # noqa: E402
+# none of these imports torch or Lightning: a bad config is refused before they load (lit_rl.train imports them)
+from lit_rl.config import ConfigError, validate  # noqa: E402
+from lit_rl.runfolder import discard_refused_run_folder, register_resolvers  # noqa: E402
 from lit_rl.sweeps import FAILED  # noqa: E402
-from lit_rl.train import register_resolvers, run  # noqa: E402
 
 register_resolvers()  # ${lit_rl_run_name:...}: multirun folders named by what the sweep varies
+
+#: set when Hydra has composed a job's config and called ``main``: Hydra's exit status 1 before that is its
+#: refusal of the command line or the config (printed by Hydra, naming the field), which ``__main__`` makes 2
+job_started = False
+
+
+def continues_run(cfg: DictConfig) -> bool:
+    """True when the command continues a run (``resume=<folder>`` or ``ckpt_path``): its config is then the run
+    folder's config.yaml with the command line's overrides, which ``lit_rl.train.run`` reads and validates."""
+    return bool(cfg.resume) or cfg.ckpt_path not in (None, "", "null")
 
 
 def resume_flag(argv: list[str]) -> list[str]:
@@ -56,13 +68,23 @@ def resume_flag(argv: list[str]) -> list[str]:
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig):
+    global job_started
+    job_started = True
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    stops: tuple[type[Exception], ...] = ()  # a run's own stops; known once it is imported (with torch)
     try:
         if multirun and cfg.resume:
             raise ConfigError("resume=... continues one run; it cannot be swept (-m): continue each job on its own")
+        if not continues_run(cfg):
+            validate(cfg)  # torch-free: a bad value fails here, in a fraction of a second
+        from lit_rl.algorithms import NonFiniteUpdates  # torch and Lightning load from here on
+        from lit_rl.checkpoints import OutputWriteError
+        from lit_rl.train import run
+
+        stops = (NonFiniteUpdates, OutputWriteError)
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
-    except (ConfigError, NonFiniteUpdates, OutputWriteError) as err:
+    except (ConfigError, *stops) as err:
         kind, code = ("error", 2) if isinstance(err, ConfigError) else ("stopped", 1)
         print(f"lit_rl: {kind}: {err}", file=sys.stderr)  # a user's mistake or a stopped run: no traceback
         if not multirun:
@@ -80,4 +102,9 @@ def main(cfg: DictConfig):
 
 if __name__ == "__main__":
     sys.argv[1:] = resume_flag(sys.argv[1:])
-    main()
+    try:
+        main()
+    except SystemExit as exit_:
+        if exit_.code == 1 and not job_started:  # Hydra refused the command line or the config and said why
+            sys.exit(2)
+        raise

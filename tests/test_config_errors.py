@@ -224,6 +224,65 @@ def test_cli_prints_the_message_without_traceback(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+#: runs recipes/train.py (argv[1], with its arguments) as ``python recipes/train.py`` does, then prints which of
+#: torch and Lightning had been imported when it exited, and exits with its status
+RUN_RECIPE = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    code = 0
+except SystemExit as exit_:
+    code = exit_.code
+print("imported:", sorted(m for m in ("torch", "lightning") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # Hydra's refusals while it composes the config: it prints them, naming the field
+        (
+            "rollout.group_size=abc",
+            "Value 'abc' of type 'str' could not be converted to Integer\n    full_key: rollout.group_size",
+        ),
+        ("algo=nope", "Could not find 'algo/nope'"),
+        # config.validate's
+        ("algo.clip.eps_low=7", "lit_rl: error: algo.clip.eps_low=7 is not allowed: must be < 1"),
+        ("algo.name=nope", "lit_rl: error: algo='nope' is not allowed: choose one of ['reinforce', 'ppo'"),
+    ],
+)
+def test_a_bad_config_exits_2_naming_the_field_before_torch_is_imported(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-c", RUN_RECIPE, os.path.join(ROOT, "recipes", "train.py"), override]
+    res = subprocess.run(cmd + [f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert "imported: []" in res.stdout  # neither torch nor Lightning: they load only to run
+    assert not run_dir.exists()
+
+
+def test_validation_imports_neither_torch_nor_lightning():
+    """Every algorithm's default config passes ``validate`` in a process that never imports torch."""
+    code = """
+import sys
+from hydra import compose, initialize_config_dir
+from lit_rl.choices import ALGORITHMS
+from lit_rl.config import validate
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    for name in ALGORITHMS:
+        validate(compose("train", overrides=["model=tiny", f"algo={name}"]))
+print("imported:", sorted(m for m in ("torch", "lightning") if m in sys.modules))
+"""
+    res = subprocess.run(
+        [sys.executable, "-c", code, os.path.join(ROOT, "conf")], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    assert "imported: []" in res.stdout
+
+
 def test_finished_run_folder_is_never_overwritten(tmp_path):
     (tmp_path / "finished.json").write_text(json.dumps({"global_step": 3}))
     with pytest.raises(ConfigError, match="already holds a finished run"):

@@ -13,6 +13,7 @@ import yaml
 from helpers import CONF, ROOT, compose_config
 
 from lit_rl.algorithms import ALGORITHMS, RLModule
+from lit_rl.choices import ALGO_CONFIGS
 from lit_rl.config import validate
 from lit_rl.corrections import CORRECTIONS
 from lit_rl.kernels import KERNELS
@@ -20,6 +21,7 @@ from lit_rl.registry import Registry, UnknownChoice
 from lit_rl.rollout.engines import ENGINE_CHOICES, ENGINES, build_engine
 from lit_rl.rollout.staleness import Learner
 from lit_rl.rollout.types import RolloutEngine
+from lit_rl.schema import config_of
 from lit_rl.tasks import TASKS
 
 
@@ -60,6 +62,37 @@ def test_a_registry_names_the_field_and_the_choices_on_a_bad_name_and_refuses_a_
         reg.register("grpo", 3)
     reg.register("cispo")(dict)
     assert reg["cispo"] is dict and reg.names_where(lambda e: e == 2) == ["ppo"]
+
+
+def test_a_lazy_entry_is_imported_on_its_first_lookup_only():
+    import json
+
+    reg = Registry("algo", {"grpo": 1}, lazy={"dumps": "json:dumps", "missing": "no_such_module_lit_rl:thing"})
+    assert reg.choices == ["grpo", "dumps", "missing"] and "missing" in reg and len(reg) == 3
+    assert "ppo" not in reg and ["a"] not in reg  # an unhashable value is no name, not a TypeError
+    assert reg["dumps"] is json.dumps and reg.get("grpo") == 1
+    with pytest.raises(ModuleNotFoundError, match="no_such_module_lit_rl"):  # looked up: imported, and it fails
+        reg["missing"]
+    with pytest.raises(ValueError, match="algo='dumps' is registered twice"):
+        reg.register_lazy("dumps", "json:loads")
+    with pytest.raises(ValueError, match="'module:attribute'"):
+        reg.register_lazy("loads", "json.loads")
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_each_algorithm_class_agrees_with_the_config_dataclass_validation_reads(name):
+    """``config.validate`` reads the algorithm's answers from its config dataclass (torch-free); the class that
+    runs it is built on that dataclass and answers ``group_baseline`` from it."""
+    cls, algo = ALGORITHMS[name], ALGO_CONFIGS[name]
+    assert cls.algo_config is algo
+    for flag in ("ppo_clip", "uses_clip", "group_normalised", "kl_in_reward"):
+        assert flag not in vars(cls), f"{name}: {flag} is its config dataclass's, not the class's"
+    for baseline in ("none", "batch_mean", "rloo", "group"):
+        assert cls.group_baseline({"baseline": baseline}) == config_of(algo, {"baseline": baseline}).group_baseline()
+
+
+def test_the_engine_choices_are_the_engines_and_auto():
+    assert ENGINE_CHOICES == (*ENGINES.choices, "auto")
 
 
 def test_the_group_baseline_rule_comes_from_the_algorithm_classes():

@@ -1,6 +1,6 @@
 """Extending the step from the user's own code, with nothing in src/ edited: a rollout mode is a ``RolloutSource``
 registered with ``register_source`` (``lit_rl.rollout.sources``), an algorithm an ``Algorithm`` registered in
-``ALGORITHMS``; a run uses each. The built-in modes resolve to their sources."""
+``register_algorithm``; a run uses each. The built-in modes resolve to their sources."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import fast_config as cfg_for
 
-from lit_rl.algorithms import ALGORITHMS
+from lit_rl.algorithms import register_algorithm, unregister_algorithm
 from lit_rl.algorithms.grpo import GRPO
 from lit_rl.compare import read_scalars
 from lit_rl.registry import UnknownChoice
@@ -82,10 +82,10 @@ class SignGRPO(GRPO):
 @pytest.fixture
 def sign_algorithm():
     """``algo.name=test_sign`` while the test runs."""
-    ALGORITHMS.register("test_sign", SignGRPO)
+    register_algorithm("test_sign")(SignGRPO)
     SignGRPO.calls = 0
     yield SignGRPO
-    ALGORITHMS.unregister("test_sign")
+    unregister_algorithm("test_sign")
 
 
 def test_an_algorithm_registered_from_a_test_file_runs_a_step(tmp_path, sign_algorithm):

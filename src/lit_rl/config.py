@@ -1,6 +1,21 @@
 """Start-up validation of the composed Hydra config: every bad value fails here, before any model loads.
 
 Each error names the field, the value given and what is allowed.
+
+What runs when. This module imports neither torch nor Lightning (the named choices it checks against are in
+``lit_rl.choices``, each algorithm's flags on its config dataclass in ``lit_rl.schema``), and ``validate`` checks
+the values first, so ``recipes/train.py`` refuses a bad value before either loads. The checks that need torch,
+vLLM or the user's code run after every value has passed (``check_environment``):
+
+- ``engine=vllm``: vLLM is installed (``check_vllm``); ``engine=auto`` asks whether it is
+  (``rollout.engines.vllm_installed``, which imports torch); for a vLLM engine, its fields that depend on CUDA
+  (``check_vllm_engine``) and ``kernels=batch_invariant`` refused beside it;
+- ``model.attn_implementation=flash_attention_2``: a CUDA device and the flash_attn package;
+- ``reward.functions``: the user's reward files and modules are loaded (``check_reward``), their imports with them.
+
+``train.run`` checks the rest once it has loaded them: the resolved precision with LoRA (``check_lora_kernels``),
+Lightning's device count (``check_world_size``) and the model's own config (context length, attention support:
+``train.check_context``, ``train.check_model_support``).
 """
 
 from __future__ import annotations
@@ -8,15 +23,25 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from .algorithms import ALGORITHMS
-from .corrections import CORRECTIONS
-from .kernels import KERNELS
-from .kernels.fp32_gemm import CHOICES as FP32_GEMM_CHOICES
-from .objectives import BASELINES, KL_KINDS, KL_MODES, REDUCTION_MODES, SCALES, STD_KINDS
-from .rollout.engines import ENGINE_CHOICES as ENGINES
-from .rollout.staleness import ON_STALE, ROLLOUT_MODES
+from .choices import (
+    ALGO_CONFIGS,
+    ALGORITHMS,
+    BASELINES,
+    CORRECTIONS,
+    FP32_GEMM_CHOICES,
+    KERNELS,
+    KL_KINDS,
+    KL_MODES,
+    ON_STALE,
+    REDUCTION_MODES,
+    ROLLOUT_MODES,
+    SCALES,
+    STD_KINDS,
+)
+from .choices import ENGINE_CHOICES as ENGINES
+from .schema import AlgoConfig, config_of
 from .tasks import TASKS
 
 DTYPES = ("float32", "bfloat16")
@@ -232,19 +257,13 @@ def check_lora_kernels(cfg: DictConfig) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config)."""
+    """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config): the values first,
+    without importing torch, then the checks that need torch, vLLM or the user's code (``check_environment``)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
     _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
     check_mismatch_dial(cfg)  # before the vLLM checks: the refusal of logit noise there holds with or without vLLM
-    if cfg.engine.name == "vllm":
-        check_vllm()
-    from .rollout.engines import vllm_installed
-
-    if cfg.engine.name == "vllm" or (cfg.engine.name == "auto" and vllm_installed()):
-        check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name, f"choose one of {list(CORRECTIONS)}")
-    check_attn_implementation(cfg)
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     gemm = cfg.kernels.get("fp32_gemm", "auto")
@@ -262,14 +281,6 @@ def validate(cfg: DictConfig) -> None:
             kernels,
             f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
             "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1",
-        )
-        _check(
-            cfg.engine.name == "torch" or (cfg.engine.name == "auto" and not vllm_installed()),
-            "kernels",
-            kernels,
-            f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
-            f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
-            f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch",
         )
     c = cfg.correction
     _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
@@ -321,8 +332,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algo.name != "cispo":  # CISPO's paper turns the lower bound off with eps_low >= 1
         _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
-    if not ALGORITHMS[cfg.algo.name].uses_clip:  # accepted and ignored before (a new user's finding)
-        preset = ALGORITHMS[cfg.algo.name].algo_config().clip  # the schema's defaults, as its YAML preset
+    if not ALGO_CONFIGS[cfg.algo.name].uses_clip:  # accepted and ignored before (a new user's finding)
+        preset = ALGO_CONFIGS[cfg.algo.name]().clip  # the schema's defaults, as its YAML preset
         why = (
             "its soft gate replaces the clip: tune algo.sapo.tau_pos / tau_neg"
             if cfg.algo.name == "sapo"
@@ -360,7 +371,7 @@ def validate(cfg: DictConfig) -> None:
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
-    group_baseline = ALGORITHMS[cfg.algo.name].group_baseline(cfg.algo)
+    group_baseline = algo_config(cfg).group_baseline()
     if group_baseline and cfg.algo.name == "reinforce_pp":
         _check(
             ro.group_size >= 2,
@@ -498,7 +509,6 @@ def validate(cfg: DictConfig) -> None:
     check_lora(cfg)
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
-    check_reward(cfg)
     constant = cfg.task.constant_reward
     _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
@@ -515,19 +525,50 @@ def validate(cfg: DictConfig) -> None:
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
         )
+    check_environment(cfg)
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """The checks of ``validate`` that need torch, vLLM or the user's code (the module's docstring lists them),
+    run after every value has passed: a bad value fails before torch is imported. Raises ConfigError."""
+    vllm = cfg.engine.name == "vllm"
+    if vllm:
+        check_vllm()
+    elif cfg.engine.name == "auto":
+        from .rollout.engines import vllm_installed  # imports torch
+
+        vllm = vllm_installed()
+    if vllm:
+        check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
+    check_attn_implementation(cfg)
+    _check(
+        not (vllm and cfg.kernels.name == "batch_invariant"),
+        "kernels",
+        cfg.kernels.name,
+        f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
+        f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
+        f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch",
+    )
+    check_reward(cfg)
+
+
+def algo_config(cfg: DictConfig) -> AlgoConfig:
+    """The ``algo`` group of ``cfg`` as its algorithm's config dataclass (``choices.ALGO_CONFIGS``), which also
+    answers ``validate``'s questions about the algorithm (``group_baseline``, ``ppo_clip``, ...)."""
+    return config_of(ALGO_CONFIGS[cfg.algo.name], OmegaConf.to_container(cfg.algo, resolve=True))
 
 
 def check_kl(cfg: DictConfig) -> None:
     """``kl.mode`` (loss | reward; reward only where the algorithm has per-token returns to fold it into,
-    ``Algorithm.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
+    ``AlgoConfig.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
     from, ``kl.horizon`` > 0)."""
     kl, name = cfg.kl, cfg.algo.name
     mode = kl.get("mode", "loss")
     _check(mode in KL_MODES, "kl.mode", mode, f"choose one of {list(KL_MODES)}")
     if mode == "reward":
-        takes = [n for n in ALGORITHMS if ALGORITHMS[n].kl_in_reward]
+        takes = ALGO_CONFIGS.names_where(lambda algo: algo.kl_in_reward)
         _check(
-            ALGORITHMS[name].kl_in_reward,
+            ALGO_CONFIGS[name].kl_in_reward,
             "kl.mode",
             mode,
             f"{name}'s advantage is one number per sequence from the group's rewards, with no per-token reward to "
@@ -553,7 +594,7 @@ def check_kl(cfg: DictConfig) -> None:
 def check_advantage(cfg: DictConfig) -> None:
     """``advantage.std`` and ``advantage.scale``: known values; ``scale=none`` means no std division, which is
     alpha = 0 (refused with any other alpha: one of the two would be ignored); non-default values only for an
-    algorithm whose advantages are ``objectives.group_advantages`` (``Algorithm.group_normalised``); the
+    algorithm whose advantages are ``objectives.group_advantages`` (``AlgoConfig.group_normalised``); the
     others (PPO, REINFORCE, REINFORCE++) do not read ``advantage.alpha`` either, so a value other than its
     default 1.0 is refused there too instead of being ignored."""
     adv, name = cfg.advantage, cfg.algo.name
@@ -567,7 +608,7 @@ def check_advantage(cfg: DictConfig) -> None:
         f"none means no std division, i.e. advantage.alpha=0, but advantage.alpha={adv.alpha}: set "
         "advantage.alpha=0 too (Dr.GRPO's mean-only advantage), or choose scale=group|batch",
     )
-    if not ALGORITHMS[name].group_normalised:
+    if not ALGO_CONFIGS[name].group_normalised:
         for key, value, default in (("std", std, "population"), ("scale", scale, "group"), ("alpha", adv.alpha, 1.0)):
             _check(
                 value == default,
@@ -579,8 +620,8 @@ def check_advantage(cfg: DictConfig) -> None:
 
 def check_dual_clip(algo: DictConfig) -> None:
     """``algo.clip_ratio_c`` (dual clip) and ``algo.delta`` (TRL's two-sided clip): null or a number > 1, at most
-    one of them, and only for an algorithm whose objective is the PPO clip (``Algorithm.ppo_clip``)."""
-    ppo_clip = [n for n in ALGORITHMS if ALGORITHMS[n].ppo_clip]
+    one of them, and only for an algorithm whose objective is the PPO clip (``AlgoConfig.ppo_clip``)."""
+    ppo_clip = ALGO_CONFIGS.names_where(lambda algo: algo.ppo_clip)
     for key, meaning in (("clip_ratio_c", "the dual-clip bound c*|A|"), ("delta", "the cap of the unclipped ratio")):
         value = algo.get(key)
         if value is None:

@@ -49,8 +49,10 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+# ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections, torch-free there
+# so that config.validate checks it before torch loads
+from lit_rl.choices import CORRECTIONS  # noqa: F401  (re-exported)
 from lit_rl.objectives import masked_mean
-from lit_rl.registry import Registry
 
 LEVELS = ("token", "sequence", "geometric")
 #: the levels TIS takes (a geometric-mean weight is MIS's rejection rule, verl's ``geometric``)
@@ -598,20 +600,6 @@ def corrected_policy_loss(
 # ----------------------------------------------------------------------------------------------
 # The ``correction`` config group: names and wiring
 # ----------------------------------------------------------------------------------------------
-
-#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections; each has its
-#: ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the tests)
-CORRECTIONS: Registry[frozenset] = Registry(
-    "correction",
-    {
-        "none": frozenset(),
-        "tis": frozenset({"tis"}),
-        "mis": frozenset({"mis"}),
-        "sc": frozenset({"sc"}),
-        "sc+tis": frozenset({"sc", "tis"}),
-        "sc+mis": frozenset({"sc", "mis"}),
-    },
-)
 
 
 def weight_function(correction) -> WeightFunction:

@@ -30,16 +30,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-REDUCTION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
-BASELINES = ("none", "batch_mean", "rloo")
-#: ``advantage.std``: the std's denominator n (population, lit_rl's default) or n − 1 (sample: TRL, verl)
-STD_KINDS = ("population", "sample")
-#: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
-SCALES = ("group", "batch", "none")
-KL_KINDS = ("k1", "k2", "k3")
-#: ``kl.mode``: the KL to the reference as a loss term (GRPO's) or folded into the per-token reward (classic RLHF)
-KL_MODES = ("loss", "reward")
-
+# the choices of loss.reduction, algo.baseline, advantage.std / scale, kl.estimator / mode: torch-free, so that
+# config.validate checks them before torch loads
+from .choices import BASELINES, KL_KINDS, KL_MODES, REDUCTION_MODES, SCALES, STD_KINDS  # noqa: F401  (re-exported)
 
 # ----------------------------------------------------------------------------------------------
 # Masked reductions

@@ -16,6 +16,10 @@ event files and checkpoints. Two things prevent that now:
 
 Only the process that writes the run's files claims it: global rank 0 (``lightning_rank``). The other ranks of
 a ``trainer=ddp`` run share rank 0's folder by design.
+
+The folders' names come from the resolvers ``conf/train.yaml`` uses (``register_resolvers``: ``run_dir``,
+``run_name``, ``run_tag``, ``hydra_subdir``); like everything here they import no torch, so ``recipes/train.py``
+registers them before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from .config import ConfigError
 
@@ -37,6 +44,67 @@ def run_tag() -> str:
     """The suffix of a default run folder's name: this process's id (``hydra.run.dir`` and
     ``hydra.sweep.dir`` resolve once per process, so the tag is the same everywhere in it)."""
     return str(os.getpid())
+
+
+def swept_keys(args) -> set[str]:
+    """Keys that the override strings ``args`` sweep, as Hydra's own override parser reads them: choices
+    (``algo=grpo,dapo``, ``optim.betas=[0.9,0.99],[0.8,0.9]``), ``range(...)``, ``glob(...)``. Flags and
+    strings Hydra cannot parse are skipped."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    keys = set()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except Exception:  # noqa: BLE001 - not ours to judge: Hydra reports bad overrides itself
+            continue
+        if override.is_sweep_override():
+            keys.add(override.key_or_group.lstrip("+~"))
+    return keys
+
+
+def run_name(task_overrides, sweeper_params=None, argv=None) -> str:
+    """Name of a multirun job from the overrides the sweep varies, e.g. ``algo=dapo,seed=1``.
+
+    A key is swept when the command line sweeps it (``swept_keys``) or an experiment preset lists it under
+    ``hydra.sweeper.params``; fixed overrides stay out of the name (they are in each run's config.yaml),
+    which keeps folder and TensorBoard run names short and telling. Falls back to ``run`` when nothing is
+    swept.
+    """
+    swept = set(dict(sweeper_params or {}).keys())
+    swept |= swept_keys(sys.argv[1:] if argv is None else argv)
+    parts = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
+    return ",".join(parts) or "run"
+
+
+def run_dir(resume, default: str) -> str:
+    """``hydra.run.dir``: the folder of ``resume=<folder>`` (the run continues where it is), else ``default``."""
+    return str(resume) if resume not in (None, "", "null") else default
+
+
+def hydra_subdir(resume, ckpt_path) -> str:
+    """``hydra.output_subdir``: ``.hydra`` for a new run; ``.hydra/resume-<time>`` when a run is continued, so
+    the record of the command that started it (``.hydra/overrides.yaml``) is kept, not overwritten."""
+    if resume in (None, "", "null") and ckpt_path in (None, "", "null"):
+        return ".hydra"
+    return f".hydra/resume-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def register_resolvers() -> None:
+    """Register ``lit_rl_run_name`` (``hydra.sweep.subdir``), ``lit_rl_run_dir`` (``hydra.run.dir``),
+    ``lit_rl_run_tag`` (the per-process suffix of default run and sweep folders, ``runfolder.run_tag``) and
+    ``lit_rl_hydra_subdir`` (``hydra.output_subdir``) once."""
+    for name, fn in (
+        ("lit_rl_run_name", run_name),
+        ("lit_rl_run_dir", run_dir),
+        ("lit_rl_run_tag", run_tag),
+        ("lit_rl_hydra_subdir", hydra_subdir),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
 
 
 def lightning_rank() -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, ClassVar, Optional, TypeVar, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -240,12 +240,38 @@ class AlgoConfig:
     #: sapo
     sapo: SapoGateConfig = field(default_factory=SapoGateConfig)
 
+    # What ``config.validate`` asks of the algorithm, here (not fields: no config key) so that it is known before
+    # torch loads. The algorithm classes (``algorithms.base.Algorithm``) read them from here (``algo_config``) and
+    # ``group_baseline``; tests/test_registries.py checks that each class agrees with its ``algo_config``.
+    #: the objective is the PPO clipped surrogate, so ``algo.clip_ratio_c`` (dual clip) and ``algo.delta`` apply
+    ppo_clip: ClassVar[bool] = True
+    #: the objective reads ``algo.clip.eps_low`` / ``eps_high``; False: values other than the preset's are refused
+    uses_clip: ClassVar[bool] = True
+    #: the advantages are ``objectives.group_advantages`` of the ``advantage`` group; False: a non-default
+    #: ``advantage.std`` / ``scale`` / ``alpha`` is refused
+    group_normalised: ClassVar[bool] = True
+    #: per-token returns that ``kl.mode=reward`` folds the KL into; False: kl.mode=reward is refused
+    kl_in_reward: ClassVar[bool] = False
+
+    def group_baseline(self) -> bool:
+        """True when the advantage's baseline is a statistic of the prompt's group, so ``rollout.group_size``
+        must be >= 2 (a group of one has zero advantage). Default: True (``objectives.group_advantages``)."""
+        return True
+
 
 # Each algorithm's own defaults for ``algo`` (``Algorithm.algo_config``): what its conf/algo/<name>.yaml sets,
-# for modules built from Python (a test checks that the two agree).
+# for modules built from Python (a test checks that the two agree); and its answers to ``config.validate``.
 @dataclass
 class ReinforceConfig(AlgoConfig):
     name: str = "reinforce"
+
+    group_normalised = False  # its own baselines (algo.baseline)
+    ppo_clip = False
+    uses_clip = False  # no ratio to clip
+
+    def group_baseline(self) -> bool:
+        """Only the leave-one-out baseline (``algo.baseline=rloo``) reads the group."""
+        return self.baseline == "rloo"
 
 
 @dataclass
@@ -254,12 +280,26 @@ class ReinforcePpConfig(AlgoConfig):
     #: reinforce_pp: none (REINFORCE++) | group (REINFORCE++-baseline: minus the group's mean reward)
     baseline: str = "none"
 
+    group_normalised = False  # the batch whitening replaces advantage.std / scale
+    kl_in_reward = True
+
+    def group_baseline(self) -> bool:
+        """Only REINFORCE++-baseline (``algo.baseline=group``) reads the group."""
+        return self.baseline == "group"
+
 
 @dataclass
 class PpoConfig(AlgoConfig):
     name: str = "ppo"
     ppo_epochs: int = 2
     num_minibatches: int = 2
+
+    group_normalised = False  # GAE
+    kl_in_reward = True  # -beta * KL in the per-token reward before GAE
+
+    def group_baseline(self) -> bool:
+        """False: the critic's value is the baseline (GAE), not the group."""
+        return False
 
 
 @dataclass
@@ -280,10 +320,15 @@ class GspoConfig(AlgoConfig):
     name: str = "gspo"
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=3.0e-4, eps_high=4.0e-4))
 
+    ppo_clip = False  # a sequence-level ratio clip
+
 
 @dataclass
 class SapoConfig(AlgoConfig):
     name: str = "sapo"
+
+    ppo_clip = False
+    uses_clip = False  # the soft gate's temperatures algo.sapo.tau_pos / tau_neg take its place
 
 
 @dataclass
@@ -291,6 +336,8 @@ class CispoConfig(AlgoConfig):
     name: str = "cispo"
     #: eps_low >= 1: no lower bound on the weight, as in the paper
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=1.0, eps_high=0.28))
+
+    ppo_clip = False  # a clipped importance weight, not the PPO surrogate
 
 
 @dataclass

@@ -56,7 +56,7 @@ def check_jobs(config_name: str, jobs: list[list[str]]) -> list[tuple[int, list[
 def swept(config: DictConfig) -> list[str]:
     """The keys the multirun ``config`` sweeps, in the command line's order (a key's last occurrence):
     command-line sweeps, then the sweeper's ``params``."""
-    from .train import swept_keys
+    from .runfolder import swept_keys
 
     task = list(config.hydra.overrides.task)
     keys = swept_keys(task)

@@ -16,10 +16,10 @@ trainer's services: its policy, engine and data, ``logprobs_of``, ``snapshot``, 
    ∂ℓ_t/∂log π that score centering evaluates at the engine's head ids. The rest of the loss (corrections,
    KL, entropy, reduction) is the same for every algorithm: ``lit_rl.loss.assemble_loss``.
 
-Its options are its own ``algo`` dataclass (``algo_config``, ``lit_rl.schema``; its conf/algo/<name>.yaml sets the
-same defaults), and the class facts ``config.validate`` reads (``ppo_clip``, ``uses_clip``, ``group_normalised``,
-``kl_in_reward``, ``group_baseline``) sit beside it. Adding an algorithm is a module with its subclass,
-registered in ``ALGORITHMS`` (``lit_rl.algorithms``), plus its YAML.
+Its options are its own ``algo`` dataclass (``algo_config``, ``lit_rl.schema``, torch-free; its conf/algo/<name>.yaml
+sets the same defaults), which also answers what ``config.validate`` asks of the algorithm before torch loads
+(``ppo_clip``, ``uses_clip``, ``group_normalised``, ``kl_in_reward``, ``group_baseline``). Adding an algorithm is a
+module with its subclass and its config dataclass, registered with ``register_algorithm``, plus its YAML.
 """
 
 from __future__ import annotations
@@ -68,19 +68,6 @@ class Algorithm(nn.Module):
 
     #: this algorithm's ``algo`` defaults (its conf/algo/<name>.yaml, for modules built from Python)
     algo_config: ClassVar[type[AlgoConfig]] = AlgoConfig
-    #: the objective is the PPO clipped surrogate (``policy_loss`` below), so ``algo.clip_ratio_c`` (dual clip) and
-    #: ``algo.delta`` apply; an algorithm with another objective sets False and ``config.validate`` refuses them
-    ppo_clip: ClassVar[bool] = True
-    #: the objective reads ``algo.clip.eps_low`` / ``eps_high`` (a ratio clip or truncation); an algorithm without
-    #: one (REINFORCE, SAPO's soft gate) sets False and ``config.validate`` refuses values other than the preset's
-    uses_clip: ClassVar[bool] = True
-    #: the advantages are ``objectives.group_advantages`` of the ``advantage`` group (alpha, eps, std, scale); an
-    #: algorithm with its own estimator (PPO's GAE, REINFORCE's baselines) sets False and ``config.validate``
-    #: refuses a non-default ``advantage.std`` / ``advantage.scale`` for it
-    group_normalised: ClassVar[bool] = True
-    #: the algorithm has per-token returns that ``kl.mode=reward`` folds the KL to the reference into (its
-    #: ``advantages`` call ``learner.reference_kl``); False: ``config.validate`` refuses kl.mode=reward for it
-    kl_in_reward: ClassVar[bool] = False
 
     def __init__(self, algo: AlgoConfig | Mapping | None = None, policy: nn.Module | None = None):
         super().__init__()
@@ -94,8 +81,9 @@ class Algorithm(nn.Module):
     @classmethod
     def group_baseline(cls, algo) -> bool:
         """True when the advantage's baseline is a statistic of the prompt's group (so ``rollout.group_size``
-        must be >= 2: a group of one has zero advantage). ``algo``: the ``algo`` config group. Default: True."""
-        return True
+        must be >= 2: a group of one has zero advantage), for the ``algo`` config group (a dataclass or a
+        mapping): its config dataclass's ``group_baseline``."""
+        return config_of(cls.algo_config, algo).group_baseline()
 
     # -- 1. rollouts ---------------------------------------------------------------------------------------------
     def collect(self, learner, batch: PromptBatch) -> tuple[ScoredRollouts, dict[str, float]]:

@@ -18,7 +18,6 @@ class CISPO(GRPO):
     """Clipped, stop-gradient importance weights times the REINFORCE score, group advantages."""
 
     algo_config = CispoConfig
-    ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         eps_low, eps_high = self.clip.eps_low, self.clip.eps_high

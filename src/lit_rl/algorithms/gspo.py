@@ -18,7 +18,6 @@ class GSPO(GRPO):
     """Group-normalised advantages (as GRPO) with a sequence-level clipped ratio."""
 
     algo_config = GspoConfig
-    ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         loss, clip_low, clip_high = obj.gspo_loss(

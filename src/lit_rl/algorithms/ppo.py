@@ -30,13 +30,6 @@ class PPO(Algorithm):
     """Actor-critic PPO with GAE and several epochs of minibatch updates per rollout batch."""
 
     algo_config = PpoConfig
-    kl_in_reward = True  # kl.mode=reward: -beta * KL in the per-token reward before GAE
-    group_normalised = False  # advantage.std / advantage.scale are refused (its own advantage estimator)
-
-    @classmethod
-    def group_baseline(cls, algo) -> bool:
-        """False: the critic's value is the baseline (GAE), not the group."""
-        return False
 
     def __init__(self, algo=None, policy: nn.Module | None = None):
         super().__init__(algo, policy)

@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import objectives as obj
 from ..loss import TokenMetrics
 from ..rollout.types import RolloutBatch
-from ..schema import ReinforceConfig, config_of
+from ..schema import ReinforceConfig
 from .base import Algorithm
 
 
@@ -20,14 +20,6 @@ class Reinforce(Algorithm):
     """Plain policy gradient: no ratio, no clip; only the baseline is a choice."""
 
     algo_config = ReinforceConfig
-    group_normalised = False  # advantage.std / advantage.scale are refused (its own advantage estimator)
-    ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate)
-    uses_clip = False  # and algo.clip.*: there is no ratio to clip
-
-    @classmethod
-    def group_baseline(cls, algo) -> bool:
-        """True for ``algo.baseline=rloo`` (the leave-one-out mean of the group), else False."""
-        return config_of(cls.algo_config, algo).baseline == "rloo"
 
     def advantages(self, learner, rb: RolloutBatch) -> Tensor:
         """[N] A = R - b. ``batch_mean`` averages over the whole step, all data-parallel ranks; ``rloo``

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import objectives as obj
 from ..rollout.types import RolloutBatch
-from ..schema import ReinforcePpConfig, config_of
+from ..schema import ReinforcePpConfig
 from .base import Algorithm
 
 #: ``algo.baseline`` for reinforce_pp
@@ -30,13 +30,6 @@ class ReinforcePP(Algorithm):
     """REINFORCE++ and REINFORCE++-baseline: KL-penalised returns, batch-whitened, PPO-clipped."""
 
     algo_config = ReinforcePpConfig
-    group_normalised = False  # advantage.std / scale are refused: the batch whitening replaces them
-    kl_in_reward = True
-
-    @classmethod
-    def group_baseline(cls, algo) -> bool:
-        """True for ``algo.baseline=group`` (REINFORCE++-baseline: the group's mean reward is subtracted)."""
-        return config_of(cls.algo_config, algo).baseline == "group"
 
     @torch.no_grad()
     def advantages(self, learner, rb: RolloutBatch) -> Tensor:

@@ -19,8 +19,6 @@ class SAPO(GRPO):
     """Group-normalised advantages with SAPO's soft, temperature-controlled gate on the token ratio."""
 
     algo_config = SapoConfig
-    ppo_clip = False  # algo.clip_ratio_c and algo.delta are refused (config.validate): there is no clip
-    uses_clip = False  # algo.clip.* too: the gate's temperatures algo.sapo.tau_pos / tau_neg take its place
 
     def policy_loss(self, logprobs: Tensor, old_logprobs: Tensor, mb: RolloutBatch) -> tuple[Tensor, TokenMetrics]:
         gate = self.cfg.sapo

@@ -7,19 +7,10 @@ from __future__ import annotations
 
 import contextlib
 
-from ..registry import Registry
+from ..choices import KERNELS
 from .batch_invariant import BatchInvariantMode
 from .fp32_gemm import OneDNNGemm
 from .fp32_gemm import resolve as resolve_fp32_gemm
-
-#: ``kernels`` -> what the mode does (``kernel_mode`` builds it); each has its ``conf/kernels/<name>.yaml``
-KERNELS: Registry[str] = Registry(
-    "kernels",
-    {
-        "default": "torch's and transformers' own kernels",
-        "batch_invariant": "lit_rl's CPU kernels: rollout log-probs equal the trainer's bit for bit",
-    },
-)
 
 
 def kernel_mode(name: str, *models, fp32_gemm: str = "aten"):

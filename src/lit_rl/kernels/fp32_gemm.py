@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-#: ``kernels.fp32_gemm`` values
-CHOICES = ("auto", "aten", "onednn")
+#: ``kernels.fp32_gemm`` values (torch-free there, so that config.validate checks them before torch loads)
+from ..choices import FP32_GEMM_CHOICES as CHOICES
+
 #: oneDNN is turned on by ``auto`` when the model's products take at most 1 / MIN_SPEEDUP of MKL's time
 MIN_SPEEDUP = 1.05
 #: rows of the products ``measure`` times: a decode step's batch and a training micro-batch's tokens

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..choices import ENGINE_CHOICES  # noqa: F401  (re-exported)
 from ..models import parse_dtype
 from ..registry import Registry
 from ..schema import EngineConfig, VLLMEngineConfig, config_of
@@ -100,11 +101,10 @@ def build_vllm_engine(
 
 #: ``engine.name`` -> (builder, its config's dataclass): the one list of engines (each has its
 #: ``conf/engine/<name>.yaml``); ``auto`` is not an engine but a choice made at start-up (``resolve_auto``),
-#: so ``ENGINE_CHOICES`` adds it
+#: so ``ENGINE_CHOICES`` (``lit_rl.choices``: torch-free, for ``config.validate``) adds it; a test checks the two
 ENGINES: Registry[tuple[Callable[..., RolloutEngine], type[EngineConfig]]] = Registry(
     "engine", {"torch": (build_torch_engine, EngineConfig), "vllm": (build_vllm_engine, VLLMEngineConfig)}
 )
-ENGINE_CHOICES = (*ENGINES.choices, "auto")
 
 
 def build_engine(

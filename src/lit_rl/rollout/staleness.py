@@ -41,28 +41,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..registry import Registry
+# rollout.mode and rollout.on_stale: the one lists, torch-free there so that config.validate checks them first
+from ..choices import ON_STALE, ROLLOUT_MODES  # noqa: F401  (re-exported)
 from .types import RolloutEngine
 
 log = logging.getLogger(__name__)
 
-#: ``rollout.mode`` -> what it samples with (the one list of rollout modes)
-ROLLOUT_MODES: Registry[str] = Registry(
-    "rollout.mode",
-    {
-        "sync": "the weights about to be trained",
-        "lagged": "the weights of exactly rollout.lag RL steps ago",
-        "async": "the newest weights a producer thread has, at most rollout.max_staleness RL steps old",
-    },
-)
-#: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``
-ON_STALE: Registry[str] = Registry(
-    "rollout.on_stale",
-    {
-        "block": "the producer waits so that no batch gets too old",
-        "drop": "too-old batches are dropped and counted",
-    },
-)
 JOIN_TIMEOUT_S = 60.0
 
 

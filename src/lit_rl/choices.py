@@ -1,0 +1,108 @@
+"""The values of the config fields that name a choice, where their owners import torch: defined here, torch-free.
+
+``config.validate`` checks every such field before torch (or Lightning) is imported, so a bad value fails in
+a fraction of a second. The lists belong to the modules that implement them, and each re-exports its own
+(``from lit_rl.objectives import KL_KINDS`` and ``from lit_rl.algorithms import ALGORITHMS`` work as before);
+they are written here because those modules cannot be imported without torch. ``tasks.TASKS`` and
+``rollout.engines.ENGINES`` are not here: the task package is torch-free, and the engine names the config
+accepts are ``ENGINE_CHOICES`` (tests/test_registries.py checks it against ``ENGINES``).
+"""
+
+from __future__ import annotations
+
+from .registry import Registry
+from .schema import (
+    AlgoConfig,
+    CispoConfig,
+    DapoConfig,
+    DrGrpoConfig,
+    GspoConfig,
+    PpoConfig,
+    ReinforceConfig,
+    ReinforcePpConfig,
+    SapoConfig,
+)
+
+# -- algorithms (lit_rl.algorithms) ------------------------------------------------------------------------------
+#: ``algo.name`` -> (its class, imported on lookup; its config dataclass): the one list of algorithms. A new
+#: algorithm is a module in ``lit_rl/algorithms/`` with its class, one line here and its ``conf/algo/<name>.yaml``
+#: (the tests check that the lists agree)
+_ALGORITHMS: dict[str, tuple[str, type[AlgoConfig]]] = {
+    "reinforce": ("lit_rl.algorithms.reinforce:Reinforce", ReinforceConfig),
+    "ppo": ("lit_rl.algorithms.ppo:PPO", PpoConfig),
+    "grpo": ("lit_rl.algorithms.grpo:GRPO", AlgoConfig),
+    "dapo": ("lit_rl.algorithms.dapo:DAPO", DapoConfig),
+    "dr_grpo": ("lit_rl.algorithms.dr_grpo:DrGRPO", DrGrpoConfig),
+    "gspo": ("lit_rl.algorithms.gspo:GSPO", GspoConfig),
+    "cispo": ("lit_rl.algorithms.cispo:CISPO", CispoConfig),
+    "reinforce_pp": ("lit_rl.algorithms.reinforce_pp:ReinforcePP", ReinforcePpConfig),
+    "sapo": ("lit_rl.algorithms.sapo:SAPO", SapoConfig),
+}
+#: ``algo.name`` -> the algorithm's class (``algorithms.base.Algorithm``), imported on the first lookup
+ALGORITHMS: Registry = Registry("algo", lazy={name: target for name, (target, _) in _ALGORITHMS.items()})
+#: ``algo.name`` -> its config dataclass (``Algorithm.algo_config``): its defaults and what ``config.validate``
+#: asks of it (``ppo_clip``, ``uses_clip``, ``group_normalised``, ``kl_in_reward``, ``group_baseline``)
+ALGO_CONFIGS: Registry[type[AlgoConfig]] = Registry("algo", {name: cls for name, (_, cls) in _ALGORITHMS.items()})
+
+# -- objectives (lit_rl.objectives) ------------------------------------------------------------------------------
+#: ``loss.reduction``
+REDUCTION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+#: ``algo.baseline`` of reinforce
+BASELINES = ("none", "batch_mean", "rloo")
+#: ``advantage.std``: the std's denominator n (population, lit_rl's default) or n − 1 (sample: TRL, verl)
+STD_KINDS = ("population", "sample")
+#: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
+SCALES = ("group", "batch", "none")
+#: ``kl.estimator``
+KL_KINDS = ("k1", "k2", "k3")
+#: ``kl.mode``: the KL to the reference as a loss term (GRPO's) or folded into the per-token reward (classic RLHF)
+KL_MODES = ("loss", "reward")
+
+# -- corrections (lit_rl.corrections) ----------------------------------------------------------------------------
+#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections; each has its
+#: ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the tests)
+CORRECTIONS: Registry[frozenset] = Registry(
+    "correction",
+    {
+        "none": frozenset(),
+        "tis": frozenset({"tis"}),
+        "mis": frozenset({"mis"}),
+        "sc": frozenset({"sc"}),
+        "sc+tis": frozenset({"sc", "tis"}),
+        "sc+mis": frozenset({"sc", "mis"}),
+    },
+)
+
+# -- kernels (lit_rl.kernels) ------------------------------------------------------------------------------------
+#: ``kernels`` -> what the mode does (``kernels.kernel_mode`` builds it); each has its ``conf/kernels/<name>.yaml``
+KERNELS: Registry[str] = Registry(
+    "kernels",
+    {
+        "default": "torch's and transformers' own kernels",
+        "batch_invariant": "lit_rl's CPU kernels: rollout log-probs equal the trainer's bit for bit",
+    },
+)
+#: ``kernels.fp32_gemm`` values (``kernels.fp32_gemm.resolve``)
+FP32_GEMM_CHOICES = ("auto", "aten", "onednn")
+
+# -- rollout (lit_rl.rollout) ------------------------------------------------------------------------------------
+#: ``engine.name``: the engines of ``rollout.engines.ENGINES``, and ``auto``, a choice made at start-up
+#: (``rollout.engines.resolve_auto``)
+ENGINE_CHOICES = ("torch", "vllm", "auto")
+#: ``rollout.mode`` -> what it samples with (the one list of rollout modes, ``rollout.staleness``)
+ROLLOUT_MODES: Registry[str] = Registry(
+    "rollout.mode",
+    {
+        "sync": "the weights about to be trained",
+        "lagged": "the weights of exactly rollout.lag RL steps ago",
+        "async": "the newest weights a producer thread has, at most rollout.max_staleness RL steps old",
+    },
+)
+#: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``
+ON_STALE: Registry[str] = Registry(
+    "rollout.on_stale",
+    {
+        "block": "the producer waits so that no batch gets too old",
+        "drop": "too-old batches are dropped and counted",
+    },
+)
