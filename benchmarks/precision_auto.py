@@ -45,8 +45,8 @@ def measure(precision: str, args, out: Path) -> dict:
     other processes used meanwhile."""
     from hydra import compose, initialize_config_dir
 
-    from lit_rl.compare import read_scalars
     from lit_rl.hardware import cpu_busy_seconds
+    from lit_rl.tools.compare import read_scalars
     from lit_rl.train import run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):

@@ -333,7 +333,7 @@ def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(
 
 
 def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
-    from lit_rl.compare import read_scalars
+    from lit_rl.tools.compare import read_scalars
     from lit_rl.train import run
 
     previous = torch.get_num_threads()

@@ -13,9 +13,9 @@ import yaml
 from helpers import ROOT
 from helpers import fast_config as cfg_for
 
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
 from lit_rl.runfolder import LOCK_NAME, claim_run_folder, discard_refused_run_folder
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 BARRIER = os.path.join(ROOT, "tests", "helpers", "barrier_start.py")

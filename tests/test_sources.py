@@ -4,7 +4,6 @@ own code, and a run uses it with nothing in src/ edited; the built-in modes reso
 import pytest
 from helpers import fast_config as cfg_for
 
-from lit_rl.compare import read_scalars
 from lit_rl.registry import UnknownChoice
 from lit_rl.rollout.sources import (
     ROLLOUT_SOURCES,
@@ -15,6 +14,7 @@ from lit_rl.rollout.sources import (
     unregister_source,
 )
 from lit_rl.rollout.staleness import ROLLOUT_MODES
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 
