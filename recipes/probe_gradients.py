@@ -11,7 +11,7 @@ realised KL) and probe.json (every number). The logic is in lit_rl.tools.probe; 
 import sys
 
 # OpenMP reads its settings once, when torch loads it: lit_rl's defaults first, as recipes/train.py does
-from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+from lit_rl.run.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()
 

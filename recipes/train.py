@@ -18,7 +18,7 @@ import traceback
 # GOMP_SPINCOUNT=1000: torch's waiting threads spin briefly, then sleep. Beside another CPU-bound process a step
 # lost 1.8-1.9x instead of 2.9-4.8x with libgomp's default, for 3-6% alone (benchmarks/contention.py and its
 # README: OMP_WAIT_POLICY=PASSIVE, the default until 2026-12-01, cost 1.3-1.6x on the main job's step alone)
-from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+from lit_rl.run.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()
 
@@ -28,10 +28,10 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_rl.algorithms import NonFiniteUpdates  # noqa: E402
-from lit_rl.checkpoints import OutputWriteError  # noqa: E402
 from lit_rl.config import ConfigError  # noqa: E402
-from lit_rl.runfolder import discard_refused_run_folder  # noqa: E402
-from lit_rl.sweeps import FAILED  # noqa: E402
+from lit_rl.run.checkpoints import OutputWriteError  # noqa: E402
+from lit_rl.run.runfolder import discard_refused_run_folder  # noqa: E402
+from lit_rl.run.sweeps import FAILED  # noqa: E402
 from lit_rl.train import register_resolvers, run  # noqa: E402
 
 register_resolvers()  # ${lit_rl_run_name:...}: multirun folders named by what the sweep varies

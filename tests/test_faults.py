@@ -13,7 +13,7 @@ from helpers import FAST, MOVING, ROOT
 from helpers import fast_config as cfg_for
 
 from lit_rl.algorithms import GRPO, NonFiniteUpdates
-from lit_rl.checkpoints import AtomicCheckpointIO, find_last
+from lit_rl.run.checkpoints import AtomicCheckpointIO, find_last
 from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 

@@ -1,4 +1,4 @@
-"""What ``auto`` makes of the machine (lit_rl.hardware): the precision from the hardware's bf16 facts (mocked
+"""What ``auto`` makes of the machine (lit_rl.run.hardware): the precision from the hardware's bf16 facts (mocked
 for the kinds this machine is not, real for the kind it is), threads from the affinity mask and quota, the
 cached peak probe, and start-up validation of both fields."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import fast_config as cfg_for
 
-from lit_rl import hardware
 from lit_rl.config import ConfigError, validate
+from lit_rl.run import hardware
 from lit_rl.train import precision_plugins, resolve_engine, resolve_hardware
 
 

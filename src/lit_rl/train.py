@@ -32,18 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .algorithms import ALGORITHMS
 from .algorithms.base import updates_per_step
-from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .config import ConfigError, check_lora_kernels, check_world_size, static_world_size, validate
-from .hardware import (
-    ThreadGovernor,
-    auto_threads,
-    configure_threads,
-    omp_summary,
-    peak_flops,
-    precision_dtype,
-    resolve_precision,
-    uses_cuda,
-)
 from .kernels import kernel_mode
 from .logprobs import check_head_parity
 from .models import (
@@ -56,11 +45,22 @@ from .models import (
     merged_weights,
     peft_model,
 )
-from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.sources import RolloutSourceShutdown
-from .runfolder import RunFolderClaim, claim_run_folder, lightning_rank, run_tag
+from .run.checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
+from .run.hardware import (
+    ThreadGovernor,
+    auto_threads,
+    configure_threads,
+    omp_summary,
+    peak_flops,
+    precision_dtype,
+    resolve_precision,
+    uses_cuda,
+)
+from .run.preemption import RunCheckpoint, preempted, slurm_requeued
+from .run.runfolder import RunFolderClaim, claim_run_folder, lightning_rank, run_tag
 from .tasks import build_task
 from .tasks.reward_functions import RewardFunctions
 

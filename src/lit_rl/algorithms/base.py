@@ -51,7 +51,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .. import corrections as corr
 from .. import objectives as obj
-from ..flops import FlopModel
 from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
 from ..loss import LossSettings, TokenMetrics, assemble_loss
 from ..models import adapter_disabled, adapter_key, has_lora
@@ -59,6 +58,7 @@ from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
 from ..rollout.types import RolloutBatch, SamplingParams, left_pad
+from ..run.flops import FlopModel
 from ..schema import (
     AdvantageConfig,
     AlgoConfig,
@@ -820,7 +820,7 @@ class RLAlgorithm(L.LightningModule):
         ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
         and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
         if self.peak_flops is None:
-            from ..hardware import peak_flops
+            from ..run.hardware import peak_flops
 
             accelerator = "cuda" if self.device.type == "cuda" else "cpu"
             precision = self.trainer.precision if self._trainer is not None else "32-true"

@@ -532,9 +532,9 @@ def run_probe(cfg, out_dir) -> list[dict]:
     import lightning as L
 
     from ..config import ConfigError, validate
-    from ..hardware import describe_machine
     from ..models import ModelSpec, load_policy
     from ..rollout.datamodule import RolloutDataModule
+    from ..run.hardware import describe_machine
     from ..schema import CorrectionConfig, config_of
     from ..train import build_module, build_task_from_cfg, resolve_engine, resolve_hardware
 

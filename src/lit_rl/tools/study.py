@@ -101,7 +101,7 @@ def invalid_jobs(jobs: list[Job]) -> list[tuple[Job, str]]:
     (``sweeps.check_jobs``, what a multirun checks before its first job); [] when all are valid."""
     from hydra import initialize_config_dir
 
-    from ..sweeps import check_jobs
+    from ..run.sweeps import check_jobs
     from ..train import register_resolvers
 
     register_resolvers()

@@ -42,7 +42,7 @@ def check_jobs(config_name: str, jobs: list[list[str]]) -> list[tuple[int, list[
     not compose); [] when all are valid. Needs Hydra's global state (inside a running app)."""
     from hydra import compose
 
-    from .config import validate
+    from ..config import validate
 
     bad = []
     for number, overrides in enumerate(jobs):
@@ -56,7 +56,7 @@ def check_jobs(config_name: str, jobs: list[list[str]]) -> list[tuple[int, list[
 def swept(config: DictConfig) -> list[str]:
     """The keys the multirun ``config`` sweeps, in the command line's order (a key's last occurrence):
     command-line sweeps, then the sweeper's ``params``."""
-    from .train import swept_keys
+    from ..train import swept_keys
 
     task = list(config.hydra.overrides.task)
     keys = swept_keys(task)

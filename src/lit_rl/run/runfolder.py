@@ -28,7 +28,7 @@ import socket
 import time
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 
 LOCK_NAME = ".lit_rl.lock"
 
