@@ -55,8 +55,8 @@ def ensure_quiet(force: bool = False) -> None:
 
 def machine() -> str:
     """The CPU (model, torch's CPU capability, bf16 support), cores, torch, threads and OpenMP wait policy
-    (``lit_rl.hardware.describe_machine``, which the probe's report uses too)."""
-    from lit_rl.hardware import describe_machine
+    (``lit_rl.run.hardware.describe_machine``, which the probe's report uses too)."""
+    from lit_rl.run.hardware import describe_machine
 
     return describe_machine()
 

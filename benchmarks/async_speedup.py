@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import ensure_quiet, machine  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from lit_rl.compare import read_scalars  # noqa: E402
+from lit_rl.tools.compare import read_scalars  # noqa: E402
 from lit_rl.train import run  # noqa: E402
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

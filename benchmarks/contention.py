@@ -71,9 +71,9 @@ def child(args) -> None:
     from _common import as_rollout_batch, grpo_module, update
     from rollout_throughput import prompts_for
 
-    from lit_rl.hardware import ThreadGovernor, configure_threads, resolve_precision
     from lit_rl.models import ModelSpec, load_policy
     from lit_rl.rollout.torch_engine import TorchEngine
+    from lit_rl.run.hardware import ThreadGovernor, configure_threads, resolve_precision
 
     governor = None
     if args.threads == "adaptive":

@@ -45,8 +45,8 @@ def measure(precision: str, args, out: Path) -> dict:
     other processes used meanwhile."""
     from hydra import compose, initialize_config_dir
 
-    from lit_rl.compare import read_scalars
-    from lit_rl.hardware import cpu_busy_seconds
+    from lit_rl.run.hardware import cpu_busy_seconds
+    from lit_rl.tools.compare import read_scalars
     from lit_rl.train import run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -99,7 +99,7 @@ def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.emulate_no_bf16:
         os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE"
-    from lit_rl.hardware import set_omp_defaults
+    from lit_rl.run.hardware import set_omp_defaults
 
     set_omp_defaults()  # as recipes/train.py does, before torch loads OpenMP
     from _common import ensure_quiet, machine
@@ -107,7 +107,7 @@ def main():
     ensure_quiet(args.force)
     import torch
 
-    from lit_rl.hardware import probe_flops, resolve_precision
+    from lit_rl.run.hardware import probe_flops, resolve_precision
 
     probe = {p: probe_flops(p, torch.get_num_threads()) for p in EXPLICIT}
     skipped = {p: r for p, r in probe.items() if r * args.max_probe_gap < max(probe.values())}

@@ -78,8 +78,8 @@ def backbone_tokens(rb, micro_batches, shared: bool) -> int:
 
 
 def main():
-    from lit_rl.hardware import resolve_precision
     from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
+    from lit_rl.run.hardware import resolve_precision
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2_ID)

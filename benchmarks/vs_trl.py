@@ -58,7 +58,7 @@ def recipe_cfg(prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS)
 
 def lit_rl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS) -> dict:
     """Two steps of the recipe; the second step's rollout, update and whole-step seconds, generated tokens."""
-    from lit_rl.compare import read_scalars
+    from lit_rl.tools.compare import read_scalars
     from lit_rl.train import run
 
     cfg = recipe_cfg(prompts, g, new_tokens)

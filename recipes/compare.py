@@ -8,12 +8,12 @@
 Writes <out>/<tag with / replaced by _>.png and <out>/summary.md (default out: <first folder>/compare) and
 prints the table; settings with >= 2 seeds get a 95% t-interval (the band, and a table of final values), and
 each ``--test A B`` states from Welch's interval whether A > B, A < B or the two are indistinguishable.
-The logic is in lit_rl.compare; this file is only the front door.
+The logic is in lit_rl.tools.compare; this file is only the front door.
 """
 
 import sys
 
-from lit_rl.compare import main
+from lit_rl.tools.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,13 +5,13 @@
     python recipes/probe_gradients.py model.name_or_path=outputs/<run>/policy 'probe.corrections=[none,sc]'
 
 Prints and writes (to the run folder) probe.md (the table), probe.png (bias, drift and MSE against the
-realised KL) and probe.json (every number). The logic is in lit_rl.probe; this file is only the front door.
+realised KL) and probe.json (every number). The logic is in lit_rl.tools.probe; this file is only the front door.
 """
 
 import sys
 
 # OpenMP reads its settings once, when torch loads it: lit_rl's defaults first, as recipes/train.py does
-from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+from lit_rl.run.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()
 
@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_rl.config import ConfigError  # noqa: E402
-from lit_rl.probe import run_probe  # noqa: E402
+from lit_rl.tools.probe import run_probe  # noqa: E402
 from lit_rl.train import register_resolvers  # noqa: E402
 
 register_resolvers()  # conf/train.yaml's hydra section, which the probe's config inherits, uses them

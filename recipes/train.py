@@ -22,7 +22,7 @@ import traceback
 # GOMP_SPINCOUNT=1000: torch's waiting threads spin briefly, then sleep. Beside another CPU-bound process a step
 # lost 1.8-1.9x instead of 2.9-4.8x with libgomp's default, for 3-6% alone (benchmarks/contention.py and its
 # README: OMP_WAIT_POLICY=PASSIVE, the default until 2026-12-01, cost 1.3-1.6x on the main job's step alone)
-from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+from lit_rl.run.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()
 
@@ -33,8 +33,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 # none of these imports torch or Lightning: a bad config is refused before they load (lit_rl.train imports them)
 from lit_rl.config import ConfigError, validate  # noqa: E402
-from lit_rl.runfolder import discard_refused_run_folder, register_resolvers  # noqa: E402
-from lit_rl.sweeps import FAILED  # noqa: E402
+from lit_rl.run.runfolder import discard_refused_run_folder, register_resolvers  # noqa: E402
+from lit_rl.run.sweeps import FAILED  # noqa: E402
 
 register_resolvers()  # ${lit_rl_run_name:...}: multirun folders named by what the sweep varies
 
@@ -79,7 +79,7 @@ def main(cfg: DictConfig):
         if not continues_run(cfg):
             validate(cfg)  # torch-free: a bad value fails here, in a fraction of a second
         from lit_rl.algorithms import NonFiniteUpdates  # torch and Lightning load from here on
-        from lit_rl.checkpoints import OutputWriteError
+        from lit_rl.run.checkpoints import OutputWriteError
         from lit_rl.train import run
 
         stops = (NonFiniteUpdates, OutputWriteError)
@@ -91,7 +91,7 @@ def main(cfg: DictConfig):
             if isinstance(err, ConfigError):  # refused before the run wrote anything: no empty folder left
                 discard_refused_run_folder(hydra_cfg.runtime.output_dir)
             sys.exit(code)
-        return {FAILED: f"{kind}: {err}"}  # the sweep goes on; lit_rl.sweeps.SweepReport lists it at the end
+        return {FAILED: f"{kind}: {err}"}  # the sweep goes on; lit_rl.run.sweeps.SweepReport lists it at the end
     except Exception as err:  # noqa: BLE001 - in a sweep, a crashed job must not end the others
         if not multirun:
             raise

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from helpers import ROOT, compose_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.kernels import KERNELS, BatchInvariantMode, kernel_mode
 from lit_rl.kernels import batch_invariant as bi
 from lit_rl.logprobs import position_ids_from_mask, response_logprobs
 from lit_rl.rollout.torch_engine import TorchEngine
 from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 MS = list(range(1, 34)) + [47, 64, 100, 255, 256, 257, 500]

@@ -1,4 +1,4 @@
-"""recipes/compare.py and lit_rl.compare on fake runs written with real TensorBoard writers."""
+"""recipes/compare.py and lit_rl.tools.compare on fake runs written with real TensorBoard writers."""
 
 import math
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import write_run
 
-from lit_rl import compare
+from lit_rl.tools import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "recipes", "compare.py")

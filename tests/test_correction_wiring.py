@@ -5,10 +5,10 @@ import pytest
 import torch
 from helpers import MOVING, compose_config
 
-from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.tasks import ArithmeticTask
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import build_module, run
 
 BASE = [

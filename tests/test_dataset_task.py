@@ -6,9 +6,9 @@ import json
 import pytest
 from helpers import fast_config
 
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.tasks import DatasetTask, build_task
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 ROWS = [

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from helpers import MOVING, chat_prompts, fast_config
 from helpers.families import FAMILIES, SLIDING, build_family
 
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
 from lit_rl.kernels import batch_invariant as bi
 from lit_rl.kernels import kernel_mode
@@ -20,6 +19,7 @@ from lit_rl.logprobs import check_head_parity, head_transform, position_ids_from
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.torch_engine import TorchEngine
 from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]

@@ -13,8 +13,8 @@ from helpers import FAST, MOVING, ROOT
 from helpers import fast_config as cfg_for
 
 from lit_rl.algorithms import GRPO, NonFiniteUpdates
-from lit_rl.checkpoints import AtomicCheckpointIO, find_last
-from lit_rl.compare import read_scalars
+from lit_rl.run.checkpoints import AtomicCheckpointIO, find_last
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 SCRIPT = os.path.join(ROOT, "tests", "helpers", "fault_injection.py")

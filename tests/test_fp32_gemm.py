@@ -131,7 +131,7 @@ def test_resolve_aten_onednn_and_bad_values(tiny):
 
 
 def test_auto_follows_the_measurement_and_caches_it(tiny, tmp_path, monkeypatch):
-    import lit_rl.hardware as hw
+    import lit_rl.run.hardware as hw
 
     model, cache = tiny[0], tmp_path / "fp32_gemm.json"
     monkeypatch.setattr(hw, "_other_cpu_seconds", lambda start=None: (0.0, 0.0))
@@ -151,7 +151,7 @@ def test_auto_follows_the_measurement_and_caches_it(tiny, tmp_path, monkeypatch)
 
 
 def test_auto_does_not_cache_a_measurement_taken_on_a_busy_machine(tiny, tmp_path, monkeypatch):
-    import lit_rl.hardware as hw
+    import lit_rl.run.hardware as hw
 
     monkeypatch.setattr(hw, "_other_cpu_seconds", lambda start=None: (0.0, 0.0) if start is None else (50.0, 0.0))
     cache = tmp_path / "fp32_gemm.json"

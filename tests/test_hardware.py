@@ -1,4 +1,4 @@
-"""What ``auto`` makes of the machine (lit_rl.hardware): the precision from the hardware's bf16 facts (mocked
+"""What ``auto`` makes of the machine (lit_rl.run.hardware): the precision from the hardware's bf16 facts (mocked
 for the kinds this machine is not, real for the kind it is), threads from the affinity mask and quota, the
 cached peak probe, and start-up validation of both fields."""
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import fast_config as cfg_for
 
-from lit_rl import hardware
 from lit_rl.config import ConfigError, validate
+from lit_rl.run import hardware
 from lit_rl.train import precision_plugins, resolve_engine, resolve_hardware
 
 
@@ -333,7 +333,7 @@ def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(
 
 
 def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
-    from lit_rl.compare import read_scalars
+    from lit_rl.tools.compare import read_scalars
     from lit_rl.train import run
 
     previous = torch.get_num_threads()

@@ -8,10 +8,10 @@ from helpers import MOVING, compose_config, fast_config
 from safetensors.torch import load_file
 
 import lit_rl.train
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
 from lit_rl.models import ModelSpec, adapter_disabled, load_policy, merged_weights
 from lit_rl.rollout.types import RolloutBatch, left_pad
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import build_module, run
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]

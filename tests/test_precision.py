@@ -15,8 +15,8 @@ from helpers.ddp_probe import make_batch
 from torch.utils.data import DataLoader
 
 from lit_rl.algorithms import RLModule
-from lit_rl.compare import read_scalars
 from lit_rl.models import ModelSpec, load_policy
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import precision_plugins, run
 
 

@@ -1,4 +1,4 @@
-"""The gradient-bias probe (lit_rl.probe, recipes/probe_gradients.py): its sketch, its statistics against
+"""The gradient-bias probe (lit_rl.tools.probe, recipes/probe_gradients.py): its sketch, its statistics against
 known values, and a small run on the tiny model through the real update path."""
 
 import json
@@ -14,7 +14,7 @@ from helpers import CONF, ROOT, compose_config
 from hydra.errors import ConfigCompositionException
 
 from lit_rl.config import ConfigError
-from lit_rl.probe import GradientSketch, correction_config, jackknife, reference_summary, run_probe
+from lit_rl.tools.probe import GradientSketch, correction_config, jackknife, reference_summary, run_probe
 
 
 def test_sketch_keeps_inner_products_and_exact_norms():
@@ -108,7 +108,7 @@ def test_probe_on_the_tiny_model(tmp_path, monkeypatch):
     advantage is 0 and the real-reward gradient is 0: only the constant-reward (A = 1) gradients carry
     signal here, and the relative columns are NaN; the statistics are checked on known Gaussians above, and
     the real model's bias and drift are in the README.)"""
-    from lit_rl import probe
+    from lit_rl.tools import probe
 
     seen = {}
     original = probe.run_cells

@@ -13,9 +13,9 @@ import yaml
 from helpers import ROOT
 from helpers import fast_config as cfg_for
 
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
-from lit_rl.runfolder import LOCK_NAME, claim_run_folder, discard_refused_run_folder
+from lit_rl.run.runfolder import LOCK_NAME, claim_run_folder, discard_refused_run_folder
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 BARRIER = os.path.join(ROOT, "tests", "helpers", "barrier_start.py")
@@ -106,7 +106,9 @@ def test_a_live_claim_refuses_a_second_run_and_resume_and_a_dead_one_is_taken_ov
     run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)  # released: the folder is free
     assert (out / LOCK_NAME).is_file() and (out / "finished.json").is_file()
     # a claim left by a process that died: the kernel dropped its lock; the folder's usual rules apply
-    script = f"from lit_rl.runfolder import claim_run_folder as c; c({str(out)!r}, resume=True); import os; os._exit(9)"
+    script = (
+        f"from lit_rl.run.runfolder import claim_run_folder as c; c({str(out)!r}, resume=True); import os; os._exit(9)"
+    )
     res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
     assert res.returncode == 9
     with pytest.raises(ConfigError, match="already holds a finished run"):

@@ -10,7 +10,6 @@ from helpers import fast_config as cfg_for
 
 from lit_rl.algorithms import register_algorithm, unregister_algorithm
 from lit_rl.algorithms.grpo import GRPO
-from lit_rl.compare import read_scalars
 from lit_rl.registry import UnknownChoice
 from lit_rl.rollout.sources import (
     ROLLOUT_SOURCES,
@@ -21,6 +20,7 @@ from lit_rl.rollout.sources import (
     unregister_source,
 )
 from lit_rl.rollout.staleness import ROLLOUT_MODES
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 

@@ -14,8 +14,8 @@ from helpers import fast_config as cfg_for
 from safetensors.torch import load_file
 
 from lit_rl.algorithms import RLModule
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError, validate
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 # REINFORCE without a baseline on a constant reward: every step moves the weights, so versions differ
@@ -165,7 +165,7 @@ def test_compare_plots_a_tag_against_a_swept_value(tmp_path):
     """``compare --x rollout.lag``: per run the mean of the last N values, seeds averaged, a line per setting."""
     from helpers import write_run
 
-    from lit_rl import compare
+    from lit_rl.tools import compare
 
     runs = {  # run name -> final two rewards
         "correction=tis,rollout.lag=0,seed=0": [0.4, 0.6],
@@ -206,7 +206,7 @@ def test_compare_plots_a_tag_against_a_swept_value(tmp_path):
 def test_compare_shift_by_staleness_aligns_rollouts_with_their_version():
     """``--shift-by rollout/staleness_mean --window A:B``: a lagged run's reward at step s belongs to version
     s - staleness(s); the window then averages the same versions for every lag."""
-    from lit_rl import compare
+    from lit_rl.tools import compare
 
     lag2 = {
         "rollout/reward_mean": [(0, 0.1), (1, 0.2), (2, 0.3), (3, 0.4), (4, 0.5)],

@@ -2,8 +2,8 @@
 
 import os
 
-from lit_rl import compare
-from lit_rl.study import expand, main, preset_params
+from lit_rl.tools import compare
+from lit_rl.tools.study import expand, main, preset_params
 
 
 def test_expand_orders_seed_by_seed_and_keeps_fixed_overrides():

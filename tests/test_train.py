@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import FAST, MOVING, ROOT, fast_config
 
-from lit_rl.compare import read_scalars
 from lit_rl.config import ConfigError
+from lit_rl.tools.compare import read_scalars
 from lit_rl.train import run
 
 TAGS = [

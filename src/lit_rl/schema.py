@@ -726,7 +726,7 @@ class ProbeSetting:
 
 @dataclass
 class ProbeConfig:
-    """``probe``: the gradient-bias probe's own fields (``lit_rl.probe``; ranges in ``probe.check_probe``)."""
+    """``probe``: the gradient-bias probe's own fields (``lit_rl.tools.probe``; ranges in ``probe.check_probe``)."""
 
     #: the corrections whose batch gradients are measured (names of ``corrections.CORRECTIONS``)
     corrections: list[str] = field(default_factory=lambda: ["none", "tis", "mis", "sc", "sc+tis", "sc+mis"])

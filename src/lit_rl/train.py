@@ -33,18 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .algorithms import RLModule
 from .algorithms.base import updates_per_step
-from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .config import ConfigError, check_lora_kernels, check_world_size, static_world_size, validate
-from .hardware import (
-    ThreadGovernor,
-    auto_threads,
-    configure_threads,
-    omp_summary,
-    peak_flops,
-    precision_dtype,
-    resolve_precision,
-    uses_cuda,
-)
 from .kernels import kernel_mode
 from .logprobs import check_head_parity
 from .models import (
@@ -57,11 +46,22 @@ from .models import (
     merged_weights,
     peft_model,
 )
-from .preemption import RunCheckpoint, preempted, slurm_requeued
 from .rollout.datamodule import RolloutDataModule
 from .rollout.engines import on_cuda, resolve_auto
 from .rollout.sources import RolloutSourceShutdown
-from .runfolder import (  # noqa: F401  (re-exported: the resolvers of conf/train.yaml live there, torch-free)
+from .run.checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
+from .run.hardware import (
+    ThreadGovernor,
+    auto_threads,
+    configure_threads,
+    omp_summary,
+    peak_flops,
+    precision_dtype,
+    resolve_precision,
+    uses_cuda,
+)
+from .run.preemption import RunCheckpoint, preempted, slurm_requeued
+from .run.runfolder import (  # noqa: F401  (re-exported: the resolvers of conf/train.yaml live there, torch-free)
     RunFolderClaim,
     claim_run_folder,
     hydra_subdir,

@@ -11,7 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
 
-from lit_rl.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
+from lit_rl.run.hardware import set_omp_defaults  # noqa: E402  (imports no torch)
 
 set_omp_defaults()  # as recipes/train.py does, before torch loads OpenMP
 

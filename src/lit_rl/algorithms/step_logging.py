@@ -1,16 +1,16 @@
 """The step's metrics: FLOPs and rates, the reduction over data-parallel ranks, and the write to the loggers.
 
 ``StepLoggingMixin`` is part of ``RLModule`` (``algorithms.module``); the bookkeeping of the reductions lives in
-``parallel``, the FLOP counts in ``lit_rl.flops``.
+``parallel``, the FLOP counts in ``lit_rl.run.flops``.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from ..flops import FlopModel
 from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
+from ..run.flops import FlopModel
 from . import parallel
 
 
@@ -32,7 +32,7 @@ class StepLoggingMixin:
         return self._flop_model
 
     def step_flops(self, scored: ScoredRollouts, rb: RolloutBatch) -> dict[str, float]:
-        """This rank's FLOPs of the step (``lit_rl.flops``): ``perf/rollout_flops``, generating the scored
+        """This rank's FLOPs of the step (``lit_rl.run.flops``): ``perf/rollout_flops``, generating the scored
         completions (2·N per generated token + attention), and ``perf/update_flops``, ``epochs`` forward +
         backward passes over the rows that carry loss (6·N per valid prompt and response token + attention)."""
         r = scored.rollouts
@@ -47,7 +47,7 @@ class StepLoggingMixin:
         ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
         and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
         if self.peak_flops is None:
-            from ..hardware import peak_flops
+            from ..run.hardware import peak_flops
 
             accelerator = "cuda" if self.device.type == "cuda" else "cpu"
             precision = self.trainer.precision if self._trainer is not None else "32-true"

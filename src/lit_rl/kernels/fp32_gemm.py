@@ -188,7 +188,7 @@ def resolve(setting: str, model: torch.nn.Module, cache: Path | None = None, tim
     shapes = linear_shapes(model)
     if not shapes or not available():
         return False, "no float32 CPU linear layers" if shapes or available() else "no oneDNN in this torch build"
-    from ..hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
+    from ..run.hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
 
     signature = ",".join(f"{o}x{i}*{c}" for (o, i), c in sorted(shapes.items()))
     key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}", signature])

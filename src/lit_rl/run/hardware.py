@@ -437,7 +437,7 @@ def probe_flops(
 
 
 def _cache_file() -> Path:
-    from .models import cache_dir
+    from ..models import cache_dir
 
     return cache_dir() / "peak_flops.json"
 

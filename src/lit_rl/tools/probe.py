@@ -462,7 +462,7 @@ def correction_config(base: dict, name: str) -> dict:
     """The ``correction`` group of correction ``name`` (``none``, ``tis``, ``sc+mis`` ...) with the fields
     (cap, band, levels, top_k) of ``base``: the parts ``corrections.CORRECTIONS[name]`` lists are switched on,
     the rest off. Raises UnknownChoice (a ValueError) for a name that is not a correction."""
-    from .corrections import CORRECTIONS
+    from ..corrections import CORRECTIONS
 
     parts = CORRECTIONS[name]
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
@@ -476,8 +476,8 @@ def check_probe(cfg) -> None:
     """ConfigError for a bad ``probe`` value, before any model loads. The keys and types are the schema's
     (``schema.ProbeConfig``: an unknown key fails at compose time, naming it); this checks the ranges, the
     names and that each setting's engine fields pass ``config.validate`` merged into the run."""
-    from .config import _check, _check_int
-    from .corrections import CORRECTIONS
+    from ..config import _check, _check_int
+    from ..corrections import CORRECTIONS
 
     p = cfg.probe
     _check(
@@ -531,12 +531,12 @@ def run_probe(cfg, out_dir) -> list[dict]:
 
     import lightning as L
 
-    from .config import ConfigError, validate
-    from .hardware import describe_machine
-    from .models import ModelSpec, load_policy
-    from .rollout.datamodule import RolloutDataModule
-    from .schema import CorrectionConfig, config_of
-    from .train import build_module, build_task_from_cfg, resolve_engine, resolve_hardware
+    from ..config import ConfigError, validate
+    from ..models import ModelSpec, load_policy
+    from ..rollout.datamodule import RolloutDataModule
+    from ..run.hardware import describe_machine
+    from ..schema import CorrectionConfig, config_of
+    from ..train import build_module, build_task_from_cfg, resolve_engine, resolve_hardware
 
     validate(cfg)
     check_probe(cfg)

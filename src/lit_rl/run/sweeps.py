@@ -42,7 +42,7 @@ def check_jobs(config_name: str, jobs: list[list[str]]) -> list[tuple[int, list[
     not compose); [] when all are valid. Needs Hydra's global state (inside a running app)."""
     from hydra import compose
 
-    from .config import validate
+    from ..config import validate
 
     bad = []
     for number, overrides in enumerate(jobs):

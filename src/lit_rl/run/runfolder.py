@@ -35,7 +35,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .config import ConfigError
+from ..config import ConfigError
 
 LOCK_NAME = ".lit_rl.lock"
 
