@@ -10,6 +10,8 @@ accepts are ``ENGINE_CHOICES`` (tests/test_registries.py checks it against ``ENG
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .registry import Registry
 from .schema import (
     AlgoConfig,
@@ -48,7 +50,7 @@ ALGO_CONFIGS: Registry[type[AlgoConfig]] = Registry("algo", {name: cls for name,
 #: ``loss.reduction``
 REDUCTION_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 #: ``algo.baseline`` of reinforce
-BASELINES = ("none", "batch_mean", "rloo")
+BASELINES = ReinforceConfig.baselines
 #: ``advantage.std``: the std's denominator n (population, lit_rl's default) or n − 1 (sample: TRL, verl)
 STD_KINDS = ("population", "sample")
 #: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
@@ -89,13 +91,29 @@ FP32_GEMM_CHOICES = ("auto", "aten", "onednn")
 #: ``engine.name``: the engines of ``rollout.engines.ENGINES``, and ``auto``, a choice made at start-up
 #: (``rollout.engines.resolve_auto``)
 ENGINE_CHOICES = ("torch", "vllm", "auto")
-#: ``rollout.mode`` -> what it samples with (the one list of rollout modes, ``rollout.staleness``)
-ROLLOUT_MODES: Registry[str] = Registry(
+
+
+@dataclass(frozen=True)
+class RolloutMode:
+    """What ``config.validate`` knows of a rollout mode before torch loads (the mode's ``RolloutSource`` is
+    ``rollout.sources``'; ``rollout.sources.register_source`` adds both).
+
+    description: what the mode samples with; reads: the ``rollout`` fields only this mode reads (a non-default
+    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks.
+    """
+
+    description: str
+    reads: tuple[str, ...] = ()
+    multi_rank: bool = False
+
+
+#: ``rollout.mode`` -> what it samples with and what the config checks ask of it (the one list of rollout modes)
+ROLLOUT_MODES: Registry[RolloutMode] = Registry(
     "rollout.mode",
     {
-        "sync": "the weights about to be trained",
-        "lagged": "the weights of exactly rollout.lag RL steps ago",
-        "async": "the newest weights a producer thread has, at most rollout.max_staleness RL steps old",
+        "sync": RolloutMode("the weights about to be trained", multi_rank=True),
+        "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",)),
+        "async": RolloutMode("the newest weights a producer thread has, at most rollout.max_staleness RL steps old"),
     },
 )
 #: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``

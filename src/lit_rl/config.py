@@ -28,7 +28,6 @@ from omegaconf import DictConfig, OmegaConf
 from .choices import (
     ALGO_CONFIGS,
     ALGORITHMS,
-    BASELINES,
     CORRECTIONS,
     FP32_GEMM_CHOICES,
     KERNELS,
@@ -305,13 +304,6 @@ def validate(cfg: DictConfig) -> None:
     )
     if cfg.engine.dtype:
         _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
-    if cfg.algo.name == "dapo" and cfg.algo.overlong.enabled:
-        _check(
-            0 <= cfg.algo.overlong.buffer_length <= cfg.sampling.max_new_tokens,
-            "algo.overlong.buffer_length",
-            cfg.algo.overlong.buffer_length,
-            f"must lie in [0, sampling.max_new_tokens={cfg.sampling.max_new_tokens}]",
-        )
     _check(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"choose one of {list(DTYPES)}")
     _check(
         cfg.model.dtype == "float32",
@@ -324,27 +316,11 @@ def validate(cfg: DictConfig) -> None:
 
     clip = cfg.algo.clip
     _check(clip.eps_low > 0, "algo.clip.eps_low", clip.eps_low, "must be > 0")
-    if cfg.algo.name != "cispo":  # CISPO's paper turns the lower bound off with eps_low >= 1
-        _check(clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
-    if not ALGO_CONFIGS[cfg.algo.name].uses_clip:  # accepted and ignored before (a new user's finding)
-        preset = ALGO_CONFIGS[cfg.algo.name]().clip  # the schema's defaults, as its YAML preset
-        why = (
-            "its soft gate replaces the clip: tune algo.sapo.tau_pos / tau_neg"
-            if cfg.algo.name == "sapo"
-            else ("it has no ratio to clip")
-        )
-        for key in ("eps_low", "eps_high"):
-            _check(
-                clip[key] == getattr(preset, key),
-                f"algo.clip.{key}",
-                clip[key],
-                f"algo={cfg.algo.name} does not read algo.clip ({why}): leave it at {getattr(preset, key)}",
-            )
-    if cfg.algo.name == "sapo":
-        for key in ("tau_pos", "tau_neg"):
-            tau = cfg.algo.sapo[key]
-            _check(_is_number(tau) and math.isfinite(tau) and tau > 0, f"algo.sapo.{key}", tau, "must be a number > 0")
+    a = cfg.algo
+    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
+    for field, value, allowed in algo_config(cfg).problems(cfg):  # the algorithm's own rules (its dataclass)
+        _check(False, field, value, allowed)
     check_dual_clip(cfg.algo)
     _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
     check_advantage(cfg)
@@ -366,31 +342,9 @@ def validate(cfg: DictConfig) -> None:
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
-    group_baseline = algo_config(cfg).group_baseline()
-    if group_baseline and cfg.algo.name == "reinforce_pp":
-        _check(
-            ro.group_size >= 2,
-            "rollout.group_size",
-            ro.group_size,
-            "must be >= 2 for reinforce_pp with algo.baseline=group (the group's mean reward of one completion is "
-            "its own reward: zero advantage); for groups of one choose algo.baseline=none",
-        )
-    elif group_baseline and cfg.algo.name == "reinforce":
-        _check(
-            ro.group_size >= 2,
-            "rollout.group_size",
-            ro.group_size,
-            "must be >= 2 for reinforce with algo.baseline=rloo (the leave-one-out mean of the other "
-            "completions of a prompt; a group of one has none); for groups of one choose "
-            "algo.baseline=none or algo.baseline=batch_mean",
-        )
-    elif group_baseline:
-        _check(
-            ro.group_size >= 2,
-            "rollout.group_size",
-            ro.group_size,
-            f"must be >= 2 for {cfg.algo.name} (a group of one has zero advantage, so nothing is learned)",
-        )
+    algo = algo_config(cfg)
+    if algo.group_baseline():
+        _check(ro.group_size >= 2, "rollout.group_size", ro.group_size, algo.group_size_rule())
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
     check_shared_prefix(cfg)
     check_rollout_mode(ro)
@@ -413,40 +367,6 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
     _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
     check_kl(cfg)
-    a = cfg.algo
-    _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
-    if a.name == "reinforce":
-        _check(a.baseline in BASELINES, "algo.baseline", a.baseline, f"choose one of {list(BASELINES)}")
-    if a.name == "reinforce_pp":
-        _check(
-            a.baseline in ("none", "group"),
-            "algo.baseline",
-            a.baseline,
-            "choose none (REINFORCE++) or group (REINFORCE++-baseline) for reinforce_pp",
-        )
-    if a.name == "ppo":
-        _check(
-            a.value.model in ("shared", "separate"), "algo.value.model", a.value.model, "choose 'shared' or 'separate'"
-        )
-    if a.name == "dapo":
-        _check(
-            a.dynamic_sampling.max_rounds >= 1,
-            "algo.dynamic_sampling.max_rounds",
-            a.dynamic_sampling.max_rounds,
-            "must be >= 1",
-        )
-    if a.name == "ppo":
-        for key in ("gamma", "lam"):
-            value = a.gae[key]
-            _check(_is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
-    if a.name == "reinforce":
-        _check(
-            a.ppo_epochs == 1 and a.num_minibatches == 1,
-            "algo.ppo_epochs x algo.num_minibatches",
-            (a.ppo_epochs, a.num_minibatches),
-            "must be 1 x 1 for reinforce: it has no importance ratio or clip, so every update after the "
-            "first would be an uncorrected off-policy step (use ppo, grpo or cispo for several updates)",
-        )
     o = cfg.optim
     _check(_is_number(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be > 0")
     clip_norm = o.grad_clip
@@ -493,14 +413,9 @@ def validate(cfg: DictConfig) -> None:
         f"choose auto (bf16-mixed where the hardware multiplies bfloat16 natively, else 32-true) or one of "
         f"{[p for p in PRECISIONS if isinstance(p, str) and p != 'auto' and '-' in p]}",
     )
-    if str(cfg.trainer.get("strategy", "auto")) == "fsdp":
-        _check(
-            cfg.algo.name != "ppo",
-            "algo",
-            cfg.algo.name,
-            "cannot run with trainer=fsdp: PPO's critic reads the policy's backbone outside the policy's sharded "
-            "forward; use trainer=ddp for PPO",
-        )
+    refusal = ALGO_CONFIGS[cfg.algo.name].fsdp_refusal
+    if str(cfg.trainer.get("strategy", "auto")) == "fsdp" and refusal:
+        _check(False, "algo", cfg.algo.name, refusal)
     check_lora(cfg)
     timeout = cfg.reward_timeout_s
     _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
@@ -761,11 +676,13 @@ def check_rollout_mode(ro: DictConfig) -> None:
     )
     for key in ("behaviour_logprobs", "save_history"):
         _check(isinstance(ro[key], bool), f"rollout.{key}", ro[key], "must be true or false")
+    readers = ROLLOUT_MODES.names_where(lambda spec: "lag" in spec.reads)
     _check(
-        not ro.lag or mode == "lagged",
+        not ro.lag or mode in readers,
         "rollout.lag",
         ro.lag,
-        f"is read by rollout.mode=lagged only (rollout.mode={mode}); add rollout.mode=lagged",
+        f"is read by {' | '.join(f'rollout.mode={m}' for m in readers)} only (rollout.mode={mode}); add "
+        f"rollout.mode={readers[0]}",
     )
 
 
@@ -828,12 +745,13 @@ def check_world_size(cfg: DictConfig, ranks: int) -> None:
         ro.prompts_per_step,
         f"must be divisible by {named}",
     )
+    several = ROLLOUT_MODES.names_where(lambda spec: spec.multi_rank)
     _check(
-        ro.mode == "sync" or ranks == 1,
+        ranks == 1 or ro.mode in several,
         "rollout.mode",
         ro.mode,
         f"runs on one device in this version (the weight history is swapped into the trainer's module), "
-        f"not on {named}: use rollout.mode=sync there",
+        f"not on {named}: use {' or '.join(f'rollout.mode={m}' for m in several)} there",
     )
     rows = ro.prompts_per_step * ro.group_size // ranks
     per_rank = "" if ranks == 1 else f" / {ranks} ranks"

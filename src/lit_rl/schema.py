@@ -18,7 +18,8 @@ writes) into the dataclass, filling what the mapping leaves out with the default
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, TypeVar, Union
 
@@ -253,10 +254,53 @@ class AlgoConfig:
     #: per-token returns that ``kl.mode=reward`` folds the KL into; False: kl.mode=reward is refused
     kl_in_reward: ClassVar[bool] = False
 
+    #: the objective's ratio clip has a lower bound 1 - eps_low, so eps_low < 1 (CISPO: eps_low >= 1 turns it off)
+    clip_has_lower_bound: ClassVar[bool] = True
+    #: why ``algo.clip`` is not read, for an algorithm with ``uses_clip = False``
+    no_clip_reason: ClassVar[str] = "it has no ratio to clip"
+    #: why ``trainer=fsdp`` cannot run this algorithm, or None when it can
+    fsdp_refusal: ClassVar[Optional[str]] = None
+
     def group_baseline(self) -> bool:
         """True when the advantage's baseline is a statistic of the prompt's group, so ``rollout.group_size``
         must be >= 2 (a group of one has zero advantage). Default: True (``objectives.group_advantages``)."""
         return True
+
+    def group_size_rule(self) -> str:
+        """What ``config.validate`` says of ``rollout.group_size`` < 2 when ``group_baseline()`` holds."""
+        return f"must be >= 2 for {self.name} (a group of one has zero advantage, so nothing is learned)"
+
+    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+        """The values this algorithm refuses, each as (field, value, what is allowed); ``config.validate``
+        raises ConfigError for the first. ``run``: the whole config (for the fields an option is bounded by).
+        The base: ``algo.clip.eps_low`` < 1 where the clip has a lower bound, and ``algo.clip`` at the preset's
+        values where the objective reads no clip. Each algorithm adds its own options' rules."""
+        clip = self.clip
+        if self.clip_has_lower_bound:
+            yield from _rule(
+                clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)"
+            )
+        if not self.uses_clip:  # accepted and ignored before (a new user's finding)
+            preset = type(self)().clip  # the schema's defaults, as its YAML preset
+            for key in ("eps_low", "eps_high"):
+                value = getattr(clip, key)
+                yield from _rule(
+                    value == getattr(preset, key),
+                    f"algo.clip.{key}",
+                    value,
+                    f"algo={self.name} does not read algo.clip ({self.no_clip_reason}): leave it at "
+                    f"{getattr(preset, key)}",
+                )
+
+
+def _rule(ok: bool, field: str, value, allowed: str) -> Iterator[tuple[str, object, str]]:
+    """(field, value, allowed) once unless ``ok``: one problem of ``AlgoConfig.problems``."""
+    if not ok:
+        yield field, value, allowed
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Each algorithm's own defaults for ``algo`` (``Algorithm.algo_config``): what its conf/algo/<name>.yaml sets,
@@ -268,10 +312,32 @@ class ReinforceConfig(AlgoConfig):
     group_normalised = False  # its own baselines (algo.baseline)
     ppo_clip = False
     uses_clip = False  # no ratio to clip
+    #: ``algo.baseline`` of reinforce (``objectives.baseline_advantages``)
+    baselines: ClassVar[tuple[str, ...]] = ("none", "batch_mean", "rloo")
 
     def group_baseline(self) -> bool:
         """Only the leave-one-out baseline (``algo.baseline=rloo``) reads the group."""
         return self.baseline == "rloo"
+
+    def group_size_rule(self) -> str:
+        return (
+            "must be >= 2 for reinforce with algo.baseline=rloo (the leave-one-out mean of the other "
+            "completions of a prompt; a group of one has none); for groups of one choose "
+            "algo.baseline=none or algo.baseline=batch_mean"
+        )
+
+    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+        yield from super().problems(run)
+        yield from _rule(
+            self.baseline in self.baselines, "algo.baseline", self.baseline, f"choose one of {list(self.baselines)}"
+        )
+        yield from _rule(
+            self.ppo_epochs == 1 and self.num_minibatches == 1,
+            "algo.ppo_epochs x algo.num_minibatches",
+            (self.ppo_epochs, self.num_minibatches),
+            "must be 1 x 1 for reinforce: it has no importance ratio or clip, so every update after the "
+            "first would be an uncorrected off-policy step (use ppo, grpo or cispo for several updates)",
+        )
 
 
 @dataclass
@@ -287,6 +353,21 @@ class ReinforcePpConfig(AlgoConfig):
         """Only REINFORCE++-baseline (``algo.baseline=group``) reads the group."""
         return self.baseline == "group"
 
+    def group_size_rule(self) -> str:
+        return (
+            "must be >= 2 for reinforce_pp with algo.baseline=group (the group's mean reward of one completion is "
+            "its own reward: zero advantage); for groups of one choose algo.baseline=none"
+        )
+
+    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+        yield from super().problems(run)
+        yield from _rule(
+            self.baseline in ("none", "group"),
+            "algo.baseline",
+            self.baseline,
+            "choose none (REINFORCE++) or group (REINFORCE++-baseline) for reinforce_pp",
+        )
+
 
 @dataclass
 class PpoConfig(AlgoConfig):
@@ -296,10 +377,22 @@ class PpoConfig(AlgoConfig):
 
     group_normalised = False  # GAE
     kl_in_reward = True  # -beta * KL in the per-token reward before GAE
+    fsdp_refusal = (
+        "cannot run with trainer=fsdp: PPO's critic reads the policy's backbone outside the policy's sharded "
+        "forward; use trainer=ddp for PPO"
+    )
 
     def group_baseline(self) -> bool:
         """False: the critic's value is the baseline (GAE), not the group."""
         return False
+
+    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+        yield from super().problems(run)
+        model = self.value.model
+        yield from _rule(model in ("shared", "separate"), "algo.value.model", model, "choose 'shared' or 'separate'")
+        for key in ("gamma", "lam"):
+            value = getattr(self.gae, key)
+            yield from _rule(_is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
 
 
 @dataclass
@@ -308,6 +401,19 @@ class DapoConfig(AlgoConfig):
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=0.2, eps_high=0.28))
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig(enabled=True))
     overlong: OverlongConfig = field(default_factory=lambda: OverlongConfig(enabled=True))
+
+    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+        if self.overlong.enabled:  # the buffer lies inside the generation cap
+            cap, buffer = run.sampling.max_new_tokens, self.overlong.buffer_length
+            yield from _rule(
+                0 <= buffer <= cap,
+                "algo.overlong.buffer_length",
+                buffer,
+                f"must lie in [0, sampling.max_new_tokens={cap}]",
+            )
+        yield from super().problems(run)
+        rounds = self.dynamic_sampling.max_rounds
+        yield from _rule(rounds >= 1, "algo.dynamic_sampling.max_rounds", rounds, "must be >= 1")
 
 
 @dataclass
@@ -329,6 +435,15 @@ class SapoConfig(AlgoConfig):
 
     ppo_clip = False
     uses_clip = False  # the soft gate's temperatures algo.sapo.tau_pos / tau_neg take its place
+    no_clip_reason = "its soft gate replaces the clip: tune algo.sapo.tau_pos / tau_neg"
+
+    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+        yield from super().problems(run)
+        for key in ("tau_pos", "tau_neg"):
+            tau = getattr(self.sapo, key)
+            yield from _rule(
+                _is_number(tau) and math.isfinite(tau) and tau > 0, f"algo.sapo.{key}", tau, "must be a number > 0"
+            )
 
 
 @dataclass
@@ -338,6 +453,7 @@ class CispoConfig(AlgoConfig):
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=1.0, eps_high=0.28))
 
     ppo_clip = False  # a clipped importance weight, not the PPO surrogate
+    clip_has_lower_bound = False  # CISPO's paper turns the lower bound off with eps_low >= 1
 
 
 @dataclass

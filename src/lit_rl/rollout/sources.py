@@ -30,9 +30,10 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ..choices import ROLLOUT_MODES, RolloutMode
 from ..registry import Registry
 from ..schema import RolloutConfig, config_of
-from .staleness import ROLLOUT_MODES, StaleRollouts
+from .staleness import StaleRollouts
 from .types import RolloutEngine
 
 
@@ -175,19 +176,20 @@ class StaleSource(RolloutSource):
         self.stale.close()  # no producer thread outlives the run (exceptions: ``RolloutSourceShutdown``)
 
 
-#: ``rollout.mode`` -> its ``RolloutSource`` class (the names and descriptions: ``staleness.ROLLOUT_MODES``)
+#: ``rollout.mode`` -> its ``RolloutSource`` class (the names and what the checks know: ``choices.ROLLOUT_MODES``)
 ROLLOUT_SOURCES: Registry[type[RolloutSource]] = Registry(
     "rollout.mode", {"sync": SyncSource, "lagged": StaleSource, "async": StaleSource}
 )
 
 
-def register_source(name: str, description: str):
-    """Class decorator: make ``rollout.mode=<name>`` build the decorated ``RolloutSource`` subclass
-    (``description`` is what ``config.validate`` lists beside the name). Raises ValueError for a taken name."""
+def register_source(name: str, description: str, reads: tuple[str, ...] = (), multi_rank: bool = False):
+    """Class decorator: make ``rollout.mode=<name>`` build the decorated ``RolloutSource`` subclass; the rest is
+    what ``config.validate`` knows of the mode (``choices.RolloutMode``: what it samples with, the ``rollout``
+    fields only it reads, whether it runs on several ranks). Raises ValueError for a taken name."""
 
     def decorate(cls: type[RolloutSource]) -> type[RolloutSource]:
         ROLLOUT_SOURCES.register(name, cls)
-        ROLLOUT_MODES.register(name, description)
+        ROLLOUT_MODES.register(name, RolloutMode(description, tuple(reads), bool(multi_rank)))
         return cls
 
     return decorate
