@@ -112,15 +112,13 @@ def assemble_loss(
 
     Args:
         pg_loss: float [n, T], the objective's per-token policy-gradient loss ℓ_t (to minimise).
-        scores: the trainer's ``TokenScores`` of the micro-batch: ``logprobs`` [n, T] (with gradient),
-            ``entropy`` [n, T], ``head_logprobs`` [n, T, k] (score centering) or None.
+        scores: the trainer's ``TokenScores``: ``logprobs`` [n, T] (with gradient), ``entropy``, ``head_logprobs``.
         old_logprobs: float [n, T], log π_old (the trainer's forward itself when one update per batch).
         mb: the micro-batch (``rollout.types.RolloutBatch``): ``response_mask`` [n, T] bool,
             ``rollout_logprobs`` μ [n, T], ``behaviour_logprobs`` (stale rows' p_o, NaN for the trained
             version's rows, or None), the head ``topk_logprobs`` / ``old_head_logprobs`` for score centering.
         settings: the run's ``LossSettings``.
-        num_tokens, num_seqs: 0-dim, the whole step's valid tokens and sequences (over every micro-batch and
-            data-parallel rank), the reduction's denominators.
+        num_tokens, num_seqs: 0-dim, the whole step's valid tokens and sequences (all micro-batches and ranks).
         score_coefficients: ``(log_ratio [n, T, J], sampled_log_ratio [n, T]) -> c [n, T, J]``, the objective's
             ∂ℓ_t/∂log π had each head token been sampled; needed with score centering.
         ref_logprobs: float [n, T], the frozen reference's log-probs (no gradient), or None without a reference.
@@ -150,18 +148,9 @@ def assemble_loss(
     if settings.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
         token_loss = obj.entropy_bonus_loss(token_loss, scores.entropy, settings.entropy_coef)
     if ref_logprobs is not None:
-        kl = obj.approx_kl(logprobs, ref_logprobs, settings.kl_estimator)
-        beta = kl_coef if settings.kl_in_loss else 0.0  # kl.mode=reward: in the returns (the snapshot)
-        if beta > 0:
-            token_loss = token_loss + beta * kl
-        metrics.add("train/ref_kl", kl, m)
-        if settings.kl_in_loss:  # the KL per sequence, what the adaptive controller reads
-            metrics.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
-        # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
-        # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
-        # comparable between samplers, where ref_kl measures the two policies on mu's tokens
-        w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
-        metrics.add("train/ref_kl_is", w * kl, m)
+        kl_term = reference_kl_term(logprobs, ref_logprobs, old_logprobs, mb, settings, kl_coef, metrics)
+        if kl_term is not None:
+            token_loss = token_loss + kl_term
     metrics.add("train/entropy", scores.entropy, m)
     metrics.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
     # the ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines), r_stale = pi_theta/p_o
@@ -185,3 +174,30 @@ def assemble_loss(
         max_response_length=settings.max_response_length,
     )
     return loss, metrics
+
+
+def reference_kl_term(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    old_logprobs: Tensor,
+    mb,
+    settings: LossSettings,
+    kl_coef: float,
+    metrics: TokenMetrics,
+) -> Tensor | None:
+    """The KL to the frozen reference as a per-token loss term: β · kl_t (``kl.estimator`` of π_θ against π_ref,
+    [n, T]) when ``settings.kl_in_loss`` and β > 0, else None (``kl.mode=reward``: the KL went into the returns).
+    Records ``train/ref_kl``, ``train/ref_kl_seq`` (``kl.mode=loss``: the KL per sequence, what the adaptive
+    controller reads) and ``train/ref_kl_is`` into ``metrics``."""
+    m = mb.response_mask
+    kl = obj.approx_kl(logprobs, ref_logprobs, settings.kl_estimator)
+    metrics.add("train/ref_kl", kl, m)
+    if settings.kl_in_loss:
+        metrics.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
+    # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
+    # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
+    # comparable between samplers, where ref_kl measures the two policies on mu's tokens
+    w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
+    metrics.add("train/ref_kl_is", w * kl, m)
+    beta = kl_coef if settings.kl_in_loss else 0.0
+    return beta * kl if beta > 0 else None

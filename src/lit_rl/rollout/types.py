@@ -64,7 +64,8 @@ class RolloutBatch:
     prompt_ids [N, P_max] int64 left-padded; prompt_mask [N, P_max] bool;
     response_ids [N, T] int64 right-padded; response_mask [N, T] bool (valid response tokens: the loss,
     and every statistic, is taken over these only); rollout_logprobs [N, T] float32;
-    rewards [N] float32; advantages [N] (or [N, T] for token-level critics) float32;
+    rewards [N] float32; advantages [N] (or [N, T] for token-level estimators) float32, None until the algorithm
+    has computed them (``RLModule.build_batch``);
     group_ids [N] int64 (the prompt id — groups are identified by it, never by row position);
     policy_version [N] int64; old_logprobs [N, T] float32 or None (filled by the trainer);
     behaviour_logprobs [N, T] float32 or None: the trainer's log-probs under the weights that generated each
@@ -81,7 +82,7 @@ class RolloutBatch:
     response_mask: Tensor
     rollout_logprobs: Tensor
     rewards: Tensor
-    advantages: Tensor
+    advantages: Tensor | None
     group_ids: Tensor
     policy_version: Tensor
     old_logprobs: Tensor | None = None
