@@ -1,7 +1,8 @@
 """The fixed step and the cross-part config checks never name an algorithm or a rollout mode: what a paper changes
-is its ``Algorithm`` (and its config dataclass's rules), what a rollout mode changes is its ``RolloutSource``. A scan of the step's modules for string constants equal to a
-registered name (a branch such as ``algo.name == "dapo"`` or ``mode in ("lagged", "async")``) and for identifiers
-built from an algorithm's name (an attribute such as ``self.ppo_critic``)."""
+is its ``Algorithm`` (and its config dataclass's rules), what a rollout mode changes is its ``RolloutSource``. A
+scan of the step's modules for string constants equal to a registered name (a branch such as
+``algo.name == "dapo"`` or ``mode in ("lagged", "async")``) and for identifiers built from an algorithm's name (an
+attribute such as ``self.ppo_critic``)."""
 
 import ast
 import os
