@@ -8,6 +8,7 @@ import ast
 import os
 
 import pytest
+import torch
 from helpers import ROOT
 
 from lit_rl.algorithms import ALGORITHMS
@@ -69,3 +70,20 @@ def test_the_scan_finds_a_branch_on_a_name(tmp_path):
     path.write_text('"""doc mentioning dapo"""\ndef f(cfg):\n    return cfg.algo.name == "dapo" or cfg.ppo_critic\n')
     strings, identifiers = names_in(str(path))
     assert "dapo" in strings and "doc mentioning dapo" not in strings and "ppo_critic" in identifiers
+
+
+def test_a_ppo_checkpoint_written_before_the_algorithm_was_a_child_module_still_loads(tiny):
+    from lit_rl.algorithms.module import RLModule, upgraded_state_dict
+
+    def ppo():
+        return RLModule(*tiny, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, algo={"name": "ppo"})
+
+    module = ppo()
+    torch.nn.init.normal_(module.algorithm.value_head.weight)
+    now = module.state_dict()
+    before = {k.removeprefix("algorithm."): v for k, v in now.items()}  # the keys such a checkpoint holds
+    assert "value_head.weight" in before and "algorithm.value_head.weight" not in before
+    other = ppo()
+    other.load_state_dict(upgraded_state_dict(before))  # strict
+    assert torch.equal(other.algorithm.value_head.weight, module.algorithm.value_head.weight)
+    assert upgraded_state_dict(now).keys() == now.keys()  # today's checkpoints pass through

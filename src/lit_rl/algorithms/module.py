@@ -112,6 +112,17 @@ def algorithm_class(algo: AlgoConfig | Mapping | None) -> type[Algorithm]:
     return ALGORITHMS[name]
 
 
+#: state-dict key prefixes of an algorithm's own modules in checkpoints written before the algorithm was a child of
+#: the step (PPO's critic and value head were attributes of the LightningModule itself)
+ALGORITHM_KEYS_BEFORE = ("value_head.", "critic.")
+
+
+def upgraded_state_dict(state_dict: dict) -> dict:
+    """``state_dict`` with the keys of a checkpoint written before the algorithm became the step's child module
+    (``value_head.*``, ``critic.*``) under their names now (``algorithm.value_head.*``...); other keys as they are."""
+    return {f"algorithm.{k}" if k.startswith(ALGORITHM_KEYS_BEFORE) else k: v for k, v in state_dict.items()}
+
+
 class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.LightningModule):
     """The RL step: rollouts from the source, the algorithm's advantages and objective, the exact micro-batched
     update.
@@ -651,6 +662,10 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             checkpoint["lit_rl"]["stale_rollouts"] = source_state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """The step's own state (the guard's counters, beta, the source's); the weights' keys of a checkpoint
+        written before the algorithm became a child module are renamed first (``upgraded_state_dict``)."""
+        if "state_dict" in checkpoint:
+            checkpoint["state_dict"] = upgraded_state_dict(checkpoint["state_dict"])
         state = checkpoint.get("lit_rl", {})
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
