@@ -3,7 +3,7 @@
 Each error names the field, the value given and what is allowed.
 
 What runs when. This module imports neither torch nor Lightning (the named choices it checks against are in
-``lit_rl.choices``, each algorithm's flags on its config dataclass in ``lit_rl.schema``), and ``validate`` checks
+``lit_rl.choices``, each algorithm's flags on its config dataclass in ``lit_rl.schema.algo``), and ``validate`` checks
 the values first, so ``recipes/train.py`` refuses a bad value before either loads. The checks that need torch,
 vLLM or the user's code run after every value has passed (``check_environment``):
 
