@@ -17,11 +17,11 @@ One module per family of groups, each torch-free; every name is importable from 
 - ``trainer``: ``update``, ``optim``, ``eval``, ``log``, ``checkpoint``, ``logger`` and the Trainer's defaults;
 - ``train`` and ``probe``: the primary configs, ``TrainConfig`` (``conf/train.yaml``) and ``ProbeRunConfig``
   (``conf/probe.yaml``);
-- ``base``: the ``Number`` field type and ``config_of``.
+- ``base``: the ``Number`` field type, ``config_of`` and the pieces of ``problems``.
 
 Adding a field: add it to its dataclass (type, default, ``#:`` doc), to the group's YAML file with a comment,
-and read it as an attribute (``cfg.algo.ppo_epochs``); a range check that involves only this field goes to
-``config.validate`` with the others.
+and read it as an attribute (``cfg.algo.ppo_epochs``). A range check that involves only its own section goes to
+the dataclass's ``problems`` (``base``: what it yields, torch-free), one across sections to ``config.validate``.
 
 ``config_of(cls, mapping)`` turns a plain dict (what ``OmegaConf.to_container`` gives, or what a test
 writes) into the dataclass, filling what the mapping leaves out with the defaults and refusing unknown keys.

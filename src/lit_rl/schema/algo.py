@@ -9,11 +9,10 @@ sets) and answers what ``config.validate`` asks of it before torch loads: ClassV
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from .base import Number
+from .base import Number, Problems, is_number, rule
 
 
 @dataclass
@@ -136,37 +135,27 @@ class AlgoConfig:
         """What ``config.validate`` says of ``rollout.group_size`` < 2 when ``group_baseline()`` holds."""
         return f"must be >= 2 for {self.name} (a group of one has zero advantage, so nothing is learned)"
 
-    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+    def problems(self, run) -> Problems:
         """The values this algorithm refuses, each as (field, value, what is allowed); ``config.validate``
         raises ConfigError for the first. ``run``: the whole config (for the fields an option is bounded by).
         The base: ``algo.clip.eps_low`` < 1 where the clip has a lower bound, and ``algo.clip`` at the preset's
         values where the objective reads no clip. Each algorithm adds its own options' rules."""
         clip = self.clip
         if self.clip_has_lower_bound:
-            yield from _rule(
+            yield from rule(
                 clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)"
             )
         if not self.uses_clip:  # accepted and ignored before (a new user's finding)
             preset = type(self)().clip  # the schema's defaults, as its YAML preset
             for key in ("eps_low", "eps_high"):
                 value = getattr(clip, key)
-                yield from _rule(
+                yield from rule(
                     value == getattr(preset, key),
                     f"algo.clip.{key}",
                     value,
                     f"algo={self.name} does not read algo.clip ({self.no_clip_reason}): leave it at "
                     f"{getattr(preset, key)}",
                 )
-
-
-def _rule(ok: bool, field: str, value, allowed: str) -> Iterator[tuple[str, object, str]]:
-    """(field, value, allowed) once unless ``ok``: one problem of ``AlgoConfig.problems``."""
-    if not ok:
-        yield field, value, allowed
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Each algorithm's own defaults for ``algo`` (``Algorithm.algo_config``): what its conf/algo/<name>.yaml sets,
@@ -192,12 +181,12 @@ class ReinforceConfig(AlgoConfig):
             "algo.baseline=none or algo.baseline=batch_mean"
         )
 
-    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+    def problems(self, run) -> Problems:
         yield from super().problems(run)
-        yield from _rule(
+        yield from rule(
             self.baseline in self.baselines, "algo.baseline", self.baseline, f"choose one of {list(self.baselines)}"
         )
-        yield from _rule(
+        yield from rule(
             self.ppo_epochs == 1 and self.num_minibatches == 1,
             "algo.ppo_epochs x algo.num_minibatches",
             (self.ppo_epochs, self.num_minibatches),
@@ -225,9 +214,9 @@ class ReinforcePpConfig(AlgoConfig):
             "its own reward: zero advantage); for groups of one choose algo.baseline=none"
         )
 
-    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+    def problems(self, run) -> Problems:
         yield from super().problems(run)
-        yield from _rule(
+        yield from rule(
             self.baseline in ("none", "group"),
             "algo.baseline",
             self.baseline,
@@ -252,13 +241,13 @@ class PpoConfig(AlgoConfig):
         """False: the critic's value is the baseline (GAE), not the group."""
         return False
 
-    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+    def problems(self, run) -> Problems:
         yield from super().problems(run)
         model = self.value.model
-        yield from _rule(model in ("shared", "separate"), "algo.value.model", model, "choose 'shared' or 'separate'")
+        yield from rule(model in ("shared", "separate"), "algo.value.model", model, "choose 'shared' or 'separate'")
         for key in ("gamma", "lam"):
             value = getattr(self.gae, key)
-            yield from _rule(_is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
+            yield from rule(is_number(value) and 0 <= value <= 1, f"algo.gae.{key}", value, "must lie in [0, 1]")
 
 
 @dataclass
@@ -268,10 +257,10 @@ class DapoConfig(AlgoConfig):
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=lambda: DynamicSamplingConfig(enabled=True))
     overlong: OverlongConfig = field(default_factory=lambda: OverlongConfig(enabled=True))
 
-    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+    def problems(self, run) -> Problems:
         if self.overlong.enabled:  # the buffer lies inside the generation cap
             cap, buffer = run.sampling.max_new_tokens, self.overlong.buffer_length
-            yield from _rule(
+            yield from rule(
                 0 <= buffer <= cap,
                 "algo.overlong.buffer_length",
                 buffer,
@@ -279,7 +268,7 @@ class DapoConfig(AlgoConfig):
             )
         yield from super().problems(run)
         rounds = self.dynamic_sampling.max_rounds
-        yield from _rule(rounds >= 1, "algo.dynamic_sampling.max_rounds", rounds, "must be >= 1")
+        yield from rule(rounds >= 1, "algo.dynamic_sampling.max_rounds", rounds, "must be >= 1")
 
 
 @dataclass
@@ -303,12 +292,12 @@ class SapoConfig(AlgoConfig):
     uses_clip = False  # the soft gate's temperatures algo.sapo.tau_pos / tau_neg take its place
     no_clip_reason = "its soft gate replaces the clip: tune algo.sapo.tau_pos / tau_neg"
 
-    def problems(self, run) -> Iterator[tuple[str, object, str]]:
+    def problems(self, run) -> Problems:
         yield from super().problems(run)
         for key in ("tau_pos", "tau_neg"):
             tau = getattr(self.sapo, key)
-            yield from _rule(
-                _is_number(tau) and math.isfinite(tau) and tau > 0, f"algo.sapo.{key}", tau, "must be a number > 0"
+            yield from rule(
+                is_number(tau) and math.isfinite(tau) and tau > 0, f"algo.sapo.{key}", tau, "must be a number > 0"
             )
 
 

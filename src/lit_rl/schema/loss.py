@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .base import Number
+from .base import Number, Problems, is_number, rule
 
 
 @dataclass
@@ -55,6 +55,38 @@ class CorrectionConfig:
     tis: TisConfig = field(default_factory=TisConfig)
     mis: MisConfig = field(default_factory=MisConfig)
     sc: ScConfig = field(default_factory=ScConfig)
+
+    def problems(self, run) -> Problems:
+        """The values of the correction's parts it refuses (``schema.base``: ``config.validate`` raises
+        ConfigError for the first); each part is checked whether enabled or not."""
+        tis, mis, sc = self.tis, self.mis, self.sc
+        yield from rule(tis.cap > 0, "correction.tis.cap", tis.cap, "must be > 0")
+        yield from rule(0 <= mis.low < mis.high, "correction.mis.low/high", (mis.low, mis.high), "need 0 <= low < high")
+        yield from rule(
+            isinstance(mis.weighted, bool),
+            "correction.mis.weighted",
+            mis.weighted,
+            "true (kept tokens keep their weight, IcePop/TRL) or false (mask only, verl's rejection sampling)",
+        )
+        yield from rule(sc.top_k >= 1, "correction.sc.top_k", sc.top_k, "must be >= 1")
+        yield from rule(sc.mode in ("topk", "exact"), "correction.sc.mode", sc.mode, "choose 'topk' or 'exact'")
+        yield from rule(
+            tis.level in ("token", "sequence"), "correction.tis.level", tis.level, "choose 'token' or 'sequence'"
+        )
+        yield from rule(
+            mis.level in ("token", "sequence", "geometric"),
+            "correction.mis.level",
+            mis.level,
+            "choose 'token', 'sequence' or 'geometric' (the geometric mean of the sequence's ratios)",
+        )
+        low = tis.low
+        yield from rule(
+            low is None or (is_number(low) and 0 < low <= min(1.0, tis.cap)),
+            "correction.tis.low",
+            low,
+            f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={tis.cap})] (an on-policy token, "
+            "weight 1, must keep its weight)",
+        )
 
 
 @dataclass

@@ -4,11 +4,12 @@ what scores a completion."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from .base import Number
+from .base import Number, Problems, is_int, is_number, rule
 
 
 @dataclass
@@ -22,6 +23,14 @@ class TaskConfig:
     #: a number: every completion gets it (experiment=constant_reward_drift); null = the verifier's reward.
     #: Untyped here so that ``config.validate`` names a bad value
     constant_reward: Any = None
+
+    def problems(self, run) -> Problems:
+        """The values this task option refuses (``schema.base``: ``config.validate`` raises ConfigError for the
+        first); ``run``: the whole config. The base: ``constant_reward``; each option adds its own fields'."""
+        constant = self.constant_reward
+        yield from rule(
+            constant is None or is_number(constant), "task.constant_reward", constant, "must be null or a number"
+        )
 
 
 @dataclass
@@ -48,6 +57,14 @@ class Gsm8kConfig(TaskConfig):
     hub_config: str = "main"
     max_train: Optional[int] = None
     max_eval: Optional[int] = None
+
+    def problems(self, run) -> Problems:
+        yield from super().problems(run)
+        if self.path:
+            path = Path(self.path).expanduser()
+            yield from rule(
+                path.is_dir(), "task.path", self.path, "must be a folder holding train.jsonl and test.jsonl"
+            )
 
 
 @dataclass
@@ -79,6 +96,49 @@ class DatasetConfig(TaskConfig):
     max_examples: Optional[int] = None
     #: a prompt longer than the context leaves for max_new_tokens: drop (counted) | error
     overlong_prompts: str = "drop"
+
+    def problems(self, run) -> Problems:
+        """Beyond the base's: what can be checked without reading the data: a local path or data file exists, the
+        options lie in range, and an evaluation has a split to read (``run.eval.num_examples``). The data's own
+        problems (splits, columns, rows) are reported when the task loads, still before the model
+        (``tasks.DatasetTask``)."""
+        yield from super().problems(run)
+        from ..tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
+
+        yield from rule(
+            bool(self.path) or bool(self.data_files),
+            "task.path",
+            self.path,
+            "task=dataset needs task.path (a data file, a saved-dataset folder or a hub id) or task.data_files",
+        )
+        if self.path and looks_local(str(self.path)):
+            yield from rule(
+                Path(str(self.path)).expanduser().exists(),
+                "task.path",
+                self.path,
+                f"no such file or folder (a data file {'/'.join(FORMATS)}, a folder, or a hub id org/name)",
+            )
+        fraction = self.eval_fraction
+        yield from rule(is_number(fraction) and 0 <= fraction < 1, "task.eval_fraction", fraction, "must lie in [0, 1)")
+        yield from rule(
+            self.max_examples is None or (is_int(self.max_examples) and self.max_examples >= 1),
+            "task.max_examples",
+            self.max_examples,
+            "must be null or an integer >= 1",
+        )
+        yield from rule(
+            self.overlong_prompts in OVERLONG_PROMPTS,
+            "task.overlong_prompts",
+            self.overlong_prompts,
+            f"choose one of {list(OVERLONG_PROMPTS)}",
+        )
+        yield from rule(
+            self.eval_split is not None or fraction > 0 or run.eval.num_examples == 0,
+            "eval.num_examples",
+            run.eval.num_examples,
+            "task=dataset has no evaluation split: set task.eval_split, or task.eval_fraction (a held-out share), "
+            "or eval.num_examples=0",
+        )
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .base import Number
+from .base import Number, Problems, int_rule, is_int, is_number, rule
 
 
 @dataclass
@@ -34,6 +34,23 @@ class EvalConfig:
     #: 0 = greedy
     temperature: Number = 0.0
 
+    def problems(self, run) -> Problems:
+        """The evaluation's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
+        first); ``eval.max_new_tokens`` is checked beside ``sampling``'s cap."""
+        yield from int_rule(self.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
+        yield from int_rule(self.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
+        yield from int_rule(self.batch_size, "eval.batch_size", 1)
+        n, k, temperature = self.n, self.k, self.temperature
+        yield from int_rule(n, "eval.n", 1, " (samples per problem)")
+        yield from rule(is_int(k) and 1 <= k <= n, "eval.k", k, f"must be an integer in [1, eval.n={n}]")
+        yield from rule(is_number(temperature) and temperature >= 0, "eval.temperature", temperature, "must be >= 0")
+        yield from rule(
+            n == 1 or temperature > 0,
+            "eval.temperature",
+            temperature,
+            f"must be > 0 with eval.n={n} (greedy decoding gives n equal samples)",
+        )
+
 
 @dataclass
 class LogConfig:
@@ -47,6 +64,14 @@ class LogConfig:
     #: one plain line per step (step, reward, response length, s/step, tokens/s): auto (when stdout is not a
     #: terminal, which also turns the progress bar off) | true | false
     plain_lines: Any = "auto"
+
+    def problems(self, run) -> Problems:
+        """The values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
+        yield from int_rule(self.samples_every_n_steps, "log.samples_every_n_steps", 0, " (0 = never)")
+        yield from int_rule(self.num_samples, "log.num_samples", 1)
+        yield from rule(
+            self.plain_lines in ("auto", True, False), "log.plain_lines", self.plain_lines, "auto, true or false"
+        )
 
 
 @dataclass
@@ -64,12 +89,29 @@ class OptimConfig:
     #: that ``config.validate`` names a bad value
     max_nonfinite_updates: Any = 3
 
+    def problems(self, run) -> Problems:
+        """The values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
+        yield from rule(is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        clip_norm = self.grad_clip
+        yield from rule(
+            clip_norm is None or (is_number(clip_norm) and clip_norm >= 0),
+            "optim.grad_clip",
+            clip_norm,
+            "must be >= 0 (0 or null = no clipping)",
+        )
+        yield from int_rule(self.warmup_steps, "optim.warmup_steps", 0)
+        yield from int_rule(self.max_nonfinite_updates, "optim.max_nonfinite_updates", 0, " (0 = never stop)")
+
 
 @dataclass
 class CheckpointConfig:
     """``checkpoint``: Lightning checkpoints (weights, optimizer, step) in <run>/checkpoints."""
 
     every_n_steps: int = 10
+
+    def problems(self, run) -> Problems:
+        """The value it refuses (``schema.base``: ``config.validate`` raises ConfigError for it)."""
+        yield from int_rule(self.every_n_steps, "checkpoint.every_n_steps", 1)
 
 
 def _trainer_defaults() -> dict[str, Any]:
