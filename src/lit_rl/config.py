@@ -2,8 +2,14 @@
 
 Each error names the field, the value given and what is allowed.
 
+What is checked where. ``validate`` is a short sequence of named checks, part by part, always in the same order
+(the first bad value is the one reported). A value that only its own section bounds is checked by that section's
+dataclass in ``lit_rl.schema`` (``problems``: the algorithm's rules, the task option's fields, the engine's
+mismatch dial, correction, rollout's stale-rollout fields, sampling, optim, checkpoint, eval, log); this module
+holds the checks that cross parts or read a registry of ``lit_rl.choices``, and raises ConfigError.
+
 What runs when. This module imports neither torch nor Lightning (the named choices it checks against are in
-``lit_rl.choices``, each algorithm's flags on its config dataclass in ``lit_rl.schema``), and ``validate`` checks
+``lit_rl.choices``, each algorithm's flags on its config dataclass in ``lit_rl.schema.algo``), and ``validate`` checks
 the values first, so ``recipes/train.py`` refuses a bad value before either loads. The checks that need torch,
 vLLM or the user's code run after every value has passed (``check_environment``):
 
@@ -33,14 +39,27 @@ from .choices import (
     KERNELS,
     KL_KINDS,
     KL_MODES,
-    ON_STALE,
     REDUCTION_MODES,
     ROLLOUT_MODES,
     SCALES,
     STD_KINDS,
 )
 from .choices import ENGINE_CHOICES as ENGINES
-from .schema import AlgoConfig, config_of
+from .schema import (
+    SCHEMAS,
+    AlgoConfig,
+    CheckpointConfig,
+    CorrectionConfig,
+    EngineConfig,
+    EvalConfig,
+    LogConfig,
+    OptimConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TaskConfig,
+    config_of,
+)
+from .schema.base import Problems, is_int, is_number
 from .tasks import TASKS
 
 DTYPES = ("float32", "bfloat16")
@@ -72,192 +91,71 @@ def _check(ok: bool, field: str, value, allowed: str) -> None:
         raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
 
 
-def check_shared_prefix(cfg) -> None:
-    """``update.shared_prefix``: auto, true or false; true is refused with ``model.gradient_checkpointing``
-    (transformers drops the KV cache inside checkpointed layers, so the prompt could not be reused; auto turns
-    sharing off there instead). Raises ConfigError naming the field."""
-    update = cfg.get("update") or {}
-    value = update.get("shared_prefix", "auto")
-    _check(value in ("auto", True, False), "update.shared_prefix", value, "choose auto, true or false")
-    checkpointing = bool((cfg.get("model") or {}).get("gradient_checkpointing", False))
-    _check(
-        not (value is True and checkpointing),
-        "update.shared_prefix",
-        value,
-        "cannot be true with model.gradient_checkpointing=true (checkpointed layers drop the KV cache the "
-        "completions would reuse); choose auto (sharing off there) or false",
-    )
-
-
-def check_vllm() -> None:
-    """Raise ConfigError for ``engine=vllm`` when vLLM is not installed, saying how to install it."""
-    from .rollout.engines import vllm_installed
-    from .rollout.vllm_engine import VLLM_INSTALL  # imports torch, not vllm: after the torch-free checks
-
-    if not vllm_installed():
-        raise ConfigError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
-
-
-def check_vllm_engine(cfg: DictConfig) -> None:
-    """The vLLM fields of ``engine`` (``engine=vllm`` or ``auto``): GPU-only features only with CUDA, tensor
-    parallel only out of process; under DDP/FSDP one in-process engine per rank, tensor parallel 1."""
-    import torch
-
-    e = cfg.engine
-    for key in ("sleep_mode", "cuda_graphs"):
-        value = e[key]
-        _check(value in ("auto", True, False), f"engine.{key}", value, "choose auto, true or false")
-        _check(
-            value is not True or torch.cuda.is_available(),
-            f"engine.{key}",
-            value,
-            "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false",
-        )
-    _check_int(e.tensor_parallel_size, "engine.tensor_parallel_size", 1)
-    _check(
-        e.tensor_parallel_size == 1 or not e.in_process,
-        "engine.tensor_parallel_size",
-        e.tensor_parallel_size,
-        "> 1 needs engine.in_process=false (tensor-parallel workers are processes)",
-    )
-    util = e.gpu_memory_utilization
-    _check(_is_number(util) and 0 < util <= 1, "engine.gpu_memory_utilization", util, "must lie in (0, 1]")
-    kv = e.kv_cache_gb
-    _check(kv is None or (_is_number(kv) and kv > 0), "engine.kv_cache_gb", kv, "must be null or a number of GiB > 0")
-    length = e.max_model_len
-    _check(
-        length is None or (_is_int(length) and length > cfg.sampling.max_new_tokens),
-        "engine.max_model_len",
-        length,
-        f"must be null or an integer > sampling.max_new_tokens={cfg.sampling.max_new_tokens}",
-    )
-    strategy = str(cfg.trainer.get("strategy", "auto"))  # a Lightning Trainer argument: absent = Lightning's auto
-    _check(
-        strategy in ("auto", "single_device", "ddp", "fsdp"),
-        "trainer.strategy",
-        strategy,
-        f"engine={e.name} runs one colocated vLLM engine per training process under auto, single_device, ddp "
-        f"or fsdp; with trainer.strategy={strategy} use engine=torch",
-    )
-    if strategy in ("ddp", "fsdp"):  # one engine per rank, inside the training world (vLLM's external launcher)
-        _check(
-            e.in_process and e.tensor_parallel_size == 1,
-            "engine.in_process",
-            e.in_process,
-            f"engine=vllm with trainer.strategy={strategy} runs one in-process engine per rank (vLLM's "
-            f"external_launcher over the training world): needs engine.in_process=true and "
-            f"engine.tensor_parallel_size=1 (got {e.tensor_parallel_size})",
-        )
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_int(value, field: str, minimum: int, meaning: str = "") -> None:
-    _check(_is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}{meaning}")
-
-
-#: ``model.attn_implementation`` values: transformers' attention kernels lit_rl runs
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-
-
-def check_attn_implementation(cfg: DictConfig) -> None:
-    """ConfigError for a ``model.attn_implementation`` outside ``ATTN_IMPLEMENTATIONS``, and for
-    ``flash_attention_2`` where it cannot run: flash-attn's kernels are CUDA-only (refused for
-    ``trainer.accelerator=cpu`` or a machine without a CUDA device) and need the ``flash_attn`` package. Whether
-    the model's class supports the choice is checked when its config is read (``train.check_model_support``)."""
-    impl = cfg.model.attn_implementation
-    _check(
-        impl in ATTN_IMPLEMENTATIONS, "model.attn_implementation", impl, f"choose one of {list(ATTN_IMPLEMENTATIONS)}"
-    )
-    if impl != "flash_attention_2":
-        return
-    import importlib.util
-
-    import torch
-
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    _check(
-        accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available(),
-        "model.attn_implementation",
-        impl,
-        f"flash-attn runs on CUDA GPUs only (trainer.accelerator={accelerator}, CUDA available: "
-        f"{torch.cuda.is_available()}); on the CPU use sdpa (or eager)",
-    )
-    _check(
-        importlib.util.find_spec("flash_attn") is not None,
-        "model.attn_implementation",
-        impl,
-        "the flash_attn package is not installed (pip install flash-attn --no-build-isolation, matching your "
-        "torch and CUDA); or use sdpa",
-    )
-
-
-def check_lora(cfg: DictConfig) -> None:
-    """``model.lora``: r an int >= 0 (0: off), alpha > 0, dropout in [0, 1), target_modules a non-empty list of
-    module names; LoRA with trainer=fsdp is refused (see the message). Raises ConfigError."""
-    lora = cfg.model.get("lora")
-    if lora is None:
-        return
-    r = lora.r
-    _check(isinstance(r, int) and not isinstance(r, bool) and r >= 0, "model.lora.r", r, "an int >= 0 (0 = off)")
-    if r == 0:
-        return
-    _check(_is_number(lora.alpha) and lora.alpha > 0, "model.lora.alpha", lora.alpha, "a number > 0 (scale alpha/r)")
-    _check(_is_number(lora.dropout) and 0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "in [0, 1)")
-    targets = lora.target_modules
-    _check(
-        targets is not None and len(targets) > 0 and all(isinstance(t, str) and t for t in targets),
-        "model.lora.target_modules",
-        targets,
-        "a non-empty list of module-name suffixes (e.g. [q_proj, v_proj])",
-    )
-    _check(
-        str(cfg.trainer.get("strategy", "auto")) != "fsdp",
-        "model.lora.r",
-        r,
-        "LoRA is not wired for trainer=fsdp: FSDP flattens each unit's frozen base and trainable adapter weights "
-        "into one parameter, the reference policy is the same module with the adapter disabled (no second copy "
-        "to shard), and the engine's merged-weights sync reads the unsharded module. The adapter's point is "
-        "that the model fits one device: use trainer=cpu, trainer=gpu or trainer=ddp",
-    )
-
-
-def check_lora_kernels(cfg: DictConfig) -> None:
-    """LoRA with ``kernels=batch_invariant`` needs a bf16 trainer precision (``trainer.precision`` resolved,
-    ``resolve_hardware``): there the engine's log-probs equal the trainer's bit for bit through the updates
-    (tests/test_lora.py). At 32-true, gaps of 1e-8 to 1e-6 nats appeared (tiny model, 4 steps; also with B = 0,
-    i.e. the adapter contributing exact zeros, and gone when the embedding weight is left trainable: a code path
-    of the trainer's float32 forward with frozen weights that the kernels do not pin down, not isolated), so the
-    mode's guarantee does not hold and the run is refused. Raises ConfigError."""
-    lora = cfg.model.get("lora")
-    if lora is None or not lora.r or cfg.kernels.name != "batch_invariant":
-        return
-    precision = str(cfg.trainer.get("precision"))
-    _check(
-        precision.startswith("bf16"),
-        "kernels",
-        cfg.kernels.name,
-        f"with a LoRA adapter (model.lora.r={lora.r}) the batch-invariant kernels keep the engine's log-probs bit for "
-        f"bit equal to the trainer's only under trainer.precision=bf16-mixed (at {precision}, with the base "
-        "weights frozen, gaps of 1e-8 to 1e-6 nats were measured); use trainer.precision=bf16-mixed, or "
-        "kernels=default",
-    )
+    _check(is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}{meaning}")
 
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigError on the first invalid field of ``cfg`` (the composed train config): the values first,
-    without importing torch, then the checks that need torch, vLLM or the user's code (``check_environment``)."""
+    without importing torch, part by part in this order, then the checks that need torch, vLLM or the user's
+    code (``check_environment``). A section whose values only it bounds checks them on its dataclass
+    (``problems``: ``check_section``, ``algo_config``, ``task_config``); the rest here crosses parts or reads
+    a registry of ``lit_rl.choices``."""
+    check_choices(cfg)
+    check_section(cfg, "correction")
+    check_dtypes(cfg)
+    check_algo(cfg)
+    check_rollout(cfg)
+    check_sampling(cfg)
+    check_kl(cfg)
+    for key in ("optim", "checkpoint", "eval", "log"):
+        check_section(cfg, key)
+    check_hardware(cfg)
+    check_lora(cfg)
+    check_task(cfg)
+    check_model_path(cfg)
+    check_environment(cfg)
+
+
+#: the config sections whose values only their own dataclass bounds (``problems``), by key
+SECTIONS: dict[str, type] = {
+    "engine": EngineConfig,
+    "correction": CorrectionConfig,
+    "rollout": RolloutConfig,
+    "sampling": SamplingConfig,
+    "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+}
+
+
+def check_section(cfg: DictConfig, key: str) -> None:
+    """Raise ConfigError for the first value the dataclass of ``cfg.<key>`` (``SECTIONS``) refuses."""
+    section = config_of(SECTIONS[key], OmegaConf.to_container(cfg[key], resolve=True), ignore_unknown=True)
+    _raise_first(section.problems(cfg))
+
+
+def _raise_first(problems: Problems) -> None:
+    """ConfigError for the first (field, value, allowed) of a dataclass's ``problems`` (``schema.base``)."""
+    for field, value, allowed in problems:
+        _check(False, field, value, allowed)
+
+
+def check_choices(cfg: DictConfig) -> None:
+    """The groups chosen in the defaults list name registered choices (algo, engine, task, correction,
+    kernels); the engine's mismatch dial comes right after the engine (``EngineConfig.problems``)."""
     _check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"choose one of {list(ALGORITHMS)}")
     _check(cfg.engine.name in ENGINES, "engine", cfg.engine.name, f"choose one of {list(ENGINES)}")
-    check_mismatch_dial(cfg)  # before the vLLM checks: the refusal of logit noise there holds with or without vLLM
+    check_section(cfg, "engine")  # the mismatch dial; before the vLLM checks: its refusal there holds without vLLM
     _check(cfg.task.name in TASKS, "task", cfg.task.name, f"choose one of {list(TASKS)}")
     _check(cfg.correction.name in CORRECTIONS, "correction", cfg.correction.name, f"choose one of {list(CORRECTIONS)}")
+    check_kernels(cfg)
+
+
+def check_kernels(cfg: DictConfig) -> None:
+    """``kernels`` and ``kernels.fp32_gemm``; batch-invariant kernels keep their own products (no oneDNN) and
+    cover the CPU only (``trainer.accelerator``)."""
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     gemm = cfg.kernels.get("fp32_gemm", "auto")
@@ -276,32 +174,10 @@ def validate(cfg: DictConfig) -> None:
             f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
             "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1",
         )
-    c = cfg.correction
-    _check(c.tis.cap > 0, "correction.tis.cap", c.tis.cap, "must be > 0")
-    _check(0 <= c.mis.low < c.mis.high, "correction.mis.low/high", (c.mis.low, c.mis.high), "need 0 <= low < high")
-    _check(
-        isinstance(c.mis.weighted, bool),
-        "correction.mis.weighted",
-        c.mis.weighted,
-        "true (kept tokens keep their weight, IcePop/TRL) or false (mask only, verl's rejection sampling)",
-    )
-    _check(c.sc.top_k >= 1, "correction.sc.top_k", c.sc.top_k, "must be >= 1")
-    _check(c.sc.mode in ("topk", "exact"), "correction.sc.mode", c.sc.mode, "choose 'topk' or 'exact'")
-    _check(c.tis.level in ("token", "sequence"), "correction.tis.level", c.tis.level, "choose 'token' or 'sequence'")
-    _check(
-        c.mis.level in ("token", "sequence", "geometric"),
-        "correction.mis.level",
-        c.mis.level,
-        "choose 'token', 'sequence' or 'geometric' (the geometric mean of the sequence's ratios)",
-    )
-    low = c.tis.get("low")
-    _check(
-        low is None or (_is_number(low) and 0 < low <= min(1.0, c.tis.cap)),
-        "correction.tis.low",
-        low,
-        f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={c.tis.cap})] (an on-policy token, "
-        "weight 1, must keep its weight)",
-    )
+
+
+def check_dtypes(cfg: DictConfig) -> None:
+    """``engine.dtype`` (null or one of ``DTYPES``) and ``model.dtype`` (float32: AdamW's master weights)."""
     if cfg.engine.dtype:
         _check(cfg.engine.dtype in DTYPES, "engine.dtype", cfg.engine.dtype, f"null or one of {list(DTYPES)}")
     _check(cfg.model.dtype in DTYPES, "model.dtype", cfg.model.dtype, f"choose one of {list(DTYPES)}")
@@ -314,15 +190,17 @@ def validate(cfg: DictConfig) -> None:
         "(float32 master weights and Adam state), for a bf16 sampler engine.dtype=bfloat16",
     )
 
+
+def check_algo(cfg: DictConfig) -> None:
+    """What the objective reads: ``algo`` (the clip, the schedule, the algorithm's own rules, the dual clip),
+    ``advantage`` (against the algorithm's estimator) and ``loss``."""
     clip = cfg.algo.clip
     _check(clip.eps_low > 0, "algo.clip.eps_low", clip.eps_low, "must be > 0")
     _check(clip.eps_high > 0, "algo.clip.eps_high", clip.eps_high, "must be > 0")
     a = cfg.algo
     _check(a.ppo_epochs >= 1, "algo.ppo_epochs", a.ppo_epochs, "must be >= 1")
-    for field, value, allowed in algo_config(cfg).problems(cfg):  # the algorithm's own rules (its dataclass)
-        _check(False, field, value, allowed)
+    _raise_first(algo_config(cfg).problems(cfg))  # the algorithm's own rules (its dataclass)
     check_dual_clip(cfg.algo)
-    _check(0.0 <= cfg.advantage.alpha <= 1.0, "advantage.alpha", cfg.advantage.alpha, "must lie in [0, 1]")
     check_advantage(cfg)
     _check(
         cfg.loss.reduction in REDUCTION_MODES,
@@ -330,15 +208,18 @@ def validate(cfg: DictConfig) -> None:
         cfg.loss.reduction,
         f"choose one of {list(REDUCTION_MODES)}",
     )
-
     coef = cfg.loss.get("entropy_coef", 0.0)
     _check(
-        _is_number(coef) and math.isfinite(coef) and coef >= 0,
+        is_number(coef) and math.isfinite(coef) and coef >= 0,
         "loss.entropy_coef",
         coef,
         "must be a finite number >= 0 (0 = no entropy bonus)",
     )
 
+
+def check_rollout(cfg: DictConfig) -> None:
+    """``rollout``: the batch sizes, a group size the algorithm's baseline can learn from, ``update.shared_prefix``
+    against the model, the stale-rollout fields, and the world size where ``trainer.devices`` names one."""
     ro = cfg.rollout
     _check(ro.prompts_per_step >= 1, "rollout.prompts_per_step", ro.prompts_per_step, "must be >= 1")
     _check_int(ro.group_size, "rollout.group_size", 1)
@@ -347,58 +228,25 @@ def validate(cfg: DictConfig) -> None:
         _check(ro.group_size >= 2, "rollout.group_size", ro.group_size, algo.group_size_rule())
     _check(ro.micro_batch_size >= 1, "rollout.micro_batch_size", ro.micro_batch_size, "must be >= 1")
     check_shared_prefix(cfg)
-    check_rollout_mode(ro)
+    check_section(cfg, "rollout")  # the stale-rollout fields
     ranks = static_world_size(cfg.trainer)
     if ranks is not None:
         check_world_size(cfg, ranks)
 
-    s = cfg.sampling
-    _check(s.max_new_tokens > 0, "sampling.max_new_tokens", s.max_new_tokens, "must be > 0")
-    _check(
-        s.temperature > 0,
-        "sampling.temperature",
-        s.temperature,
-        "must be > 0 for training rollouts (the trainer scores at this temperature)",
-    )
-    _check(0.0 < s.top_p <= 1.0, "sampling.top_p", s.top_p, "must lie in (0, 1]")
-    _check(s.top_k >= 0, "sampling.top_k", s.top_k, "must be >= 0 (0 = off)")
-    _check(s.logprobs_top_k >= 0, "sampling.logprobs_top_k", s.logprobs_top_k, "must be >= 0")
+
+def check_sampling(cfg: DictConfig) -> None:
+    """``sampling`` (``SamplingConfig.problems``) and the evaluation's generation cap."""
+    check_section(cfg, "sampling")
     _check(cfg.eval.max_new_tokens > 0, "eval.max_new_tokens", cfg.eval.max_new_tokens, "must be > 0")
-    _check(cfg.kl.beta >= 0, "kl.beta", cfg.kl.beta, "must be >= 0")
-    _check(cfg.kl.estimator in KL_KINDS, "kl.estimator", cfg.kl.estimator, f"choose one of {list(KL_KINDS)}")
-    check_kl(cfg)
-    o = cfg.optim
-    _check(_is_number(o.lr) and o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    clip_norm = o.grad_clip
-    _check(
-        clip_norm is None or (_is_number(clip_norm) and clip_norm >= 0),
-        "optim.grad_clip",
-        clip_norm,
-        "must be >= 0 (0 or null = no clipping)",
-    )
-    _check_int(o.warmup_steps, "optim.warmup_steps", 0)
-    _check_int(o.max_nonfinite_updates, "optim.max_nonfinite_updates", 0, " (0 = never stop)")
-    _check_int(cfg.checkpoint.every_n_steps, "checkpoint.every_n_steps", 1)
-    _check_int(cfg.eval.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
-    _check_int(cfg.eval.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
-    _check_int(cfg.eval.batch_size, "eval.batch_size", 1)
-    ev = cfg.eval
-    _check_int(ev.n, "eval.n", 1, " (samples per problem)")
-    _check(_is_int(ev.k) and 1 <= ev.k <= ev.n, "eval.k", ev.k, f"must be an integer in [1, eval.n={ev.n}]")
-    _check(_is_number(ev.temperature) and ev.temperature >= 0, "eval.temperature", ev.temperature, "must be >= 0")
-    _check(
-        ev.n == 1 or ev.temperature > 0,
-        "eval.temperature",
-        ev.temperature,
-        f"must be > 0 with eval.n={ev.n} (greedy decoding gives n equal samples)",
-    )
-    _check_int(cfg.log.samples_every_n_steps, "log.samples_every_n_steps", 0, " (0 = never)")
-    _check_int(cfg.log.num_samples, "log.num_samples", 1)
-    _check(cfg.log.plain_lines in ("auto", True, False), "log.plain_lines", cfg.log.plain_lines, "auto, true or false")
+
+
+def check_hardware(cfg: DictConfig) -> None:
+    """How the run uses the machine: ``logprob_chunk_tokens``, ``threads``, ``trainer.precision``, and the
+    algorithm's refusal of ``trainer.strategy=fsdp`` (``AlgoConfig.fsdp_refusal``)."""
     _check_int(cfg.logprob_chunk_tokens, "logprob_chunk_tokens", 1)
     threads = cfg.threads
     _check(
-        threads in (None, "auto", "adaptive") or (_is_int(threads) and threads >= 1),
+        threads in (None, "auto", "adaptive") or (is_int(threads) and threads >= 1),
         "threads",
         threads,
         "choose auto, adaptive or an integer >= 1",
@@ -416,17 +264,25 @@ def validate(cfg: DictConfig) -> None:
     refusal = ALGO_CONFIGS[cfg.algo.name].fsdp_refusal
     if str(cfg.trainer.get("strategy", "auto")) == "fsdp" and refusal:
         _check(False, "algo", cfg.algo.name, refusal)
-    check_lora(cfg)
-    timeout = cfg.reward_timeout_s
-    _check(_is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
-    constant = cfg.task.constant_reward
-    _check(constant is None or _is_number(constant), "task.constant_reward", constant, "must be null or a number")
 
-    if cfg.task.name == "dataset":
-        check_dataset_task(cfg)
-    if cfg.task.name == "gsm8k" and cfg.task.path:
-        path = Path(cfg.task.path).expanduser()
-        _check(path.is_dir(), "task.path", cfg.task.path, "must be a folder holding train.jsonl and test.jsonl")
+
+def check_task(cfg: DictConfig) -> None:
+    """``reward_timeout_s``, then the task option's own fields (``task_config``: ``constant_reward``, a dataset's
+    path and options, a gsm8k folder)."""
+    timeout = cfg.reward_timeout_s
+    _check(is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
+    _raise_first(task_config(cfg).problems(cfg))
+
+
+def task_config(cfg: DictConfig) -> TaskConfig:
+    """The ``task`` group of ``cfg`` as its option's dataclass (``schema.SCHEMAS``' ``base_<name>``; a task
+    registered without one: ``TaskConfig``, its other fields left out)."""
+    _, cls = SCHEMAS.get(f"base_{cfg.task.name}", ("task", TaskConfig))
+    return config_of(cls, OmegaConf.to_container(cfg.task, resolve=True), ignore_unknown=True)
+
+
+def check_model_path(cfg: DictConfig) -> None:
+    """``model.name_or_path``: ``tiny``, a hub id org/name, or a local folder that exists."""
     name = cfg.model.name_or_path
     if name != "tiny" and (name.startswith((".", "/", "~")) or name.count("/") != 1):
         _check(
@@ -435,31 +291,6 @@ def validate(cfg: DictConfig) -> None:
             name,
             "no such folder (give a local model folder or a hub id like org/name)",
         )
-    check_environment(cfg)
-
-
-def check_environment(cfg: DictConfig) -> None:
-    """The checks of ``validate`` that need torch, vLLM or the user's code (the module's docstring lists them),
-    run after every value has passed: a bad value fails before torch is imported. Raises ConfigError."""
-    vllm = cfg.engine.name == "vllm"
-    if vllm:
-        check_vllm()
-    elif cfg.engine.name == "auto":
-        from .rollout.engines import vllm_installed  # imports torch
-
-        vllm = vllm_installed()
-    if vllm:
-        check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
-    check_attn_implementation(cfg)
-    _check(
-        not (vllm and cfg.kernels.name == "batch_invariant"),
-        "kernels",
-        cfg.kernels.name,
-        f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
-        f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
-        f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch",
-    )
-    check_reward(cfg)
 
 
 def algo_config(cfg: DictConfig) -> AlgoConfig:
@@ -468,46 +299,14 @@ def algo_config(cfg: DictConfig) -> AlgoConfig:
     return config_of(ALGO_CONFIGS[cfg.algo.name], OmegaConf.to_container(cfg.algo, resolve=True))
 
 
-def check_kl(cfg: DictConfig) -> None:
-    """``kl.mode`` (loss | reward; reward only where the algorithm has per-token returns to fold it into,
-    ``AlgoConfig.kl_in_reward``) and the adaptive controller (``kl.target`` > 0 needs ``kl.beta`` > 0 to start
-    from, ``kl.horizon`` > 0)."""
-    kl, name = cfg.kl, cfg.algo.name
-    mode = kl.get("mode", "loss")
-    _check(mode in KL_MODES, "kl.mode", mode, f"choose one of {list(KL_MODES)}")
-    if mode == "reward":
-        takes = ALGO_CONFIGS.names_where(lambda algo: algo.kl_in_reward)
-        _check(
-            ALGO_CONFIGS[name].kl_in_reward,
-            "kl.mode",
-            mode,
-            f"{name}'s advantage is one number per sequence from the group's rewards, with no per-token reward to "
-            f"fold the KL into: use kl.mode=loss, or an algorithm with per-token returns: {takes}",
-        )
-    target, horizon = kl.get("target"), kl.get("horizon", 10000)
-    if target is not None:
-        _check(
-            _is_number(target) and target > 0,
-            "kl.target",
-            target,
-            "null (a fixed beta) or a KL > 0 (nats per sequence)",
-        )
-        _check(
-            kl.beta > 0,
-            "kl.beta",
-            kl.beta,
-            f"must be > 0 with kl.target={target}: the adaptive controller multiplies beta, so it starts from it",
-        )
-    _check(_is_number(horizon) and horizon > 0, "kl.horizon", horizon, "must be > 0 (sequences)")
-
-
 def check_advantage(cfg: DictConfig) -> None:
-    """``advantage.std`` and ``advantage.scale``: known values; ``scale=none`` means no std division, which is
-    alpha = 0 (refused with any other alpha: one of the two would be ignored); non-default values only for an
-    algorithm whose advantages are ``objectives.group_advantages`` (``AlgoConfig.group_normalised``); the
-    others (PPO, REINFORCE, REINFORCE++) do not read ``advantage.alpha`` either, so a value other than its
-    default 1.0 is refused there too instead of being ignored."""
+    """``advantage.alpha`` in [0, 1]; ``advantage.std`` and ``advantage.scale``: known values; ``scale=none``
+    means no std division, which is alpha = 0 (refused with any other alpha: one of the two would be ignored);
+    non-default values only for an algorithm whose advantages are ``objectives.group_advantages``
+    (``AlgoConfig.group_normalised``); the others (PPO, REINFORCE, REINFORCE++) do not read ``advantage.alpha``
+    either, so a value other than its default 1.0 is refused there too instead of being ignored."""
     adv, name = cfg.advantage, cfg.algo.name
+    _check(0.0 <= adv.alpha <= 1.0, "advantage.alpha", adv.alpha, "must lie in [0, 1]")
     std, scale = adv.get("std", "population"), adv.get("scale", "group")
     _check(std in STD_KINDS, "advantage.std", std, f"choose one of {list(STD_KINDS)}")
     _check(scale in SCALES, "advantage.scale", scale, f"choose one of {list(SCALES)}")
@@ -537,7 +336,7 @@ def check_dual_clip(algo: DictConfig) -> None:
         if value is None:
             continue
         _check(
-            _is_number(value) and math.isfinite(value) and value > 1,
+            is_number(value) and math.isfinite(value) and value > 1,
             f"algo.{key}",
             value,
             f"null (off) or a number > 1 ({meaning}; at ratio 1 no clip may bind)",
@@ -555,134 +354,55 @@ def check_dual_clip(algo: DictConfig) -> None:
         )
 
 
-def check_mismatch_dial(cfg: DictConfig) -> None:
-    """``engine.logit_noise`` (finite, >= 0; the embedded engine only) and ``engine.temperature_offset`` (finite,
-    with sampling.temperature + offset > 0). Their types (numbers) are the schema's (``schema.EngineConfig``)."""
-    e = cfg.engine
-    sigma, delta = e.logit_noise, e.temperature_offset
-    _check(math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)")
-    _check(math.isfinite(delta), "engine.temperature_offset", delta, "must be a finite number (0 = off)")
-    _check(
-        not delta or cfg.sampling.temperature + delta > 0,
-        "engine.temperature_offset",
-        delta,
-        f"must keep the sampler's temperature positive: sampling.temperature={cfg.sampling.temperature} + {delta} <= 0",
-    )
-    _check(
-        not (sigma > 0 and e.name == "vllm"),
-        "engine.logit_noise",
-        sigma,
-        "is wired for the embedded engine only (engine=torch): vLLM samples inside its own engine core, and "
-        "noise whose draws show in its processed log-probs would need a vLLM logits processor, not built "
-        "in this version; engine.temperature_offset works with vLLM",
-    )
-
-
-def check_reward(cfg: DictConfig) -> None:
-    """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
-    weight per function, at least one worker."""
-    from omegaconf import OmegaConf
-
-    r = OmegaConf.to_container(cfg.reward, resolve=True)
-    _check_int(r["num_workers"], "reward.num_workers", 1)
-    if r["functions"] is None:
-        _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
-        return
-    from .tasks.reward_functions import function_name, load_function
-
-    functions = list(r["functions"])
-    _check(len(functions) > 0, "reward.functions", functions, "list at least one, or null for the task's verifier")
-    names = [function_name(str(s)) for s in functions]
-    _check(len(set(names)) == len(names), "reward.functions", functions, "two functions have one name")
-    for spec in functions:
-        try:
-            load_function(str(spec))
-        except Exception as err:  # noqa: BLE001 - the user's file or module: its error, on one line
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(
-                first if first.startswith("reward.functions") else f"reward.functions: {spec!r}: {first}"
-            ) from err
-    if r["weights"] is not None:
-        weights = list(r["weights"])
+def check_kl(cfg: DictConfig) -> None:
+    """``kl.beta`` >= 0, ``kl.estimator``, ``kl.mode`` (loss | reward; reward only where the algorithm has
+    per-token returns to fold it into, ``AlgoConfig.kl_in_reward``) and the adaptive controller (``kl.target``
+    > 0 needs ``kl.beta`` > 0 to start from, ``kl.horizon`` > 0)."""
+    kl, name = cfg.kl, cfg.algo.name
+    _check(kl.beta >= 0, "kl.beta", kl.beta, "must be >= 0")
+    _check(kl.estimator in KL_KINDS, "kl.estimator", kl.estimator, f"choose one of {list(KL_KINDS)}")
+    mode = kl.get("mode", "loss")
+    _check(mode in KL_MODES, "kl.mode", mode, f"choose one of {list(KL_MODES)}")
+    if mode == "reward":
+        takes = ALGO_CONFIGS.names_where(lambda algo: algo.kl_in_reward)
         _check(
-            len(weights) == len(functions) and all(_is_number(w) for w in weights),
-            "reward.weights",
-            weights,
-            f"give one number per function ({len(functions)}), or null for all 1",
+            ALGO_CONFIGS[name].kl_in_reward,
+            "kl.mode",
+            mode,
+            f"{name}'s advantage is one number per sequence from the group's rewards, with no per-token reward to "
+            f"fold the KL into: use kl.mode=loss, or an algorithm with per-token returns: {takes}",
         )
-
-
-def check_dataset_task(cfg: DictConfig) -> None:
-    """The fields of ``task=dataset`` that can be checked without reading the data: a local path or data file
-    exists, the options lie in range, and an evaluation has a split to read. The data's own problems (splits,
-    columns, rows) are reported when the task loads, still before the model (``tasks.DatasetTask``)."""
-    from .tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
-
-    t = cfg.task
-    _check(
-        bool(t.path) or bool(t.data_files),
-        "task.path",
-        t.path,
-        "task=dataset needs task.path (a data file, a saved-dataset folder or a hub id) or task.data_files",
-    )
-    if t.path and looks_local(str(t.path)):
+    target, horizon = kl.get("target"), kl.get("horizon", 10000)
+    if target is not None:
         _check(
-            Path(str(t.path)).expanduser().exists(),
-            "task.path",
-            t.path,
-            f"no such file or folder (a data file {'/'.join(FORMATS)}, a folder, or a hub id org/name)",
+            is_number(target) and target > 0,
+            "kl.target",
+            target,
+            "null (a fixed beta) or a KL > 0 (nats per sequence)",
         )
-    _check(
-        _is_number(t.eval_fraction) and 0 <= t.eval_fraction < 1,
-        "task.eval_fraction",
-        t.eval_fraction,
-        "must lie in [0, 1)",
-    )
-    _check(
-        t.max_examples is None or (_is_int(t.max_examples) and t.max_examples >= 1),
-        "task.max_examples",
-        t.max_examples,
-        "must be null or an integer >= 1",
-    )
-    _check(
-        t.overlong_prompts in OVERLONG_PROMPTS,
-        "task.overlong_prompts",
-        t.overlong_prompts,
-        f"choose one of {list(OVERLONG_PROMPTS)}",
-    )
-    _check(
-        t.eval_split is not None or t.eval_fraction > 0 or cfg.eval.num_examples == 0,
-        "eval.num_examples",
-        cfg.eval.num_examples,
-        "task=dataset has no evaluation split: set task.eval_split, or task.eval_fraction (a held-out share), "
-        "or eval.num_examples=0",
-    )
+        _check(
+            kl.beta > 0,
+            "kl.beta",
+            kl.beta,
+            f"must be > 0 with kl.target={target}: the adaptive controller multiplies beta, so it starts from it",
+        )
+    _check(is_number(horizon) and horizon > 0, "kl.horizon", horizon, "must be > 0 (sequences)")
 
 
-def check_rollout_mode(ro: DictConfig) -> None:
-    """The stale-rollout fields of ``rollout`` (``rollout.staleness``): mode, lag, max_staleness, on_stale,
-    buffer_size and the two switches."""
-    mode = ro.mode
-    _check(mode in ROLLOUT_MODES, "rollout.mode", mode, f"choose one of {list(ROLLOUT_MODES)}")
-    _check_int(ro.lag, "rollout.lag", 0, " (RL steps between the sampling and the trained weights)")
-    _check_int(ro.max_staleness, "rollout.max_staleness", 0, " (RL steps a consumed rollout may lag)")
-    _check(ro.on_stale in ON_STALE, "rollout.on_stale", ro.on_stale, f"choose one of {list(ON_STALE)}")
-    size = ro.buffer_size
+def check_shared_prefix(cfg) -> None:
+    """``update.shared_prefix``: auto, true or false; true is refused with ``model.gradient_checkpointing``
+    (transformers drops the KV cache inside checkpointed layers, so the prompt could not be reused; auto turns
+    sharing off there instead). Raises ConfigError naming the field."""
+    update = cfg.get("update") or {}
+    value = update.get("shared_prefix", "auto")
+    _check(value in ("auto", True, False), "update.shared_prefix", value, "choose auto, true or false")
+    checkpointing = bool((cfg.get("model") or {}).get("gradient_checkpointing", False))
     _check(
-        size is None or (_is_int(size) and size >= 1),
-        "rollout.buffer_size",
-        size,
-        "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
-    )
-    for key in ("behaviour_logprobs", "save_history"):
-        _check(isinstance(ro[key], bool), f"rollout.{key}", ro[key], "must be true or false")
-    readers = ROLLOUT_MODES.names_where(lambda spec: "lag" in spec.reads)
-    _check(
-        not ro.lag or mode in readers,
-        "rollout.lag",
-        ro.lag,
-        f"is read by {' | '.join(f'rollout.mode={m}' for m in readers)} only (rollout.mode={mode}); add "
-        f"rollout.mode={readers[0]}",
+        not (value is True and checkpointing),
+        "update.shared_prefix",
+        value,
+        "cannot be true with model.gradient_checkpointing=true (checkpointed layers drop the KV cache the "
+        "completions would reuse); choose auto (sharing off there) or false",
     )
 
 
@@ -760,4 +480,211 @@ def check_world_size(cfg: DictConfig, ranks: int) -> None:
         "algo.num_minibatches",
         cfg.algo.num_minibatches,
         f"must lie in [1, prompts_per_step x group_size{per_rank} = {rows}]",
+    )
+
+
+def check_lora(cfg: DictConfig) -> None:
+    """``model.lora``: r an int >= 0 (0: off), alpha > 0, dropout in [0, 1), target_modules a non-empty list of
+    module names; LoRA with trainer=fsdp is refused (see the message). Raises ConfigError."""
+    lora = cfg.model.get("lora")
+    if lora is None:
+        return
+    r = lora.r
+    _check(isinstance(r, int) and not isinstance(r, bool) and r >= 0, "model.lora.r", r, "an int >= 0 (0 = off)")
+    if r == 0:
+        return
+    _check(is_number(lora.alpha) and lora.alpha > 0, "model.lora.alpha", lora.alpha, "a number > 0 (scale alpha/r)")
+    _check(is_number(lora.dropout) and 0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout, "in [0, 1)")
+    targets = lora.target_modules
+    _check(
+        targets is not None and len(targets) > 0 and all(isinstance(t, str) and t for t in targets),
+        "model.lora.target_modules",
+        targets,
+        "a non-empty list of module-name suffixes (e.g. [q_proj, v_proj])",
+    )
+    _check(
+        str(cfg.trainer.get("strategy", "auto")) != "fsdp",
+        "model.lora.r",
+        r,
+        "LoRA is not wired for trainer=fsdp: FSDP flattens each unit's frozen base and trainable adapter weights "
+        "into one parameter, the reference policy is the same module with the adapter disabled (no second copy "
+        "to shard), and the engine's merged-weights sync reads the unsharded module. The adapter's point is "
+        "that the model fits one device: use trainer=cpu, trainer=gpu or trainer=ddp",
+    )
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """The checks of ``validate`` that need torch, vLLM or the user's code (the module's docstring lists them),
+    run after every value has passed: a bad value fails before torch is imported. Raises ConfigError."""
+    vllm = cfg.engine.name == "vllm"
+    if vllm:
+        check_vllm()
+    elif cfg.engine.name == "auto":
+        from .rollout.engines import vllm_installed  # imports torch
+
+        vllm = vllm_installed()
+    if vllm:
+        check_vllm_engine(cfg)  # auto without vLLM is the embedded engine: nothing to check
+    check_attn_implementation(cfg)
+    _check(
+        not (vllm and cfg.kernels.name == "batch_invariant"),
+        "kernels",
+        cfg.kernels.name,
+        f"batch-invariant kernels are lit_rl's own, for the embedded engine and the trainer; with "
+        f"engine={cfg.engine.name} the sampler runs vLLM's kernels (its batch-invariant mode, "
+        f"VLLM_BATCH_INVARIANT=1, is not wired in this version): use engine=torch",
+    )
+    check_reward(cfg)
+
+
+def check_vllm() -> None:
+    """Raise ConfigError for ``engine=vllm`` when vLLM is not installed, saying how to install it."""
+    from .rollout.engines import vllm_installed
+    from .rollout.vllm_engine import VLLM_INSTALL  # imports torch, not vllm: after the torch-free checks
+
+    if not vllm_installed():
+        raise ConfigError(f"engine=vllm needs vLLM, which is not installed: {VLLM_INSTALL}")
+
+
+def check_vllm_engine(cfg: DictConfig) -> None:
+    """The vLLM fields of ``engine`` (``engine=vllm`` or ``auto``): GPU-only features only with CUDA, tensor
+    parallel only out of process; under DDP/FSDP one in-process engine per rank, tensor parallel 1."""
+    import torch
+
+    e = cfg.engine
+    for key in ("sleep_mode", "cuda_graphs"):
+        value = e[key]
+        _check(value in ("auto", True, False), f"engine.{key}", value, "choose auto, true or false")
+        _check(
+            value is not True or torch.cuda.is_available(),
+            f"engine.{key}",
+            value,
+            "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false",
+        )
+    _check_int(e.tensor_parallel_size, "engine.tensor_parallel_size", 1)
+    _check(
+        e.tensor_parallel_size == 1 or not e.in_process,
+        "engine.tensor_parallel_size",
+        e.tensor_parallel_size,
+        "> 1 needs engine.in_process=false (tensor-parallel workers are processes)",
+    )
+    util = e.gpu_memory_utilization
+    _check(is_number(util) and 0 < util <= 1, "engine.gpu_memory_utilization", util, "must lie in (0, 1]")
+    kv = e.kv_cache_gb
+    _check(kv is None or (is_number(kv) and kv > 0), "engine.kv_cache_gb", kv, "must be null or a number of GiB > 0")
+    length = e.max_model_len
+    _check(
+        length is None or (is_int(length) and length > cfg.sampling.max_new_tokens),
+        "engine.max_model_len",
+        length,
+        f"must be null or an integer > sampling.max_new_tokens={cfg.sampling.max_new_tokens}",
+    )
+    strategy = str(cfg.trainer.get("strategy", "auto"))  # a Lightning Trainer argument: absent = Lightning's auto
+    _check(
+        strategy in ("auto", "single_device", "ddp", "fsdp"),
+        "trainer.strategy",
+        strategy,
+        f"engine={e.name} runs one colocated vLLM engine per training process under auto, single_device, ddp "
+        f"or fsdp; with trainer.strategy={strategy} use engine=torch",
+    )
+    if strategy in ("ddp", "fsdp"):  # one engine per rank, inside the training world (vLLM's external launcher)
+        _check(
+            e.in_process and e.tensor_parallel_size == 1,
+            "engine.in_process",
+            e.in_process,
+            f"engine=vllm with trainer.strategy={strategy} runs one in-process engine per rank (vLLM's "
+            f"external_launcher over the training world): needs engine.in_process=true and "
+            f"engine.tensor_parallel_size=1 (got {e.tensor_parallel_size})",
+        )
+
+
+#: ``model.attn_implementation`` values: transformers' attention kernels lit_rl runs
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def check_attn_implementation(cfg: DictConfig) -> None:
+    """ConfigError for a ``model.attn_implementation`` outside ``ATTN_IMPLEMENTATIONS``, and for
+    ``flash_attention_2`` where it cannot run: flash-attn's kernels are CUDA-only (refused for
+    ``trainer.accelerator=cpu`` or a machine without a CUDA device) and need the ``flash_attn`` package. Whether
+    the model's class supports the choice is checked when its config is read (``train.check_model_support``)."""
+    impl = cfg.model.attn_implementation
+    _check(
+        impl in ATTN_IMPLEMENTATIONS, "model.attn_implementation", impl, f"choose one of {list(ATTN_IMPLEMENTATIONS)}"
+    )
+    if impl != "flash_attention_2":
+        return
+    import importlib.util
+
+    import torch
+
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    _check(
+        accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available(),
+        "model.attn_implementation",
+        impl,
+        f"flash-attn runs on CUDA GPUs only (trainer.accelerator={accelerator}, CUDA available: "
+        f"{torch.cuda.is_available()}); on the CPU use sdpa (or eager)",
+    )
+    _check(
+        importlib.util.find_spec("flash_attn") is not None,
+        "model.attn_implementation",
+        impl,
+        "the flash_attn package is not installed (pip install flash-attn --no-build-isolation, matching your "
+        "torch and CUDA); or use sdpa",
+    )
+
+
+def check_reward(cfg: DictConfig) -> None:
+    """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
+    weight per function, at least one worker."""
+    from omegaconf import OmegaConf
+
+    r = OmegaConf.to_container(cfg.reward, resolve=True)
+    _check_int(r["num_workers"], "reward.num_workers", 1)
+    if r["functions"] is None:
+        _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
+        return
+    from .tasks.reward_functions import function_name, load_function
+
+    functions = list(r["functions"])
+    _check(len(functions) > 0, "reward.functions", functions, "list at least one, or null for the task's verifier")
+    names = [function_name(str(s)) for s in functions]
+    _check(len(set(names)) == len(names), "reward.functions", functions, "two functions have one name")
+    for spec in functions:
+        try:
+            load_function(str(spec))
+        except Exception as err:  # noqa: BLE001 - the user's file or module: its error, on one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(
+                first if first.startswith("reward.functions") else f"reward.functions: {spec!r}: {first}"
+            ) from err
+    if r["weights"] is not None:
+        weights = list(r["weights"])
+        _check(
+            len(weights) == len(functions) and all(is_number(w) for w in weights),
+            "reward.weights",
+            weights,
+            f"give one number per function ({len(functions)}), or null for all 1",
+        )
+
+
+def check_lora_kernels(cfg: DictConfig) -> None:
+    """LoRA with ``kernels=batch_invariant`` needs a bf16 trainer precision (``trainer.precision`` resolved,
+    ``resolve_hardware``): there the engine's log-probs equal the trainer's bit for bit through the updates
+    (tests/test_lora.py). At 32-true, gaps of 1e-8 to 1e-6 nats appeared (tiny model, 4 steps; also with B = 0,
+    i.e. the adapter contributing exact zeros, and gone when the embedding weight is left trainable: a code path
+    of the trainer's float32 forward with frozen weights that the kernels do not pin down, not isolated), so the
+    mode's guarantee does not hold and the run is refused. Raises ConfigError."""
+    lora = cfg.model.get("lora")
+    if lora is None or not lora.r or cfg.kernels.name != "batch_invariant":
+        return
+    precision = str(cfg.trainer.get("precision"))
+    _check(
+        precision.startswith("bf16"),
+        "kernels",
+        cfg.kernels.name,
+        f"with a LoRA adapter (model.lora.r={lora.r}) the batch-invariant kernels keep the engine's log-probs bit for "
+        f"bit equal to the trainer's only under trainer.precision=bf16-mixed (at {precision}, with the base "
+        "weights frozen, gaps of 1e-8 to 1e-6 nats were measured); use trainer.precision=bf16-mixed, or "
+        "kernels=default",
     )

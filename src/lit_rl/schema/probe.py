@@ -1,0 +1,58 @@
+"""The gradient-bias probe's config (``recipes/probe_gradients.py``, ``conf/probe.yaml``): every field of a
+training run, plus ``probe``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+from .base import Number
+from .train import TrainConfig
+
+
+@dataclass
+class ProbeEngineOverrides:
+    """``probe.settings[i].engine``: the ``engine`` fields a mismatch setting overrides (null = the run's own)."""
+
+    logit_noise: Optional[Number] = None
+    temperature_offset: Optional[Number] = None
+    dtype: Optional[str] = None
+    int8_roundtrip: Optional[bool] = None
+
+
+@dataclass
+class ProbeSetting:
+    """One mismatch setting of the probe: a name (its row label) and the engine fields it sets."""
+
+    name: str = MISSING
+    engine: ProbeEngineOverrides = field(default_factory=ProbeEngineOverrides)
+
+
+@dataclass
+class ProbeConfig:
+    """``probe``: the gradient-bias probe's own fields (``lit_rl.tools.probe``; ranges in ``probe.check_probe``)."""
+
+    #: the corrections whose batch gradients are measured (names of ``corrections.CORRECTIONS``)
+    corrections: list[str] = field(default_factory=lambda: ["none", "tis", "mis", "sc", "sc+tis", "sc+mis"])
+    #: the mismatched samplers; each correction sees the same rollouts of each
+    settings: list[ProbeSetting] = field(default_factory=list)
+    #: rollout batches per mismatch setting (>= 3: the jackknife leaves one out)
+    batches: int = 5
+    #: on-policy batches for the reference gradient (correction none; >= 3)
+    reference_batches: int = 5
+    #: constant (every advantage 1: the drift, true value 0) and/or reward (the batch's own advantages)
+    modes: list[str] = field(default_factory=lambda: ["constant"])
+    #: D of the gradients' CountSketch (relative error of a squared norm ~ sqrt(2/D))
+    sketch_dim: int = 131072
+    sketch_seed: int = 0
+    #: output folder; null = the Hydra run folder
+    out: Optional[str] = None
+
+
+@dataclass
+class ProbeRunConfig(TrainConfig):
+    """The probe's whole config (``conf/probe.yaml``): every field of a training run, plus ``probe``."""
+
+    probe: ProbeConfig = field(default_factory=ProbeConfig)

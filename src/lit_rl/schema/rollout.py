@@ -1,0 +1,173 @@
+"""What samples the rollouts and how: ``engine`` (one schema per option), ``kernels``, ``rollout`` and ``sampling``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .base import Number, Problems, int_rule, is_int, rule
+
+
+@dataclass
+class EngineConfig:
+    """``engine=torch``: the embedded engine (``rollout.engines.ENGINES``); the base of every engine's fields."""
+
+    #: torch | vllm | auto (``rollout.engines.ENGINE_CHOICES``)
+    name: str = "torch"
+    #: torch: null = share the trainer's module, else sample with an own copy in this dtype (float32 |
+    #: bfloat16); vllm: null = bfloat16 under a bf16 trainer precision, else model.dtype
+    dtype: Optional[str] = None
+    #: mismatch injection: matrices through an int8 round trip at each sync
+    int8_roundtrip: bool = False
+    #: the engine's sampling seed; set to ``seed`` at start-up
+    seed: int = 0
+    #: mismatch dial sigma >= 0 (0 = off): the embedded engine samples from softmax((logits + sigma*eps)/T'),
+    #: eps ~ N(0, I) seeded per (seed, step, sequence, position); rollout log-probs and top-k are the noisy
+    #: distribution's. Embedded engine only (vLLM: > 0 is refused at start-up)
+    logit_noise: Number = 0.0
+    #: mismatch dial delta: the sampler samples (and reports log-probs) at T' = T + delta (> 0), the trainer
+    #: scores at T; both engines
+    temperature_offset: Number = 0.0
+
+    def problems(self, run) -> Problems:
+        """The mismatch dial's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
+        first): ``logit_noise`` finite, >= 0 and the embedded engine's only; ``temperature_offset`` finite, with
+        ``run.sampling.temperature`` + offset > 0. The option's own fields (vLLM's) need CUDA to be checked
+        (``config.check_vllm_engine``)."""
+        sigma, delta = self.logit_noise, self.temperature_offset
+        yield from rule(
+            math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)"
+        )
+        yield from rule(math.isfinite(delta), "engine.temperature_offset", delta, "must be a finite number (0 = off)")
+        temperature = run.sampling.temperature
+        yield from rule(
+            not delta or temperature + delta > 0,
+            "engine.temperature_offset",
+            delta,
+            f"must keep the sampler's temperature positive: sampling.temperature={temperature} + {delta} <= 0",
+        )
+        yield from rule(
+            not (sigma > 0 and self.name == "vllm"),
+            "engine.logit_noise",
+            sigma,
+            "is wired for the embedded engine only (engine=torch): vLLM samples inside its own engine core, and "
+            "noise whose draws show in its processed log-probs would need a vLLM logits processor, not built "
+            "in this version; engine.temperature_offset works with vLLM",
+        )
+
+
+@dataclass
+class VLLMEngineConfig(EngineConfig):
+    """``engine=vllm`` (and ``auto``, which may become it): the colocated vLLM engine."""
+
+    name: str = "vllm"
+    #: GPU memory fraction for weights + KV cache (on CPU vLLM reads it as a RAM fraction)
+    gpu_memory_utilization: Number = 0.3
+    #: KV-cache GiB; null = 1 on CPU, from gpu_memory_utilization on GPUs
+    kv_cache_gb: Optional[Number] = None
+    #: > 1 needs in_process=false (weights then travel through a file)
+    tensor_parallel_size: int = 1
+    #: prompt + response tokens per sequence; null = the model's context length
+    max_model_len: Optional[int] = None
+    #: free the engine's GPU memory during the update: auto (on with CUDA) | true | false
+    sleep_mode: Any = "auto"
+    #: CUDA-graph capture for decoding: auto (on with CUDA) | true | false
+    cuda_graphs: Any = "auto"
+    #: engine core in the training process: weights handed over by reference
+    in_process: bool = True
+
+
+@dataclass
+class KernelsConfig:
+    """``kernels``: default | batch_invariant (``kernels.KERNELS``)."""
+
+    name: str = "default"
+    #: float32 matrix products on the CPU: auto (oneDNN where measured faster than torch's BLAS on the model's
+    #: shapes, ``kernels.fp32_gemm.resolve``) | aten (torch's own) | onednn; kernels=batch_invariant: aten
+    fp32_gemm: str = "auto"
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout``: how many rollouts a step takes and with which weights (``rollout.staleness``)."""
+
+    #: P prompts per RL step
+    prompts_per_step: int = 8
+    #: G completions per prompt
+    group_size: int = 8
+    #: sequences per forward/backward of the update (does not change the result)
+    micro_batch_size: int = 16
+    #: sync | lagged | async (``rollout.staleness.ROLLOUT_MODES``)
+    mode: str = "sync"
+    #: lagged: RL steps between the sampling weights and the trained ones
+    lag: int = 0
+    #: async: no consumed rollout is more than this many RL steps old
+    max_staleness: int = 1
+    #: async: block | drop (``rollout.staleness.ON_STALE``)
+    on_stale: str = "block"
+    #: async: RL steps of rollouts buffered; null = max(1, max_staleness)
+    buffer_size: Optional[int] = None
+    #: lagged/async: score stale rows with their own weights, so r_num and r_stale split exactly
+    behaviour_logprobs: bool = True
+    #: lagged: keep the lag's weight history in checkpoints (exact resume)
+    save_history: bool = True
+
+    def problems(self, run) -> Problems:
+        """The stale-rollout fields' values it refuses (``schema.base``: ``config.validate`` raises ConfigError
+        for the first): mode, lag, max_staleness, on_stale, buffer_size and the two switches. The batch sizes are
+        checked beside the algorithm's group rule and the world size (``config.check_rollout``)."""
+        from ..choices import ON_STALE, ROLLOUT_MODES  # here, not at the top: choices imports the schema
+
+        mode = self.mode
+        yield from rule(mode in ROLLOUT_MODES, "rollout.mode", mode, f"choose one of {list(ROLLOUT_MODES)}")
+        yield from int_rule(self.lag, "rollout.lag", 0, " (RL steps between the sampling and the trained weights)")
+        yield from int_rule(self.max_staleness, "rollout.max_staleness", 0, " (RL steps a consumed rollout may lag)")
+        yield from rule(self.on_stale in ON_STALE, "rollout.on_stale", self.on_stale, f"choose one of {list(ON_STALE)}")
+        size = self.buffer_size
+        yield from rule(
+            size is None or (is_int(size) and size >= 1),
+            "rollout.buffer_size",
+            size,
+            "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
+        )
+        for key in ("behaviour_logprobs", "save_history"):
+            value = getattr(self, key)
+            yield from rule(isinstance(value, bool), f"rollout.{key}", value, "must be true or false")
+        readers = ROLLOUT_MODES.names_where(lambda spec: "lag" in spec.reads)
+        yield from rule(
+            not self.lag or mode in readers,
+            "rollout.lag",
+            self.lag,
+            f"is read by {' | '.join(f'rollout.mode={m}' for m in readers)} only (rollout.mode={mode}); add "
+            f"rollout.mode={readers[0]}",
+        )
+
+
+@dataclass
+class SamplingConfig:
+    """``sampling``: the training rollouts (``rollout.types.SamplingParams``); the trainer scores at the same
+    temperature."""
+
+    temperature: Number = 1.0
+    #: 0 = off
+    top_k: int = 0
+    #: 1.0 = off
+    top_p: Number = 1.0
+    #: L_max, the generation cap (max_response_length)
+    max_new_tokens: int = 64
+    #: top-k log-probs the engine records per token (score centering raises it to its head)
+    logprobs_top_k: int = 0
+
+    def problems(self, run) -> Problems:
+        """The sampler's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
+        yield from rule(self.max_new_tokens > 0, "sampling.max_new_tokens", self.max_new_tokens, "must be > 0")
+        yield from rule(
+            self.temperature > 0,
+            "sampling.temperature",
+            self.temperature,
+            "must be > 0 for training rollouts (the trainer scores at this temperature)",
+        )
+        yield from rule(0.0 < self.top_p <= 1.0, "sampling.top_p", self.top_p, "must lie in (0, 1]")
+        yield from rule(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
+        yield from rule(self.logprobs_top_k >= 0, "sampling.logprobs_top_k", self.logprobs_top_k, "must be >= 0")

@@ -1,0 +1,154 @@
+"""``task``: the prompt source and its verifier, one schema per option (``tasks.build_task``); and ``reward``,
+what scores a completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from .base import Number, Problems, is_int, is_number, rule
+
+
+@dataclass
+class TaskConfig:
+    """``task``: the prompt source and its verifier (``tasks.build_task``); each task adds its own fields."""
+
+    #: one of ``tasks.TASKS``
+    name: str = MISSING
+    #: flexible: '#### N', '\\boxed{N}', else the last number | strict: '#### N' only
+    answer_format: str = "flexible"
+    #: a number: every completion gets it (experiment=constant_reward_drift); null = the verifier's reward.
+    #: Untyped here so that ``config.validate`` names a bad value
+    constant_reward: Any = None
+
+    def problems(self, run) -> Problems:
+        """The values this task option refuses (``schema.base``: ``config.validate`` raises ConfigError for the
+        first); ``run``: the whole config. The base: ``constant_reward``; each option adds its own fields'."""
+        constant = self.constant_reward
+        yield from rule(
+            constant is None or is_number(constant), "task.constant_reward", constant, "must be null or a number"
+        )
+
+
+@dataclass
+class ArithmeticConfig(TaskConfig):
+    """``task=arithmetic``: problems generated from a seed (``tasks.ArithmeticTask``)."""
+
+    name: str = "arithmetic"
+    seed: int = 0
+    #: digits per operand
+    digits: int = 1
+    operators: list[str] = field(default_factory=lambda: ["+"])
+    num_train: int = 10000
+    num_eval: int = 200
+
+
+@dataclass
+class Gsm8kConfig(TaskConfig):
+    """``task=gsm8k``: GSM8K from the hub or a folder (``tasks.Gsm8kTask``)."""
+
+    name: str = "gsm8k"
+    #: a folder with train.jsonl and test.jsonl; null = the hub dataset
+    path: Optional[str] = None
+    hub_id: str = "openai/gsm8k"
+    hub_config: str = "main"
+    max_train: Optional[int] = None
+    max_eval: Optional[int] = None
+
+    def problems(self, run) -> Problems:
+        yield from super().problems(run)
+        if self.path:
+            path = Path(self.path).expanduser()
+            yield from rule(
+                path.is_dir(), "task.path", self.path, "must be a folder holding train.jsonl and test.jsonl"
+            )
+
+
+@dataclass
+class DatasetConfig(TaskConfig):
+    """``task=dataset``: any dataset ``datasets`` reads, with a column mapping (``tasks.DatasetTask``)."""
+
+    name: str = "dataset"
+    #: a data file (.jsonl .json .parquet .csv .tsv .arrow), a saved-dataset folder, a folder of files or a hub id
+    path: Optional[str] = None
+    #: instead of path: a file, a list of files or {split: file(s)}
+    data_files: Any = None
+    #: the hub dataset's configuration
+    config: Optional[str] = None
+    split: str = "train"
+    #: null: eval_fraction of split held out
+    eval_split: Optional[str] = None
+    #: the held-out share of split when eval_split is null (0 = no eval split)
+    eval_fraction: Number = 0.0
+    #: seeds the held-out draw
+    seed: int = 0
+    #: the prompt column: text, or a list of chat messages {role, content}
+    prompt_field: str = "prompt"
+    #: the gold-answer column; null = none (reward functions that need no answer)
+    answer_field: Optional[str] = "answer"
+    system_prompt: Optional[str] = None
+    #: a str.format template over the row's columns for text prompts, e.g. "{question} Answer after ####."
+    prompt_template: Optional[str] = None
+    #: the first rows of each split only; null = all
+    max_examples: Optional[int] = None
+    #: a prompt longer than the context leaves for max_new_tokens: drop (counted) | error
+    overlong_prompts: str = "drop"
+
+    def problems(self, run) -> Problems:
+        """Beyond the base's: what can be checked without reading the data: a local path or data file exists, the
+        options lie in range, and an evaluation has a split to read (``run.eval.num_examples``). The data's own
+        problems (splits, columns, rows) are reported when the task loads, still before the model
+        (``tasks.DatasetTask``)."""
+        yield from super().problems(run)
+        from ..tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
+
+        yield from rule(
+            bool(self.path) or bool(self.data_files),
+            "task.path",
+            self.path,
+            "task=dataset needs task.path (a data file, a saved-dataset folder or a hub id) or task.data_files",
+        )
+        if self.path and looks_local(str(self.path)):
+            yield from rule(
+                Path(str(self.path)).expanduser().exists(),
+                "task.path",
+                self.path,
+                f"no such file or folder (a data file {'/'.join(FORMATS)}, a folder, or a hub id org/name)",
+            )
+        fraction = self.eval_fraction
+        yield from rule(is_number(fraction) and 0 <= fraction < 1, "task.eval_fraction", fraction, "must lie in [0, 1)")
+        yield from rule(
+            self.max_examples is None or (is_int(self.max_examples) and self.max_examples >= 1),
+            "task.max_examples",
+            self.max_examples,
+            "must be null or an integer >= 1",
+        )
+        yield from rule(
+            self.overlong_prompts in OVERLONG_PROMPTS,
+            "task.overlong_prompts",
+            self.overlong_prompts,
+            f"choose one of {list(OVERLONG_PROMPTS)}",
+        )
+        yield from rule(
+            self.eval_split is not None or fraction > 0 or run.eval.num_examples == 0,
+            "eval.num_examples",
+            run.eval.num_examples,
+            "task=dataset has no evaluation split: set task.eval_split, or task.eval_fraction (a held-out share), "
+            "or eval.num_examples=0",
+        )
+
+
+@dataclass
+class RewardConfig:
+    """``reward``: what scores a completion (``tasks.reward_functions``; docs/data.md)."""
+
+    #: null: the task's own verifier; or a list of built-ins (math, exact, format, length_penalty),
+    #: 'module:function' or 'path/to/file.py:function'
+    functions: Optional[list[str]] = None
+    #: one weight per function; null = all 1. The reward is the weighted sum (a None counts 0)
+    weights: Optional[list[Number]] = None
+    #: verifier processes (persistent, one thread each); a call past reward_timeout_s kills and replaces one
+    num_workers: int = 2

@@ -1,0 +1,174 @@
+"""The trainer's sections: ``update``, ``optim``, ``eval``, ``log``, ``checkpoint``, ``logger`` and the Lightning
+Trainer's defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .base import Number, Problems, int_rule, is_int, is_number, rule
+
+
+@dataclass
+class UpdateConfig:
+    """``update``: how the trainer's forward/backward is organised (none of it changes the result)."""
+
+    #: each prompt's forward once per group (its KV cache reused by the G completions; Prefix Grouper):
+    #: auto (on when rollout.group_size >= 2 and the model family is supported) | true | false
+    shared_prefix: Any = "auto"
+
+
+@dataclass
+class EvalConfig:
+    """``eval``: held-out accuracy: greedy pass@1, or mean@n and pass@k from n samples per problem."""
+
+    every_n_steps: int = 10
+    #: 0 = no evaluation
+    num_examples: int = 64
+    batch_size: int = 64
+    max_new_tokens: int = 64
+    #: samples per problem; > 1 logs eval/mean@n and eval/pass@k (needs temperature > 0)
+    n: int = 1
+    #: pass@k's k (1 <= k <= n), the unbiased estimator of Chen et al. 2021
+    k: int = 1
+    #: 0 = greedy
+    temperature: Number = 0.0
+
+    def problems(self, run) -> Problems:
+        """The evaluation's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
+        first); ``eval.max_new_tokens`` is checked beside ``sampling``'s cap."""
+        yield from int_rule(self.every_n_steps, "eval.every_n_steps", 1, " (eval.num_examples=0 turns evaluation off)")
+        yield from int_rule(self.num_examples, "eval.num_examples", 0, " (0 = no evaluation)")
+        yield from int_rule(self.batch_size, "eval.batch_size", 1)
+        n, k, temperature = self.n, self.k, self.temperature
+        yield from int_rule(n, "eval.n", 1, " (samples per problem)")
+        yield from rule(is_int(k) and 1 <= k <= n, "eval.k", k, f"must be an integer in [1, eval.n={n}]")
+        yield from rule(is_number(temperature) and temperature >= 0, "eval.temperature", temperature, "must be >= 0")
+        yield from rule(
+            n == 1 or temperature > 0,
+            "eval.temperature",
+            temperature,
+            f"must be > 0 with eval.n={n} (greedy decoding gives n equal samples)",
+        )
+
+
+@dataclass
+class LogConfig:
+    """``log``: what a person watching the run sees besides the scalars."""
+
+    #: every N RL steps a few (prompt, completion, reward, advantage) rows to TensorBoard's text tab and
+    #: <run>/samples.jsonl; 0 = never
+    samples_every_n_steps: int = 10
+    #: rows each time
+    num_samples: int = 4
+    #: one plain line per step (step, reward, response length, s/step, tokens/s): auto (when stdout is not a
+    #: terminal, which also turns the progress bar off) | true | false
+    plain_lines: Any = "auto"
+
+    def problems(self, run) -> Problems:
+        """The values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
+        yield from int_rule(self.samples_every_n_steps, "log.samples_every_n_steps", 0, " (0 = never)")
+        yield from int_rule(self.num_samples, "log.num_samples", 1)
+        yield from rule(
+            self.plain_lines in ("auto", True, False), "log.plain_lines", self.plain_lines, "auto, true or false"
+        )
+
+
+@dataclass
+class OptimConfig:
+    """``optim``: AdamW and the non-finite guard."""
+
+    lr: Number = 2.0e-6
+    weight_decay: Number = 0.0
+    betas: list[Number] = field(default_factory=lambda: [0.9, 0.999])
+    #: max gradient norm; 0 or null = no clipping
+    grad_clip: Optional[Number] = 1.0
+    #: linear warm-up over this many optimizer steps
+    warmup_steps: int = 0
+    #: a non-finite loss/gradient skips the update; this many in a row stop the run (0 = never). Untyped here so
+    #: that ``config.validate`` names a bad value
+    max_nonfinite_updates: Any = 3
+
+    def problems(self, run) -> Problems:
+        """The values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
+        yield from rule(is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "must be > 0")
+        clip_norm = self.grad_clip
+        yield from rule(
+            clip_norm is None or (is_number(clip_norm) and clip_norm >= 0),
+            "optim.grad_clip",
+            clip_norm,
+            "must be >= 0 (0 or null = no clipping)",
+        )
+        yield from int_rule(self.warmup_steps, "optim.warmup_steps", 0)
+        yield from int_rule(self.max_nonfinite_updates, "optim.max_nonfinite_updates", 0, " (0 = never stop)")
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint``: Lightning checkpoints (weights, optimizer, step) in <run>/checkpoints."""
+
+    every_n_steps: int = 10
+
+    def problems(self, run) -> Problems:
+        """The value it refuses (``schema.base``: ``config.validate`` raises ConfigError for it)."""
+        yield from int_rule(self.every_n_steps, "checkpoint.every_n_steps", 1)
+
+
+def _trainer_defaults() -> dict[str, Any]:
+    return {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 30,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": True,
+        "precision": "auto",
+    }
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """``logger.tensorboard``: Lightning's TensorBoardLogger, event files in ``<run>/tensorboard``."""
+
+    #: sub-folder of the run folder
+    name: str = "tensorboard"
+
+
+@dataclass
+class CSVLoggerConfig:
+    """``logger.csv``: Lightning's CSVLogger, ``<run>/csv/metrics.csv`` (one row per step, one column per tag)."""
+
+    #: sub-folder of the run folder
+    name: str = "csv"
+
+
+@dataclass
+class WandbLoggerConfig:
+    """``logger.wandb``: Lightning's WandbLogger (``pip install wandb``), files under ``<run>/wandb``."""
+
+    project: str = "lit_rl"
+    #: a W&B team or user; null = the account's default
+    entity: Optional[str] = None
+    #: online | offline | disabled; null = the WANDB_MODE environment variable, else online
+    mode: Optional[str] = None
+
+
+@dataclass
+class MLflowLoggerConfig:
+    """``logger.mlflow``: Lightning's MLFlowLogger (``pip install mlflow-skinny``)."""
+
+    experiment_name: str = "lit_rl"
+    #: a tracking server (http://...) or store URI; null = a local file store in ``<run>/mlruns``
+    tracking_uri: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    """``logger``: where metrics go; each logger set here (not null) is used, several at once with
+    ``logger=[tensorboard,wandb]``; ``logger=none``: none (``train.build_loggers``)."""
+
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    csv: Optional[CSVLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MLflowLoggerConfig] = None
+    #: the run's name in W&B and MLflow; null = the run folder's name (in a sweep: what the sweep varies)
+    run_name: Optional[str] = None
