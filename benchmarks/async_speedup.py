@@ -2,7 +2,7 @@
 
     python benchmarks/async_speedup.py              # SmolLM2-135M, 2 prompts x G=8 x 64 new tokens, 6 steps
 
-The recipe itself (``lit_rl.train.run``, GRPO on the default task, bf16-mixed, no eval) runs the same steps
+The recipe itself (``lit_rl.run.train.run``, GRPO on the default task, bf16-mixed, no eval) runs the same steps
 (same prompts, same seeds) in each setting, one after the other in this process:
 
 * ``sync, 1 thread``: generate, then train (``rollout.mode=sync``, ``threads=1``): one core works at a time;
@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import ensure_quiet, machine  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from lit_rl.run.train import run  # noqa: E402
 from lit_rl.tools.compare import read_scalars  # noqa: E402
-from lit_rl.train import run  # noqa: E402
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

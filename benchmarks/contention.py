@@ -91,7 +91,7 @@ def child(args) -> None:
     print(json.dumps({"ready": True, "threads": torch.get_num_threads(), "precision": precision}), flush=True)
     for _ in sys.stdin:
         if governor is not None:
-            governor.update()  # as lit_rl.train's AdaptiveThreads callback does before every RL step
+            governor.update()  # as lit_rl.run.callbacks' AdaptiveThreads callback does before every RL step
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             t0 = time.perf_counter()
             r = module.engine.generate(prompts, module.sampling, seeds)

@@ -33,7 +33,7 @@ from _common import machine  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from lit_rl.expectation import TabularPolicy, all_sequences, expected_gradient, prefix_rows, sampler_at_kl  # noqa: E402
-from lit_rl.train import build_module  # noqa: E402
+from lit_rl.run.train import build_module  # noqa: E402
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 CORRECTIONS = {  # row label -> overrides

@@ -3,7 +3,7 @@
     python benchmarks/precision_auto.py                     # the main job, 2 rounds x (auto, bf16-mixed, 32-true)
     python benchmarks/precision_auto.py --emulate-no-bf16   # the same with oneDNN capped below its bf16 kernels
 
-Each setting runs the recipe (``lit_rl.train.run``) with the main job's defaults (what ``scripts/train.sh``
+Each setting runs the recipe (``lit_rl.run.train.run``) with the main job's defaults (what ``scripts/train.sh``
 runs), ``--steps`` RL steps and no evaluation, in this process, under the OpenMP defaults
 ``recipes/train.py`` sets. All settings do the same work (same seed, same prompts; the sampled tokens differ
 only by precision), and step 1 (kernel warm-up) is not counted: a setting's time is the mean of
@@ -46,8 +46,8 @@ def measure(precision: str, args, out: Path) -> dict:
     from hydra import compose, initialize_config_dir
 
     from lit_rl.run.hardware import cpu_busy_seconds
+    from lit_rl.run.train import run
     from lit_rl.tools.compare import read_scalars
-    from lit_rl.train import run
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(

@@ -37,7 +37,7 @@ def task_prompts(tok, task: str, n: int) -> list[list[int]]:
     from hydra import compose, initialize_config_dir
 
     from lit_rl.rollout.datamodule import RolloutDataModule
-    from lit_rl.train import build_task_from_cfg
+    from lit_rl.run.train import build_task_from_cfg
 
     overrides = [f"task={task}"] + ([f"task.path={os.environ.get('LIT_RL_GSM8K', GSM8K)}"] if task == "gsm8k" else [])
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):

@@ -9,7 +9,7 @@ micro-batches of 16 completions (TRL: per_device_train_batch_size=16 x gradient_
 generation of 64 completions, one optimizer step), one update per batch, no KL (beta = 0), no gradient
 checkpointing, 2 threads. Each system runs in its own process (peak RSS is per process, model load
 included) for two steps; the second step is timed (the first warms up). lit_rl's step is the real recipe
-(``lit_rl.train.run``: Lightning loop, engine, verifier, update) and its ``time/*`` scalars; TRL's is
+(``lit_rl.run.train.run``: Lightning loop, engine, verifier, update) and its ``time/*`` scalars; TRL's is
 ``trainer.train()`` with a callback timing the optimizer step and a wrapper timing generation + scoring.
 Completion lengths differ (each system draws its own samples), so seconds per 1000 generated tokens are
 printed beside seconds per step.
@@ -58,8 +58,8 @@ def recipe_cfg(prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS)
 
 def lit_rl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW_TOKENS) -> dict:
     """Two steps of the recipe; the second step's rollout, update and whole-step seconds, generated tokens."""
+    from lit_rl.run.train import run
     from lit_rl.tools.compare import read_scalars
-    from lit_rl.train import run
 
     cfg = recipe_cfg(prompts, g, new_tokens)
     run(cfg, out)
@@ -85,7 +85,7 @@ def trl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW
 
     from lit_rl.models import ModelSpec, load_policy
     from lit_rl.rollout.datamodule import RolloutDataModule
-    from lit_rl.train import build_task_from_cfg
+    from lit_rl.run.train import build_task_from_cfg
 
     torch.set_num_threads(2)
     cfg = recipe_cfg(prompts, g, new_tokens)

@@ -20,8 +20,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from lit_rl.config import ConfigError  # noqa: E402
+from lit_rl.run.runfolder import register_resolvers  # noqa: E402
 from lit_rl.tools.probe import run_probe  # noqa: E402
-from lit_rl.train import register_resolvers  # noqa: E402
 
 register_resolvers()  # conf/train.yaml's hydra section, which the probe's config inherits, uses them
 

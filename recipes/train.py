@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-# none of these imports torch or Lightning: a bad config is refused before they load (lit_rl.train imports them)
+# none of these imports torch or Lightning: a bad config is refused before they load (lit_rl.run.train imports them)
 from lit_rl.config import ConfigError, validate  # noqa: E402
 from lit_rl.run.runfolder import discard_refused_run_folder, register_resolvers  # noqa: E402
 from lit_rl.run.sweeps import FAILED  # noqa: E402
@@ -45,7 +45,7 @@ job_started = False
 
 def continues_run(cfg: DictConfig) -> bool:
     """True when the command continues a run (``resume=<folder>`` or ``ckpt_path``): its config is then the run
-    folder's config.yaml with the command line's overrides, which ``lit_rl.train.run`` reads and validates."""
+    folder's config.yaml with the command line's overrides, which ``lit_rl.run.train.run`` reads and validates."""
     return bool(cfg.resume) or cfg.ckpt_path not in (None, "", "null")
 
 
@@ -80,7 +80,7 @@ def main(cfg: DictConfig):
             validate(cfg)  # torch-free: a bad value fails here, in a fraction of a second
         from lit_rl.algorithms import NonFiniteUpdates  # torch and Lightning load from here on
         from lit_rl.run.checkpoints import OutputWriteError
-        from lit_rl.train import run
+        from lit_rl.run.train import run
 
         stops = (NonFiniteUpdates, OutputWriteError)
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))

@@ -10,7 +10,7 @@ from helpers import compose_config
 from lit_rl.algorithms import ALGORITHMS
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
-from lit_rl.train import build_module
+from lit_rl.run.train import build_module
 
 ALGOS = list(ALGORITHMS)  # every registered algorithm
 

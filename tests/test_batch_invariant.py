@@ -18,8 +18,8 @@ from lit_rl.kernels import batch_invariant as bi
 from lit_rl.logprobs import position_ids_from_mask, response_logprobs
 from lit_rl.rollout.torch_engine import TorchEngine
 from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 MS = list(range(1, 34)) + [47, 64, 100, 255, 256, 257, 500]
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}

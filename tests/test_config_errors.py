@@ -9,7 +9,7 @@ import pytest
 from helpers import ROOT, compose_config
 
 from lit_rl.config import ConfigError, validate
-from lit_rl.train import run
+from lit_rl.run.train import run
 
 
 def cfg_for(*overrides):
@@ -349,7 +349,7 @@ def small_context_model(tmp_path, tiny, context):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails the test if the policy's weights are loaded (the checks below must come first)."""
-    import lit_rl.train as train_module
+    import lit_rl.run.train as train_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the context check")

@@ -7,9 +7,9 @@ from helpers import MOVING, compose_config
 
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
+from lit_rl.run.train import build_module, run
 from lit_rl.tasks import ArithmeticTask
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import build_module, run
 
 BASE = [
     "model=tiny",

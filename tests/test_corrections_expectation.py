@@ -36,7 +36,7 @@ from lit_rl.expectation import (
     sequence_logprobs,
 )
 from lit_rl.objectives import reduce_loss
-from lit_rl.train import build_module
+from lit_rl.run.train import build_module
 
 ALGOS = tuple(ALGORITHMS)  # every registered algorithm
 ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)

@@ -7,9 +7,9 @@ import pytest
 from helpers import fast_config
 
 from lit_rl.config import ConfigError, validate
+from lit_rl.run.train import run
 from lit_rl.tasks import DatasetTask, build_task
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 ROWS = [
     {"problem": "What is 2 + 3?", "solution": "5", "level": 1},

@@ -16,8 +16,8 @@ from helpers.ddp_probe import CASES, STEP_METRICS, make_batch, make_module
 from lit_rl.config import ConfigError, validate
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule, shard
+from lit_rl.run.train import build_module, build_strategy, build_task_from_cfg, run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import build_module, build_strategy, build_task_from_cfg, run
 
 PROBE = os.path.join(ROOT, "tests", "helpers", "ddp_probe.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}

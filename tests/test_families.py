@@ -19,8 +19,8 @@ from lit_rl.logprobs import check_head_parity, head_transform, position_ids_from
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.torch_engine import TorchEngine
 from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
 GEMMA_NORMS = ("gemma", "gemma2", "gemma3")

@@ -14,8 +14,8 @@ from helpers import fast_config as cfg_for
 
 from lit_rl.algorithms import GRPO, NonFiniteUpdates
 from lit_rl.run.checkpoints import AtomicCheckpointIO, find_last
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 SCRIPT = os.path.join(ROOT, "tests", "helpers", "fault_injection.py")
 # REINFORCE without a baseline on a constant reward: A = 1 on every token, so every step moves the weights

@@ -7,8 +7,8 @@ from transformers import LlamaConfig
 from lit_rl.models import ModelSpec, load_policy, tiny_config
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.run.flops import FlopModel
+from lit_rl.run.train import build_task_from_cfg, run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import build_task_from_cfg, run
 
 # the tiny model: hidden 64, intermediate 128, 2 layers, 2 heads and 1 KV head of head_dim 32, vocab 49152.
 # per layer: MLP 3*64*128 = 24576; attention projections 64*(q 64 + k 32 + v 32 + o 64) = 12288;

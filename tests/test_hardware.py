@@ -11,7 +11,8 @@ from helpers import fast_config as cfg_for
 
 from lit_rl.config import ConfigError, validate
 from lit_rl.run import hardware
-from lit_rl.train import precision_plugins, resolve_engine, resolve_hardware
+from lit_rl.run.resolve import resolve_engine, resolve_hardware
+from lit_rl.run.train import precision_plugins
 
 
 def mock_cpu(monkeypatch, avx512_bf16: bool, amx: bool = False, arch: str = "x86_64", model: str = "Test CPU"):
@@ -323,7 +324,7 @@ def test_thread_governor_reads_this_machine():
 def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(overrides, message):
     """Refused by ``validate``: at start-up, before any model loads, and for every job of a sweep."""
     from lit_rl.config import validate
-    from lit_rl.train import adaptive_threads
+    from lit_rl.run.callbacks import adaptive_threads
 
     with pytest.raises(ConfigError, match=f"threads=adaptive is not allowed here: {message}"):
         validate(cfg_for("threads=adaptive", *overrides))
@@ -333,8 +334,8 @@ def test_adaptive_threads_is_refused_where_something_else_owns_the_thread_count(
 
 
 def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
+    from lit_rl.run.train import run
     from lit_rl.tools.compare import read_scalars
-    from lit_rl.train import run
 
     previous = torch.get_num_threads()
     try:

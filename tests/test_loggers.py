@@ -8,8 +8,9 @@ from helpers import MOVING, compose_config, fast_config
 from helpers.loggers import read_csv_scalars, read_mlflow_scalars, read_wandb_scalars, wandb_run_name
 
 from lit_rl.config import ConfigError
+from lit_rl.run.loggers import build_loggers
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import build_loggers, run
 
 
 def same(a, b, tag):

@@ -7,12 +7,12 @@ import torch
 from helpers import MOVING, compose_config, fast_config
 from safetensors.torch import load_file
 
-import lit_rl.train
+import lit_rl.run.train
 from lit_rl.config import ConfigError, validate
 from lit_rl.models import ModelSpec, adapter_disabled, load_policy, merged_weights
 from lit_rl.rollout.types import RolloutBatch, left_pad
+from lit_rl.run.train import build_module, run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import build_module, run
 
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
@@ -152,7 +152,7 @@ def test_target_modules_the_model_lacks_are_refused_before_the_weights_load(tmp_
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the targets were checked")
 
-    monkeypatch.setattr(lit_rl.train, "load_policy", no_load)
+    monkeypatch.setattr(lit_rl.run.train, "load_policy", no_load)
     with pytest.raises(
         ConfigError,
         match=r"model\.lora\.target_modules=\['no_such_proj'\]: no module of .* "

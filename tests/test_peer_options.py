@@ -28,7 +28,7 @@ from lit_rl.expectation import (
     sequence_logprobs,
 )
 from lit_rl.logprobs import response_logprobs
-from lit_rl.train import build_module
+from lit_rl.run.train import build_module
 
 
 def cfg_for(*overrides):

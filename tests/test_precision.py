@@ -3,7 +3,7 @@ gradient scaler skips overflowing steps (issue 16: the norm was logged 65536x to
 was 65536x too small, and an overflow stopped the run with "No inf checks were recorded").
 
 The update runs through Lightning's own precision plugin (float16 autocast and ``torch.amp.GradScaler`` on
-the CPU, as ``lit_rl.train.precision_plugins`` builds it for ``trainer.precision=16-mixed``), on one fixed
+the CPU, as ``lit_rl.run.train.precision_plugins`` builds it for ``trainer.precision=16-mixed``), on one fixed
 batch, against the same update in 32-true."""
 
 import lightning as L
@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 
 from lit_rl.algorithms import RLModule
 from lit_rl.models import ModelSpec, load_policy
+from lit_rl.run.train import precision_plugins, run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import precision_plugins, run
 
 
 class FixedBatchGRPO(RLModule):

@@ -159,7 +159,7 @@ def test_both_engines_implement_the_rollout_engine_protocol(tiny):
 
 
 def test_the_learner_implements_what_stale_rollouts_need(tiny):
-    from lit_rl.train import build_module
+    from lit_rl.run.train import build_module
 
     module = build_module(compose_config("model=tiny", "rollout.mode=lagged", "rollout.lag=1"), *tiny)
     assert isinstance(module, Learner) and module.policy_version == 0

@@ -14,8 +14,8 @@ from helpers import ROOT
 from helpers import fast_config as cfg_for
 
 from lit_rl.config import ConfigError
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 SCRIPT = os.path.join(ROOT, "recipes", "train.py")
 FAST_CLI = [

@@ -10,10 +10,10 @@ import pytest
 from helpers import fast_config
 
 from lit_rl.config import ConfigError, validate
+from lit_rl.run.train import run
 from lit_rl.tasks import ArithmeticTask
 from lit_rl.tasks.reward_functions import BUILTINS, RewardFunctions, pass_at_k
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 USER_REWARDS = """
 def level_reward(prompt, completion, example):

@@ -15,8 +15,8 @@ from helpers import fast_config as cfg_for
 
 from lit_rl.config import ConfigError
 from lit_rl.run.runfolder import LOCK_NAME, claim_run_folder, discard_refused_run_folder
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 BARRIER = os.path.join(ROOT, "tests", "helpers", "barrier_start.py")
 CLI = [
@@ -154,7 +154,7 @@ def test_default_run_and_sweep_folders_carry_the_process_id():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from lit_rl.train import register_resolvers
+    from lit_rl.run.runfolder import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):

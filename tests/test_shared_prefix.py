@@ -15,7 +15,7 @@ from lit_rl.config import ConfigError, validate
 from lit_rl.logprobs import resolve_shared_prefix, response_buckets, response_logprobs, shared_prefix_applies
 from lit_rl.models import ModelSpec, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
-from lit_rl.train import build_module
+from lit_rl.run.train import build_module
 
 G = 4
 

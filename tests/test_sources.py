@@ -20,8 +20,8 @@ from lit_rl.rollout.sources import (
     unregister_source,
 )
 from lit_rl.rollout.staleness import ROLLOUT_MODES
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 
 class CountingSource(SyncSource):

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from lit_rl.algorithms import RLModule
 from lit_rl.config import ConfigError, validate
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 # REINFORCE without a baseline on a constant reward: every step moves the weights, so versions differ
 MOVING = [*MOVING, "eval.num_examples=0"]

@@ -10,8 +10,8 @@ import torch
 from helpers import FAST, MOVING, ROOT, fast_config
 
 from lit_rl.config import ConfigError
+from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
-from lit_rl.train import run
 
 TAGS = [
     "rollout/reward_mean",
@@ -190,7 +190,7 @@ def test_resume_from_last_checkpoint_continues_exactly(tmp_path):
 
 
 def test_run_name_keeps_only_swept_keys():
-    from lit_rl.train import run_name
+    from lit_rl.run.runfolder import run_name
 
     job = ["model=tiny", "algo=dapo", "seed=1", "trainer.max_steps=20"]
     assert (
@@ -239,7 +239,7 @@ def test_warmup_counts_optimizer_steps_for_every_algorithm(tmp_path, algo, expec
 
 
 def test_run_name_reads_sweeps_the_way_hydra_parses_them():
-    from lit_rl.train import run_name
+    from lit_rl.run.runfolder import run_name
 
     assert run_name(["seed=1", "model=tiny"], None, argv=["-m", "seed=range(2)", "model=tiny"]) == "seed=1"
     assert run_name(["algo=grpo"], None, argv=["--multirun", "algo=glob(g*)"]) == "algo=grpo"

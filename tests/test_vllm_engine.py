@@ -335,7 +335,7 @@ def test_engine_for_a_model_with_small_heads(tmp_path):
 
     from lit_rl.config import ConfigError
     from lit_rl.models import tiny_config
-    from lit_rl.train import resolve_engine
+    from lit_rl.run.resolve import resolve_engine
 
     if torch.cuda.is_available():
         pytest.skip("the limit is the CPU build's")
@@ -358,7 +358,7 @@ def test_engine_for_a_model_with_small_heads(tmp_path):
 
 
 def test_engine_auto_picks_vllm_where_it_is_installed():
-    from lit_rl.train import resolve_engine
+    from lit_rl.run.resolve import resolve_engine
 
     cfg = compose_config("model=tiny", "engine=auto")
     resolve_engine(cfg)

@@ -239,7 +239,7 @@ def expected_gradient(
       PPO's advantages but none of the identities tested with it. ``second`` is NaN.
 
     Args:
-        module: an ``RLModule`` built around ``policy`` (``lit_rl.train.build_module``).
+        module: an ``RLModule`` built around ``policy`` (``lit_rl.run.train.build_module``).
         policy: the ``TabularPolicy`` the module trains.
         sampler_table: float [S, V], the sampler μ's logit table (``policy.table()`` for on-policy).
         reward: maps sequences int64 [N, L] to rewards float [N].

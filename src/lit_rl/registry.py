@@ -7,14 +7,14 @@ defined, e.g. an algorithm class::
     @ALGORITHMS.register("grpo")
     class GRPO(Algorithm): ...
 
-and ``config.validate``, ``train.build_module`` and the tests (every ``conf/<group>/*.yaml`` must name a
+and ``config.validate``, ``run.train.build_module`` and the tests (every ``conf/<group>/*.yaml`` must name a
 registered choice and every registered choice must have its file) look names up here. Adding an algorithm,
 a task or an engine is then one file plus one ``register`` line (and its ``conf/<group>/<name>.yaml``).
 
 An entry whose module imports torch can be registered lazily, as ``"module:attribute"``
 (``register_lazy``, or ``lazy=`` of the constructor): its name is known at once, and the module is imported
 on the first lookup of that name. ``config.validate`` checks names (``in``, iteration) and so runs before
-torch loads; ``train.build_module`` looks the class up and imports it.
+torch loads; ``run.train.build_module`` looks the class up and imports it.
 
 This module imports nothing heavy. The registries of choices whose owners import torch (algorithms,
 corrections, kernels, rollout modes) are in ``lit_rl.choices``, torch-free, and each owner re-exports its own

@@ -18,7 +18,7 @@ RECIPE = os.path.join(ROOT, "recipes", "train.py")
 
 def main() -> None:
     barrier, *args = sys.argv[1:]
-    import lit_rl.train  # noqa: F401  (torch, Lightning, transformers: loaded before the barrier)
+    import lit_rl.run.train  # noqa: F401  (torch, Lightning, transformers: loaded before the barrier)
 
     open(f"{barrier}.ready-{os.getpid()}", "w").close()
     deadline = time.monotonic() + 300

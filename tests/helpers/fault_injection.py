@@ -28,7 +28,7 @@ from helpers import compose_config  # noqa: E402  (and the same thread and offli
 
 from lit_rl.algorithms import RLModule  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
-from lit_rl.train import run  # noqa: E402
+from lit_rl.run.train import run  # noqa: E402
 
 
 def die() -> None:

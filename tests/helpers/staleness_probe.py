@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from helpers import compose_config  # noqa: E402  (and the same thread and offline settings as the tests)
 
 from lit_rl.algorithms import RLModule  # noqa: E402
-from lit_rl.train import run  # noqa: E402
+from lit_rl.run.train import run  # noqa: E402
 
 
 def main() -> None:

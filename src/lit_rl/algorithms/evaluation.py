@@ -19,7 +19,7 @@ class EvaluationMixin:
     def on_validation_start(self) -> None:
         self.source.pause(self)  # the engine is evaluation's, synced to the latest update
 
-    #: ``eval.n`` samples per problem and ``eval.k`` for pass@k (``lit_rl.train.run`` sets them from the config)
+    #: ``eval.n`` samples per problem and ``eval.k`` for pass@k (``lit_rl.run.train.run`` sets them from the config)
     eval_n: int = 1
 
     eval_k: int = 1

@@ -19,7 +19,7 @@ class StepLoggingMixin:
     ``policy``, ``epochs`` and Lightning's ``trainer``."""
 
     #: peak FLOP/s of one device at the run's precision (``hardware.peak_flops``), that ``perf/mfu`` divides
-    #: by; ``lit_rl.train.run`` sets it at start-up, else the first step measures it
+    #: by; ``lit_rl.run.train.run`` sets it at start-up, else the first step measures it
     peak_flops: float | None = None
 
     @property

@@ -22,7 +22,7 @@ a preempted run looked like a success, and the steps since the last checkpoint w
   step starts;
   ``SIGTERMException`` is raised and ``on_exception`` checkpoints the last finished step.
 
-``lit_rl.train.run`` then raises ``Preempted``: a ``SystemExit`` with status 128 + the signal (143 for SIGTERM,
+``lit_rl.run.train.run`` then raises ``Preempted``: a ``SystemExit`` with status 128 + the signal (143 for SIGTERM,
 138 for SIGUSR1), after printing how to continue. Checkpoints are written by ``AtomicCheckpointIO`` (beside the
 target, fsynced, renamed), so a second signal during the write cannot leave a partial file under a
 checkpoint's name: SIGTERM and SIGUSR1 only raise the flag again, and anything that kills the process

@@ -246,3 +246,27 @@ def discard_refused_run_folder(out: str | os.PathLike) -> bool:
     except OSError:
         return False
     return True
+
+
+def check_output_folders(out: Path) -> None:
+    """ConfigError unless the run folder can be written, and with it the ``checkpoints/``, ``tensorboard/``
+    and ``policy/`` folders the run writes into later: each that exists already must be a writable folder.
+    A probe file is written, flushed and removed in each, so a read-only mount, a missing permission or a
+    file in a folder's place fails here, before the model loads, and not at the first checkpoint."""
+    for folder in (out, out / "checkpoints", out / "tensorboard", out / "policy"):
+        if folder != out and not os.path.lexists(folder):
+            continue  # created later inside ``out``, which is checked
+        probe = folder / f".lit_rl-write-probe-{os.getpid()}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"lit_rl")
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(
+                f"output folder {folder} cannot be written ({err.strerror or err}); the run would "
+                f"fail at its first checkpoint or at the end: choose another folder "
+                f"(hydra.run.dir=...) or make it writable"
+            ) from err

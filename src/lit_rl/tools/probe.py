@@ -535,8 +535,9 @@ def run_probe(cfg, out_dir) -> list[dict]:
     from ..models import ModelSpec, load_policy
     from ..rollout.datamodule import RolloutDataModule
     from ..run.hardware import describe_machine
+    from ..run.resolve import resolve_engine, resolve_hardware
+    from ..run.train import build_module, build_task_from_cfg
     from ..schema import CorrectionConfig, config_of
-    from ..train import build_module, build_task_from_cfg, resolve_engine, resolve_hardware
 
     validate(cfg)
     check_probe(cfg)

@@ -101,8 +101,8 @@ def invalid_jobs(jobs: list[Job]) -> list[tuple[Job, str]]:
     (``sweeps.check_jobs``, what a multirun checks before its first job); [] when all are valid."""
     from hydra import initialize_config_dir
 
+    from ..run.runfolder import register_resolvers
     from ..run.sweeps import check_jobs
-    from ..train import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -1,0 +1,115 @@
+"""The Lightning callbacks a run adds besides its checkpoints: ``AdaptiveThreads`` (``threads: adaptive``),
+``SampleLogger`` (a step's samples to TensorBoard and ``samples.jsonl``) and ``PlainLines`` (one line per step
+on stdout, for log files).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig
+
+from .hardware import ThreadGovernor
+
+
+class AdaptiveThreads(L.Callback):
+    """``threads: adaptive``: before every RL step ``hardware.ThreadGovernor`` sets as many torch threads as
+    the cores other processes left free during the previous step (at most the start-up count, ``auto``'s).
+    The thread count then depends on the machine's load, and with it the floating-point summation order:
+    two runs (or a run and its resumption) are no longer equal bit for bit."""
+
+    def __init__(self, max_threads: int):
+        self.governor = ThreadGovernor(max_threads)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.governor.update()
+
+
+def adaptive_threads(cfg: DictConfig, requested) -> AdaptiveThreads | None:
+    """The ``AdaptiveThreads`` callback for ``threads: adaptive`` (``requested``: the value before
+    ``resolve_hardware`` made it a count), else None. Where ``threads: adaptive`` is refused (several ranks,
+    ``kernels=batch_invariant``, an out-of-process vLLM engine) ``config.validate`` has already raised
+    (``config.check_adaptive_threads``)."""
+    if requested != "adaptive":
+        return None
+    return AdaptiveThreads(int(cfg.threads))
+
+
+def _cell(text) -> str:
+    """``text`` as one Markdown table cell: pipes escaped, line breaks as <br>."""
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+
+class SampleLogger(L.Callback):
+    """Every ``every`` RL steps, ``count`` rows of the step (prompt, completion, reward, advantage), spread over
+    its prompts, to TensorBoard's text tab (tag ``samples``) and one JSON line each to ``<run>/samples.jsonl``.
+    Global rank 0 writes its own rows."""
+
+    def __init__(self, every: int, count: int, out: Path):
+        self.every, self.count, self.file = int(every), int(count), out / "samples.jsonl"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        last = getattr(pl_module, "last_step", None)
+        if last is None or not trainer.is_global_zero:
+            return
+        step, scored, advantages = last
+        pl_module.last_step = None
+        if self.every <= 0 or step % self.every:
+            return
+        n = len(scored.texts)
+        rows = sorted({i * n // self.count for i in range(min(self.count, n))})
+        tok = pl_module.tokenizer
+        samples = [
+            {
+                "step": step,
+                "prompt": tok.decode(scored.rollouts.prompt_ids[i], skip_special_tokens=True),
+                "completion": scored.texts[i],
+                "reward": float(scored.rewards[i]),
+                "advantage": float(advantages[i]),
+            }
+            for i in rows
+        ]
+        with open(self.file, "a") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+        tensorboard = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        experiment = tensorboard[0].experiment if tensorboard else None
+        if hasattr(experiment, "add_text"):
+            table = "| prompt | completion | reward | advantage |\n|---|---|---|---|\n" + "".join(
+                f"| {_cell(s['prompt'])} | {_cell(s['completion'])} | {s['reward']:.4g} | {s['advantage']:.4g} |\n"
+                for s in samples
+            )
+            experiment.add_text("samples", table, global_step=step)
+            experiment.flush()
+
+
+class PlainLines(L.Callback):
+    """One plain line per RL step on stdout (step, reward, response length, s/step, rollout tokens/s): what a
+    log file or a cluster job's output shows, where a progress bar never prints."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            return
+        m = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        step = trainer.global_step // pl_module.updates_per_step
+        total = f"/{self.max_steps}" if self.max_steps > 0 else ""
+        print(
+            f"lit_rl: step {step}{total} reward {m.get('rollout/reward_mean', float('nan')):.4f} "
+            f"length {m.get('rollout/response_length_mean', float('nan')):.1f} "
+            f"s/step {m.get('time/step_s', float('nan')):.2f} "
+            f"tokens/s {m.get('perf/rollout_tokens_per_s', float('nan')):.1f}",
+            flush=True,
+        )
+
+
+def plain_lines_on(setting) -> bool:
+    """``log.plain_lines``: true, false, or auto (on when stdout is not a terminal)."""
+    if setting == "auto":
+        return not sys.stdout.isatty()
+    return bool(setting)

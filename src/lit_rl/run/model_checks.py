@@ -1,0 +1,128 @@
+"""What the configured model allows, checked at start-up before its weights load: its context against the run's
+prompts (``check_context``), its attention implementation and sliding windows (``check_model_support``), its
+head size (``model_head_dim``, which ``engine=auto`` reads). Every refusal is a ``ConfigError`` naming the
+field to change.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from ..config import ConfigError
+from ..models import context_length, load_model_config
+from ..rollout.datamodule import RolloutDataModule
+
+
+def model_config(model_cfg: DictConfig):
+    """The configured model's transformers config, read without its weights; None if it cannot be read (a bad
+    name is reported where the model loads)."""
+    try:
+        return load_model_config(model_cfg.name_or_path, bool(model_cfg.trust_remote_code))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def model_head_dim(model_cfg: DictConfig) -> int | None:
+    """Attention head size of the configured model, read from its config (no weights loaded); None if unknown."""
+    config = model_config(model_cfg)
+    try:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # noqa: BLE001 - no config (a bad name is reported where the model loads)
+        return None
+
+
+def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
+    """ConfigError unless every prompt of the run plus its ``max_new_tokens`` fits the context: the engine's
+    ``engine.max_model_len`` when set (vLLM), else the model's context length (``max_position_embeddings`` of
+    its config; vLLM takes it for ``max_model_len: null``, and the embedded engine would generate past it
+    into positions the model never saw). Training prompts count with ``sampling.max_new_tokens``, the
+    evaluated ones with ``eval.max_new_tokens``. Runs at start-up, after the tokenizer and before the weights
+    load; the message names the prompt, both numbers and the fields to change."""
+    context = context_length(config) if config is not None else None
+    model = f"model.name_or_path={cfg.model.name_or_path!r}"
+    max_len = cfg.engine.max_model_len if cfg.engine.name == "vllm" else None
+    if max_len is not None and context is not None and max_len > context:
+        raise ConfigError(
+            f"engine.max_model_len={max_len} is more than the context length of {model} "
+            f"({context} tokens, max_position_embeddings in its config): at most {context}"
+        )
+    if max_len is not None:
+        limit, where = max_len, f"engine.max_model_len={max_len}"
+    elif context is not None:
+        limit = context
+        where = f"the context length of {model} ({context} tokens, max_position_embeddings in its config)"
+    else:
+        return
+    checks = [("train", "sampling.max_new_tokens", cfg.sampling.max_new_tokens)]
+    if cfg.eval.num_examples > 0:
+        checks.append(("eval", "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    task = getattr(datamodule.task, "task", datamodule.task)  # ConstantReward wraps the task
+    for split, field, new_tokens in checks:
+        tokens, example = datamodule.longest_prompt(split)
+        if example is None or tokens + new_tokens <= limit:
+            continue
+        if getattr(task, "overlong_prompts", "error") == "drop":
+            total = len(datamodule._train if split == "train" else datamodule._eval)
+            dropped = datamodule.drop_overlong(limit - new_tokens, split)
+            print(
+                f"lit_rl: task={cfg.task.name}: dropped {dropped} of {total} {split} prompts longer than "
+                f"{limit - new_tokens} tokens ({where} minus {field}={new_tokens}; task.overlong_prompts=drop)",
+                flush=True,
+            )
+            datamodule.dropped_prompts[split] = dropped
+            if dropped < total:
+                continue
+        fix = (
+            f"lower {field} to at most {limit - tokens}"
+            if tokens < limit
+            else "use shorter prompts (the prompt alone fills the context)"
+        )
+        if max_len is not None and context is not None and tokens + new_tokens <= context:
+            fix += f", or raise engine.max_model_len to {tokens + new_tokens} or more (at most {context})"
+        raise ConfigError(
+            f"task={cfg.task.name}: the longest {split} prompt ({split} example {example.id}) has "
+            f"{tokens} tokens; with {field}={new_tokens} it needs {tokens + new_tokens}, more than "
+            f"{where}: {fix}"
+        )
+
+
+def check_model_support(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
+    """ConfigError, before the weights load, for a model the run cannot serve: its class does not implement
+    ``model.attn_implementation`` (Gemma-2 has no sdpa path: its attention soft-capping needs eager), or, with
+    ``kernels=batch_invariant``, a sliding-window layer shorter than the run's longest sequence
+    (``batch_invariant.check_sliding_window``). Norm layers the kernels do not cover are refused when the mode
+    is enabled (``batch_invariant.norm_kernels``), still before the first rollout."""
+    if config is None:
+        return
+    model = f"model.name_or_path={cfg.model.name_or_path!r}"
+    impl = cfg.model.attn_implementation
+    cls = causal_lm_class(config)
+    flag = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}.get(impl)
+    if cls is not None and flag is not None and getattr(cls, flag, True) is False:
+        import transformers
+
+        raise ConfigError(
+            f"model.attn_implementation={impl}: {cls.__name__} ({model}) has no {impl} attention in transformers "
+            f"{transformers.__version__}; use model.attn_implementation=eager"
+        )
+    if cfg.kernels.name == "batch_invariant":
+        from ..kernels.batch_invariant import check_sliding_window
+
+        tokens = datamodule.longest_prompt("train")[0] + cfg.sampling.max_new_tokens
+        if cfg.eval.num_examples > 0:
+            tokens = max(tokens, datamodule.longest_prompt("eval")[0] + cfg.eval.max_new_tokens)
+        try:
+            check_sliding_window(config, tokens)
+        except ValueError as err:
+            raise ConfigError(f"{model}: {err}") from err
+
+
+def causal_lm_class(config):
+    """The transformers causal-LM class ``AutoModelForCausalLM`` builds for ``config``; None if unknown (e.g.
+    remote code)."""
+    try:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # noqa: BLE001
+        return None

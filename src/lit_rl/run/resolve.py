@@ -1,0 +1,76 @@
+"""What the config leaves to the run, filled in at start-up: ``auto`` precision and threads from the machine
+(``resolve_hardware``, with ``hardware``'s facts) and ``engine=auto`` / vLLM's unset fields from the model and
+the precision (``resolve_engine``).
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ..config import ConfigError, static_world_size
+from ..rollout.engines import on_cuda, resolve_auto
+from .hardware import auto_threads, configure_threads, omp_summary, resolve_precision, uses_cuda
+from .model_checks import model_head_dim
+
+
+def resolve_engine(cfg: DictConfig) -> None:
+    """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm (installed and, on CPU,
+    the model's head_dim >= 32, which vLLM's CPU attention needs) or torch (printed); vLLM's ``dtype: null``
+    becomes bfloat16 under a bf16 trainer precision (``auto`` resolved as ``resolve_hardware`` does), else
+    ``model.dtype``, and its ``kv_cache_gb: null``
+    1 GiB on CPU; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model vLLM's CPU
+    build cannot run."""
+    with open_dict(cfg):
+        head_dim = model_head_dim(cfg.model) if cfg.engine.name in ("auto", "vllm") and not on_cuda() else None
+        if cfg.engine.name == "auto":
+            cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), head_dim)
+            print(f"lit_rl: engine=auto -> {cfg.engine.name}", flush=True)
+        if cfg.engine.name == "vllm" and head_dim is not None and head_dim < 32:
+            raise ConfigError(
+                f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
+                f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)"
+            )
+        if cfg.engine.name == "vllm" and not cfg.engine.dtype:
+            precision, _ = resolve_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator"))
+            cfg.engine.dtype = "bfloat16" if str(precision).startswith("bf16") else cfg.model.dtype
+        if cfg.engine.name == "vllm" and cfg.engine.kv_cache_gb is None and not on_cuda():
+            cfg.engine.kv_cache_gb = 1.0  # on CPU vLLM would otherwise reserve a fraction of all RAM
+        cfg.engine.seed = cfg.seed
+
+
+def resolve_hardware(cfg: DictConfig) -> list[str]:
+    """Fill the settings ``auto`` leaves to the machine, in place, and set the thread count; returns one line
+    per choice with its reason (printed at start, written at the top of config.yaml).
+
+    ``trainer.precision: auto`` -> ``hardware.resolve_precision`` (bf16-mixed where the hardware multiplies
+    bfloat16 natively, else 32-true). ``threads: auto`` -> ``hardware.auto_threads``: an exported
+    ``OMP_NUM_THREADS``, else the physical cores this process may run on (affinity mask, cgroup quota),
+    shared out among the ranks of a CPU ``trainer.devices`` > 1 run and, with ``rollout.mode=async`` on the
+    CPU, between the rollout producer and the trainer (measured: 1 + 1 threads on 2 cores overlap best,
+    benchmarks/README.md, "Sync versus async rollouts"); ``threads: adaptive`` starts from the
+    same count (``AdaptiveThreads`` then adapts it per step). An explicit value is always honoured."""
+    lines = []
+    with open_dict(cfg):
+        accelerator = cfg.trainer.get("accelerator", "auto")
+        requested = cfg.trainer.get("precision", "auto")
+        precision, why = resolve_precision(requested, accelerator)
+        cfg.trainer.precision = precision
+        if requested in (None, "auto"):
+            lines.append(f"trainer.precision={precision} (auto: {why})")
+        else:  # honoured; the reason carries a warning where bf16 would be emulated on this CPU
+            lines.append(f"trainer.precision={precision}" + (f" ({why})" if why != "set explicitly" else ""))
+        requested = cfg.threads
+        if requested in (None, "auto", "adaptive"):
+            ranks = static_world_size(cfg.trainer) or 1
+            ranks_here = ranks // int(cfg.trainer.get("num_nodes", 1) or 1) if not uses_cuda(accelerator) else 1
+            if cfg.rollout.mode == "async" and not uses_cuda(accelerator):
+                ranks_here *= 2  # the rollout producer thread and the trainer each get their half of the cores
+            cfg.threads, why = auto_threads(ranks_here)
+            why = f"{requested or 'auto'}: {why}" + (
+                ", adapted per step to the cores other processes leave free" if requested == "adaptive" else ""
+            )
+        else:
+            why = "set explicitly"
+        cfg.threads = configure_threads(cfg.threads)
+        lines.append(f"threads={cfg.threads} ({why}; {omp_summary()})")
+    return lines
