@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ..algorithms.module import upgraded_state_dict
 from ..config import ConfigError
 from .checkpoints import find_last
 from .preemption import slurm_requeued
@@ -225,7 +226,7 @@ def check_checkpoint_fits(ckpt_path: str, module: L.LightningModule) -> None:
     model), naming what it was written with; read memory-mapped, before any state is touched."""
     saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
     expected = module.state_dict()
-    got = saved.get("state_dict", {})
+    got = upgraded_state_dict(saved.get("state_dict", {}))  # keys as they are loaded (PPO's before the split)
     missing = [k for k in expected if k not in got]
     unexpected = [k for k in got if k not in expected]
     reshaped = [k for k in expected if k in got and tuple(got[k].shape) != tuple(expected[k].shape)]
