@@ -22,7 +22,14 @@ Everything that could make two runs differ for reasons other than the code is pi
 (``trainer.precision=32-true``), torch's own float32 GEMM (``kernels.fp32_gemm=aten``; ``auto`` times the
 GEMMs and could pick oneDNN on one side only), a fixed thread count (``threads=2``, the same in
 ``OMP_NUM_THREADS``; ``auto`` follows the affinity mask, ``adaptive`` the machine's load), ``seed=0``,
-``PYTHONHASHSEED=0``, no sample logging, and a run folder of its own under a temporary folder. The tiny-model
+``PYTHONHASHSEED=0``, no sample logging, and a run folder of its own under a temporary folder. And torch runs
+in its deterministic mode (``BOOTSTRAP``: ``torch.use_deterministic_algorithms(True)`` before the recipe):
+without it the main job is not reproducible from run to run on a 2-thread CPU, because the backward of an
+advanced-indexing gather (``index_put_`` with accumulate, here the shared-prefix update's ``k[src]`` of each
+layer's prompt keys and values) adds into the same gradient rows from both threads with atomic float adds, in
+an order that changes between runs; the same weights then differ in their last bits after the first update
+(measured: 206 of SmolLM2's 272 weight tensors after one step). The tiny model's tensors are below the size at
+which torch parallelises that kernel, so its runs were reproducible without it. The tiny-model
 cases score completions with ``token_parity`` besides the task's verifier: the random model never answers an
 arithmetic question, so with the verifier alone every advantage is 0, the update changes nothing and a broken
 update would go unnoticed.
@@ -88,6 +95,23 @@ def token_parity(prompts, completions, completion_ids, **columns) -> list[float]
     About half of each group scores 1, so advantages are nonzero and every update changes the weights."""
     return [float(sum(ids) % 2) for ids in completion_ids]
 
+
+#: ``python -c BOOTSTRAP <recipe> <args>``: the recipe's OpenMP defaults, torch's deterministic mode (serial
+#: instead of atomic-add index_put_ and the like; warn_only: an op without a deterministic kernel warns, and
+#: this comparison shows whether it matters), then the recipe as ``__main__``
+BOOTSTRAP = """\
+import runpy, sys
+try:
+    from lit_rl.hardware import set_omp_defaults
+except ImportError:
+    pass
+else:
+    set_omp_defaults()
+import torch
+torch.use_deterministic_algorithms(True, warn_only=True)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 REWARD_PLACEHOLDER = "<token_parity>"
 #: the tiny-model cases' shared overrides (about 1 s a step; ``REWARD_PLACEHOLDER`` becomes this file's path)
@@ -337,12 +361,12 @@ def run_case(
     seconds = 0.0
     commands = case_commands(case, threads)
     for i, args in enumerate(commands, 1):
-        argv = [python, str(checkout / "recipes" / "train.py"), *_fill(args, run)]
+        argv = [python, "-c", BOOTSTRAP, str(checkout / "recipes" / "train.py"), *_fill(args, run)]
         part = f" part {i}/{len(commands)}" if len(commands) > 1 else ""
         print(f"  {case.name} [{side}]{part}: started", flush=True)
         t0 = time.perf_counter()
         with open(log, "a") as f:
-            f.write(f"$ {shlex.join(argv)}\n")
+            f.write(f"$ {shlex.join(argv).replace(shlex.quote(BOOTSTRAP), '<BOOTSTRAP>')}\n")
             f.flush()
             try:
                 proc = subprocess.run(argv, cwd=checkout, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
@@ -390,6 +414,7 @@ def cache_key(case: Case, python: str, threads: int) -> dict:
     return {
         "case": case.name,
         "commands": case_commands(case, threads),
+        "bootstrap": BOOTSTRAP,
         "token_parity": reward,
         "python": os.path.realpath(python),
         "python_version": platform.python_version(),
