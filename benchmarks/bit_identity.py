@@ -113,6 +113,8 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+#: the reward's source as loaded (read now: an edit of this file during a run must not change the cache key)
+_REWARD_SOURCE_SHA = hashlib.sha256(inspect.getsource(token_parity).encode()).hexdigest()[:16]
 REWARD_PLACEHOLDER = "<token_parity>"
 #: the tiny-model cases' shared overrides (about 1 s a step; ``REWARD_PLACEHOLDER`` becomes this file's path)
 TINY = (
@@ -164,7 +166,7 @@ CASES: dict[str, Case] = {
         _tiny("tiny-sc-tis", "algo=grpo", "correction=sc+tis", "correction.sc.top_k=32", about="score centering"),
         _tiny("tiny-kl-loss", "algo=grpo", "kl.mode=loss", "kl.beta=0.04", about="KL (k3) in the loss"),
         _tiny("tiny-lagged", "algo=grpo", "rollout.mode=lagged", "rollout.lag=1", about="weights 1 step old"),
-        _tiny("tiny-resume", "algo=grpo", resume_at=2, about="2 steps, then --resume to 3"),
+        _tiny("tiny-resume", "algo=grpo", resume_at=2, about="the continued run's event files compared"),
     )
 }
 
@@ -410,12 +412,11 @@ def cache_key(case: Case, python: str, threads: int) -> dict:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             versions[pkg] = None
-    reward = hashlib.sha256(inspect.getsource(token_parity).encode()).hexdigest()[:16]
     return {
         "case": case.name,
         "commands": case_commands(case, threads),
         "bootstrap": BOOTSTRAP,
-        "token_parity": reward,
+        "token_parity": _REWARD_SOURCE_SHA,
         "python": os.path.realpath(python),
         "python_version": platform.python_version(),
         "packages": versions,
@@ -540,9 +541,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.list:
+        print(
+            f"every run (torch's deterministic mode, OMP_NUM_THREADS={args.threads}, PYTHONHASHSEED=0): "
+            f"python recipes/train.py {' '.join(PINNED)} threads={args.threads} hydra.run.dir=<run>"
+        )
+        print(f"tiny-*: {' '.join(TINY)}")
         for c in CASES.values():
-            cmds = " ; ".join(shlex.join(["recipes/train.py", *a]) for a in case_commands(c, args.threads))
-            print(f"{c.name}{' (' + c.about + ')' if c.about else ''}: {cmds}")
+            own = [o for o in c.overrides if o not in TINY] if c.name.startswith("tiny-") else list(c.overrides)
+            steps = f"{c.resume_at} steps, then --resume to {c.steps}" if c.resume_at else f"{c.steps} steps"
+            print(f"  {c.name}: {' '.join(own) or '(nothing more)'}; {steps}{'; ' + c.about if c.about else ''}")
         return 0
     if not args.base:
         ap.error("--base is required (e.g. --base main)")
