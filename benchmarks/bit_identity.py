@@ -1,7 +1,7 @@
 """Behaviour neutrality of a change: short fixed-seed runs of a base commit and of the working tree, every
 TensorBoard scalar compared bit for bit.
 
-    python benchmarks/bit_identity.py --base 752006f                          # every case (about 25 min cold)
+    python benchmarks/bit_identity.py --base 752006f                          # every case (20 min cold on 2 busy cores)
     python benchmarks/bit_identity.py --base main --cases main,tiny-ppo,tiny-resume
     python benchmarks/bit_identity.py --base 752006f --keep /tmp/bitid       # keep run folders and logs
     python benchmarks/bit_identity.py --base 752006f --no-cache              # rerun the base side too
