@@ -27,7 +27,7 @@ in its deterministic mode (``BOOTSTRAP``: ``torch.use_deterministic_algorithms(T
 without it the main job is not reproducible from run to run on a 2-thread CPU, because the backward of an
 advanced-indexing gather (``index_put_`` with accumulate, here the shared-prefix update's ``k[src]`` of each
 layer's prompt keys and values) adds into the same gradient rows from both threads with atomic float adds, in
-an order that changes between runs; the same weights then differ in their last bits after the first update
+an order that changes between runs, so the weights differ in their last bits after the first update
 (measured: 206 of SmolLM2's 272 weight tensors after one step). The tiny model's tensors are below the size at
 which torch parallelises that kernel, so its runs were reproducible without it. The tiny-model
 cases score completions with ``token_parity`` besides the task's verifier: the random model never answers an
