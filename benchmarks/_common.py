@@ -1,10 +1,13 @@
-"""Shared by the benchmark scripts: make sure nothing else competes for the cores while timing."""
+"""Shared by the benchmark scripts: make sure nothing else competes for the cores while timing, and build the
+run's own module (``grpo_module``: the config and ``build_module`` a run of ``recipes/train.py`` uses)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def _cpu_times() -> dict[int, float]:
@@ -61,25 +64,35 @@ def machine() -> str:
     return describe_machine()
 
 
-def grpo_module(policy, tok, new_tokens: int, group_size: int, logprobs_top_k: int = 0, correction=None):
-    """A GRPO module around ``policy`` with the benchmarks' shared settings (micro-batches of 16, lr 1e-6)."""
-    from lit_rl.algorithms import RLModule
+def run_config(*overrides: str):
+    """The config ``python recipes/train.py <overrides>`` runs with: ``conf/train.yaml`` composed with
+    ``overrides``, then checked by ``config.validate``."""
+    from hydra import compose, initialize_config_dir
 
-    return RLModule(
-        policy,
-        tok,
-        sampling={"max_new_tokens": new_tokens, "logprobs_top_k": logprobs_top_k},
-        eval_sampling={},
-        group_size=group_size,
-        micro_batch_size=16,
-        advantage={},
-        loss={"reduction": "seq_mean_token_mean"},
-        algo={"clip": {"eps_low": 0.2, "eps_high": 0.2}},
-        kl={},
-        optim={"lr": 1e-6},
-        logprob_chunk_tokens=256,
-        correction=correction,
+    from lit_rl.config import validate
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=list(overrides))
+    validate(cfg)
+    return cfg
+
+
+def grpo_module(policy, tok, new_tokens: int, group_size: int, *overrides: str):
+    """The run's GRPO module around ``policy``, built as a run builds it (``lit_rl.run.train.build_module`` of
+    ``run_config``), with the benchmarks' shared settings (micro-batches of 16, lr 1e-6, log-probs in chunks of
+    256 tokens) and ``overrides`` (e.g. ``correction=sc``)."""
+    from lit_rl.run.train import build_module
+
+    cfg = run_config(
+        "algo=grpo",
+        f"sampling.max_new_tokens={new_tokens}",
+        f"rollout.group_size={group_size}",
+        "rollout.micro_batch_size=16",
+        "optim.lr=1e-6",
+        "logprob_chunk_tokens=256",
+        *overrides,
     )
+    return build_module(cfg, policy, tok)
 
 
 def as_rollout_batch(module, r, group_size: int):

@@ -32,8 +32,8 @@ from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
 
 
 def build(policy, tok, top_k: int, new_tokens: int, group_size: int):
-    sc = {"enabled": top_k > 0, "top_k": top_k, "mode": "topk"}
-    return grpo_module(policy, tok, new_tokens, group_size, logprobs_top_k=top_k, correction={"sc": sc})
+    sc = ["correction=sc", f"correction.sc.top_k={top_k}", "correction.sc.mode=topk"] if top_k > 0 else []
+    return grpo_module(policy, tok, new_tokens, group_size, *sc)
 
 
 def step(module, opt, prompts, seeds, group_size) -> tuple[float, float, int]:

@@ -1,14 +1,16 @@
 """What the config leaves to the run, filled in at start-up: ``auto`` precision and threads from the machine
 (``resolve_hardware``, with ``hardware``'s facts) and ``engine=auto`` / vLLM's unset fields from the model and
-the precision (``resolve_engine``).
+the precision (``resolve_engine``); ``resolve_settings`` does both, as a run, the gradient probe and the
+benchmarks do.
 """
 
 from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ..config import ConfigError, static_world_size
+from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..rollout.engines import on_cuda, resolve_auto
+from .callbacks import AdaptiveThreads, adaptive_threads
 from .hardware import auto_threads, configure_threads, omp_summary, resolve_precision, uses_cuda
 from .model_checks import model_head_dim
 
@@ -74,3 +76,19 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
         cfg.threads = configure_threads(cfg.threads)
         lines.append(f"threads={cfg.threads} ({why}; {omp_summary()})")
     return lines
+
+
+def resolve_settings(cfg: DictConfig) -> tuple[list[str], AdaptiveThreads | None]:
+    """Fill the auto settings of a validated config, in place, and print what they became: the hardware
+    (``resolve_hardware``; precision first: the vLLM engine's dtype follows it), then the engine
+    (``resolve_engine``). Returns (one line per hardware choice, the ``threads=adaptive`` callback or None).
+    Raises ConfigError for LoRA with the batch-invariant kernels at the resolved precision
+    (``config.check_lora_kernels``) or an engine the model cannot run."""
+    requested_threads = cfg.threads
+    hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
+    check_lora_kernels(cfg)  # needs the resolved precision
+    governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
+    for line in hardware:
+        print(f"lit_rl: {line}", flush=True)
+    resolve_engine(cfg)
+    return hardware, governor

@@ -17,7 +17,9 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -29,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..algorithms import RLModule
 from ..algorithms.base import updates_per_step
-from ..config import ConfigError, check_lora_kernels, check_world_size, validate
+from ..config import ConfigError, check_world_size, validate
 from ..kernels import kernel_mode
 from ..logprobs import check_head_parity
 from ..models import ModelSpec, check_lora_targets, load_policy, load_tokenizer, merged_weights, peft_model
@@ -37,13 +39,13 @@ from ..rollout.datamodule import RolloutDataModule
 from ..rollout.sources import RolloutSourceShutdown
 from ..tasks import build_task
 from ..tasks.reward_functions import RewardFunctions
-from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, adaptive_threads, plain_lines_on
+from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .hardware import peak_flops, precision_dtype, uses_cuda
 from .loggers import build_loggers, finish_loggers
 from .model_checks import check_context, check_model_support, model_config
 from .preemption import RunCheckpoint, preempted
-from .resolve import resolve_engine, resolve_hardware
+from .resolve import resolve_settings
 from .resume import (
     FINISHED_MARKER,
     check_checkpoint_fits,
@@ -205,6 +207,23 @@ class Prepared:
 
 
 @dataclass
+class ModelParts:
+    """What ``assemble`` makes of a config, without a Trainer.
+
+    datamodule: the prompts, the verifier pool (its workers started); spec / policy / tokenizer: the model, its
+    log-probs checked; module: the ``RLModule``; kernels: the kernel mode's context manager, entered (the
+    module's copies of the policy inherit it): the caller leaves it.
+    """
+
+    datamodule: RolloutDataModule
+    spec: ModelSpec
+    policy: torch.nn.Module
+    tokenizer: object
+    module: RLModule
+    kernels: object
+
+
+@dataclass
 class RunParts:
     """What ``build`` makes of a prepared run: everything ``fit`` runs.
 
@@ -235,18 +254,12 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
 
 def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list) -> Prepared:
     """Check the config and claim the run folder, before anything heavy: the continued run's config
-    (``continued_run``), ``config.validate``, the hardware and engine settings resolved (``resolve_hardware``,
-    ``resolve_engine``), the folder claimed by global rank 0 (appended to ``claims``, released by ``run``) and
-    checked (``check_run_folder``), the seed set. Raises ConfigError."""
+    (``continued_run``), ``config.validate``, the hardware and engine settings resolved (``resolve_settings``),
+    the folder claimed by global rank 0 (appended to ``claims``, released by ``run``) and checked
+    (``check_run_folder``), the seed set. Raises ConfigError."""
     cfg, out = continued_run(cfg, Path(out_dir), overrides)
     validate(cfg)
-    requested_threads = cfg.threads
-    hardware = resolve_hardware(cfg)  # precision first: the vLLM engine's dtype follows it
-    check_lora_kernels(cfg)  # needs the resolved precision
-    governor = adaptive_threads(cfg, requested_threads)  # None unless threads=adaptive
-    for line in hardware:
-        print(f"lit_rl: {line}", flush=True)
-    resolve_engine(cfg)
+    hardware, governor = resolve_settings(cfg)
     # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
@@ -408,17 +421,16 @@ def enter_kernel_mode(cfg: DictConfig, policy):
     return mode
 
 
-def build(prepared: Prepared) -> RunParts:
-    """Everything a prepared run trains with, in the order that keeps failures cheap: the Trainer, the data and
-    the tokenizer (checked), config.yaml, the policy (checked), the kernel mode, the ``RLModule`` (its
-    algorithm, rollout source and engine). Raises ConfigError."""
-    cfg = prepared.cfg
-    trainer, checkpoints = build_trainer(prepared)
-    if trainer.is_global_zero:
-        check_output_folders(prepared.out)
+def assemble(cfg: DictConfig, before_weights: Callable[[], None] | None = None) -> ModelParts:
+    """The data, the model and the ``RLModule`` of a validated config whose auto settings are filled in
+    (``resolve_settings``), without a Trainer, in the order that keeps failures cheap: the data and the tokenizer
+    (checked: ``build_data``), then ``before_weights()`` when given, the policy (checked), the kernel mode
+    (entered), the module (its algorithm, rollout source and engine). What ``build`` trains with, and what the
+    gradient probe and the benchmarks measure. The caller leaves the kernel mode (``parts.kernels``) when done.
+    Raises ConfigError."""
     datamodule, spec, tokenizer = build_data(cfg)
-    if trainer.is_global_zero:
-        write_run_config(prepared)
+    if before_weights is not None:
+        before_weights()
     policy, tokenizer = load_checked_policy(cfg, spec, tokenizer)
     mode = enter_kernel_mode(cfg, policy)
     try:  # the module's copies of the policy (engine.dtype, the KL reference) are made under the mode
@@ -426,7 +438,30 @@ def build(prepared: Prepared) -> RunParts:
     except BaseException:
         mode.__exit__(None, None, None)
         raise
-    return RunParts(prepared, trainer, checkpoints, datamodule, spec, policy, tokenizer, module, mode)
+    return ModelParts(datamodule, spec, policy, tokenizer, module, mode)
+
+
+def build(prepared: Prepared) -> RunParts:
+    """Everything a prepared run trains with, in the order that keeps failures cheap: the Trainer, then
+    ``assemble`` (the data and the tokenizer, checked; config.yaml; the policy, checked; the kernel mode; the
+    ``RLModule``). Raises ConfigError."""
+    trainer, checkpoints = build_trainer(prepared)
+    write_config = None
+    if trainer.is_global_zero:
+        check_output_folders(prepared.out)
+        write_config = partial(write_run_config, prepared)  # once the data passed its checks, before the weights
+    parts = assemble(prepared.cfg, before_weights=write_config)
+    return RunParts(
+        prepared,
+        trainer,
+        checkpoints,
+        parts.datamodule,
+        parts.spec,
+        parts.policy,
+        parts.tokenizer,
+        parts.module,
+        parts.kernels,
+    )
 
 
 def fit(parts: RunParts) -> dict[str, float]:

@@ -1,11 +1,12 @@
 """A gradient-bias probe on the real model: what each train–inference correction does to the policy gradient.
 
 At a fixed policy and a fixed prompt set, draw many rollout batches from a (mismatched) sampler and compute
-each correction's batch gradient ĝ with the trainer's own update path — ``build_module`` (from the Hydra
-config), ``build_batch`` (rewards, advantages), ``start_update`` and ``accumulate_gradients`` (log-probs,
-``policy_loss``, ``correct``, ``finish_loss``, ``reduce_loss``), as ``lit_rl.expectation.batch_gradient``
-does on tabular policies. The reference is the on-policy gradient g = E_π[ĝ] (sampler = trainer, many
-batches). Per correction × mismatch setting the probe reports, with standard errors:
+each correction's batch gradient ĝ with the trainer's own parts and update path — the run's data, policy and
+kernel mode (``run.train.assemble``), ``build_module`` (from the Hydra config), ``build_batch`` (rewards,
+advantages), ``start_update`` and ``accumulate_gradients`` (log-probs, ``policy_loss``, ``correct``,
+``finish_loss``, ``reduce_loss``), as ``lit_rl.expectation.batch_gradient`` does on tabular policies. The
+reference is the on-policy gradient g = E_π[ĝ] (sampler = trainer, many batches). Per correction × mismatch
+setting the probe reports, with standard errors:
 
 * bias ‖E_μ[ĝ] − g‖ (relative to ‖g‖), estimated without its noise floor:
   ‖ḡ_μ − ḡ_π‖² − tr Σ_μ / B − tr Σ_π / R is unbiased for the squared bias (B, R: batches; tr Σ: the
@@ -35,6 +36,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -520,24 +522,17 @@ def setting_config(cfg, setting) -> DictConfig:
     return c
 
 
-def run_probe(cfg, out_dir) -> list[dict]:
-    """Run the probe the config describes and write probe.md, probe.json and probe.png under ``out_dir``.
+def prepare_probe(cfg, out_dir) -> tuple[dict[str, DictConfig], Path]:
+    """Check the config and the output folder before any model loads, then fill the auto settings as a run does.
 
-    Raises ConfigError for a bad config (the train fields via ``config.validate``, each mismatch setting
-    merged into it, and ``probe``) or an ``out_dir`` that already holds a probe's results."""
-    import json
-    import os
-    from pathlib import Path
-
+    ``config.validate``, the probe's fields (``check_probe``), the embedded engine, each mismatch setting merged
+    into the config and validated; the folder must not hold a probe. Writes config.yaml, fills the auto settings
+    (``run.resolve.resolve_settings``: trainer.precision, threads, the engine) and sets the seed. Returns
+    ({setting name: its config}, the output folder). Raises ConfigError."""
     import lightning as L
 
     from ..config import ConfigError, validate
-    from ..models import ModelSpec, load_policy
-    from ..rollout.datamodule import RolloutDataModule
-    from ..run.hardware import describe_machine
-    from ..run.resolve import resolve_engine, resolve_hardware
-    from ..run.train import build_module, build_task_from_cfg
-    from ..schema import CorrectionConfig, config_of
+    from ..run.resolve import resolve_settings
 
     validate(cfg)
     check_probe(cfg)
@@ -553,37 +548,39 @@ def run_probe(cfg, out_dir) -> list[dict]:
         raise ConfigError(f"output folder {out} already holds a probe (probe.md); choose another (hydra.run.dir=...)")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    for line in resolve_hardware(cfg):  # trainer.precision and threads: auto resolved as a training run does
-        print(f"lit_rl: {line}", flush=True)
+    resolve_settings(cfg)  # trainer.precision, threads and the engine: auto resolved as a training run does
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    resolve_engine(cfg)
-    t_start = time.perf_counter()
+    return setting_cfgs, out
 
-    task = build_task_from_cfg(cfg)
-    policy, tok = load_policy(ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True)))
-    policy.eval()  # no dropout: the same policy for every batch (SmolLM2 has none; a checkpoint might)
-    dm = RolloutDataModule(
-        task,
-        tok,
-        cfg.rollout.prompts_per_step,
-        cfg.rollout.group_size,
-        seed=cfg.seed,
-        eval_examples=0,
-        reward_timeout_s=cfg.reward_timeout_s,
+
+def with_correction(cfg, name: str) -> DictConfig:
+    """A copy of ``cfg`` whose ``correction`` is correction ``name`` with ``cfg``'s fields (``correction_config``)."""
+    from ..schema import CorrectionConfig, config_of
+
+    c = copy.deepcopy(cfg)
+    c.correction = config_of(
+        CorrectionConfig, correction_config(OmegaConf.to_container(cfg.correction, resolve=True), name)
     )
-    examples = dm.prompts_for(0)
-    base_corr = OmegaConf.to_container(cfg.correction, resolve=True)
+    return c
 
-    def module_for(c, correction: str):
-        c = copy.deepcopy(c)
-        c.correction = config_of(CorrectionConfig, correction_config(base_corr, correction))
-        return build_module(c, policy, tok)
 
-    modules = {name: module_for(cfg, name) for name in cfg.probe.corrections}
-    sampling = max((m.sampling for m in modules.values()), key=lambda s: s.logprobs_top_k)
-    ref_cfg = copy.deepcopy(cfg)  # the on-policy sampler: every mismatch knob off
+def reference_config(cfg) -> DictConfig:
+    """The on-policy sampler's config: ``cfg`` with every mismatch knob of the engine off and correction none."""
+    ref_cfg = copy.deepcopy(cfg)
     ref_cfg.engine.update(logit_noise=0.0, temperature_offset=0.0, dtype=None, int8_roundtrip=False)
-    reference_module = module_for(ref_cfg, "none")
+    return with_correction(ref_cfg, "none")
+
+
+def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[Cell, dict, GradientSketch]:
+    """The probe's gradients around the run's parts (``run.train.assemble`` of ``reference_config``: its module
+    samples on-policy) on the fixed prompts ``examples``: the reference's cells, then every setting's, each
+    correction's module built by the run's ``build_module`` around the same policy. Returns (the reference's
+    cell, {setting: {correction: Cell}}, the sketch)."""
+    from ..run.train import build_module
+
+    policy, tok, dm = parts.policy, parts.tokenizer, parts.datamodule
+    modules = {name: build_module(with_correction(cfg, name), policy, tok) for name in cfg.probe.corrections}
+    sampling = max((m.sampling for m in modules.values()), key=lambda s: s.logprobs_top_k)
     sketch = GradientSketch(list(policy.parameters()), cfg.probe.sketch_dim, cfg.probe.sketch_seed)
     modes = tuple(cfg.probe.modes)
 
@@ -600,8 +597,8 @@ def run_probe(cfg, out_dir) -> list[dict]:
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=str(cfg.trainer.precision).startswith("bf16"))
     with autocast:
         reference = run_cells(
-            {"none": reference_module},
-            reference_module.engine,
+            {"none": parts.module},
+            parts.module.engine,
             dm,
             examples,
             sampling,
@@ -614,11 +611,22 @@ def run_probe(cfg, out_dir) -> list[dict]:
         )["none"]
         results = {}
         for s in cfg.probe.settings:
-            engine = module_for(setting_cfgs[s.name], "none").engine
+            engine = build_module(with_correction(setting_cfgs[s.name], "none"), policy, tok).engine
             results[s.name] = run_cells(
                 modules, engine, dm, examples, sampling, cfg.probe.batches, sketch, 0, modes, log, s.name
             )
             engine.close()
+    return reference, results, sketch
+
+
+def write_report(cfg, out: Path, reference: Cell, results: dict, sketch, n_prompts: int, t_start: float) -> list[dict]:
+    """Write sketches.pt, probe.md, probe.json and probe.png under ``out`` and print the table (``n_prompts``
+    fixed prompts; the wall time since ``t_start``); returns the rows."""
+    import json
+    import os
+
+    from ..run.hardware import describe_machine
+
     torch.save(
         {
             "reference": reference.sketches,
@@ -626,7 +634,6 @@ def run_probe(cfg, out_dir) -> list[dict]:
         },
         out / "sketches.pt",
     )
-
     rows = summarize_cells(reference, results)
     ref = ref_drift = None
     if reference.sketches["reward"]:
@@ -636,9 +643,10 @@ def run_probe(cfg, out_dir) -> list[dict]:
         est, se = jackknife(yc, yc, _drift_estimates(False))
         ref_drift = {"drift2": est["drift2"], "drift2_se": se["drift2"]}
     wall = time.perf_counter() - t_start
+    n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     header = (
         f"# Gradient-bias probe: {cfg.model.name_or_path}, algo={cfg.algo.name}, task={cfg.task.name}\n\n"
-        f"{len(examples)} fixed prompts x G={cfg.rollout.group_size} = {n_seq} sequences per batch, "
+        f"{n_prompts} fixed prompts x G={cfg.rollout.group_size} = {n_seq} sequences per batch, "
         f"<= {cfg.sampling.max_new_tokens} new tokens, temperature {cfg.sampling.temperature}; "
         f"{cfg.probe.batches} batches per setting ({cfg.probe.batches * n_seq} sequences), reference "
         f"{cfg.probe.reference_batches} on-policy batches ({cfg.probe.reference_batches * n_seq} sequences); "
@@ -655,3 +663,24 @@ def run_probe(cfg, out_dir) -> list[dict]:
     plot_rows(rows, os.fspath(out / "probe.png"))
     print(text, flush=True)
     return rows
+
+
+def run_probe(cfg, out_dir) -> list[dict]:
+    """Run the probe the config describes and write probe.md, probe.json and probe.png under ``out_dir``.
+
+    The policy, its data and its kernels are the run's own (``run.train.assemble``, as ``build`` makes them for
+    training: the same checks, before the weights load). Raises ConfigError for a bad config (the train fields
+    via ``config.validate``, each mismatch setting merged into it, and ``probe``) or an ``out_dir`` that already
+    holds a probe's results."""
+    from ..run.train import assemble
+
+    setting_cfgs, out = prepare_probe(cfg, out_dir)
+    t_start = time.perf_counter()
+    parts = assemble(reference_config(cfg))  # the data, the policy (checked), the kernel mode, the on-policy module
+    try:
+        parts.policy.eval()  # no dropout: the same policy for every batch (SmolLM2 has none; a checkpoint might)
+        examples = parts.datamodule.prompts_for(0)
+        reference, results, sketch = measure(cfg, parts, setting_cfgs, examples)
+    finally:
+        parts.kernels.__exit__(None, None, None)
+    return write_report(cfg, out, reference, results, sketch, len(examples), t_start)
