@@ -21,7 +21,7 @@ vLLM or the user's code run after every value has passed (``check_environment``)
 
 ``train.run`` checks the rest once it has loaded them: the resolved precision with LoRA (``check_lora_kernels``),
 Lightning's device count (``check_world_size``) and the model's own config (context length, attention support:
-``train.check_context``, ``train.check_model_support``).
+``run.model_checks.check_context``, ``run.model_checks.check_model_support``).
 """
 
 from __future__ import annotations
@@ -606,7 +606,8 @@ def check_attn_implementation(cfg: DictConfig) -> None:
     """ConfigError for a ``model.attn_implementation`` outside ``ATTN_IMPLEMENTATIONS``, and for
     ``flash_attention_2`` where it cannot run: flash-attn's kernels are CUDA-only (refused for
     ``trainer.accelerator=cpu`` or a machine without a CUDA device) and need the ``flash_attn`` package. Whether
-    the model's class supports the choice is checked when its config is read (``train.check_model_support``)."""
+    the model's class supports the choice is checked when its config is read
+    (``run.model_checks.check_model_support``)."""
     impl = cfg.model.attn_implementation
     _check(
         impl in ATTN_IMPLEMENTATIONS, "model.attn_implementation", impl, f"choose one of {list(ATTN_IMPLEMENTATIONS)}"

@@ -23,13 +23,10 @@ What one paper changes is its ``Algorithm`` (``algorithms.base``, an ``nn.Module
 checkpoints with the policy); what a rollout mode changes is its ``RolloutSource``. This class never branches on
 either.
 
-Several data-parallel ranks (Lightning's DDP or FSDP, ``trainer=ddp``): each rank samples with its own
-embedded engine on its contiguous share of the step's prompts (whole groups), and the update reproduces the
-single-process gradient of the whole step: the step's totals are summed over ranks, each rank's loss is
-multiplied by the world size (the strategy averages gradients over ranks), and gradients are all-reduced
-once per optimizer step. Every logged value is reduced over ranks before rank 0 writes it. The bookkeeping
-lives in ``parallel``; all collectives go through Lightning's strategy (``self.all_gather``,
-``strategy.reduce``).
+Several data-parallel ranks (DDP or FSDP): each rank samples its contiguous share of the step's prompts (whole
+groups), and the update reproduces the single-process gradient of the whole step (the step's totals summed over
+ranks, each rank's loss times the world size, one all-reduce per optimizer step); every logged value is reduced
+over ranks before rank 0 writes it. The bookkeeping lives in ``parallel``; the collectives are Lightning's.
 """
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ class MLflowLoggerConfig:
 @dataclass
 class LoggerConfig:
     """``logger``: where metrics go; each logger set here (not null) is used, several at once with
-    ``logger=[tensorboard,wandb]``; ``logger=none``: none (``train.build_loggers``)."""
+    ``logger=[tensorboard,wandb]``; ``logger=none``: none (``run.loggers.build_loggers``)."""
 
     tensorboard: Optional[TensorBoardLoggerConfig] = None
     csv: Optional[CSVLoggerConfig] = None
