@@ -138,9 +138,8 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             ``RolloutSource`` (``rollout.sources.ROLLOUT_SOURCES``).
         logprob_chunk_tokens: rows of float32 logits alive at once in the trainer's log-prob pass.
 
-    The engine (``rollout.engines.build_engine``): for the embedded engine a dtype or the int8 round trip gives
-    it its own copy of the weights; the vLLM engine always holds its own, pushed from the trainer at every
-    step; a source whose producer samples while the trainer updates (async) gives the engine its own copy too.
+    The engine (``rollout.engines.build_engine``) holds its own copy of the weights with an ``engine.dtype`` or the
+    int8 round trip, always for vLLM, and where the source samples while the trainer updates (async).
     """
 
     # -- construction and Lightning's set-up -----------------------------------------------------------------------
