@@ -254,9 +254,8 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         self.source.engine = engine
 
     def full_policy_weights(self) -> dict[str, Tensor] | None:
-        """The policy's full weights for an engine sync: under FSDP gathered from the shards
-        (``parallel.full_policy_weights``, a collective every rank joins); None otherwise (the engine reads
-        the policy's own tensors)."""
+        """The policy's full weights for an engine sync: under FSDP gathered from the shards (a collective every
+        rank joins); None otherwise (the engine reads the policy's own tensors)."""
         return parallel.full_policy_weights(self.trainer.strategy.model, "policy.") if self.sharded else None
 
     @property
