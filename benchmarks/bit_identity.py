@@ -102,10 +102,13 @@ def token_parity(prompts, completions, completion_ids, **columns) -> list[float]
 BOOTSTRAP = """\
 import runpy, sys
 try:
-    from lit_rl.hardware import set_omp_defaults
+    from lit_rl.run.hardware import set_omp_defaults
 except ImportError:
-    pass
-else:
+    try:
+        from lit_rl.hardware import set_omp_defaults
+    except ImportError:
+        set_omp_defaults = None
+if set_omp_defaults is not None:
     set_omp_defaults()
 import torch
 torch.use_deterministic_algorithms(True, warn_only=True)
