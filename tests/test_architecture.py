@@ -87,3 +87,14 @@ def test_a_ppo_checkpoint_written_before_the_algorithm_was_a_child_module_still_
     other.load_state_dict(upgraded_state_dict(before))  # strict
     assert torch.equal(other.algorithm.value_head.weight, module.algorithm.value_head.weight)
     assert upgraded_state_dict(now).keys() == now.keys()  # today's checkpoints pass through
+
+
+def test_the_sample_logger_gets_one_advantage_per_completion():
+    from lit_rl.algorithms.base import sequence_advantages
+
+    mask = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
+    # whitened per-token advantages of rows that average to 0: the first token's value is what each row gets
+    per_token = torch.tensor([[0.5, -0.5, 0.0], [1.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    assert sequence_advantages(per_token, mask).tolist() == [0.5, 1.0, 0.0]
+    per_sequence = torch.tensor([1.5, -0.5, 0.0])
+    assert sequence_advantages(per_sequence, mask) is per_sequence

@@ -165,11 +165,11 @@ def updates_per_step(algo: AlgoConfig | Mapping) -> int:
 
 
 def sequence_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
-    """[N] one advantage per completion: ``advantages`` itself when [N]; for per-token advantages [N, T] (PPO's
-    GAE, REINFORCE++'s returns) their mean over each completion's valid tokens (``mask`` [N, T] bool; 0 for a
-    row without any)."""
+    """[N] one advantage per completion, for the sample logger: ``advantages`` itself when [N]; for per-token
+    advantages [N, T] (PPO's GAE, REINFORCE++'s returns) the first response token's, the advantage of the whole
+    completion from its prompt (a mean over the tokens would hide it: whitened advantages of equal-length rows
+    average to 0). ``mask`` [N, T] bool, right-padded; 0 for a row without a response token."""
     if advantages.dim() == 1:
         return advantages
-    count = mask.sum(-1)
-    total = torch.where(mask, advantages, torch.zeros_like(advantages)).sum(-1)
-    return torch.where(count > 0, total / count.clamp(min=1), torch.zeros_like(total))
+    first = advantages[:, 0]
+    return torch.where(mask[:, 0], first, torch.zeros_like(first))
