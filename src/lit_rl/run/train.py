@@ -228,20 +228,13 @@ class RunParts:
     """What ``build`` makes of a prepared run: everything ``fit`` runs.
 
     trainer: Lightning's Trainer (loggers, callbacks, strategy, precision); checkpoints: its ``RunCheckpoint``;
-    datamodule: the prompts, the verifier pool; spec / policy / tokenizer: the model; module: the ``RLModule``;
-    kernels: the kernel mode's context manager, entered by ``build`` (the module's copies of the policy inherit
-    it) and left by ``fit`` at the end of the training.
+    model: what ``assemble`` built (data, model, ``RLModule``, the kernel mode ``fit`` leaves at the end).
     """
 
     prepared: Prepared
     trainer: L.Trainer
     checkpoints: RunCheckpoint
-    datamodule: RolloutDataModule
-    spec: ModelSpec
-    policy: torch.nn.Module
-    tokenizer: object
-    module: RLModule
-    kernels: object
+    model: ModelParts
 
 
 def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
@@ -451,17 +444,7 @@ def build(prepared: Prepared) -> RunParts:
         check_output_folders(prepared.out)
         write_config = partial(write_run_config, prepared)  # once the data passed its checks, before the weights
     parts = assemble(prepared.cfg, before_weights=write_config)
-    return RunParts(
-        prepared,
-        trainer,
-        checkpoints,
-        parts.datamodule,
-        parts.spec,
-        parts.policy,
-        parts.tokenizer,
-        parts.module,
-        parts.kernels,
-    )
+    return RunParts(prepared, trainer, checkpoints, parts)
 
 
 def fit(parts: RunParts) -> dict[str, float]:
@@ -469,10 +452,10 @@ def fit(parts: RunParts) -> dict[str, float]:
     must fit the module), then the final checkpoint. Returns the last logged metrics (reduced over ranks).
     Raises a ``preemption`` stop for SIGTERM / SIGUSR1 (checkpointed at a safe point), ConfigError for a
     checkpoint that does not fit."""
-    prepared, trainer, module = parts.prepared, parts.trainer, parts.module
+    prepared, trainer, module = parts.prepared, parts.trainer, parts.model.module
     k, ckpt_path = prepared.updates_per_rl_step, prepared.ckpt_path
     precision = prepared.cfg.trainer.get("precision")
-    with parts.kernels:
+    with parts.model.kernels:
         assert module.updates_per_step == k
         module.peak_flops, source = peak_flops(precision, prepared.cfg.trainer.get("accelerator", "auto"))
         if trainer.is_global_zero:
@@ -484,7 +467,7 @@ def fit(parts: RunParts) -> dict[str, float]:
         if ckpt_path is not None:
             check_checkpoint_fits(ckpt_path, module)
         try:
-            trainer.fit(module, datamodule=parts.datamodule, ckpt_path=ckpt_path)
+            trainer.fit(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path)
         except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
             raise preempted(trainer, parts.checkpoints, prepared.out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
@@ -509,8 +492,9 @@ def export(parts: RunParts, metrics: dict[str, float]) -> None:
         return
     export_dir = out / "policy"
     try:
-        export_policy(parts.policy, export_dir, weights, merge=bool(parts.spec.lora.merge_on_export))
-        parts.tokenizer.save_pretrained(export_dir)
+        model = parts.model
+        export_policy(model.policy, export_dir, weights, merge=bool(model.spec.lora.merge_on_export))
+        model.tokenizer.save_pretrained(export_dir)
         (out / FINISHED_MARKER).write_text(
             json.dumps({"global_step": trainer.global_step, "metrics": metrics}, indent=2)
         )
