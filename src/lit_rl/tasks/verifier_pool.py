@@ -40,6 +40,9 @@ __all__ = ["Outcome", "VerifierPool", "shared_pool", "close_shared_pool"]
 
 #: seconds a fresh worker may take to start and load its functions (importing a user's module, torch, ...)
 SETUP_TIMEOUT_S = 120.0
+#: set to "1" in the workers' environment: ``lit_rl.train`` refuses to start there (a worker importing a user's
+#: script for its reward functions reached a call that the script does not guard with ``__name__``)
+IN_VERIFIER_WORKER = "LIT_RL_VERIFIER_WORKER"
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
@@ -130,7 +133,7 @@ class _Worker:
     def __init__(self):
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        env.update({var: "1" for var in _THREAD_VARS})
+        env.update({var: "1" for var in (*_THREAD_VARS, IN_VERIFIER_WORKER)})
         code = f"from lit_rl.tasks.verifier_pool import _worker_entry; _worker_entry({theirs.fileno()})"
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
         theirs.close()
