@@ -71,7 +71,7 @@ def child(args) -> None:
     from _common import as_rollout_batch, grpo_module, update
     from rollout_throughput import prompts_for
 
-    from lit_rl.models import ModelSpec, load_policy
+    from lit_rl.models import ModelConfig, load_policy
     from lit_rl.rollout.torch_engine import TorchEngine
     from lit_rl.run.hardware import ThreadGovernor, configure_threads, resolve_precision
 
@@ -81,7 +81,7 @@ def child(args) -> None:
     elif args.threads != "default":
         configure_threads("auto" if args.threads == "auto" else int(args.threads))
     precision, _ = resolve_precision("auto", "cpu")
-    policy, tok = load_policy(ModelSpec(args.model))
+    policy, tok = load_policy(ModelConfig(args.model))
     initial = copy.deepcopy(policy.state_dict())
     module = grpo_module(policy, tok, args.new_tokens, args.group_size)
     module.engine = TorchEngine(policy, tok.pad_token_id, stop_token_ids=[])  # fixed-length completions

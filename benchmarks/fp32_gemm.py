@@ -65,9 +65,9 @@ def recipe_work(repeats: int) -> None:
     from shared_prefix import task_prompts
 
     from lit_rl.kernels import OneDNNGemm
-    from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
+    from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy
 
-    policy, tok = load_policy(ModelSpec(SMOLLM2_ID))
+    policy, tok = load_policy(ModelConfig(SMOLLM2_ID))
     module = grpo_module(policy, tok, 64, 8)
     module.shared_prefix = True
     prompts = [p for p in task_prompts(tok, "arithmetic", 8) for _ in range(8)]

@@ -40,10 +40,10 @@ def child(cfg: dict) -> None:
     from _common import as_rollout_batch
 
     from lit_rl.algorithms import RLModule
-    from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
+    from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy
 
     lora = {"r": cfg["r"], "alpha": cfg.get("alpha", 16)}
-    policy, tok = load_policy(ModelSpec(SMOLLM2_ID, lora=lora))
+    policy, tok = load_policy(ModelConfig(SMOLLM2_ID, lora=lora))
     module = RLModule(
         policy,
         tok,

@@ -26,10 +26,10 @@ from _common import machine  # noqa: E402
 
 from lit_rl.corrections import mismatch_decomposition  # noqa: E402
 from lit_rl.logprobs import response_logprobs  # noqa: E402
-from lit_rl.models import ModelSpec, load_policy  # noqa: E402
+from lit_rl.models import ModelConfig, load_policy  # noqa: E402
 from lit_rl.rollout.datamodule import RolloutDataModule  # noqa: E402
 from lit_rl.rollout.engines import build_engine  # noqa: E402
-from lit_rl.rollout.types import SamplingParams, left_pad  # noqa: E402
+from lit_rl.rollout.types import SamplingConfig, left_pad  # noqa: E402
 from lit_rl.tasks import ArithmeticTask  # noqa: E402
 
 # label -> (engine config, trainer autocast): the embedded engine's knobs, float32 trainer unless noted
@@ -68,11 +68,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    policy, tok = load_policy(ModelSpec(args.model))
+    policy, tok = load_policy(ModelConfig(args.model))
     policy.eval()
     dm = RolloutDataModule(ArithmeticTask(seed=0), tok, args.prompts, args.group_size, seed=0, eval_examples=0)
     examples = dm.prompts_for(0)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    params = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens)
     stops = [tok.eos_token_id] + (
         [policy.generation_config.eos_token_id]
         if isinstance(getattr(policy.generation_config, "eos_token_id", None), int)

@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from _common import ensure_quiet, machine  # noqa: E402
 
-from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
+from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
-from lit_rl.rollout.types import SamplingParams, left_pad  # noqa: E402
+from lit_rl.rollout.types import SamplingConfig, left_pad  # noqa: E402
 from lit_rl.tasks import ArithmeticTask  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def prompts_for(tok, n):
 
 def best_generate(eng, prompts, new_tokens, repeats, autocast=False):
     """(seconds, generated tokens) of the fastest of ``repeats`` timed ``eng.generate`` calls after a warm-up."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    params = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
     best = None
     for r in range(repeats + 1):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -119,7 +119,7 @@ def main():
 
     if not args.no_vllm and importlib.util.find_spec("vllm") is None:
         sys.exit("vLLM is not installed (LIT_RL_VLLM=1 bash scripts/setup.sh); run with --no-vllm to leave it out")
-    model, tok = load_policy(ModelSpec(args.model))
+    model, tok = load_policy(ModelConfig(args.model))
     model.eval()
     prompts = prompts_for(tok, args.prompts)
     bf16 = copy.deepcopy(model).to(torch.bfloat16)

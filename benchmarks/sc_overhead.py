@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from _common import as_rollout_batch, ensure_quiet, grpo_module, machine, update  # noqa: E402
 from rollout_throughput import prompts_for  # noqa: E402
 
-from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy  # noqa: E402
+from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
 
 
 def build(policy, tok, top_k: int, new_tokens: int, group_size: int):
@@ -59,7 +59,7 @@ def main():
     args = ap.parse_args()
     ensure_quiet(args.force)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    policy, tok = load_policy(ModelSpec(args.model))
+    policy, tok = load_policy(ModelConfig(args.model))
     initial = copy.deepcopy(policy.state_dict())
     prompts = [p for p in prompts_for(tok, args.prompts) for _ in range(args.group_size)]
     seeds = list(range(len(prompts)))

@@ -78,7 +78,7 @@ def backbone_tokens(rb, micro_batches, shared: bool) -> int:
 
 
 def main():
-    from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
+    from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy
     from lit_rl.run.hardware import resolve_precision
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +94,7 @@ def main():
     ensure_quiet(args.force)
     precision, why = resolve_precision(args.precision)
     bf16 = precision.startswith("bf16")
-    policy, tok = load_policy(ModelSpec(args.model))
+    policy, tok = load_policy(ModelConfig(args.model))
     module = grpo_module(policy, tok, args.new_tokens, args.group_size)
     prompts = [p for p in task_prompts(tok, args.task, args.prompts) for _ in range(args.group_size)]
     seeds = list(range(len(prompts)))

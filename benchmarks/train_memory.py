@@ -34,10 +34,10 @@ def child(cfg: dict) -> None:
 
     torch.set_num_threads(2)
     from lit_rl.algorithms import RLModule
-    from lit_rl.models import SMOLLM2_ID, ModelSpec, load_policy
+    from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy
     from lit_rl.rollout.types import RolloutBatch
 
-    policy, tok = load_policy(ModelSpec(SMOLLM2_ID, gradient_checkpointing=cfg["gc"]))
+    policy, tok = load_policy(ModelConfig(SMOLLM2_ID, gradient_checkpointing=cfg["gc"]))
     n, p, t = cfg["n"], 32, 128
     g = torch.Generator().manual_seed(0)
     rb = RolloutBatch(

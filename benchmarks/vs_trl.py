@@ -79,17 +79,17 @@ def trl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = NEW
     """Two steps of TRL's GRPOTrainer on the recipe's model, prompts and reward; the second step's figures."""
     import torch
     from datasets import Dataset
-    from omegaconf import OmegaConf
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_rl.models import ModelSpec, load_policy
+    from lit_rl.models import load_policy
     from lit_rl.rollout.datamodule import RolloutDataModule
     from lit_rl.run.train import build_task_from_cfg
+    from lit_rl.schema import train_config
 
     torch.set_num_threads(2)
     cfg = recipe_cfg(prompts, g, new_tokens)
-    policy, tok = load_policy(ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True)))
+    policy, tok = load_policy(train_config(cfg).model)
     task = build_task_from_cfg(cfg)
     dm = RolloutDataModule(task, tok, prompts, g, seed=cfg.seed, eval_examples=0)
     examples = dm.prompts_for(0) + dm.prompts_for(1)  # exactly the prompts lit_rl trains on in its two steps

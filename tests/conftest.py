@@ -3,19 +3,19 @@ import pytest
 import torch
 from helpers import THREADS
 
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 
 
 @pytest.fixture(scope="session")
 def tiny():
     """(model, tokenizer) of the random-init tiny Llama, float32."""
-    return load_policy(ModelSpec("tiny"))
+    return load_policy(ModelConfig("tiny"))
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of SmolLM2-135M-Instruct from the packaged GGUF (float32)."""
-    return load_policy(ModelSpec("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    return load_policy(ModelConfig("HuggingFaceTB/SmolLM2-135M-Instruct"))
 
 
 @pytest.fixture(autouse=True)

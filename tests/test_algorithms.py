@@ -8,7 +8,7 @@ from faulty_tasks import LeadingSpaceTask
 from helpers import compose_config
 
 from lit_rl.algorithms import ALGORITHMS
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.run.train import build_module
 
@@ -50,7 +50,7 @@ def fit(cfg, task, steps, seed=0, init_seed=None):
     """Train the tiny model (initialised with ``init_seed``, default ``seed``) for ``steps`` RL steps with
     sampling and prompt order seeded by ``seed``; returns (each step's logged metrics, the module)."""
     L.seed_everything(seed, verbose=False)
-    policy, tok = load_policy(ModelSpec("tiny", init_seed=seed if init_seed is None else init_seed))
+    policy, tok = load_policy(ModelConfig("tiny", init_seed=seed if init_seed is None else init_seed))
     module = build_module(cfg, policy, tok)
     dm = RolloutDataModule(task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed, eval_examples=0)
     rec = Recorder()
@@ -73,7 +73,7 @@ def fit(cfg, task, steps, seed=0, init_seed=None):
 def untrained_success_rate():
     """The untrained tiny model's reward on LeadingSpaceTask, from 64 prompts x 16 samples (standard error
     ~0.016; one training step's 16 samples would be ~0.12, too noisy to measure learning against)."""
-    policy, tok = load_policy(ModelSpec("tiny", init_seed=0))
+    policy, tok = load_policy(ModelConfig("tiny", init_seed=0))
     module = build_module(cfg_for("grpo"), policy, tok)
     task = LeadingSpaceTask()
     dm = RolloutDataModule(task, tok, 64, 16, seed=0, eval_examples=0)

@@ -17,7 +17,7 @@ from lit_rl.kernels import KERNELS, BatchInvariantMode, kernel_mode
 from lit_rl.kernels import batch_invariant as bi
 from lit_rl.logprobs import position_ids_from_mask, response_logprobs
 from lit_rl.rollout.torch_engine import TorchEngine
-from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.rollout.types import SamplingConfig, left_pad
 from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
 
@@ -258,7 +258,7 @@ def engine_and_trainer_logprobs(model, tok, prompts, precision, micro_batch_size
     0, 2, ... score with ``update.shared_prefix`` (the repeated prompts of a micro-batch encoded once, their
     cache reused), sizes 1, 3, ... with one forward per row: both equal the engine bit for bit."""
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    params = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
     with autocast(precision):
         r = engine.generate(prompts, params, seeds=[seed + i for i in range(len(prompts))])
         pids, pmask = left_pad(r.prompt_ids, tok.pad_token_id)
@@ -315,7 +315,7 @@ def test_a_prompt_alone_or_among_63_others_gets_the_same_tokens_and_logprobs(tin
     model, tok = tiny
     prompts = prompts_of(64, seed=3)
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
-    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    params = SamplingConfig(max_new_tokens=12, temperature=1.0)
     with kernel_mode("batch_invariant", model), autocast(precision):
         batch = engine.generate(prompts, params, seeds=list(range(64)))
         for i in (0, 17, 63):

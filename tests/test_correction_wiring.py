@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import MOVING, compose_config
 
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.run.train import build_module, run
 from lit_rl.tasks import ArithmeticTask
@@ -32,7 +32,7 @@ def gradient(correction, engine_dtype=None, **sc):
     if engine_dtype:
         overrides.append(f"engine.dtype={engine_dtype}")
     cfg = cfg_for(*overrides)
-    policy, tok = load_policy(ModelSpec("tiny"))
+    policy, tok = load_policy(ModelConfig("tiny"))
     module = build_module(cfg, policy, tok)
     dm = RolloutDataModule(ArithmeticTask(seed=0), tok, 2, 4, seed=0, eval_examples=0)
     scored = dm.collect(module.engine, dm.prompts_for(0), module.sampling, step=0)

@@ -14,7 +14,7 @@ from helpers import fast_config as cfg_for
 from helpers.ddp_probe import CASES, STEP_METRICS, make_batch, make_module
 
 from lit_rl.config import ConfigError, validate
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule, shard
 from lit_rl.run.train import build_module, build_strategy, build_task_from_cfg, run
 from lit_rl.tools.compare import read_scalars
@@ -44,7 +44,7 @@ def one_process():
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        policy, tok = load_policy(ModelSpec("tiny"))
+        policy, tok = load_policy(ModelConfig("tiny"))
         module = make_module(policy, tok)
         assert module.shared_prefix  # update.shared_prefix=auto: each group's prompt runs once, on the ranks too
         out = {}
@@ -180,9 +180,9 @@ def test_fsdp_on_two_cpu_processes_logs_what_one_device_logs_and_resumes_exactly
     assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 2  # one per launch: rank 0 writes
     run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
     assert_logs_what_one_device_logs(read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard"))
-    exported = ModelSpec(str(out / "policy"))
+    exported = ModelConfig(str(out / "policy"))
     policy, _ = load_policy(exported)
-    one, _ = load_policy(ModelSpec(str(tmp_path / "one" / "policy")))
+    one, _ = load_policy(ModelConfig(str(tmp_path / "one" / "policy")))
     for (name, a), (_, b) in zip(policy.state_dict().items(), one.state_dict().items()):
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
 

@@ -6,7 +6,7 @@ from helpers import chat_prompts
 
 from lit_rl.logprobs import process_logits, response_logprobs
 from lit_rl.rollout.torch_engine import TorchEngine, sample_rows
-from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.rollout.types import SamplingConfig, left_pad
 
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
 
@@ -27,7 +27,7 @@ def test_rollout_logprobs_equal_trainer_forward_float32(tiny):
     prompts = chat_prompts(tok, QUESTIONS) * 2  # different prompt lengths -> left padding
     for temperature in (1.0, 0.7):
         r = make_engine(model, tok).generate(
-            prompts, SamplingParams(temperature=temperature, max_new_tokens=24), seeds=list(range(len(prompts)))
+            prompts, SamplingConfig(temperature=temperature, max_new_tokens=24), seeds=list(range(len(prompts)))
         )
         assert r.response_mask.sum() > 0
         lp = trainer_logprobs(model, tok, r, temperature)
@@ -40,7 +40,7 @@ def test_same_seed_same_rollouts_and_batch_independent(tiny):
     model, tok = tiny
     eng = make_engine(model, tok)
     prompts = chat_prompts(tok, QUESTIONS)
-    params = SamplingParams(max_new_tokens=16)
+    params = SamplingConfig(max_new_tokens=16)
     a = eng.generate(prompts, params, seeds=[11, 12, 13, 14])
     b = eng.generate(prompts, params, seeds=[11, 12, 13, 14])
     assert torch.equal(a.response_ids, b.response_ids)
@@ -56,11 +56,11 @@ def test_finish_reasons_and_stop_token(tiny):
     model, tok = tiny
     # Make the stop token certain: the engine must stop after exactly one token, reason "stop".
     eng = TorchEngine(model, tok.pad_token_id, stop_token_ids=list(range(len(tok))))
-    r = eng.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
+    r = eng.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=8), seeds=[0, 1])
     assert r.finish_reason == ["stop", "stop"]
     assert r.response_length.tolist() == [1, 1]
     r = make_engine(model, tok).generate(
-        chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=5), seeds=[0, 1]
+        chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=5), seeds=[0, 1]
     )
     # the random tiny model essentially never emits <|im_end|> in 5 tokens
     assert r.finish_reason == ["length", "length"] and r.response_length.tolist() == [5, 5]
@@ -68,7 +68,7 @@ def test_finish_reasons_and_stop_token(tiny):
 
 def test_topk_record_and_truncated_sampling(tiny):
     model, tok = tiny
-    params = SamplingParams(max_new_tokens=12, top_k=5, logprobs_top_k=8)
+    params = SamplingConfig(max_new_tokens=12, top_k=5, logprobs_top_k=8)
     r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS), params, seeds=[1, 2, 3, 4])
     m = r.response_mask
     assert r.topk_ids.shape == (*m.shape, 8)
@@ -101,7 +101,7 @@ def test_sample_rows_matches_distribution():
 def test_smollm2_rollout_logprobs_match_trainer_float32(smollm2):
     model, tok = smollm2
     prompts = chat_prompts(tok, QUESTIONS) * 4
-    r = make_engine(model, tok).generate(prompts, SamplingParams(max_new_tokens=32), seeds=list(range(16)))
+    r = make_engine(model, tok).generate(prompts, SamplingConfig(max_new_tokens=32), seeds=list(range(16)))
     diff = (trainer_logprobs(model, tok, r) - r.rollout_logprobs).abs()[r.response_mask]
     assert diff.max().item() < 1e-3 and diff.mean().item() < 1e-5, (diff.max().item(), diff.mean().item())
 
@@ -112,7 +112,7 @@ def test_trainer_scores_the_truncated_distribution_the_sampler_drew_from(tiny, t
     the trainer scores that same object (equal within float32 noise), where scoring the full softmax
     is off by the log of the kept mass at every token."""
     model, tok = tiny
-    params = SamplingParams(max_new_tokens=16, top_k=top_k, top_p=top_p)
+    params = SamplingConfig(max_new_tokens=16, top_k=top_k, top_p=top_p)
     r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS), params, seeds=[5, 6, 7, 8])
     m = r.response_mask
     pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
@@ -131,7 +131,7 @@ def test_score_centering_on_the_recorded_truncated_support_vanishes_on_policy(ti
     from lit_rl.corrections import score_centering_term
 
     model, tok = tiny
-    params = SamplingParams(max_new_tokens=8, top_k=5, logprobs_top_k=16)
+    params = SamplingConfig(max_new_tokens=8, top_k=5, logprobs_top_k=16)
     r = make_engine(model, tok).generate(chat_prompts(tok, QUESTIONS), params, seeds=[1, 2, 3, 4])
     m = r.response_mask
     pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
@@ -156,7 +156,7 @@ def test_score_centering_on_the_recorded_truncated_support_vanishes_on_policy(ti
 def test_logit_noise_is_reproducible_and_sigma_zero_is_no_dial(tiny):
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS) * 2
-    params = SamplingParams(max_new_tokens=16, logprobs_top_k=4)
+    params = SamplingConfig(max_new_tokens=16, logprobs_top_k=4)
     seeds = list(range(100, 108))
     plain = make_engine(model, tok).generate(prompts, params, seeds)
     zero = make_engine(model, tok, logit_noise=0.0, temperature_offset=0.0).generate(prompts, params, seeds)
@@ -178,7 +178,7 @@ def test_logit_noise_is_reproducible_and_sigma_zero_is_no_dial(tiny):
     c = noisy.generate(prompts, params, [s + 1000 for s in seeds])
     assert not torch.equal(a.response_ids, c.response_ids)
     # greedy decoding (evaluation) scores the policy, not the sampler: the dial does not apply
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
     assert torch.equal(
         noisy.generate(prompts, greedy, seeds).response_ids,
         make_engine(model, tok).generate(prompts, greedy, seeds).response_ids,
@@ -191,7 +191,7 @@ def test_rollout_logprobs_and_head_are_the_noisy_distribution(tiny):
     log-ratio log mu_v - log pi_v over the vocabulary has standard deviation sigma (V = 49152 draws per token)."""
     model, tok = tiny
     vocab = model.get_output_embeddings().weight.shape[0]
-    params = SamplingParams(max_new_tokens=3, logprobs_top_k=vocab)
+    params = SamplingConfig(max_new_tokens=3, logprobs_top_k=vocab)
     for sigma in (0.3, 1.0):
         r = make_engine(model, tok, logit_noise=sigma).generate(chat_prompts(tok, QUESTIONS[:2]), params, [1, 2])
         m = r.response_mask
@@ -214,7 +214,7 @@ def test_realised_train_inference_kl_grows_with_sigma(tiny):
 
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS) * 4
-    params = SamplingParams(max_new_tokens=16)
+    params = SamplingConfig(max_new_tokens=16)
     forward, reverse = [], []
     for sigma in (0.0, 0.25, 0.5, 1.0):
         r = make_engine(model, tok, logit_noise=sigma).generate(prompts, params, list(range(16)))
@@ -231,7 +231,7 @@ def test_realised_train_inference_kl_grows_with_sigma(tiny):
 def test_temperature_offset_samples_at_t_plus_delta(tiny):
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS) * 2
-    params = SamplingParams(temperature=0.8, max_new_tokens=12, logprobs_top_k=4)
+    params = SamplingConfig(temperature=0.8, max_new_tokens=12, logprobs_top_k=4)
     r = make_engine(model, tok, temperature_offset=0.4).generate(prompts, params, list(range(8)))
     m = r.response_mask
     at_sampler = trainer_logprobs(model, tok, r, temperature=1.2)
@@ -257,7 +257,7 @@ def test_the_reserved_kv_cache_samples_what_a_growing_cache_does(tiny, monkeypat
         return TorchEngine(model, tok.pad_token_id, stop_token_ids=stops)
 
     prompts = [p for p in chat_prompts(tok, QUESTIONS) for _ in range(3)]
-    params = SamplingParams(max_new_tokens=20)
+    params = SamplingConfig(max_new_tokens=20)
     seeds = list(range(len(prompts)))
     reserved = make_engine(model, tok).generate(prompts, params, seeds)
     original = te.reserved_cache

@@ -16,9 +16,9 @@ from lit_rl.config import ConfigError
 from lit_rl.kernels import batch_invariant as bi
 from lit_rl.kernels import kernel_mode
 from lit_rl.logprobs import check_head_parity, head_transform, position_ids_from_mask, response_logprobs
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.torch_engine import TorchEngine
-from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.rollout.types import SamplingConfig, left_pad
 from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
 
@@ -43,7 +43,7 @@ def family_dir(tmp_path_factory):
 
 
 def load(folder, family):
-    return load_policy(ModelSpec(str(folder), attn_implementation=ATTN.get(family, "sdpa")))
+    return load_policy(ModelConfig(str(folder), attn_implementation=ATTN.get(family, "sdpa")))
 
 
 def own_logprobs(model, pids, pmask, response_ids, response_mask):
@@ -58,7 +58,7 @@ def own_logprobs(model, pids, pmask, response_ids, response_mask):
 def sample_and_score(model, tok, new_tokens=12):
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
     prompts = chat_prompts(tok, QUESTIONS)  # 20-40 tokens: longer than the 8-token sliding windows
-    r = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens), seeds=[0, 1, 2, 3])
+    r = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=new_tokens), seeds=[0, 1, 2, 3])
     pids, pmask = left_pad(r.prompt_ids, tok.pad_token_id)
     with torch.no_grad():
         trainer = response_logprobs(model, pids, pmask, r.response_ids, r.response_mask).logprobs
@@ -177,7 +177,7 @@ DEFAULT_CHECKPOINTING = ("qwen3", "gemma3", "phi3")
 def test_gradient_checkpointing_gives_the_same_gradient(family_dir, family):
     grads = []
     for checkpointing in (False, True):
-        spec = ModelSpec(str(family_dir(family)), attn_implementation=ATTN.get(family, "sdpa"))
+        spec = ModelConfig(str(family_dir(family)), attn_implementation=ATTN.get(family, "sdpa"))
         spec.gradient_checkpointing = checkpointing
         model, tok = load_policy(spec)
         assert model.is_gradient_checkpointing == checkpointing
@@ -232,7 +232,7 @@ def test_vllm_logprobs_equal_the_trainer_s_after_a_sync(family_dir, family):
     engine = VLLMEngine(model, tok.pad_token_id, stops, dtype="float32", kv_cache_gb=0.25, max_model_len=512)
     try:
         engine.sync_weights(0)
-        params = SamplingParams(temperature=1.0, max_new_tokens=16)
+        params = SamplingConfig(temperature=1.0, max_new_tokens=16)
         prompts = chat_prompts(tok, QUESTIONS)
         for version in (0, 1):
             r = engine.generate(prompts, params, seeds=[0, 1, 2, 3])

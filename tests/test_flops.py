@@ -4,7 +4,7 @@ import pytest
 from helpers import fast_config as cfg_for
 from transformers import LlamaConfig
 
-from lit_rl.models import ModelSpec, load_policy, tiny_config
+from lit_rl.models import ModelConfig, load_policy, tiny_config
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.run.flops import FlopModel
 from lit_rl.run.train import build_task_from_cfg, run
@@ -50,7 +50,7 @@ def test_a_tiny_run_logs_flops_rates_and_mfu_on_every_step(tmp_path):
     cfg = cfg_for("trainer.max_steps=2", "eval.num_examples=0")  # 2 prompts x G=4, 8 new tokens, float32
     run(cfg, tmp_path / "r")
     s = read_scalars(tmp_path / "r" / "tensorboard")
-    _, tok = load_policy(ModelSpec("tiny"))
+    _, tok = load_policy(ModelConfig("tiny"))
     dm = RolloutDataModule(build_task_from_cfg(cfg), tok, 2, 4, seed=cfg.seed, eval_examples=0)
     for step in (0, 1):
         assert s["rollout/truncation_rate"][step][1] == 1.0  # the random tiny model never stops: T_i = 8

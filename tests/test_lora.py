@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 import lit_rl.run.train
 from lit_rl.config import ConfigError, validate
-from lit_rl.models import ModelSpec, adapter_disabled, load_policy, merged_weights
+from lit_rl.models import ModelConfig, adapter_disabled, load_policy, merged_weights
 from lit_rl.rollout.types import RolloutBatch, left_pad
 from lit_rl.run.train import build_module, run
 from lit_rl.tools.compare import read_scalars
@@ -20,7 +20,7 @@ LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 def lora_policy(seed=0):
     """The tiny model with a rank-4 adapter whose B is random (PEFT starts B at zero: the adapted model would
     equal the base, and every comparison below would pass trivially)."""
-    policy, tok = load_policy(ModelSpec("tiny", lora={"r": 4, "alpha": 8}))
+    policy, tok = load_policy(ModelConfig("tiny", lora={"r": 4, "alpha": 8}))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -32,7 +32,7 @@ def lora_policy(seed=0):
 def test_merged_weights_are_the_base_plus_the_scaled_low_rank_product_peft_merges():
     policy, _ = lora_policy()
     merged = merged_weights(policy)
-    base, _ = load_policy(ModelSpec("tiny"))
+    base, _ = load_policy(ModelConfig("tiny"))
     assert set(merged) == set(base.state_dict())  # the base model's names: what vLLM and save_pretrained expect
     sd = policy.state_dict()
     q = "model.layers.0.self_attn.q_proj"
@@ -73,7 +73,7 @@ def test_the_reference_is_the_shared_base_scored_with_the_adapter_disabled():
     zeros = torch.zeros(n, t)
     mb = RolloutBatch(pi, pm, ri, rm, zeros, torch.zeros(n), torch.zeros(n), torch.arange(n), torch.zeros(n).long())
     ref = module.reference_logprobs(mb)
-    base, _ = load_policy(ModelSpec("tiny"))
+    base, _ = load_policy(ModelConfig("tiny"))
     module_base = build_module(fast_config("kl.beta=0.1"), base, tok)
     with torch.no_grad():
         want = module_base.logprobs_of(base, mb, with_entropy=False).logprobs
@@ -106,7 +106,7 @@ def test_lora_run_checkpoints_the_adapter_only_resumes_exactly_and_exports(tmp_p
     assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), keys[:5]
     (state,) = ckpt["optimizer_states"]
     assert len(state["state"]) == len(keys)  # Adam moments for the adapter's tensors only
-    base, _ = load_policy(ModelSpec("tiny"))
+    base, _ = load_policy(ModelConfig("tiny"))
     full_weights = sum(p.numel() * p.element_size() for p in base.parameters())
     size = (tmp_path / "resumed" / "checkpoints" / "last.ckpt").stat().st_size
     assert size < 0.05 * full_weights, (size, full_weights)  # a full checkpoint holds >= the weights themselves
@@ -214,7 +214,7 @@ def test_an_engine_with_its_own_copy_holds_the_merged_weights():
 
     from lit_rl.logprobs import response_logprobs
     from lit_rl.rollout.torch_engine import TorchEngine
-    from lit_rl.rollout.types import SamplingParams
+    from lit_rl.rollout.types import SamplingConfig
 
     policy, tok = lora_policy()
     engine = TorchEngine(policy, tok.pad_token_id, [tok.eos_token_id], own_copy=True)
@@ -222,7 +222,7 @@ def test_an_engine_with_its_own_copy_holds_the_merged_weights():
     with torch.no_grad():
         for name, value in merged_weights(policy).items():
             assert torch.equal(engine.model.state_dict()[name], value), name
-    r = engine.generate(chat_prompts(tok, ["What is 2 + 3?", "Hi"]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
+    r = engine.generate(chat_prompts(tok, ["What is 2 + 3?", "Hi"]), SamplingConfig(max_new_tokens=8), seeds=[0, 1])
     pi, pm = left_pad(r.prompt_ids, tok.pad_token_id)
     with torch.no_grad():
         lp = response_logprobs(policy, pi, pm, r.response_ids, r.response_mask, with_entropy=False).logprobs
@@ -236,13 +236,13 @@ def test_the_default_targets_adapt_every_projection_of_each_family(family):
     from helpers.families import family_config
     from transformers import AutoModelForCausalLM
 
-    from lit_rl.models import LoraSpec, add_lora
+    from lit_rl.models import LoraConfig, add_lora
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config(family, 256))
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     names = set(model.state_dict())
-    adapted = add_lora(model, LoraSpec(r=2))
+    adapted = add_lora(model, LoraConfig(r=2))
     from peft.tuners.lora import LoraLayer
 
     assert {n for n, m in adapted.named_modules() if isinstance(m, LoraLayer)} == linears

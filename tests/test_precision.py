@@ -15,7 +15,7 @@ from helpers.ddp_probe import make_batch
 from torch.utils.data import DataLoader
 
 from lit_rl.algorithms import RLModule
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 from lit_rl.run.train import precision_plugins, run
 from lit_rl.tools.compare import read_scalars
 
@@ -37,7 +37,7 @@ def update_on_fixed_batch(precision: str, steps: int = 1, scaler=None):
     """(train/* metrics of each step, the weights' change as one flat vector) after ``steps`` updates of
     the tiny model on ``ddp_probe.make_batch()`` with gradient clipping at 1.0 and lr 1e-3."""
     torch.manual_seed(0)
-    policy, tok = load_policy(ModelSpec("tiny"))
+    policy, tok = load_policy(ModelConfig("tiny"))
     start = torch.cat([p.detach().flatten().clone() for p in policy.parameters()])
     module = FixedBatchGRPO(
         policy=policy,

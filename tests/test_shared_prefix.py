@@ -13,7 +13,7 @@ from lit_rl.algorithms import ALGORITHMS
 from lit_rl.algorithms.module import group_micro_batches
 from lit_rl.config import ConfigError, validate
 from lit_rl.logprobs import resolve_shared_prefix, response_buckets, response_logprobs, shared_prefix_applies
-from lit_rl.models import ModelSpec, load_policy
+from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.run.train import build_module
 
@@ -101,7 +101,7 @@ def test_every_algorithm_updates_the_same_with_the_prompt_shared(tiny, scored, a
 
 
 def test_lora_reference_with_the_adapter_disabled_is_shared_too(scored):
-    policy, tok = load_policy(ModelSpec("tiny", lora={"r": 4, "alpha": 8}))
+    policy, tok = load_policy(ModelConfig("tiny", lora={"r": 4, "alpha": 8}))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a random B, so that the adapted policy differs from the base (the reference)
         for name, p in policy.named_parameters():
@@ -226,7 +226,7 @@ def test_bad_settings_are_refused_before_the_run(overrides, message):
 
 
 def test_gradient_checkpointing_turns_auto_off_and_the_forward_back_to_one_pass():
-    spec = ModelSpec("tiny")
+    spec = ModelConfig("tiny")
     spec.gradient_checkpointing = True
     policy, _ = load_policy(spec)
     on, why = resolve_shared_prefix("auto", policy, 8)

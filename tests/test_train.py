@@ -72,12 +72,12 @@ def test_update_changes_weights_and_is_seeded(tmp_path):
     assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s", "mfu"))}}
     from safetensors.torch import load_file
 
-    from lit_rl.models import ModelSpec, load_policy
+    from lit_rl.models import ModelConfig, load_policy
 
     wa = load_file(tmp_path / "a" / "policy" / "model.safetensors")
     wb = load_file(tmp_path / "b" / "policy" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    initial = load_policy(ModelSpec("tiny"))[0].state_dict()
+    initial = load_policy(ModelConfig("tiny"))[0].state_dict()
     changed = sum(int((wa[k] != initial[k]).sum()) for k in wa if k in initial)
     assert changed > 0.9 * sum(v.numel() for k, v in wa.items() if k in initial)
 

@@ -14,7 +14,7 @@ import torch
 from helpers import ROOT, chat_prompts, compose_config
 
 from lit_rl.logprobs import response_logprobs
-from lit_rl.rollout.types import SamplingParams, left_pad
+from lit_rl.rollout.types import SamplingConfig, left_pad
 from lit_rl.run import hardware
 from lit_rl.tools.compare import read_scalars
 
@@ -74,10 +74,10 @@ def tiny_engine(tiny):
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(1.0, 0, 1.0, 24, 5),
-        SamplingParams(0.7, 0, 1.0, 24, 5),
-        SamplingParams(1.0, 5, 1.0, 24, 5),
-        SamplingParams(1.0, 0, 0.9, 24, 5),
+        SamplingConfig(1.0, 0, 1.0, 24, 5),
+        SamplingConfig(0.7, 0, 1.0, 24, 5),
+        SamplingConfig(1.0, 5, 1.0, 24, 5),
+        SamplingConfig(1.0, 0, 0.9, 24, 5),
     ],
     ids=["t1", "t0.7", "topk5", "topp0.9"],
 )
@@ -100,14 +100,14 @@ def test_temperature_offset_dial_samples_and_reports_at_t_plus_delta(tiny, tiny_
     """engine.temperature_offset with vLLM: the processed log-probs and top-k are those of T + delta, so the
     trainer matches them at T + delta, not at T (the gap the dial is for)."""
     model, tok = tiny
-    params = SamplingParams(0.8, 0, 1.0, 16, 5)
+    params = SamplingConfig(0.8, 0, 1.0, 16, 5)
     tiny_engine.temperature_offset = 0.4
     try:
         r = tiny_engine.generate(chat_prompts(tok, QUESTIONS), params, seeds=[1, 2, 3, 4])
     finally:
         tiny_engine.temperature_offset = 0.0
     m = r.response_mask
-    at_sampler = trainer_scores(model, tok, r, SamplingParams(1.2, 0, 1.0, 16, 5))
+    at_sampler = trainer_scores(model, tok, r, SamplingConfig(1.2, 0, 1.0, 16, 5))
     assert (at_sampler.logprobs - r.rollout_logprobs).abs()[m].max().item() < TOL
     assert (at_sampler.head_logprobs - r.topk_logprobs).abs()[m].max().item() < TOL
     assert (trainer_scores(model, tok, r, params).logprobs - r.rollout_logprobs).abs()[m].mean().item() > 1e-3
@@ -116,7 +116,7 @@ def test_temperature_offset_dial_samples_and_reports_at_t_plus_delta(tiny, tiny_
 def test_per_request_seeds(tiny, tiny_engine):
     model, tok = tiny
     prompts = chat_prompts(tok, QUESTIONS)
-    params = SamplingParams(max_new_tokens=12)
+    params = SamplingConfig(max_new_tokens=12)
     a = tiny_engine.generate(prompts, params, seeds=[11, 12, 13, 14])
     b = tiny_engine.generate(prompts, params, seeds=[11, 12, 13, 14])
     assert torch.equal(a.response_ids, b.response_ids)
@@ -136,7 +136,7 @@ def test_a_rollout_above_the_cpu_step_budget_keeps_per_request_seeds(tiny, tiny_
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, len(tok) - 10, (100,), generator=g).tolist() for _ in range(48)]
     assert sum(map(len, prompts)) > 4096
-    params = SamplingParams(max_new_tokens=6)
+    params = SamplingConfig(max_new_tokens=6)
     r = tiny_engine.generate(prompts, params, seeds=list(range(48)))
     assert r.response_mask.sum(-1).min() >= 1
     for i in (0, 47):  # the first and the last prompt of the batch, alone with the same seed
@@ -154,7 +154,7 @@ def test_stop_tokens_end_sequences(tiny):
     )
     try:
         engine.sync_weights(0)
-        r = engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=8), seeds=[0, 1])
+        r = engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=8), seeds=[0, 1])
         assert r.finish_reason == ["stop", "stop"] and r.response_length.tolist() == [1, 1]
     finally:
         engine.close()
@@ -164,10 +164,10 @@ def test_stop_tokens_end_sequences(tiny):
         r"max_new_tokens=8 needs",
     ):  # checked before vLLM starts
         VLLMEngine(model, tok.pad_token_id, [0], max_model_len=20).generate(
-            chat_prompts(tok, QUESTIONS[:1]), SamplingParams(max_new_tokens=8), [0]
+            chat_prompts(tok, QUESTIONS[:1]), SamplingConfig(max_new_tokens=8), [0]
         )
     with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
-        VLLMEngine(model, tok.pad_token_id, [0]).generate([[1]], SamplingParams(max_new_tokens=0), [0])
+        VLLMEngine(model, tok.pad_token_id, [0]).generate([[1]], SamplingConfig(max_new_tokens=0), [0])
 
 
 def train_one_step(model, tok, r, lr=1e-2):
@@ -182,7 +182,7 @@ def train_one_step(model, tok, r, lr=1e-2):
 
 
 def check_sync_follows_training(model, tok, engine, prompts, tol=TOL):
-    params = SamplingParams(max_new_tokens=16)
+    params = SamplingConfig(max_new_tokens=16)
     old = copy.deepcopy(model)
     before = engine.generate(prompts, params, seeds=list(range(len(prompts))))
     assert gap(model, tok, before, params) < tol
@@ -215,7 +215,7 @@ def test_untied_output_layer_is_synced_too(tiny):
     model = LlamaForCausalLM(tiny_config(len(tok), {"tie_word_embeddings": False})).eval()
     engine = start(model, tok)
     try:
-        prompts, params = chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=12)
+        prompts, params = chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=12)
         with torch.no_grad():
             model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
         everything = engine.weights
@@ -240,7 +240,7 @@ def test_sync_from_a_snapshot_that_names_tied_tensors_once(tiny):
     model = copy.deepcopy(model)
     engine = start(model, tok)
     try:
-        prompts, params = chat_prompts(tok, QUESTIONS[:2]), SamplingParams(max_new_tokens=12)
+        prompts, params = chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=12)
         with torch.no_grad():
             model.model.embed_tokens.weight.add_(torch.randn_like(model.model.embed_tokens.weight))
         snapshot = weights_snapshot(model)
@@ -271,7 +271,7 @@ def test_smollm2_float32_logprobs_topk_stops_and_sync(smollm2):
         prompts = chat_prompts(
             tok, ["What is 2 + 3? Answer with a number.", "Say hi.", "What is 12 + 30?", "Name a colour."]
         )
-        params = SamplingParams(temperature=1.0, max_new_tokens=32, logprobs_top_k=20)
+        params = SamplingConfig(temperature=1.0, max_new_tokens=32, logprobs_top_k=20)
         r = engine.generate(prompts, params, seeds=[0, 1, 2, 3])
         s = trainer_scores(model, tok, r, params)
         m = r.response_mask
@@ -414,9 +414,9 @@ def test_a_lora_policy_syncs_its_merged_weights(tmp_path):
     import subprocess
     import sys
 
-    from lit_rl.models import ModelSpec, load_policy
+    from lit_rl.models import ModelConfig, load_policy
 
-    model, tok = load_policy(ModelSpec("tiny", lora={"r": 8, "alpha": 16}))
+    model, tok = load_policy(ModelConfig("tiny", lora={"r": 8, "alpha": 16}))
     engine = start(model, tok)
     try:
         check_sync_follows_training(model, tok, engine, chat_prompts(tok, QUESTIONS))

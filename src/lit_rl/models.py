@@ -25,10 +25,11 @@ import os
 import shutil
 import socket
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .schema.model import LORA_TARGETS, LoraConfig, ModelConfig  # noqa: F401  (the model config group)
 
 log = logging.getLogger(__name__)
 
@@ -217,43 +218,7 @@ def tiny_config(vocab_size: int, seed_config: dict | None = None):
     return LlamaConfig(**kwargs)
 
 
-#: ``model.lora.target_modules`` default: the attention and MLP projections of the families lit_rl is tested on
-#: (Llama, Qwen2/3, Mistral, Gemma: q/k/v/o_proj, gate/up/down_proj; Phi-3: fused qkv_proj and gate_up_proj).
-#: PEFT matches them as name suffixes; the names a model lacks are skipped.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
-
-
-@dataclass
-class LoraSpec:
-    """``model.lora``: a LoRA adapter (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
-    eq. 3: h = W0 x + (alpha / r) B A x) trained on a frozen base, with PEFT. ``r = 0``: off (full fine-tuning)."""
-
-    r: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    #: the export at the end of the run (``policy/``): the adapter (False) or the merged full model (True)
-    merge_on_export: bool = False
-
-
-@dataclass
-class ModelSpec:
-    """What to load: mirrors ``conf/model/*.yaml``."""
-
-    name_or_path: str
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
-    init_seed: int = 0  # used by ``tiny`` only
-    lora: LoraSpec = field(default_factory=LoraSpec)
-
-    def __post_init__(self):
-        if not isinstance(self.lora, LoraSpec):
-            self.lora = LoraSpec(**dict(self.lora or {}))
-
-
-def load_policy(spec: ModelSpec, tokenizer=None):
+def load_policy(spec: ModelConfig, tokenizer=None):
     """Load ``(model, tokenizer)`` for ``spec``; the model is in ``spec.dtype`` on CPU, in train mode.
     ``tokenizer``: one already loaded with ``load_tokenizer`` for this model (loaded here when None).
 
@@ -292,7 +257,7 @@ def load_policy(spec: ModelSpec, tokenizer=None):
 
 
 # -- LoRA (PEFT) ------------------------------------------------------------------------------------------------------
-def add_lora(model, lora: LoraSpec):
+def add_lora(model, lora: LoraConfig):
     """Inject a LoRA adapter (PEFT's ``get_peft_model``, adapter "default") into ``model`` in place and freeze
     the base weights; returns the same transformers model (its forward now the adapted one).
 
@@ -319,7 +284,7 @@ def add_lora(model, lora: LoraSpec):
     return base
 
 
-def check_lora_targets(config, lora: LoraSpec, trust_remote_code: bool = False) -> None:
+def check_lora_targets(config, lora: LoraConfig, trust_remote_code: bool = False) -> None:
     """Refuse ``model.lora.target_modules`` that match no module of the model ``config`` describes, before any
     weight loads: the model is built on the meta device (no memory, no weights) and each module name is matched
     as PEFT matches it (``check_target_module_exists``: a name or a suffix ``.name``). Does nothing when LoRA is

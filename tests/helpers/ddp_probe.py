@@ -123,9 +123,9 @@ class Probe(RLModule):
 
 def main() -> None:
     devices, out_dir = int(sys.argv[1]), sys.argv[2]
-    from lit_rl.models import ModelSpec, load_policy
+    from lit_rl.models import ModelConfig, load_policy
 
-    policy, tok = load_policy(ModelSpec("tiny"))
+    policy, tok = load_policy(ModelConfig("tiny"))
     module = make_module(policy, tok, module_cls=Probe, out_dir=out_dir)
     trainer = L.Trainer(
         accelerator="cpu",

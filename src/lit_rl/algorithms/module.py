@@ -50,7 +50,7 @@ from ..models import adapter_disabled, adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
-from ..rollout.types import RolloutBatch, SamplingParams, left_pad
+from ..rollout.types import RolloutBatch, left_pad
 from ..schema import (
     AdvantageConfig,
     AlgoConfig,
@@ -60,9 +60,11 @@ from ..schema import (
     LossConfig,
     OptimConfig,
     RolloutConfig,
+    SamplingConfig,
     TrainConfig,
     UpdateConfig,
     config_of,
+    plain_data,
 )
 from . import parallel
 from .base import Algorithm, sequence_advantages, updates_per_step
@@ -100,12 +102,7 @@ def algorithm_class(algo: AlgoConfig | Mapping | None) -> type[Algorithm]:
     Raises ``UnknownChoice`` naming the field."""
     from . import ALGORITHMS
 
-    if algo is None:
-        name = AlgoConfig.name
-    elif isinstance(algo, Mapping):
-        name = algo.get("name", AlgoConfig.name)
-    else:
-        name = algo.name
+    name = algo.get("name", AlgoConfig.name) if isinstance(algo, Mapping) else getattr(algo, "name", AlgoConfig.name)
     return ALGORITHMS[name]
 
 
@@ -127,8 +124,8 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
     Args:
         policy: a transformers causal LM (the embedded engine samples with this same object).
         tokenizer: its tokenizer (pad and stop ids).
-        sampling: ``SamplingParams`` fields for training rollouts.
-        eval_sampling: fields for evaluation (temperature 0 = greedy pass@1).
+        sampling: how the engine samples training rollouts (``schema.SamplingConfig``, or a mapping of its fields).
+        eval_sampling: the same for evaluation (temperature 0 = greedy pass@1).
         group_size: G; micro_batch_size: sequences per forward/backward in the update.
         advantage, loss, algo, kl, optim, correction, engine, rollout_mode: the config groups of the same names
             (``rollout_mode`` is the ``rollout`` section), each a dataclass of ``lit_rl.schema`` or a mapping
@@ -147,8 +144,8 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         self,
         policy: torch.nn.Module,
         tokenizer,
-        sampling: dict,
-        eval_sampling: dict,
+        sampling: SamplingConfig | Mapping,
+        eval_sampling: SamplingConfig | Mapping,
         group_size: int,
         micro_batch_size: int,
         advantage: AdvantageConfig | Mapping | None = None,
@@ -162,22 +159,22 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         rollout_mode: RolloutConfig | Mapping | None = None,
         update: UpdateConfig | Mapping | None = None,
     ):
+        hparams = {
+            k: plain_data(v) for k, v in locals().items() if k not in ("self", "policy", "tokenizer", "__class__")
+        }
         super().__init__()
-        self.save_hyperparameters(ignore=["policy", "tokenizer"])
+        self.save_hyperparameters(hparams)  # the config as plain data (``resume.check_checkpoint_fits`` reads algo)
         self.automatic_optimization = False
-        self.policy = policy
-        self.tokenizer = tokenizer
-        self.sampling = SamplingParams(**sampling)
-        self.eval_sampling = SamplingParams(**eval_sampling)
+        self.policy, self.tokenizer = policy, tokenizer
+        self.sampling = config_of(SamplingConfig, sampling)
+        self.eval_sampling = config_of(SamplingConfig, eval_sampling)
         self.group_size, self.micro_batch_size = group_size, micro_batch_size
-        self.advantage_cfg = config_of(AdvantageConfig, advantage)
-        self.loss_cfg = config_of(LossConfig, loss)
+        self.advantage_cfg, self.loss_cfg = config_of(AdvantageConfig, advantage), config_of(LossConfig, loss)
         algorithm = algorithm_class(algo)
         algo_cfg = config_of(algorithm.algo_config, algo)
         self.kl_cfg, self.optim_cfg = config_of(KlConfig, kl), config_of(OptimConfig, optim)
         self.chunk_tokens = logprob_chunk_tokens
-        self.correction = config_of(CorrectionConfig, correction)
-        self.update_cfg = config_of(UpdateConfig, update)
+        self.correction, self.update_cfg = config_of(CorrectionConfig, correction), config_of(UpdateConfig, update)
         #: each prompt's forward runs once per micro-batch for the rows that share it (``update.shared_prefix``,
         #: resolved by ``logprobs.resolve_shared_prefix``); micro-batches are then cut along whole groups
         self.shared_prefix, why = resolve_shared_prefix(self.update_cfg.shared_prefix, policy, group_size)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from ..tasks import Example, Task
 from ..tasks.reward_functions import RewardFunctions
-from .types import Rollouts, SamplingParams
+from .types import Rollouts, SamplingConfig
 
 
 @dataclass
@@ -307,7 +307,7 @@ class RolloutDataModule(L.LightningDataModule):
         self,
         engine,
         examples: list[Example],
-        params: SamplingParams,
+        params: SamplingConfig,
         step: int,
         round: int = 0,
         group_size: int | None = None,

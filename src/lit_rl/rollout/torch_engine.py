@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..logprobs import position_ids_from_mask, process_logits
 from ..models import merged_weights, peft_model
-from .types import Rollouts, SamplingParams, left_pad
+from .types import Rollouts, SamplingConfig, left_pad
 
 
 @dataclass
@@ -252,7 +252,7 @@ class TorchEngine:
         """Nothing to shut down (same interface as the vLLM engine)."""
 
     @torch.no_grad()  # not inference_mode: callers may edit the returned tensors in place
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
+    def generate(self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int]) -> Rollouts:
         """Sample one completion per prompt.
 
         prompts: N token-id lists (already chat-formatted); seeds: N ints, one generator per sequence.
@@ -274,7 +274,7 @@ class TorchEngine:
         self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()))
         return out
 
-    def _generate(self, prompts, params: SamplingParams, seeds) -> Rollouts:
+    def _generate(self, prompts, params: SamplingConfig, seeds) -> Rollouts:
         n, steps, k = len(prompts), params.max_new_tokens, params.logprobs_top_k
         device = next(self.model.parameters()).device
         generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]

@@ -8,23 +8,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the engine samples.
-
-    temperature: > 0 samples from softmax(logits / temperature); 0 means greedy (eval only).
-    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
-    max_new_tokens: generation cap L_max (``max_response_length``).
-    logprobs_top_k: how many of the sampling distribution's top tokens to record per step (0 = none);
-        score centering uses them as the head H.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    logprobs_top_k: int = 0
+from ..schema.rollout import SamplingConfig  # noqa: F401  (how the engine samples: the sampling config group)
 
 
 @dataclass
@@ -177,7 +161,7 @@ class RolloutEngine(Protocol):
     own_copy: bool
     cancel: Any
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
+    def generate(self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int]) -> Rollouts:
         """One completion per prompt (N token-id lists), seeded per sequence; ``Rollouts`` [N, ...]."""
         ...
 

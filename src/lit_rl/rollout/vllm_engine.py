@@ -37,7 +37,7 @@ import torch
 
 from ..models import context_length, merged_weights
 from .torch_engine import GenerationStats, int8_roundtrip
-from .types import Rollouts, SamplingParams
+from .types import Rollouts, SamplingConfig
 
 #: how to install vLLM, for the errors that refuse ``engine=vllm`` without it (here and ``config.check_vllm``)
 VLLM_INSTALL = (
@@ -338,7 +338,7 @@ class VLLMEngine:
         self.sync_seconds = time.perf_counter() - t0
 
     # -- sampling ------------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> Rollouts:
+    def generate(self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int]) -> Rollouts:
         """Sample one completion per prompt with vLLM.
 
         prompts: N token-id lists (already chat-formatted); seeds: N ints, one per request.

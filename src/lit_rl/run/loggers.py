@@ -9,9 +9,9 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
-from omegaconf import DictConfig
 
 from ..config import ConfigError
+from ..schema import TrainConfig
 
 #: ``logger`` options -> the package each needs (None: installed with lit_rl)
 LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
@@ -44,7 +44,7 @@ def check_wandb_login(mode: str | None) -> None:
         )
 
 
-def build_loggers(cfg: DictConfig, out: Path) -> list:
+def build_loggers(cfg: TrainConfig, out: Path) -> list:
     """Lightning loggers for every ``logger.<name>`` that is set (``schema.LoggerConfig``), in the order
     tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
     ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
@@ -55,11 +55,11 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
 
     from lightning.pytorch.loggers import CSVLogger
 
-    chosen = cfg.get("logger") or {}
-    name = chosen.get("run_name") or out.resolve().name
+    chosen = cfg.logger
+    name = chosen.run_name or out.resolve().name
     loggers = []
     for key, package in LOGGER_PACKAGES.items():
-        options = chosen.get(key)
+        options = getattr(chosen, key)
         if options is None:
             continue
         if package is not None and importlib.util.find_spec(package) is None:

@@ -12,6 +12,8 @@ only global rank 0 writes files: config.yaml, the TensorBoard run, checkpoints, 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import logging
 import os
@@ -34,9 +36,10 @@ from ..algorithms.base import updates_per_step
 from ..config import ConfigError, check_world_size, validate
 from ..kernels import kernel_mode
 from ..logprobs import check_head_parity
-from ..models import ModelSpec, check_lora_targets, load_policy, load_tokenizer, merged_weights, peft_model
+from ..models import check_lora_targets, load_policy, load_tokenizer, merged_weights, peft_model
 from ..rollout.datamodule import RolloutDataModule
 from ..rollout.sources import RolloutSourceShutdown
+from ..schema import ModelConfig, TrainConfig, train_config
 from ..tasks import build_task
 from ..tasks.reward_functions import RewardFunctions
 from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on
@@ -87,19 +90,20 @@ def precision_plugins(trainer_kwargs: dict) -> list:
     return []
 
 
-def build_module(cfg: DictConfig, policy, tokenizer):
+def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer):
     """The ``RLModule`` of ``cfg`` (its algorithm: ``algo.name``; its rollout source: ``rollout.mode``) around an
-    already loaded policy."""
-    sampling = OmegaConf.to_container(cfg.sampling, resolve=True)
-    correction = OmegaConf.to_container(cfg.correction, resolve=True)
+    already loaded policy. ``cfg``: the run's typed config (``schema.train_config``; a ``DictConfig`` is typed
+    here). Raises ConfigError for a score-centering head larger than the vocabulary."""
+    cfg = train_config(cfg)
+    sampling = cfg.sampling
     sc = cfg.correction.sc
     if sc.enabled:  # the engine must record the head H that score centering sums over
         vocab = policy.get_output_embeddings().weight.shape[0]
         top_k = vocab if sc.mode == "exact" else int(sc.top_k)
         if top_k > vocab:
             raise ConfigError(f"correction.sc.top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
-        sampling["logprobs_top_k"] = max(int(sampling["logprobs_top_k"]), top_k)
-    eval_sampling = dict(
+        sampling = dataclasses.replace(sampling, logprobs_top_k=max(int(sampling.logprobs_top_k), top_k))
+    eval_sampling = dataclasses.replace(
         sampling,
         temperature=float(cfg.eval.temperature),
         top_k=0,
@@ -114,35 +118,35 @@ def build_module(cfg: DictConfig, policy, tokenizer):
         eval_sampling=eval_sampling,
         group_size=cfg.rollout.group_size,
         micro_batch_size=cfg.rollout.micro_batch_size,
-        advantage=OmegaConf.to_container(cfg.advantage, resolve=True),
-        loss=OmegaConf.to_container(cfg.loss, resolve=True),
-        algo=OmegaConf.to_container(cfg.algo, resolve=True),
-        kl=OmegaConf.to_container(cfg.kl, resolve=True),
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        advantage=cfg.advantage,
+        loss=cfg.loss,
+        algo=cfg.algo,
+        kl=cfg.kl,
+        optim=cfg.optim,
         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-        correction=correction,
-        engine=OmegaConf.to_container(cfg.engine, resolve=True),
-        rollout_mode=OmegaConf.to_container(cfg.rollout, resolve=True),
-        update=OmegaConf.to_container(cfg["update"], resolve=True),  # cfg.update is DictConfig.update
+        correction=cfg.correction,
+        engine=cfg.engine,
+        rollout_mode=cfg.rollout,
+        update=cfg.update,
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
     return module
 
 
-def build_task_from_cfg(cfg: DictConfig):
-    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    return build_task(task_cfg)
+def build_task_from_cfg(cfg: TrainConfig | DictConfig):
+    """The ``Task`` of ``cfg.task`` (``tasks.build_task``)."""
+    return build_task(dataclasses.asdict(train_config(cfg).task))
 
 
-def build_rewards(cfg: DictConfig, task) -> RewardFunctions:
+def build_rewards(cfg: TrainConfig, task) -> RewardFunctions:
     """The run's ``RewardFunctions``: ``reward.functions`` (or the task's verifier) in the verifier pool."""
-    r = OmegaConf.to_container(cfg.reward, resolve=True)
+    r = cfg.reward
     try:
         return RewardFunctions(
             task,
-            functions=r["functions"],
-            weights=r["weights"],
-            num_workers=r["num_workers"],
+            functions=r.functions,
+            weights=r.weights,
+            num_workers=r.num_workers,
             timeout_s=cfg.reward_timeout_s,
             max_completion_length=cfg.sampling.max_new_tokens,
         )
@@ -192,13 +196,14 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
 class Prepared:
     """A run's config and folder once ``prepare_output`` has checked them.
 
-    cfg: the config (a continued run's: its saved one, with the command line's changes), validated and with its
-    auto settings resolved; out: the run folder (claimed); ckpt_path: the checkpoint it continues from, or None;
-    hardware: what the auto settings chose, one line each (printed, and written at the top of config.yaml);
-    governor: the ``threads=adaptive`` callback or None; updates_per_rl_step: optimizer steps per RL step.
+    cfg: the typed config (``schema.train_config``; a continued run's: its saved one, with the command line's
+    changes), validated and with its auto settings resolved, built once here and passed through; out: the run folder
+    (claimed); ckpt_path: the checkpoint it continues from, or None; hardware: what the auto settings chose, one
+    line each (printed, and written at the top of config.yaml); governor: the ``threads=adaptive`` callback or None;
+    updates_per_rl_step: optimizer steps per RL step.
     """
 
-    cfg: DictConfig
+    cfg: TrainConfig
     out: Path
     ckpt_path: str | None
     hardware: list[str]
@@ -216,7 +221,7 @@ class ModelParts:
     """
 
     datamodule: RolloutDataModule
-    spec: ModelSpec
+    spec: ModelConfig
     policy: torch.nn.Module
     tokenizer: object
     module: RLModule
@@ -249,10 +254,12 @@ def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list) -> Prepare
     """Check the config and claim the run folder, before anything heavy: the continued run's config
     (``continued_run``), ``config.validate``, the hardware and engine settings resolved (``resolve_settings``),
     the folder claimed by global rank 0 (appended to ``claims``, released by ``run``) and checked
-    (``check_run_folder``), the seed set. Raises ConfigError."""
+    (``check_run_folder``), the seed set; then the typed config is built (``schema.train_config``), once.
+    Raises ConfigError."""
     cfg, out = continued_run(cfg, Path(out_dir), overrides)
     validate(cfg)
     hardware, governor = resolve_settings(cfg)
+    cfg = train_config(cfg)
     # Lightning warns that with manual optimisation a step's checkpoint holds the weights after its update;
     # that is exactly what resuming needs here (the next step starts from them), so the warning is noise
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
@@ -262,13 +269,14 @@ def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list) -> Prepare
     check_run_folder(out, ckpt_path)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    k = updates_per_step(OmegaConf.to_container(cfg.algo, resolve=True))
+    k = updates_per_step(cfg.algo)
+    max_steps = int(cfg.trainer.get("max_steps", -1))
     if ckpt_path is not None and (out / FINISHED_MARKER).exists():
         finished_at = finished_rl_step(out / FINISHED_MARKER, k)
-        if finished_at is not None and 0 < int(cfg.trainer.max_steps) <= finished_at:
+        if finished_at is not None and 0 < max_steps <= finished_at:
             raise ConfigError(  # continuing it would run no step and rewrite its exported policy
                 f"output folder {out} holds a run that finished at RL step {finished_at} "
-                f"(trainer.max_steps={cfg.trainer.max_steps}): nothing to continue; to train it further, give a "
+                f"(trainer.max_steps={max_steps}): nothing to continue; to train it further, give a "
                 f"larger trainer.max_steps (e.g. --resume {out} trainer.max_steps={finished_at + 10})"
             )
     return Prepared(cfg, out, ckpt_path, hardware, governor, k)
@@ -288,7 +296,7 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
         save_last="link",
         save_top_k=1,
     )
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs = copy.deepcopy(cfg.trainer)
     # trainer.max_steps counts RL steps; Lightning counts optimizer steps (several per RL step for PPO)
     if trainer_kwargs.get("max_steps", -1) > 0:
         trainer_kwargs["max_steps"] *= k
@@ -322,8 +330,8 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     return trainer, checkpoints
 
 
-def build_data(cfg: DictConfig) -> tuple[RolloutDataModule, ModelSpec, object]:
-    """(the ``RolloutDataModule``, the model's ``ModelSpec``, its tokenizer) of ``cfg``, checked before any
+def build_data(cfg: TrainConfig) -> tuple[RolloutDataModule, ModelConfig, object]:
+    """(the ``RolloutDataModule``, the model's ``ModelConfig``, its tokenizer) of ``cfg``, checked before any
     weight loads: the task's data, the tokenizer's chat template, the prompts against the context, the model's
     support, the LoRA targets (on the meta device), the reward functions loaded in the verifier workers.
     Raises ConfigError naming the field or file."""
@@ -331,7 +339,7 @@ def build_data(cfg: DictConfig) -> tuple[RolloutDataModule, ModelSpec, object]:
         task = build_task_from_cfg(cfg)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"task={cfg.task.name}: {err}") from err
-    spec = ModelSpec(**OmegaConf.to_container(cfg.model, resolve=True))
+    spec = cfg.model
     try:
         tokenizer = load_tokenizer(spec.name_or_path, spec.trust_remote_code)
     except FileNotFoundError as err:
@@ -376,7 +384,7 @@ def write_run_config(prepared: Prepared) -> None:
     config_file.write_text(header + OmegaConf.to_yaml(prepared.cfg, resolve=True))
 
 
-def load_checked_policy(cfg: DictConfig, spec: ModelSpec, tokenizer):
+def load_checked_policy(cfg: TrainConfig, spec: ModelConfig, tokenizer):
     """(policy, tokenizer) of ``spec``, loaded, whose log-probs the trainer reproduces (``check_head_parity``).
     Raises ConfigError for missing weights, LoRA targets PEFT refuses, or a head-side transform lit_rl does
     not know."""
@@ -395,7 +403,7 @@ def load_checked_policy(cfg: DictConfig, spec: ModelSpec, tokenizer):
     return policy, tokenizer
 
 
-def enter_kernel_mode(cfg: DictConfig, policy):
+def enter_kernel_mode(cfg: TrainConfig, policy):
     """The run's kernel mode (``kernels``) for ``policy``, entered: it wraps the whole fit (rollouts, update,
     eval), and copies of the policy made by the module (engine.dtype, the KL reference) inherit it. float32
     products go through oneDNN or torch's BLAS, whichever is measured faster on the policy's shapes (on the CPU
@@ -403,7 +411,7 @@ def enter_kernel_mode(cfg: DictConfig, policy):
     model the mode does not cover (e.g. a norm layer the batch-invariant kernels do not know). ``fit`` leaves it
     at the end of the run."""
     precision = cfg.trainer.get("precision")
-    gemm = cfg.kernels.get("fp32_gemm", "auto")
+    gemm = cfg.kernels.fp32_gemm
     if gemm == "auto" and (uses_cuda(cfg.trainer.get("accelerator")) or precision_dtype(precision) != torch.float32):
         gemm = "aten"
     mode = kernel_mode(cfg.kernels.name, policy, fp32_gemm=gemm)
@@ -414,13 +422,14 @@ def enter_kernel_mode(cfg: DictConfig, policy):
     return mode
 
 
-def assemble(cfg: DictConfig, before_weights: Callable[[], None] | None = None) -> ModelParts:
+def assemble(cfg: TrainConfig | DictConfig, before_weights: Callable[[], None] | None = None) -> ModelParts:
     """The data, the model and the ``RLModule`` of a validated config whose auto settings are filled in
-    (``resolve_settings``), without a Trainer, in the order that keeps failures cheap: the data and the tokenizer
-    (checked: ``build_data``), then ``before_weights()`` when given, the policy (checked), the kernel mode
-    (entered), the module (its algorithm, rollout source and engine). What ``build`` trains with, and what the
-    gradient probe and the benchmarks measure. The caller leaves the kernel mode (``parts.kernels``) when done.
-    Raises ConfigError."""
+    (``resolve_settings``; a ``DictConfig`` is typed here, ``schema.train_config``), without a Trainer, in the order
+    that keeps failures cheap: the data and the tokenizer (checked: ``build_data``), then ``before_weights()`` when
+    given, the policy (checked), the kernel mode (entered), the module (its algorithm, rollout source and engine).
+    What ``build`` trains with, and what the gradient probe and the benchmarks measure. The caller leaves the kernel
+    mode (``parts.kernels``) when done. Raises ConfigError."""
+    cfg = train_config(cfg)
     datamodule, spec, tokenizer = build_data(cfg)
     if before_weights is not None:
         before_weights()

@@ -23,14 +23,19 @@ Adding a field: add it to its dataclass (type, default, ``#:`` doc), to the grou
 and read it as an attribute (``cfg.algo.ppo_epochs``). A range check that involves only its own section goes to
 the dataclass's ``problems`` (``base``: what it yields, torch-free), one across sections to ``config.validate``.
 
-``config_of(cls, mapping)`` turns a plain dict (what ``OmegaConf.to_container`` gives, or what a test
-writes) into the dataclass, filling what the mapping leaves out with the defaults and refusing unknown keys.
-Importing this package stores the schemas in Hydra's ConfigStore (``register_configs``).
+``train_config(cfg)`` is the typed config of a run, built once (``OmegaConf.to_object`` of the composed config)
+and passed through the build: every section a dataclass (``task`` and ``engine`` their option's), ``trainer`` a
+dict. ``config_of(cls, mapping)`` turns a plain dict (what a test writes) into one dataclass, filling what the
+mapping leaves out with the defaults and refusing unknown keys. Importing this package stores the schemas in
+Hydra's ConfigStore (``register_configs``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 from .algo import (
     AlgoConfig,
@@ -49,7 +54,7 @@ from .algo import (
     SapoGateConfig,
     ValueConfig,
 )
-from .base import C, Number, config_of
+from .base import C, Number, config_of, plain_data
 from .loss import AdvantageConfig, CorrectionConfig, KlConfig, LossConfig, MisConfig, ScConfig, TisConfig
 from .model import LoraConfig, ModelConfig
 from .probe import ProbeConfig, ProbeEngineOverrides, ProbeRunConfig, ProbeSetting
@@ -123,7 +128,9 @@ __all__ = [
     "ValueConfig",
     "WandbLoggerConfig",
     "config_of",
+    "plain_data",
     "register_configs",
+    "train_config",
 ]
 
 #: the schemas stored in Hydra's ConfigStore (``register_configs``): name -> (group, dataclass). The primary
@@ -150,3 +157,47 @@ def register_configs() -> None:
 
 
 register_configs()
+
+
+def option_schema(group: str, name: str) -> type | None:
+    """The dataclass of option ``name`` of a group whose options have their own fields (``task``, ``engine``):
+    the ``base_<option>`` schema its YAML file starts from (``engine=auto`` starts from ``vllm``'s), or None."""
+    name = "vllm" if (group, name) == ("engine", "auto") else name
+    entry = SCHEMAS.get(f"base_{name}")
+    return entry[1] if entry is not None and entry[0] == group else None
+
+
+def train_config(cfg) -> TrainConfig:
+    """The typed config of a run: ``cfg`` (the composed ``DictConfig``, a plain mapping of some of its sections,
+    or a ``TrainConfig``, returned as is) as a ``TrainConfig`` instance, built once with ``OmegaConf.to_object``
+    (interpolations resolved): every section is its dataclass, ``task`` and ``engine`` their option's
+    (``option_schema``), ``trainer`` a dict. What a mapping leaves out takes the schema's defaults, the same as
+    ``conf/train.yaml``'s. A ``ProbeRunConfig`` (``conf/probe.yaml``) stays one.
+
+    Raises omegaconf's ValidationError / ConfigKeyError for a value of the wrong type or a key that is no field,
+    TypeError for a task or engine option without a schema of its own.
+    """
+    if isinstance(cfg, TrainConfig):
+        return typed_options(cfg)
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(dict(cfg))
+    cls = OmegaConf.get_type(cfg)
+    if not (isinstance(cls, type) and issubclass(cls, TrainConfig)):
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    return typed_options(OmegaConf.to_object(cfg))
+
+
+def typed_options(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with a ``task`` or ``engine`` given as a mapping (a config not composed by Hydra, a ``TrainConfig``
+    written in Python) as its option's dataclass, and ``trainer`` as a dict: in place, returned. Raises TypeError
+    for an option without a schema of its own."""
+    for group in ("task", "engine"):  # typed ``Any``: their fields depend on the option
+        value = getattr(cfg, group)
+        if isinstance(value, Mapping):
+            schema = option_schema(group, value.get("name"))
+            if schema is None:
+                raise TypeError(f"{group}.name={value.get('name')!r} has no schema of its own")
+            setattr(cfg, group, config_of(schema, value))
+    if not isinstance(cfg.trainer, dict):
+        cfg.trainer = dict(cfg.trainer)
+    return cfg

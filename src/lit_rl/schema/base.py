@@ -40,6 +40,11 @@ def int_rule(value, field: str, minimum: int, meaning: str = "") -> Problems:
     yield from rule(is_int(value) and value >= minimum, field, value, f"must be an integer >= {minimum}{meaning}")
 
 
+def plain_data(value):
+    """A config dataclass instance as a plain dict (``dataclasses.asdict``); anything else as it is."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
 def config_of(cls: type[C], values: Mapping | C | None, ignore_unknown: bool = False) -> C:
     """``values`` (a mapping, e.g. one group of the composed config as a plain dict, or a dataclass instance)
     as the dataclass ``cls``: what it leaves out takes the field's default, nested mappings become their

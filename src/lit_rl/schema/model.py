@@ -1,13 +1,21 @@
-"""``model``: what the policy is, and its LoRA adapter (``models.ModelSpec`` and ``models.LoraSpec`` mirror them)."""
+"""``model``: what the policy is and its LoRA adapter, as the config groups give them and ``models.load_policy``
+loads them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+#: ``model.lora.target_modules`` default: the attention and MLP projections of the families lit_rl is tested on
+#: (Llama, Qwen2/3, Mistral, Gemma: q/k/v/o_proj, gate/up/down_proj; Phi-3: fused qkv_proj and gate_up_proj).
+#: PEFT matches them as name suffixes; the names a model lacks are skipped.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 @dataclass
 class LoraConfig:
-    """``model.lora``: a LoRA adapter trained with PEFT on the frozen base (``models.LoraSpec`` mirrors it)."""
+    """``model.lora``: a LoRA adapter (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3:
+    h = W0 x + (alpha / r) B A x) trained with PEFT on the frozen base. ``r = 0``: off (full fine-tuning)."""
 
     #: the adapter's rank; 0 = off (full fine-tuning)
     r: int = 0
@@ -16,26 +24,14 @@ class LoraConfig:
     #: dropout on the adapter's input (PEFT's lora_dropout), in [0, 1)
     dropout: float = 0.0
     #: module-name suffixes that get an adapter: the attention and MLP projections (Phi-3's fused ones too)
-    target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "qkv_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "gate_up_proj",
-        ]
-    )
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     #: policy/ at the end holds the adapter (false) or the merged full model (true)
     merge_on_export: bool = False
 
 
 @dataclass
 class ModelConfig:
-    """``model``: what to load (``models.ModelSpec`` mirrors it)."""
+    """``model``: what to load (``models.load_policy``). ``lora`` may be given as a mapping of its fields."""
 
     #: ``tiny`` (random-init 2-layer Llama), a hub id (org/name) or a local folder
     name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -50,3 +46,7 @@ class ModelConfig:
     init_seed: int = 0
     #: LoRA adapter (r = 0: off)
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self):
+        if isinstance(self.lora, Mapping):
+            self.lora = LoraConfig(**self.lora)

@@ -146,17 +146,20 @@ class RolloutConfig:
 
 @dataclass
 class SamplingConfig:
-    """``sampling``: the training rollouts (``rollout.types.SamplingParams``); the trainer scores at the same
-    temperature."""
+    """``sampling``: how the engine samples the training rollouts (the trainer scores at the same temperature);
+    the module's evaluation uses one too (``eval.temperature``, no truncation, no top-k log-probs). Engines take
+    it as it is (``RolloutEngine.generate``)."""
 
+    #: > 0 samples from softmax(logits / temperature); 0 is greedy (evaluation only)
     temperature: Number = 1.0
-    #: 0 = off
+    #: keep the k most likely tokens; 0 = off
     top_k: int = 0
-    #: 1.0 = off
+    #: nucleus mass; 1.0 = off
     top_p: Number = 1.0
     #: L_max, the generation cap (max_response_length)
     max_new_tokens: int = 64
-    #: top-k log-probs the engine records per token (score centering raises it to its head)
+    #: top-k log-probs of the sampling distribution the engine records per token (score centering raises it to its
+    #: head H)
     logprobs_top_k: int = 0
 
     def problems(self, run) -> Problems:

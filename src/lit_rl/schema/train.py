@@ -18,6 +18,7 @@ from .trainer import (
     LogConfig,
     LoggerConfig,
     OptimConfig,
+    TensorBoardLoggerConfig,
     UpdateConfig,
     _trainer_defaults,
 )
@@ -28,7 +29,9 @@ class TrainConfig:
     """The whole run (``conf/train.yaml``): the groups chosen in its defaults list and its own sections.
 
     ``trainer`` is the Lightning Trainer's keyword arguments, left open (Lightning checks them). ``task`` and
-    ``engine`` are typed by their option's own schema (``SCHEMAS``); everything else by the fields below.
+    ``engine`` are typed by their option's own schema (``SCHEMAS``); everything else by the fields below. The
+    defaults are ``python recipes/train.py``'s (a test compares), except an algorithm's own defaults, which come
+    with its config class (``DapoConfig()``...) or from ``lit_rl.compose("algo=dapo")``.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -55,7 +58,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    #: TensorBoard, the recipe's default (``conf/train.yaml`` clears it for its ``logger`` group to choose)
+    logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(tensorboard=TensorBoardLoggerConfig()))
     #: resume: a .ckpt path, or "last" (with hydra.run.dir=<the run>)
     ckpt_path: Optional[str] = None
     #: a run folder to continue (``train.resumed_config``): its saved config.yaml, its last checkpoint, its folder
