@@ -119,7 +119,8 @@ class KlConfig:
 
     #: 0 = off (no reference copy kept)
     beta: Number = 0.0
-    #: k1 | k2 | k3 (``objectives.KL_KINDS``)
+    #: k1 | k2 | k3 (``objectives.KL_KINDS``); as a loss term k3's gradient descends KL(pi_ref || pi), k2's
+    #: KL(pi || pi_ref), k1's nothing (refused) (docs/configuration.md, "The KL to the reference")
     estimator: str = "k3"
     #: log train/ref_kl even with beta = 0 (keeps a reference copy)
     track: bool = False
