@@ -93,6 +93,52 @@ def test_kl_entropy_and_extra_terms_are_added_per_token_before_the_reduction():
     assert "train/ref_kl" in metrics.names() and "train/ref_kl_seq" not in metrics.names()
 
 
+K3_KNEE = 2.610868638149876  # r0: e^r0 - r0 - 1 = 10 (objectives.k3_knee), the slope beyond it 10 + r0
+
+
+def test_a_token_far_below_the_reference_keeps_the_step_finite_and_its_gradient_bounded():
+    # TRL #3015 / OpenRLHF #1160, #1335: token 0 at log pi = -100 against pi_ref = 0.5 (k3 = e^99.3 = inf before the
+    # bound: loss inf, the whole update dropped with its policy-gradient part); token 1 equals the reference
+    logprobs, mb = batch([math.exp(-100.0), 0.5], [math.exp(-100.0), 0.5], [1.0])
+    old = logprobs.detach()
+    scores = TokenScores(logprobs=logprobs, entropy=torch.zeros(1, 2))
+    pg = reinforce_ratio_loss(logprobs, old, mb.advantages)  # -1 per token, gradient -1 per token
+    ref = torch.log(torch.tensor([[0.5, 0.5]]))
+    kw = dict(num_tokens=torch.tensor(2), num_seqs=torch.tensor(1), ref_logprobs=ref, kl_coef=0.1)
+    loss, metrics = assemble_loss(pg, scores, old, mb, settings(weight_rule=WeightFunction()), **kw)
+    loss.backward()
+    # k3 beyond the bound: 10 + (10 + r0)(r - r0), r = 100 + log 0.5 = 99.307 -> 1229.42; d/dlog pi = -(10 + r0)
+    r = 100.0 + math.log(0.5)
+    k3 = 10.0 + (10.0 + K3_KNEE) * (r - K3_KNEE)
+    assert float(loss.detach()) == pytest.approx((-1.0 - 1.0 + 0.1 * k3) / 2, rel=1e-6)  # 60.471
+    expected_grad = torch.tensor([[(-1.0 - 0.1 * (10.0 + K3_KNEE)) / 2, -1.0 / 2]])  # [-1.13054, -0.5]
+    torch.testing.assert_close(logprobs.grad, expected_grad)
+    # the metric is the estimator's exact value: it overflows for this token (logged as inf, as it always was)
+    stats = MetricSums()
+    stats.record(metrics)
+    assert stats.means()["train/ref_kl"] == math.inf
+
+
+def test_the_logged_ref_kl_is_the_exact_k3_where_the_loss_term_is_bounded():
+    # pi = 0.01 against pi_ref = 0.5: r = log 50 = 3.912 > r0, so the loss takes the tangent
+    # 10 + (10 + r0)(r - r0) = 26.41 while train/ref_kl keeps the exact (unbiased) k3 = 50 - log 50 - 1 = 45.088
+    logprobs, mb = batch([0.01], [0.01], [0.0])
+    old = logprobs.detach()
+    scores = TokenScores(logprobs=logprobs, entropy=torch.zeros(1, 1))
+    pg = reinforce_ratio_loss(logprobs, old, mb.advantages)  # A = 0: no policy-gradient term
+    ref = torch.log(torch.tensor([[0.5]]))
+    kw = dict(num_tokens=torch.tensor(1), num_seqs=torch.tensor(1), ref_logprobs=ref, kl_coef=1.0)
+    loss, metrics = assemble_loss(pg, scores, old, mb, settings(weight_rule=WeightFunction()), **kw)
+    r = math.log(50.0)
+    assert float(loss.detach()) == pytest.approx(10.0 + (10.0 + K3_KNEE) * (r - K3_KNEE), rel=1e-6)
+    stats = MetricSums()
+    stats.record(metrics)
+    means = stats.means()
+    assert means["train/ref_kl"] == pytest.approx(50.0 - r - 1.0, rel=1e-6)
+    assert means["train/ref_kl_seq"] == pytest.approx(50.0 - r - 1.0, rel=1e-6)
+    assert means["train/ref_kl_is"] == pytest.approx(50.0 - r - 1.0, rel=1e-6)  # on-policy: weight 1
+
+
 def test_token_metrics_are_recorded_as_the_step_sums_add_them():
     mask = torch.tensor([[True, True, False]])
     values = torch.tensor([[1.0, 3.0, 100.0]])

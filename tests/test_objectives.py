@@ -16,6 +16,7 @@ from lit_rl.objectives import (
     group_advantages,
     gspo_coef,
     gspo_loss,
+    k3_knee,
     masked_mean,
     masked_sum,
     overlong_penalty,
@@ -557,6 +558,58 @@ def test_approx_kl():
     assert torch.equal(approx_kl(logprobs, logprobs), torch.zeros(4))
     with pytest.raises(ValueError, match="k3"):
         approx_kl(logprobs, ref_logprobs, "k4")
+
+
+def test_k3_knee_is_where_k3_reaches_the_peers_clamp_value():
+    # e^r - r - 1 = 10  <=>  e^r = 11 + r; r0 = 2.610868638 (pi_ref / pi = 13.6109), by Newton's method by hand
+    r0 = k3_knee(10.0)
+    assert r0 == pytest.approx(2.610868638149876, rel=1e-14)
+    assert math.exp(r0) == pytest.approx(11.0 + r0, rel=1e-14)
+    assert k3_knee(1.0) == pytest.approx(1.1461932206, rel=1e-9)  # e^r = 2 + r
+    with pytest.raises(ValueError, match="> 0"):
+        k3_knee(0.0)
+
+
+def test_k3_far_below_the_reference_has_a_finite_value_and_a_bounded_gradient():
+    # TRL #3015 / OpenRLHF #1160, #1335: log pi = -100 against pi_ref = 0.5, r = log pi_ref - log pi = 99.307;
+    # unbounded, e^r = inf in float32 and the step's loss with it. The tangent at r0 (value 10, slope e^r0 - 1 =
+    # 10 + r0 = 12.6109): value 10 + 12.6109 * (99.307 - 2.6109) = 1229.42, d/dlog pi = -(10 + r0) = -12.6109
+    r0 = 2.610868638149876
+    logprobs = torch.tensor([-100.0, -20.0, -5.0], requires_grad=True)
+    ref_logprobs = torch.tensor([math.log(0.5), 0.0, -5.0 + r0 - 1e-3])
+    value = approx_kl(logprobs, ref_logprobs, "k3")
+    value.sum().backward()
+    r = math.log(0.5) + 100.0
+    assert value[0].item() == pytest.approx(10.0 + (10.0 + r0) * (r - r0), rel=1e-6)  # 1229.42
+    assert value[1].item() == pytest.approx(10.0 + (10.0 + r0) * (20.0 - r0), rel=1e-6)  # 239.29, not 4.85e8
+    assert logprobs.grad[0].item() == pytest.approx(-(10.0 + r0), rel=1e-6)
+    assert logprobs.grad[1].item() == pytest.approx(-(10.0 + r0), rel=1e-6)
+    # just inside the bound k3 is exact: value e^(r0 - 1e-3) - (r0 - 1e-3) - 1 = 9.98739, gradient 1 - e^(r0 - 1e-3)
+    inside = r0 - 1e-3
+    assert value[2].item() == pytest.approx(math.exp(inside) - inside - 1.0, rel=1e-5)
+    assert logprobs.grad[2].item() == pytest.approx(1.0 - math.exp(inside), rel=1e-5)
+    # the bound is continuous at r0 (value 10, slope 12.6109 from both sides)
+    at = approx_kl(torch.tensor([-r0 - 1e-6, -r0 + 1e-6], dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(at, torch.full((2,), 10.0, dtype=torch.float64), atol=2e-5, rtol=0)
+    # unbounded (tangent_from=None, what the metrics log) it overflows as before
+    assert approx_kl(logprobs.detach(), ref_logprobs, "k3", tangent_from=None)[0].item() == math.inf
+
+
+def test_k3_is_unchanged_bit_for_bit_where_the_bound_does_not_bind():
+    # every log-ratio with pi_ref / pi <= 13.61 (and every one with pi > pi_ref): the value and the gradient are
+    # e^r - r - 1 and 1 - e^r exactly as before the bound
+    logprobs = torch.linspace(-2.6, 30.0, 1001, requires_grad=True)
+    ref_logprobs = torch.zeros(1001)
+    bounded = approx_kl(logprobs, ref_logprobs, "k3")
+    (grad_bounded,) = torch.autograd.grad(bounded.sum(), logprobs)
+    d = logprobs - ref_logprobs
+    exact = torch.exp(-d) + d - 1.0
+    (grad_exact,) = torch.autograd.grad(exact.sum(), logprobs)
+    assert torch.equal(bounded, exact) and torch.equal(grad_bounded, grad_exact)
+    # k1 and k2 have no exponential and no bound
+    far = torch.tensor([-100.0])
+    assert approx_kl(far, torch.zeros(1), "k2").item() == 5000.0
+    assert approx_kl(far, torch.zeros(1), "k1").item() == -100.0
 
 
 # ----------------------------------------------------------------------------------------------

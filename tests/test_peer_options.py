@@ -410,6 +410,9 @@ def test_adaptive_kl_controller_after_three_steps_by_hand():
         (["kl.mode=penalty"], r"kl.mode='penalty' is not allowed: choose one of \['loss', 'reward'\]"),
         (["kl.target=6"], r"kl.beta=0.0 is not allowed: must be > 0 with kl.target=6"),
         (["kl.beta=0.1", "kl.target=-1"], r"kl.target=-1 is not allowed"),
+        # k1 as a loss term: its gradient beta * grad log pi(y) does not depend on pi_ref (tests/test_kl_expectation.py)
+        (["kl.beta=0.1", "kl.estimator=k1"], r"kl.estimator='k1' is not allowed: with kl.mode=loss and kl.beta=0.1"),
+        (["algo=reinforce_pp", "kl.beta=0.1", "kl.mode=loss"], r"kl.estimator='k1' is not allowed: .* cannot pull"),
         (["algo=reinforce_pp", "algo.baseline=rloo"], r"algo.baseline='rloo' is not allowed: choose none"),
         (["algo=reinforce_pp", "advantage.scale=batch"], r"advantage.scale='batch' is not allowed: reinforce_pp"),
     ],
@@ -417,6 +420,19 @@ def test_adaptive_kl_controller_after_three_steps_by_hand():
 def test_kl_and_reinforce_pp_settings_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_for(*overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algo=reinforce_pp", "kl.beta=0.1"],  # k1 in the reward: the classic per-token penalty
+        ["kl.estimator=k1", "kl.track=true"],  # k1 only logged (beta = 0)
+        ["kl.estimator=k2", "kl.beta=0.1"],
+        ["kl.beta=0.1"],  # the default k3
+    ],
+)
+def test_k1_is_accepted_where_it_is_not_a_loss_term(overrides):
+    validate(cfg_for(*overrides))
 
 
 @pytest.mark.parametrize(

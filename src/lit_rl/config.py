@@ -52,6 +52,7 @@ from .schema import (
     CorrectionConfig,
     EngineConfig,
     EvalConfig,
+    KlConfig,
     LogConfig,
     OptimConfig,
     RolloutConfig,
@@ -356,8 +357,9 @@ def check_dual_clip(algo: DictConfig) -> None:
 
 def check_kl(cfg: DictConfig) -> None:
     """``kl.beta`` >= 0, ``kl.estimator``, ``kl.mode`` (loss | reward; reward only where the algorithm has
-    per-token returns to fold it into, ``AlgoConfig.kl_in_reward``) and the adaptive controller (``kl.target``
-    > 0 needs ``kl.beta`` > 0 to start from, ``kl.horizon`` > 0)."""
+    per-token returns to fold it into, ``AlgoConfig.kl_in_reward``), the adaptive controller (``kl.target``
+    > 0 needs ``kl.beta`` > 0 to start from, ``kl.horizon`` > 0), then the section's own rules
+    (``KlConfig.problems``: k1 cannot be a loss term)."""
     kl, name = cfg.kl, cfg.algo.name
     _check(kl.beta >= 0, "kl.beta", kl.beta, "must be >= 0")
     _check(kl.estimator in KL_KINDS, "kl.estimator", kl.estimator, f"choose one of {list(KL_KINDS)}")
@@ -387,6 +389,7 @@ def check_kl(cfg: DictConfig) -> None:
             f"must be > 0 with kl.target={target}: the adaptive controller multiplies beta, so it starts from it",
         )
     _check(is_number(horizon) and horizon > 0, "kl.horizon", horizon, "must be > 0 (sequences)")
+    _raise_first(config_of(KlConfig, OmegaConf.to_container(kl, resolve=True), ignore_unknown=True).problems(cfg))
 
 
 def check_shared_prefix(cfg) -> None:

@@ -187,17 +187,24 @@ def reference_kl_term(
 ) -> Tensor | None:
     """The KL to the frozen reference as a per-token loss term: β · kl_t (``kl.estimator`` of π_θ against π_ref,
     [n, T]) when ``settings.kl_in_loss`` and β > 0, else None (``kl.mode=reward``: the KL went into the returns).
-    Records ``train/ref_kl``, ``train/ref_kl_seq`` (``kl.mode=loss``: the KL per sequence, what the adaptive
-    controller reads) and ``train/ref_kl_is`` into ``metrics``."""
+    The term is ``objectives.approx_kl``'s, k3 bounded (its tangent beyond the value 10), so one token's value and
+    gradient stay finite. Records ``train/ref_kl``, ``train/ref_kl_seq`` (``kl.mode=loss``: the KL per sequence,
+    what the adaptive controller reads) and ``train/ref_kl_is`` into ``metrics``: these are the estimator's exact
+    value (k3 unbounded, as these metrics always were; a token whose e^r overflows float32 logs inf there, and
+    no longer takes the step's loss with it)."""
     m = mb.response_mask
     kl = obj.approx_kl(logprobs, ref_logprobs, settings.kl_estimator)
-    metrics.add("train/ref_kl", kl, m)
+    if settings.kl_estimator == "k3":  # the metrics: the unbiased estimate, not the bounded loss term
+        measured = obj.approx_kl(logprobs.detach(), ref_logprobs, "k3", tangent_from=None)
+    else:
+        measured = kl
+    metrics.add("train/ref_kl", measured, m)
     if settings.kl_in_loss:
-        metrics.add("train/ref_kl_seq", obj.masked_sum(kl, m, dim=-1), m.any(-1))
+        metrics.add("train/ref_kl_seq", obj.masked_sum(measured, m, dim=-1), m.any(-1))
     # the same KL on pi_old's own samples: the tokens came from mu, so each is weighted by pi_old / mu
     # (importance sampling, unbiased; the clamp only keeps exp finite). Equal to ref_kl on-policy, and
     # comparable between samplers, where ref_kl measures the two policies on mu's tokens
     w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
-    metrics.add("train/ref_kl_is", w * kl, m)
+    metrics.add("train/ref_kl_is", w * measured, m)
     beta = kl_coef if settings.kl_in_loss else 0.0
     return beta * kl if beta > 0 else None

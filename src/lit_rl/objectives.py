@@ -25,6 +25,7 @@ Sources:
     KL estimators: Schulman 2020, "Approximating KL Divergence" (blog post).
 """
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -813,24 +814,74 @@ def entropy_bonus_loss(token_loss: Tensor, entropy: Tensor, coef: float) -> Tens
     return token_loss - coef * entropy
 
 
-def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token estimators of KL(π_θ || π_ref) from samples of π_θ (Schulman, "Approximating KL").
+#: k3's value at which it leaves its exact form for its tangent, on the side π_θ < π_ref where it grows as
+#: π_ref/π_θ (``approx_kl``): the value verl and OpenRLHF clamp k3 at
+K3_TANGENT_FROM = 10.0
 
-    With d = logprobs − ref_logprobs:
-        ``"k1"``: d (unbiased, can be negative).
-        ``"k2"``: 0.5 · d² (biased, low variance).
-        ``"k3"``: exp(−d) + d − 1 (unbiased, always ≥ 0, 0 when equal).
 
-    Args:
-        logprobs: float [N, T].
-        ref_logprobs: float [N, T].
-        kind: one of ``KL_KINDS``.
-
-    Returns:
-        float [N, T].
+def k3_knee(value: float = K3_TANGENT_FROM) -> float:
+    """The log-weight r₀ > 0 at which k3(r) = e^r − r − 1 equals ``value`` (r = log π_ref − log π_θ), so that
+    e^{r₀} = 1 + value + r₀. ``value`` = 10 gives r₀ = 2.610868638…, π_ref/π_θ = 13.6109. Newton's method from
+    r = log(1 + value) + 1, to the right of the root, where it converges monotonically (k3 is convex).
 
     Raises:
-        ValueError: unknown ``kind`` or shape mismatch.
+        ValueError: ``value`` not > 0.
+    """
+    if not value > 0:
+        raise ValueError(f"k3's tangent point needs a value > 0, got {value}")
+    r = math.log1p(value) + 1.0
+    for _ in range(100):
+        step = (math.exp(r) - r - 1.0 - value) / math.expm1(r)
+        r -= step
+        if abs(step) <= 1e-15 * r:
+            break
+    return r
+
+
+def approx_kl(
+    logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", tangent_from: Optional[float] = K3_TANGENT_FROM
+) -> Tensor:
+    """Per-token estimators of KL(π_θ ‖ π_ref) from samples of π_θ (Schulman 2020, "Approximating KL
+    Divergence"), k3 bounded so that neither its value nor its gradient can overflow.
+
+    With d = logprobs − ref_logprobs and r = −d = log(π_ref/π_θ):
+        ``"k1"``: d (unbiased, can be negative).
+        ``"k2"``: 0.5 · d² (biased, low variance).
+        ``"k3"``: e^r − r − 1 (unbiased, always ≥ 0, 0 when equal) while its value is at most ``tangent_from``
+        on the side π_θ < π_ref (r ≤ r₀ = ``k3_knee(tangent_from)``, π_ref/π_θ ≤ 13.61 for the default 10);
+        beyond, its tangent at r₀: tangent_from + (e^{r₀} − 1)·(r − r₀). Both are exactly equal (bit for bit,
+        value and gradient) wherever the bound does not bind.
+
+    As a loss term (``kl.mode=loss``) what matters is the gradient: ∂k3/∂log π_θ = 1 − π_ref/π_θ, the
+    importance weight π_ref/π_θ of k3's forward-KL gradient (docs/configuration.md, "The KL to the
+    reference"). Unbounded, it is e^{89} = inf in float32 at a log-ratio of −89 (the step's loss is inf and the
+    non-finite guard drops the whole update, its policy-gradient part included) and already 4.85e8 at −20.
+    The tangent truncates that weight at e^{r₀} = 13.61, as TIS truncates its own (``corrections``): one
+    token's gradient is in [1 − e^{r₀}, 1) = [−12.61, 1) and its value grows at most linearly in |d| (as k3
+    already does on the side π_θ > π_ref, where its slope is below 1), finite for every finite log-prob.
+    Example: log π_θ = −100, π_ref = 0.5: r = 99.307, value 10 + 12.6109 · 96.696 = 1229.42, gradient
+    −12.6109 w.r.t. log π_θ (unbounded: e^{99.3} = inf).
+
+    The peers: verl (``kl_penalty``, ``low_var_kl``) clamps r to [−20, 20] and then the value to [−10, 10];
+    OpenRLHF (``compute_approx_kl``) clamps the value to [−10, 10]; TRL's GRPO does not clamp. A value clamp
+    gives a token beyond it no gradient at all, so the KL stops pulling exactly the tokens furthest from the
+    reference (on the side π_θ > π_ref too: k3 reaches 10 at d ≈ 11), and without verl's first clamp the
+    clamped-away gradient is 0 · inf = NaN once e^r overflows. Here the region where k3 is exact on the
+    π_θ < π_ref side is theirs (value ≤ 10) and the largest gradient is the largest of theirs (12.61), but the
+    pull continues beyond instead of stopping, and nothing is clamped on the side π_θ > π_ref.
+
+    Args:
+        logprobs: float [N, T] (any shape), log π_θ (may carry a gradient).
+        ref_logprobs: float, the same shape, log π_ref.
+        kind: one of ``KL_KINDS``.
+        tangent_from: k3's bound (a value > 0), or None for the exact e^r − r − 1 (which overflows to inf for
+            r > 88.7 in float32); k1 and k2 ignore it (neither exponentiates).
+
+    Returns:
+        float, the shape and dtype of ``logprobs``.
+
+    Raises:
+        ValueError: unknown ``kind``, shape mismatch, or ``tangent_from`` not > 0.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"Unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
@@ -840,7 +891,15 @@ def approx_kl(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tenso
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio**2
-    return torch.exp(-log_ratio) + log_ratio - 1.0
+    if tangent_from is None:
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    r0 = k3_knee(tangent_from)
+    r = -log_ratio
+    # e^r only up to r0, so that the branch where() leaves out is finite and passes back 0, never 0 * inf = NaN;
+    # where the bound does not bind this is e^r − r − 1 as it was, value and gradient bit for bit
+    exact = torch.exp(r.clamp(max=r0)) - r - 1.0
+    tangent = tangent_from + math.expm1(r0) * (r - r0)
+    return torch.where(r <= r0, exact, tangent)
 
 
 def kl_penalised_returns(rewards: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:

@@ -119,7 +119,8 @@ class KlConfig:
 
     #: 0 = off (no reference copy kept)
     beta: Number = 0.0
-    #: k1 | k2 | k3 (``objectives.KL_KINDS``)
+    #: k1 | k2 | k3 (``objectives.KL_KINDS``); as a loss term k3's gradient descends KL(pi_ref || pi), k2's
+    #: KL(pi || pi_ref), k1's nothing (refused) (docs/configuration.md, "The KL to the reference")
     estimator: str = "k3"
     #: log train/ref_kl even with beta = 0 (keeps a reference copy)
     track: bool = False
@@ -130,3 +131,18 @@ class KlConfig:
     target: Optional[Number] = None
     #: the controller's horizon, in sequences (each RL step moves beta by a fraction n_steps / horizon of the error)
     horizon: Number = 10000
+
+    def problems(self, run) -> Problems:
+        """The estimator a KL-as-loss term cannot regularise with (docs/configuration.md, "The KL to the
+        reference"): k1's loss β·(log π − log π_ref) has the gradient β·∇log π(y), which does not depend on π_ref
+        at all (on-policy its expectation is 0; off-policy it pushes away from π_old). As a reward (kl.mode=reward)
+        k1 is the classic per-token penalty, and logging it (kl.beta=0, kl.track=true) is fine."""
+        yield from rule(
+            not (self.estimator == "k1" and self.mode == "loss" and is_number(self.beta) and self.beta > 0),
+            "kl.estimator",
+            self.estimator,
+            f"with kl.mode=loss and kl.beta={self.beta} the term's gradient beta * grad log pi(y) does not depend on "
+            "the reference (0 in expectation on-policy): it cannot pull toward it. Use k2 (its gradient descends "
+            "KL(pi || pi_ref)) or k3 (KL(pi_ref || pi)), kl.mode=reward (ppo, reinforce_pp), or kl.beta=0 "
+            "kl.track=true to only log k1",
+        )
