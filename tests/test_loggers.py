@@ -8,7 +8,7 @@ from helpers import MOVING, compose_config, fast_config
 from helpers.loggers import read_csv_scalars, read_mlflow_scalars, read_wandb_scalars, wandb_run_name
 
 from lit_rl.config import ConfigError
-from lit_rl.run.loggers import build_loggers
+from lit_rl.run.loggers import ContinuedCSVLogger, build_loggers
 from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
 
@@ -39,6 +39,26 @@ def test_every_logger_writes_the_same_scalars_as_tensorboard(tmp_path, monkeypat
             same(points, scalars[tag], f"{name}:{tag}")
     assert mlflow_run.info.run_name == "algo=grpo,seed=0"
     assert wandb_run_name(wandb_dir) == "algo=grpo,seed=0"
+
+
+def test_a_continued_csv_file_keeps_its_rows_and_drops_the_steps_logged_again(tmp_path):
+    """Killed after step 3's scalars were written, with a checkpoint every 2 steps: the run continues from step 2
+    and logs steps 2 and 3 again. The file keeps steps 0 and 1 (and step 1's eval) once, then the new rows,
+    under one header that gains the column only the continuation logs."""
+    (tmp_path / "csv").mkdir()
+    path = tmp_path / "csv" / "metrics.csv"
+    path.write_text("eval/accuracy,step,train/loss\n,0,1.0\n,1,2.0\n0.5,1,\n,2,3.0\n,3,4.0\n")
+    logger = ContinuedCSVLogger(save_dir=tmp_path, name="csv", version="")
+    logger.log_metrics({"train/loss": 30.0, "train/new": 7.0}, step=2)
+    logger.save()
+    logger.log_metrics({"train/loss": 40.0}, step=3)
+    logger.save()
+    assert path.read_text().count("step") == 1
+    assert read_csv_scalars(path) == {
+        "train/loss": [(0, 1.0), (1, 2.0), (2, 30.0), (3, 40.0)],
+        "eval/accuracy": [(1, 0.5)],
+        "train/new": [(2, 7.0)],
+    }
 
 
 def test_the_logger_group_composes_one_several_or_none(tmp_path):

@@ -1,20 +1,68 @@
 """The run's loggers (``logger`` group): Lightning's TensorBoard, CSV, W&B and MLflow loggers, each refused at
 start-up with the fix when it cannot work (a missing package, an online W&B run without a login).
+
+A continued run (``ckpt_path`` set: ``--resume``, a SIGTERM or SLURM resume, a longer ``trainer.max_steps``)
+appends to the CSV file (``ContinuedCSVLogger``), as TensorBoard appends event files.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from omegaconf import DictConfig
 
 from ..config import ConfigError
 
 #: ``logger`` options -> the package each needs (None: installed with lit_rl)
 LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
+
+
+class ContinuedCSVWriter(ExperimentWriter):
+    """Lightning's CSV writer, continuing the ``metrics.csv`` it finds instead of deleting it (Lightning #4935).
+
+    The file's header becomes the known columns, so Lightning's ``save`` appends (and rewrites the file with the
+    wider header when a tag appears that the file lacks). At the first save, rows at or after the first step this
+    writer logs are dropped: they were logged after the checkpoint the run continues from (a kill between a
+    step's scalars and its checkpoint, or ``checkpoint.every_n_steps`` > 1), and the run logs those steps again."""
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
+        self._continuing = self._fs.isfile(self.metrics_file_path)
+        if self._continuing:
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    def save(self) -> None:
+        if self._continuing and self.metrics:
+            self._continuing = False
+            first = min(row["step"] for row in self.metrics)
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                rows = list(csv.DictReader(file))
+            kept = [row for row in rows if int(row["step"]) < first]
+            if len(kept) < len(rows):
+                with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+                    writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                    writer.writeheader()
+                    writer.writerows(kept)
+        super().save()
+
+
+class ContinuedCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` writing through ``ContinuedCSVWriter``: a continued run's rows follow the ones the
+    run already wrote in ``metrics.csv``."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ContinuedCSVWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuedCSVWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 def check_wandb_login(mode: str | None) -> None:
@@ -49,14 +97,14 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
     tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
     ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
     sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard and CSV write into
-    ``<run>/<name>``. Raises ConfigError naming the install command when a logger's package is missing, and
-    for ``logger.wandb.mode`` outside online | offline | disabled."""
+    ``<run>/<name>``. A continued run (``cfg.ckpt_path`` set) appends to the CSV file. Raises
+    ConfigError naming the install command when a logger's package is missing, and for ``logger.wandb.mode``
+    outside online | offline | disabled."""
     import importlib.util
-
-    from lightning.pytorch.loggers import CSVLogger
 
     chosen = cfg.get("logger") or {}
     name = chosen.get("run_name") or out.resolve().name
+    continuing = cfg.get("ckpt_path") not in (None, "", "null")
     loggers = []
     for key, package in LOGGER_PACKAGES.items():
         options = chosen.get(key)
@@ -70,7 +118,8 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
         if key == "tensorboard":
             loggers.append(TensorBoardLogger(save_dir=str(out), name=options.name, version="", default_hp_metric=False))
         elif key == "csv":
-            loggers.append(CSVLogger(save_dir=str(out), name=options.name, version=""))
+            kind = ContinuedCSVLogger if continuing else CSVLogger
+            loggers.append(kind(save_dir=str(out), name=options.name, version=""))
         elif key == "wandb":
             from lightning.pytorch.loggers import WandbLogger
 
