@@ -2,25 +2,33 @@
 start-up with the fix when it cannot work (a missing package, an online W&B run without a login).
 
 A continued run (``ckpt_path`` set: ``--resume``, a SIGTERM or SLURM resume, a longer ``trainer.max_steps``)
-appends to the CSV file (``ContinuedCSVLogger``), as TensorBoard appends event files.
+keeps one history in every logger: TensorBoard appends event files, the CSV file is appended to
+(``ContinuedCSVLogger``), and W&B and MLflow log into the run they started, by the ids recorded in
+``<run>/loggers.json`` (``RUN_IDS_FILE``).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
+import secrets
 from pathlib import Path
 
 import lightning as L
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
 from ..config import ConfigError
 
 #: ``logger`` options -> the package each needs (None: installed with lit_rl)
 LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
+
+#: ``{"wandb": <run id>, "mlflow": <run id>}`` of the run's W&B and MLflow runs, in the run folder
+RUN_IDS_FILE = "loggers.json"
 
 
 class ContinuedCSVWriter(ExperimentWriter):
@@ -65,6 +73,26 @@ class ContinuedCSVLogger(CSVLogger):
         return self._experiment
 
 
+def read_run_ids(out: Path) -> dict[str, str]:
+    """The W&B and MLflow run ids recorded in ``<out>/loggers.json``; {} when there is none (a run that predates
+    it) or it cannot be read (the continued run then starts new W&B and MLflow runs)."""
+    try:
+        ids = json.loads((out / RUN_IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {key: str(value) for key, value in ids.items() if value} if isinstance(ids, dict) else {}
+
+
+def write_run_ids(out: Path, ids: dict[str, str]) -> None:
+    """Record ``ids`` in ``<out>/loggers.json``, atomically (global rank 0 only)."""
+    if rank_zero_only.rank != 0 or not ids:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{RUN_IDS_FILE}.partial-{os.getpid()}"
+    tmp.write_text(json.dumps(ids, indent=1) + "\n")
+    os.replace(tmp, out / RUN_IDS_FILE)
+
+
 def check_wandb_login(mode: str | None) -> None:
     """Refuse, before the model loads, an online W&B run that would stop at its first log for want of a login.
 
@@ -97,7 +125,8 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
     tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
     ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
     sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard and CSV write into
-    ``<run>/<name>``. A continued run (``cfg.ckpt_path`` set) appends to the CSV file. Raises
+    ``<run>/<name>``. A continued run (``cfg.ckpt_path`` set) appends to the CSV file and resumes the W&B and
+    MLflow runs whose ids ``<run>/loggers.json`` holds; the ids of the runs used are written there. Raises
     ConfigError naming the install command when a logger's package is missing, and for ``logger.wandb.mode``
     outside online | offline | disabled."""
     import importlib.util
@@ -105,6 +134,7 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
     chosen = cfg.get("logger") or {}
     name = chosen.get("run_name") or out.resolve().name
     continuing = cfg.get("ckpt_path") not in (None, "", "null")
+    ids = read_run_ids(out) if continuing else {}
     loggers = []
     for key, package in LOGGER_PACKAGES.items():
         options = chosen.get(key)
@@ -128,8 +158,17 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
                 raise ConfigError(f"logger.wandb.mode={mode!r}: choose online, offline, disabled or null")
             kwargs = {"mode": mode} if mode else {}
             check_wandb_login(mode)
+            ids.setdefault("wandb", secrets.token_hex(4))  # chosen here, so a continuation finds it if killed
             loggers.append(
-                WandbLogger(name=name, save_dir=str(out), project=options.project, entity=options.entity, **kwargs)
+                WandbLogger(
+                    name=name,
+                    save_dir=str(out),
+                    project=options.project,
+                    entity=options.entity,
+                    id=ids["wandb"],
+                    resume="allow",  # the run of that id if it exists (a continuation), else a new one
+                    **kwargs,
+                )
             )
         elif key == "mlflow":
             from lightning.pytorch.loggers import MLFlowLogger
@@ -137,7 +176,15 @@ def build_loggers(cfg: DictConfig, out: Path) -> list:
             uri = options.tracking_uri or (out / "mlruns").resolve().as_uri()
             if uri.startswith("file:"):  # MLflow 3 refuses its file store (maintenance mode) unless told to allow it;
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a database store needs sqlalchemy
-            loggers.append(MLFlowLogger(experiment_name=options.experiment_name, run_name=name, tracking_uri=uri))
+            logger = MLFlowLogger(
+                experiment_name=options.experiment_name, run_name=name, tracking_uri=uri, run_id=ids.get("mlflow")
+            )
+            if rank_zero_only.rank == 0:  # MLflow names a run only once it exists: create it now (Lightning's code)
+                if "mlflow" in ids:
+                    logger.experiment.update_run(ids["mlflow"], status="RUNNING")  # it ended FINISHED or FAILED
+                ids["mlflow"] = logger.run_id
+            loggers.append(logger)
+    write_run_ids(out, ids)
     return loggers
 
 
