@@ -1,14 +1,21 @@
 """The ``logger`` config group: TensorBoard (default), CSV, W&B (offline, no network) and MLflow (a local file
 store) each write the same scalars of a 2-step tiny run, read back from their own files; several at once."""
 
+import json
 import math
 
 import pytest
 from helpers import MOVING, compose_config, fast_config
-from helpers.loggers import read_csv_scalars, read_mlflow_scalars, read_wandb_scalars, wandb_run_name
+from helpers.loggers import (
+    read_csv_scalars,
+    read_mlflow_scalars,
+    read_wandb_scalars,
+    wandb_run_id,
+    wandb_run_name,
+)
 
 from lit_rl.config import ConfigError
-from lit_rl.run.loggers import build_loggers
+from lit_rl.run.loggers import ContinuedCSVLogger, build_loggers
 from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
 
@@ -39,6 +46,54 @@ def test_every_logger_writes_the_same_scalars_as_tensorboard(tmp_path, monkeypat
             same(points, scalars[tag], f"{name}:{tag}")
     assert mlflow_run.info.run_name == "algo=grpo,seed=0"
     assert wandb_run_name(wandb_dir) == "algo=grpo,seed=0"
+
+
+def test_a_continued_run_keeps_one_history_in_every_logger(tmp_path, monkeypatch):
+    """Lightning #4935 (rf-detr #1321): 2 steps, then ``--resume <run> trainer.max_steps=3`` (``ckpt_path=last``,
+    as a SIGTERM resume and a SLURM requeue continue too). The CSV held only step 2 (Lightning's writer deleted the
+    file it found), W&B and MLflow started a second run. Now each logger holds steps 0, 1, 2 of one run, with the
+    values TensorBoard holds."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    loggers = "logger=[tensorboard,csv,wandb,mlflow]"
+    run(fast_config("trainer.max_steps=2", *MOVING, loggers), out)
+    run(fast_config("trainer.max_steps=3", *MOVING, loggers, f"resume={out}"), tmp_path / "ignored")
+    reference = read_scalars(out / "tensorboard")
+    assert [step for step, _ in reference["train/loss"]] == [0, 1, 2]
+    wandb_dirs = sorted((out / "wandb").glob("offline-run-*"))  # one folder per process, as wandb writes offline
+    assert len(wandb_dirs) == 2 and len({wandb_run_id(d) for d in wandb_dirs}) == 1, wandb_dirs
+    wandb = {}
+    for folder in wandb_dirs:  # `wandb sync` uploads both, in order, into the one run
+        for tag, points in read_wandb_scalars(folder).items():
+            wandb.setdefault(tag, []).extend(points)
+    mlflow, mlflow_run = read_mlflow_scalars((out / "mlruns").as_uri(), "run")  # one run of that name
+    run_id = mlflow_run.info.run_id
+    written = {"csv": read_csv_scalars(out / "csv" / "metrics.csv"), "wandb": wandb, "mlflow": mlflow}
+    for name, scalars in written.items():
+        for tag, points in reference.items():
+            same(points, sorted(scalars[tag]), f"{name}:{tag}")
+    assert json.loads((out / "loggers.json").read_text()) == {"wandb": wandb_run_id(wandb_dirs[0]), "mlflow": run_id}
+
+
+def test_a_continued_csv_file_keeps_its_rows_and_drops_the_steps_logged_again(tmp_path):
+    """Killed after step 3's scalars were written, with a checkpoint every 2 steps: the run continues from step 2
+    and logs steps 2 and 3 again. The file keeps steps 0 and 1 (and step 1's eval) once, then the new rows,
+    under one header that gains the column only the continuation logs."""
+    (tmp_path / "csv").mkdir()
+    path = tmp_path / "csv" / "metrics.csv"
+    path.write_text("eval/accuracy,step,train/loss\n,0,1.0\n,1,2.0\n0.5,1,\n,2,3.0\n,3,4.0\n")
+    logger = ContinuedCSVLogger(save_dir=tmp_path, name="csv", version="")
+    logger.log_metrics({"train/loss": 30.0, "train/new": 7.0}, step=2)
+    logger.save()
+    logger.log_metrics({"train/loss": 40.0}, step=3)
+    logger.save()
+    assert path.read_text().count("step") == 1
+    assert read_csv_scalars(path) == {
+        "train/loss": [(0, 1.0), (1, 2.0), (2, 30.0), (3, 40.0)],
+        "eval/accuracy": [(1, 0.5)],
+        "train/new": [(2, 7.0)],
+    }
 
 
 def test_the_logger_group_composes_one_several_or_none(tmp_path):

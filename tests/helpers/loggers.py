@@ -82,6 +82,19 @@ def wandb_run_name(run_dir: str | Path) -> str:
     raise ValueError(f"{log}: no run record")
 
 
+def wandb_run_id(run_dir: str | Path) -> str:
+    """The run id an offline W&B run folder was written under (its ``run`` record)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (log,) = Path(run_dir).glob("run-*.wandb")
+    for payload in _wandb_records(log):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "run":
+            return record.run.run_id
+    raise ValueError(f"{log}: no run record")
+
+
 def read_mlflow_scalars(tracking_uri: str, run_name: str) -> tuple[dict[str, list[tuple[int, float]]], object]:
     """({tag: [(step, value)]}, the run) of the MLflow run named ``run_name`` in the store at ``tracking_uri``."""
     from mlflow.tracking import MlflowClient

@@ -1,20 +1,96 @@
 """The run's loggers (``logger`` group): Lightning's TensorBoard, CSV, W&B and MLflow loggers, each refused at
 start-up with the fix when it cannot work (a missing package, an online W&B run without a login).
+
+A continued run (``ckpt_path`` set: ``--resume``, a SIGTERM or SLURM resume, a longer ``trainer.max_steps``)
+keeps one history in every logger: TensorBoard appends event files, the CSV file is appended to
+(``ContinuedCSVLogger``), and W&B and MLflow log into the run they started, by the ids recorded in
+``<run>/loggers.json`` (``RUN_IDS_FILE``).
 """
 
 from __future__ import annotations
 
+import csv
+import json
 import os
+import secrets
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from ..config import ConfigError
 from ..schema import TrainConfig
 
 #: ``logger`` options -> the package each needs (None: installed with lit_rl)
 LOGGER_PACKAGES = {"tensorboard": None, "csv": None, "wandb": "wandb", "mlflow": "mlflow"}
+
+#: ``{"wandb": <run id>, "mlflow": <run id>}`` of the run's W&B and MLflow runs, in the run folder
+RUN_IDS_FILE = "loggers.json"
+
+
+class ContinuedCSVWriter(ExperimentWriter):
+    """Lightning's CSV writer, continuing the ``metrics.csv`` it finds instead of deleting it (Lightning #4935).
+
+    The file's header becomes the known columns, so Lightning's ``save`` appends (and rewrites the file with the
+    wider header when a tag appears that the file lacks). At the first save, rows at or after the first step this
+    writer logs are dropped: they were logged after the checkpoint the run continues from (a kill between a
+    step's scalars and its checkpoint, or ``checkpoint.every_n_steps`` > 1), and the run logs those steps again."""
+
+    def _check_log_dir_exists(self) -> None:  # Lightning's deletes metrics.csv here
+        self._continuing = self._fs.isfile(self.metrics_file_path)
+        if self._continuing:
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    def save(self) -> None:
+        if self._continuing and self.metrics:
+            self._continuing = False
+            first = min(row["step"] for row in self.metrics)
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                rows = list(csv.DictReader(file))
+            kept = [row for row in rows if int(row["step"]) < first]
+            if len(kept) < len(rows):
+                with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+                    writer = csv.DictWriter(file, fieldnames=self.metrics_keys)
+                    writer.writeheader()
+                    writer.writerows(kept)
+        super().save()
+
+
+class ContinuedCSVLogger(CSVLogger):
+    """Lightning's ``CSVLogger`` writing through ``ContinuedCSVWriter``: a continued run's rows follow the ones the
+    run already wrote in ``metrics.csv``."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ContinuedCSVWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuedCSVWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+def read_run_ids(out: Path) -> dict[str, str]:
+    """The W&B and MLflow run ids recorded in ``<out>/loggers.json``; {} when there is none (a run that predates
+    it) or it cannot be read (the continued run then starts new W&B and MLflow runs)."""
+    try:
+        ids = json.loads((out / RUN_IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {key: str(value) for key, value in ids.items() if value} if isinstance(ids, dict) else {}
+
+
+def write_run_ids(out: Path, ids: dict[str, str]) -> None:
+    """Record ``ids`` in ``<out>/loggers.json``, atomically (global rank 0 only)."""
+    if rank_zero_only.rank != 0 or not ids:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{RUN_IDS_FILE}.partial-{os.getpid()}"
+    tmp.write_text(json.dumps(ids, indent=1) + "\n")
+    os.replace(tmp, out / RUN_IDS_FILE)
 
 
 def check_wandb_login(mode: str | None) -> None:
@@ -49,14 +125,16 @@ def build_loggers(cfg: TrainConfig, out: Path) -> list:
     tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
     ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
     sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard and CSV write into
-    ``<run>/<name>``. Raises ConfigError naming the install command when a logger's package is missing, and
-    for ``logger.wandb.mode`` outside online | offline | disabled."""
+    ``<run>/<name>``. A continued run (``cfg.ckpt_path`` set) appends to the CSV file and resumes the W&B and
+    MLflow runs whose ids ``<run>/loggers.json`` holds; the ids of the runs used are written there. Raises
+    ConfigError naming the install command when a logger's package is missing, and for ``logger.wandb.mode``
+    outside online | offline | disabled."""
     import importlib.util
-
-    from lightning.pytorch.loggers import CSVLogger
 
     chosen = cfg.logger
     name = chosen.run_name or out.resolve().name
+    continuing = cfg.ckpt_path not in (None, "", "null")
+    ids = read_run_ids(out) if continuing else {}
     loggers = []
     for key, package in LOGGER_PACKAGES.items():
         options = getattr(chosen, key)
@@ -70,7 +148,8 @@ def build_loggers(cfg: TrainConfig, out: Path) -> list:
         if key == "tensorboard":
             loggers.append(TensorBoardLogger(save_dir=str(out), name=options.name, version="", default_hp_metric=False))
         elif key == "csv":
-            loggers.append(CSVLogger(save_dir=str(out), name=options.name, version=""))
+            kind = ContinuedCSVLogger if continuing else CSVLogger
+            loggers.append(kind(save_dir=str(out), name=options.name, version=""))
         elif key == "wandb":
             from lightning.pytorch.loggers import WandbLogger
 
@@ -79,8 +158,17 @@ def build_loggers(cfg: TrainConfig, out: Path) -> list:
                 raise ConfigError(f"logger.wandb.mode={mode!r}: choose online, offline, disabled or null")
             kwargs = {"mode": mode} if mode else {}
             check_wandb_login(mode)
+            ids.setdefault("wandb", secrets.token_hex(4))  # chosen here, so a continuation finds it if killed
             loggers.append(
-                WandbLogger(name=name, save_dir=str(out), project=options.project, entity=options.entity, **kwargs)
+                WandbLogger(
+                    name=name,
+                    save_dir=str(out),
+                    project=options.project,
+                    entity=options.entity,
+                    id=ids["wandb"],
+                    resume="allow",  # the run of that id if it exists (a continuation), else a new one
+                    **kwargs,
+                )
             )
         elif key == "mlflow":
             from lightning.pytorch.loggers import MLFlowLogger
@@ -88,7 +176,15 @@ def build_loggers(cfg: TrainConfig, out: Path) -> list:
             uri = options.tracking_uri or (out / "mlruns").resolve().as_uri()
             if uri.startswith("file:"):  # MLflow 3 refuses its file store (maintenance mode) unless told to allow it;
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a database store needs sqlalchemy
-            loggers.append(MLFlowLogger(experiment_name=options.experiment_name, run_name=name, tracking_uri=uri))
+            logger = MLFlowLogger(
+                experiment_name=options.experiment_name, run_name=name, tracking_uri=uri, run_id=ids.get("mlflow")
+            )
+            if rank_zero_only.rank == 0:  # MLflow names a run only once it exists: create it now (Lightning's code)
+                if "mlflow" in ids:
+                    logger.experiment.update_run(ids["mlflow"], status="RUNNING")  # it ended FINISHED or FAILED
+                ids["mlflow"] = logger.run_id
+            loggers.append(logger)
+    write_run_ids(out, ids)
     return loggers
 
 
