@@ -98,3 +98,42 @@ def test_the_sample_logger_gets_one_advantage_per_completion():
     assert sequence_advantages(per_token, mask).tolist() == [0.5, 1.0, 0.0]
     per_sequence = torch.tensor([1.5, -0.5, 0.0])
     assert sequence_advantages(per_sequence, mask) is per_sequence
+
+
+def test_ppo_samples_record_the_advantages_the_update_used(tmp_path):
+    """Issue 33 item 7: samples.jsonl held PPO's pre-update placeholder (0.0 for every completion); it holds the GAE
+    advantage of each completion's first token, whitened over the batch's tokens. By hand: the value head starts at
+    0, the constant reward 1 comes at the last of 8 tokens (the tiny random model never stops early), so with
+    gamma = 1 the advantage of token t is lam^(7 - t); every row is the same, so the first token's whitened value
+    is (lam^7 - mean) / std over {lam^0..lam^7} (population std)."""
+    import json
+    import statistics
+
+    from helpers import fast_config
+
+    from lit_rl.run.train import run
+
+    overrides = ("algo=ppo", "trainer.max_steps=1", "eval.num_examples=0", "log.samples_every_n_steps=1")
+    run(fast_config(*overrides, "log.num_samples=8", "task.constant_reward=1"), tmp_path / "r")
+    rows = [json.loads(line) for line in open(tmp_path / "r" / "samples.jsonl")]
+    per_token = [0.95**k for k in range(8)]
+    want = (per_token[-1] - statistics.mean(per_token)) / statistics.pstdev(per_token)
+    assert len(rows) == 8
+    assert [r["advantage"] for r in rows] == pytest.approx([want] * 8, abs=1e-5)  # -1.4493
+
+
+#: the build: it reads the typed config (``schema.train_config``, built once) instead of converting sections to dicts
+BUILD_MODULES = ["run/train.py", "run/loggers.py", "run/entry.py", *STEP_MODULES[:-1]]
+
+
+@pytest.mark.parametrize("module", BUILD_MODULES)
+def test_the_build_reads_the_typed_config_not_dicts(module):
+    """No ``OmegaConf.to_container`` in the build and the step: each part reads its section of ``TrainConfig``
+    as attributes (the validation before it, ``config.py``, and the auto settings work on the composed config)."""
+    source = open(os.path.join(ROOT, "src", "lit_rl", module)).read()
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and node.attr in ("to_container", "to_object")
+    ]
+    assert not calls, f"{module} line {calls[0].lineno}: convert once with lit_rl.schema.train_config"
