@@ -6,11 +6,14 @@ import pytest
 import torch
 from faulty_tasks import LeadingSpaceTask
 from helpers import compose_config
+from helpers.scripted import script_completions
 
 from lit_rl.algorithms import ALGORITHMS
 from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.datamodule import RolloutDataModule
 from lit_rl.run.train import build_module
+from lit_rl.tasks import ArithmeticTask
+from lit_rl.tasks.reward_functions import RewardFunctions
 
 ALGOS = list(ALGORITHMS)  # every registered algorithm
 
@@ -46,13 +49,16 @@ class Recorder(L.Callback):
         self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def fit(cfg, task, steps, seed=0, init_seed=None):
+def fit(cfg, task, steps, seed=0, init_seed=None, rewards=None):
     """Train the tiny model (initialised with ``init_seed``, default ``seed``) for ``steps`` RL steps with
-    sampling and prompt order seeded by ``seed``; returns (each step's logged metrics, the module)."""
+    sampling and prompt order seeded by ``seed``, scored by ``rewards`` (a ``RewardFunctions``; None: the task's
+    verifier); returns (each step's logged metrics, the module)."""
     L.seed_everything(seed, verbose=False)
     policy, tok = load_policy(ModelConfig("tiny", init_seed=seed if init_seed is None else init_seed))
     module = build_module(cfg, policy, tok)
-    dm = RolloutDataModule(task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed, eval_examples=0)
+    dm = RolloutDataModule(
+        task, tok, cfg.rollout.prompts_per_step, cfg.rollout.group_size, seed=seed, eval_examples=0, rewards=rewards
+    )
     rec = Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -143,6 +149,30 @@ def test_dapo_dynamic_sampling_drops_uniform_groups_and_counts_them(tiny):
     assert s["rollout/groups_kept"] == 0
     assert s["rollout/groups_all_correct"] == even
     assert s["rollout/groups_all_wrong"] == 12 - even
+
+
+def test_dapo_counts_its_dropped_groups_by_the_verifier_not_by_the_weighted_reward(monkeypatch):
+    """reward.functions=[math, format] on 1-digit sums, every completion "#### 100": formatted (1) and wrong (0), a
+    total of 1 everywhere. Every group's rewards are equal, so all 4 x 3 rounds are dropped; each is all wrong,
+    none all correct (a total >= 1 counted all 12 as all correct)."""
+    script_completions(monkeypatch, lambda n: ["#### 100"] * n)
+    task = ArithmeticTask(num_train=64, num_eval=0)
+    rewards = RewardFunctions(task, functions=["math", "format"], num_workers=1)
+    s = fit(cfg_for("dapo", "algo.dynamic_sampling.max_rounds=3"), task, steps=1, rewards=rewards)[0][0]
+    assert (s["rollout/generation_rounds"], s["rollout/groups_kept"], s["rollout/reward_mean"]) == (3, 0, 1.0)
+    assert (s["rollout/groups_all_correct"], s["rollout/groups_all_wrong"]) == (0, 12)
+
+
+def test_dapo_filters_on_the_rewards_so_a_group_of_equal_correctness_with_unequal_rewards_is_kept(monkeypatch):
+    """DAPO's rule is about the rewards (equal rewards: zero advantages, no gradient), not about correctness:
+    every completion is wrong, but half are formatted ([1, 0, 1, 0] under [math, format]), so every group has a
+    gradient and the first round fills the step; nothing is dropped."""
+    script_completions(monkeypatch, lambda n: ["#### 100", "100"] * (n // 2))
+    task = ArithmeticTask(num_train=64, num_eval=0)
+    rewards = RewardFunctions(task, functions=["math", "format"], num_workers=1)
+    s = fit(cfg_for("dapo", "algo.dynamic_sampling.max_rounds=3"), task, steps=1, rewards=rewards)[0][0]
+    assert (s["rollout/generation_rounds"], s["rollout/groups_kept"], s["rollout/reward_mean"]) == (1, 4, 0.5)
+    assert (s["rollout/groups_all_correct"], s["rollout/groups_all_wrong"]) == (0, 0)
 
 
 def test_dapo_keeps_exactly_the_target_number_of_useful_groups():

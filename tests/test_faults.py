@@ -257,11 +257,16 @@ def test_continuing_with_another_algorithm_is_a_config_error(tmp_path):
 
 
 def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_path):
+    """Correctness stays the verifier's in training too: a reward of 1 for every completion does not make the
+    2 groups all correct; the random tiny model answers no sum right, so both are all wrong."""
     out = tmp_path / "r"
     run(cfg_for("trainer.max_steps=1", "eval.num_examples=4", "eval.every_n_steps=1", *MOVING), out)
     s = read_scalars(out / "tensorboard")
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0]
     assert [v for _, v in s["eval/accuracy"]] == [0.0]  # the random tiny model answers no sum right
+    assert [v for _, v in s["eval/reward_mean"]] == [0.0]
+    assert [v for _, v in s["rollout/groups_all_correct"]] == [0.0]
+    assert [v for _, v in s["rollout/groups_all_wrong"]] == [2.0]
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Reward functions (``reward.functions``): a user's own from a file, weighted, per completion and batched (TRL's
 signature), None = not applicable, a raising one counted; the built-ins; a verifier that would compute for
-minutes killed at the limit with nothing left computing; the unbiased pass@k estimator."""
+minutes killed at the limit with nothing left computing; the unbiased pass@k estimator; "correct" from one verifier
+(``reward.correct_from``, a dict's ``correct``), never from a threshold on the weighted total (issue 33 item 1)."""
 
 import json
 import os
@@ -8,10 +9,13 @@ import time
 
 import pytest
 from helpers import fast_config
+from helpers.scripted import script_completions
 
+import lit_rl
 from lit_rl.config import ConfigError, validate
 from lit_rl.run.train import run
-from lit_rl.tasks import ArithmeticTask
+from lit_rl.schema import train_config
+from lit_rl.tasks import ArithmeticTask, DatasetTask, Example
 from lit_rl.tasks.reward_functions import BUILTINS, RewardFunctions, pass_at_k
 from lit_rl.tools.compare import read_scalars
 
@@ -173,14 +177,16 @@ def test_eval_pass_at_k_and_mean_at_n_through_a_run(tmp_path, capsys):
         "eval.k=2",
         "eval.temperature=1.0",
         f"reward.functions=[{tmp_path}/r.py:every_fourth]",
+        "reward.correct_from=every_fourth",  # task=arithmetic's own verifier would find the tiny model wrong
         "log.samples_every_n_steps=1",
         "log.num_samples=3",
         "log.plain_lines=true",
     )
     run(cfg, tmp_path / "run")
     s = read_scalars(tmp_path / "run" / "tensorboard")
-    values = {tag: [v for _, v in s[tag]] for tag in ("eval/pass@2", "eval/mean@4", "eval/accuracy")}
-    assert values == {"eval/pass@2": [0.5], "eval/mean@4": [0.25], "eval/accuracy": [0.25]}
+    tags = ("eval/pass@2", "eval/mean@4", "eval/accuracy", "eval/reward_mean")
+    values = {tag: [v for _, v in s[tag]] for tag in tags}
+    assert values == {"eval/pass@2": [0.5], "eval/mean@4": [0.25], "eval/accuracy": [0.25], "eval/reward_mean": [0.25]}
     rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1]
     assert set(rows[0]) == {"step", "prompt", "completion", "reward", "advantage"} and "What is" in rows[0]["prompt"]
@@ -212,3 +218,125 @@ def test_a_script_without_a_main_guard_can_score(tmp_path):
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[1.0]", out.stderr[-2000:]
+
+
+# -- correctness: the verifier's verdict, never a threshold on the weighted total (issue 33 item 1) -------------
+#: the issue's four eval samples of one problem with gold 7: one correct, two formatted and wrong, one unformatted
+ISSUE_SAMPLES = ["#### 7", "I think it is\n#### 8", "#### 5", "The sum is 9"]
+#: a training step's two groups of G = 4: every completion formatted and wrong (a total of 1 under [math, format]),
+#: then every completion right (a total under 1 under [math, length_penalty])
+ISSUE_GROUPS = ["#### 8", "#### 5", "I think it is\n#### 8", "#### 9"] + ["#### 7"] * 4
+SUM = {"prompt": "What is 3 + 4? Answer after ####.", "answer": "7"}
+
+
+@pytest.mark.parametrize("functions", [["math", "format"], ["math", "length_penalty"]])
+def test_correct_comes_from_the_verifier_not_from_a_threshold_on_the_weighted_total(tmp_path, monkeypatch, functions):
+    """The issue's case, as a user runs it (``lit_rl.train`` with rows; task=dataset, whose built-in verifier here
+    is ``math``): eval.n=4, eval.k=2 on the four samples, one correct: eval/accuracy = eval/mean@4 = 1/4 and
+    eval/pass@2 = 1 - C(3,2)/C(4,2) = 0.5 (a total >= 1 gave 1.0 with format, whose wrong answers total 1, and
+    0.0 with the length penalty, whose right answer totals 1 - tokens/8 < 1). Each training step: one group all
+    wrong, one all right, whatever the totals (a threshold counted 2 all-correct groups with format, and with the
+    length penalty 0 all-correct, 1 all-wrong). eval/reward_mean is the weighted total's mean: with format
+    (2 + 1 + 1 + 0) / 4 = 1; with the length penalty 1/4 minus a mean penalty in [0, 1]."""
+    script_completions(monkeypatch, lambda n: ISSUE_SAMPLES if n == 4 else ISSUE_GROUPS)
+    cfg = train_config(
+        fast_config("trainer.max_steps=2", "eval.num_examples=1", "eval.n=4", "eval.k=2", "eval.temperature=1.0")
+    )
+    lit_rl.train(cfg, tmp_path / "run", reward_functions=functions, train_dataset=[SUM, SUM], eval_dataset=[SUM])
+    s = {tag: [v for _, v in values] for tag, values in read_scalars(tmp_path / "run" / "tensorboard").items()}
+    assert s["eval/accuracy"] == [0.25] and s["eval/mean@4"] == [0.25]
+    assert s["eval/pass@2"] == [pytest.approx(0.5)]
+    assert s["rollout/groups_all_correct"] == [1.0, 1.0] and s["rollout/groups_all_wrong"] == [1.0, 1.0]
+    if functions[1] == "format":
+        assert s["eval/reward_mean"] == [1.0]
+    else:
+        assert -0.75 <= s["eval/reward_mean"][0] < 0.25
+
+
+DICT_REWARDS = """
+def graded(prompt, completion, example):  # verl's convention: partial credit, and whether the answer is right
+    right = completion.strip() == "#### " + example["answer"]
+    return {"score": 1.0 if right else 0.25, "correct": right, "pred": completion[-1:]}
+
+def graded_batch(prompts, completions, answer, **columns):
+    return [{"score": 0.5, "correct": c.endswith(a)} for c, a in zip(completions, answer)]
+
+def lenient(prompt, completion, example):  # a dict without "correct": its score decides
+    return {"score": 1.0 if "####" in completion else 0.0}
+
+def no_score(prompt, completion, example):
+    return {"correct": True}
+"""
+
+
+def _score(task, functions, texts=ISSUE_SAMPLES, **kwargs):
+    rewards = RewardFunctions(task, functions=functions, num_workers=1, **kwargs)
+    return rewards, rewards.score([Example(0, "What is 3 + 4?", "7")] * len(texts), texts, [[1]] * len(texts), "eval")
+
+
+def test_a_function_may_return_a_dict_whose_score_is_summed_and_whose_correct_is_the_correctness(tmp_path):
+    """graded: scores [1, 0.25, 0.25, 0.25], correct [T, F, F, F]; with format (weights 1, 1) the totals are
+    [2, 1.25, 1.25, 0.25], yet only the first is correct. Batched dicts alike; a dict without "correct": the score
+    (>= 1) decides; a dict without "score" is an error (scored 0, counted, not correct)."""
+    (tmp_path / "d.py").write_text(DICT_REWARDS)
+    task, f = ArithmeticTask(num_train=1, num_eval=0), f"{tmp_path}/d.py"
+    _, s = _score(task, [f"{f}:graded", "format"], correct_from="graded")
+    assert s.total == [2.0, 1.25, 1.25, 0.25] and s.parts["graded"] == [1.0, 0.25, 0.25, 0.25]
+    assert s.correct == [True, False, False, False] and s.errors == 0
+    _, s = _score(task, [f"{f}:graded_batch"], correct_from="graded_batch")
+    assert s.total == [0.5] * 4 and s.correct == [True, False, False, False]
+    _, s = _score(task, [f"{f}:lenient"], correct_from=f"{f}:lenient")  # named by its spec, too
+    assert s.correct == [True, True, True, False]
+    _, s = _score(task, [f"{f}:no_score", "format"], correct_from="no_score")
+    assert s.errors == 4 and s.correct == [False] * 4 and s.total == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_correct_from_names_the_verifier_and_its_default_is_the_tasks(tmp_path, capsys):
+    """correct_from=format: [T, T, T, F] (the user's choice). The default: task=arithmetic's verifier (math on the
+    gold answer), run beside [format] and out of its total; task=dataset: math or exact when listed, else the first
+    function, said once at start-up."""
+    (tmp_path / "d.py").write_text(DICT_REWARDS)
+    arithmetic = ArithmeticTask(num_train=1, num_eval=0)
+    _, s = _score(arithmetic, ["math", "format"], correct_from="format")
+    assert s.correct == [True, True, True, False]
+    rewards, s = _score(arithmetic, ["format"])
+    assert (rewards.correct_source, s.correct) == ("the task's verifier", [True, False, False, False])
+    assert s.total == [1.0, 1.0, 1.0, 0.0] and list(s.parts) == ["format"]
+    data = tmp_path / "sums.jsonl"
+    data.write_text(json.dumps(SUM) + "\n")
+    dataset = DatasetTask(str(data))
+    rewards, s = _score(dataset, ["format", "exact"])
+    assert rewards.correct_source == "reward function 'exact'" and rewards.correct_note is None
+    assert s.correct == [True, False, False, False]
+    rewards, s = _score(dataset, ["format", f"{tmp_path}/d.py:graded"])
+    assert rewards.correct_source == "reward function 'format'" and "reward.correct_from" in rewards.correct_note
+    assert s.correct == [True, True, True, False]
+    from lit_rl.run.train import build_rewards
+
+    cfg = train_config(
+        fast_config("task=dataset", f"task.path={data}", f"reward.functions=[format,{tmp_path}/d.py:graded]")
+    )
+    capsys.readouterr()
+    build_rewards(cfg, dataset)
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "lit_rl: correctness (eval/accuracy, eval/pass@k, rollout/groups_all_correct) comes from reward function "
+        "'format', the first of reward.functions: none of them is a built-in verifier (math, exact); set "
+        "reward.correct_from to name another"
+    ]
+
+
+def test_a_bad_correct_from_is_refused_naming_the_field():
+    cases = [
+        (
+            ["reward.functions=[math,format]", "reward.correct_from=nope"],
+            "reward.correct_from='nope' is not allowed: choose one of reward.functions ['math', 'format']",
+        ),
+        (["reward.correct_from=math"], "reward.correct_from='math' is not allowed: needs reward.functions"),
+    ]
+    for overrides, expected in cases:
+        with pytest.raises(ConfigError) as err:
+            validate(fast_config(*overrides))
+        assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(ValueError, match=r"reward.correct_from='nope' is not one of reward.functions"):
+        RewardFunctions(ArithmeticTask(num_train=1, num_eval=0), functions=["math"], correct_from="nope")

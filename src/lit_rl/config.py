@@ -640,13 +640,19 @@ def check_attn_implementation(cfg: DictConfig) -> None:
 
 def check_reward(cfg: DictConfig) -> None:
     """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
-    weight per function, at least one worker."""
+    weight per function, ``correct_from`` one of the functions, at least one worker."""
     from omegaconf import OmegaConf
 
     r = OmegaConf.to_container(cfg.reward, resolve=True)
     _check_int(r["num_workers"], "reward.num_workers", 1)
     if r["functions"] is None:
         _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
+        _check(
+            r["correct_from"] is None,
+            "reward.correct_from",
+            r["correct_from"],
+            "needs reward.functions (it names one of them); with reward.functions null the task's verifier decides",
+        )
         return
     from .tasks.reward_functions import function_name, load_function
 
@@ -670,6 +676,13 @@ def check_reward(cfg: DictConfig) -> None:
             weights,
             f"give one number per function ({len(functions)}), or null for all 1",
         )
+    correct_from = r["correct_from"]
+    _check(
+        correct_from is None or correct_from in names or correct_from in functions,
+        "reward.correct_from",
+        correct_from,
+        f"choose one of reward.functions {names}, or null for the task's verifier",
+    )
 
 
 def check_lora_kernels(cfg: DictConfig) -> None:

@@ -5,8 +5,11 @@ What differs from GRPO, each in one place:
 - token-level reduction sum_i sum_t l / sum_i T_i (``loss.reduction=token_mean``);
 - dynamic sampling (``collect``): groups whose rewards are all equal carry no gradient, so they are
   dropped and more prompts are sampled until the step holds ``prompts_per_step`` useful groups, at most
-  ``algo.dynamic_sampling.max_rounds`` generation rounds; the dropped all-correct / all-wrong groups are
-  counted in rollout/groups_all_correct and rollout/groups_all_wrong;
+  ``algo.dynamic_sampling.max_rounds`` generation rounds; the dropped groups whose completions are all correct /
+  all wrong (the verifier's verdict, ``reward.correct_from``) are counted in rollout/groups_all_correct and
+  rollout/groups_all_wrong. The filter is on the rewards, not on correctness (the paper states it as
+  0 < #correct < G, which is the same with one 0/1 verifier): with several reward functions a group of equal
+  correctness whose rewards differ (format, length) still has a gradient, and is kept;
 - overlong reward shaping (``shape_rewards``): ``objectives.overlong_penalty`` added to the task reward;
 - optionally, truncated completions masked out of the loss (``algo.mask_truncated``).
 
@@ -58,9 +61,10 @@ class DAPO(GRPO):
             for g in scored.group_ids.unique().tolist():
                 rows = (scored.group_ids == g).nonzero().squeeze(-1)
                 r = scored.rewards[rows]
-                if bool((r == r[0]).all()):  # no signal: dropped
-                    all_correct += int(r[0] >= 1)
-                    all_wrong += int(r[0] <= 0)
+                if bool((r == r[0]).all()):  # equal rewards: zero advantages, no gradient: dropped
+                    correct = scored.correct[rows]  # counted by the verifier's verdict, not by the reward
+                    all_correct += int(correct.all())
+                    all_wrong += int(not correct.any())
                 elif n_kept < target:
                     kept.append(select_rows(scored, rows))
                     n_kept += 1

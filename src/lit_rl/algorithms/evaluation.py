@@ -1,4 +1,5 @@
-"""Evaluation: pass@1 (greedy) or mean@n / pass@k on the held-out split, between RL steps.
+"""Evaluation: pass@1 (greedy) or mean@n / pass@k on the held-out split, between RL steps; "correct" is the
+verifier's verdict (``reward.correct_from``), never a threshold on the weighted reward.
 
 ``EvaluationMixin`` is part of ``RLModule`` (``algorithms.module``). The rollout source pauses around it (the async
 producer finishes its batch; the engine is synced to the latest update).
@@ -25,8 +26,8 @@ class EvaluationMixin:
     eval_k: int = 1
 
     def on_validation_epoch_start(self) -> None:
-        # reward sum, samples, pass@k sum, problems (this rank's share of the eval split)
-        self._eval_sums = [0.0, 0.0, 0.0, 0.0]
+        # reward sum, samples, pass@k sum, problems, correct samples (this rank's share of the eval split)
+        self._eval_sums = [0.0, 0.0, 0.0, 0.0, 0.0]
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         if not batch.examples:  # this rank's share of the eval split is empty; it still joins the reduction
@@ -43,22 +44,26 @@ class EvaluationMixin:
         )
         self._eval_sums[0] += float(scored.rewards.sum())
         self._eval_sums[1] += len(scored.rewards)
-        correct = (scored.rewards >= 1.0).view(len(batch.examples), n).sum(-1)  # a reward >= 1 counts as correct
+        correct = scored.correct.view(len(batch.examples), n).sum(-1)  # the verifier's verdict, not the reward
         self._eval_sums[2] += sum(pass_at_k(n, int(c), int(self.eval_k)) for c in correct.tolist())
         self._eval_sums[3] += len(batch.examples)
+        self._eval_sums[4] += float(correct.sum())
 
     def on_validation_epoch_end(self) -> None:
-        """eval/accuracy: the mean reward of the eval samples over the whole eval split (greedy pass@1 with
-        ``eval.n=1``, mean@n otherwise), summed over the ranks' shares; with ``eval.n > 1`` also
-        ``eval/mean@n`` (the same number, named) and ``eval/pass@k`` (Chen et al. 2021's unbiased estimator,
-        ``reward_functions.pass_at_k``; a sample is correct when its reward is >= 1)."""
-        total, count, passed, problems = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
+        """eval/accuracy: the share of the eval samples that are correct (the verifier's verdict,
+        ``reward.correct_from``) over the whole eval split (greedy pass@1 with ``eval.n=1``, mean@n otherwise),
+        summed over the ranks' shares; eval/reward_mean: their mean reward (the weighted total of
+        ``reward.functions``); with ``eval.n > 1`` also ``eval/mean@n`` (the accuracy, named) and ``eval/pass@k``
+        (Chen et al. 2021's unbiased estimator, ``reward_functions.pass_at_k``, over the correct samples)."""
+        sums = self.all_reduce(torch.tensor(self._eval_sums, dtype=torch.float64)).tolist()
+        total, count, passed, problems, correct = sums
         # already the same on every rank; sync_dist=True averages equal values (and keeps Lightning quiet when
         # vLLM has set up a one-process torch.distributed group of its own)
-        mean = total / count if count else 0.0
-        self.log("eval/accuracy", mean, prog_bar=True, sync_dist=True)
+        accuracy = correct / count if count else 0.0
+        self.log("eval/accuracy", accuracy, prog_bar=True, sync_dist=True)
+        self.log("eval/reward_mean", total / count if count else 0.0, sync_dist=True)
         if int(self.eval_n) > 1:
-            self.log(f"eval/mean@{int(self.eval_n)}", mean, sync_dist=True)
+            self.log(f"eval/mean@{int(self.eval_n)}", accuracy, sync_dist=True)
             self.log(f"eval/pass@{int(self.eval_k)}", passed / problems if problems else 0.0, sync_dist=True)
 
     def on_validation_end(self) -> None:

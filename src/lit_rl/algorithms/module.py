@@ -310,8 +310,9 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         r = scored.rollouts
         lengths = r.response_length.float()
         groups = scored.group_ids.unique()
-        all_correct = sum(bool((scored.rewards[scored.group_ids == g] >= 1).all()) for g in groups)
-        all_wrong = sum(bool((scored.rewards[scored.group_ids == g] <= 0).all()) for g in groups)
+        # correctness is the verifier's (reward.correct_from), not a threshold on the weighted reward
+        all_correct = sum(bool(scored.correct[scored.group_ids == g].all()) for g in groups)
+        all_wrong = sum(not bool(scored.correct[scored.group_ids == g].any()) for g in groups)
         parts = {}
         for name, values in scored.reward_parts.items():  # reward.functions: each one's mean, None left out
             applicable = ~values.isnan()

@@ -45,7 +45,9 @@ class ScoredRollouts:
 
     rollouts: the engine's output, N = P * G rows, the G completions of a prompt next to each other.
     rewards: [N] float32 task reward (before any shaping); group_ids: [N] int64, the prompt's index in the
-    step (its id in the group statistics); examples: the P prompts; texts: N decoded completions.
+    step (its id in the group statistics); examples: the P prompts; texts: N decoded completions; correct: [N]
+    bool, the verifier's verdict (``reward.correct_from``; never a threshold on the weighted reward), None at
+    construction: nothing verified, no completion correct.
     """
 
     rollouts: Rollouts
@@ -56,6 +58,11 @@ class ScoredRollouts:
     reward_errors: int = 0
     #: name -> [N] float32 of each of ``reward.functions`` (nan: not applicable); empty with the task's verifier
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    correct: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.correct is None:
+            self.correct = torch.zeros(len(self.rewards), dtype=torch.bool)
 
 
 def _pad_cols(x: torch.Tensor | None, width: int, value=0) -> torch.Tensor | None:
@@ -98,6 +105,7 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         [t for p in parts for t in p.texts],
         reward_errors=sum(p.reward_errors for p in parts),
         reward_parts={k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts},
+        correct=torch.cat([p.correct for p in parts]),
     )
 
 
@@ -123,6 +131,7 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
         scored.examples,
         [scored.texts[i] for i in idx],
         reward_parts={k: v[rows] for k, v in scored.reward_parts.items()},
+        correct=scored.correct[rows],
     )
 
 
@@ -316,7 +325,8 @@ class RolloutDataModule(L.LightningDataModule):
         first_index: int = 0,
     ) -> ScoredRollouts:
         """Generate G completions per example with ``engine`` and score them with ``rewards`` (the task's
-        verifier or ``reward.functions``, in the verifier pool: a call past ``reward_timeout_s`` scores 0).
+        verifier or ``reward.functions``, in the verifier pool: a call past ``reward_timeout_s`` scores 0), each
+        with its correctness (``reward.correct_from``).
 
         Each completion has its own seed (from seed, step, round, prompt index and sample index), so the
         same step of the same run produces the same completions whatever else is in the batch. The prompt
@@ -350,6 +360,7 @@ class RolloutDataModule(L.LightningDataModule):
             texts,
             reward_errors=scores.errors,
             reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
+            correct=torch.tensor(scores.correct, dtype=torch.bool),
         )
 
     # -- Lightning hooks -----------------------------------------------------------------------------

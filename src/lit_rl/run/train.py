@@ -139,19 +139,25 @@ def build_task_from_cfg(cfg: TrainConfig | DictConfig):
 
 
 def build_rewards(cfg: TrainConfig, task) -> RewardFunctions:
-    """The run's ``RewardFunctions``: ``reward.functions`` (or the task's verifier) in the verifier pool."""
+    """The run's ``RewardFunctions``: ``reward.functions`` (or the task's verifier) in the verifier pool, and
+    the verifier of correctness (``reward.correct_from``); prints which one when the default fell back to the
+    first function (``task=dataset`` without a built-in verifier among the functions)."""
     r = cfg.reward
     try:
-        return RewardFunctions(
+        rewards = RewardFunctions(
             task,
             functions=r.functions,
             weights=r.weights,
             num_workers=r.num_workers,
             timeout_s=cfg.reward_timeout_s,
             max_completion_length=cfg.sampling.max_new_tokens,
+            correct_from=r.correct_from,
         )
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(str(err)) from err
+    if rewards.correct_note:
+        print(rewards.correct_note, flush=True)
+    return rewards
 
 
 def build_strategy(name):

@@ -150,5 +150,8 @@ class RewardConfig:
     functions: Optional[list[str]] = None
     #: one weight per function; null = all 1. The reward is the weighted sum (a None counts 0)
     weights: Optional[list[Number]] = None
+    #: the function whose verdict is "correct" (eval/accuracy, pass@k, groups_all_correct); null = the task's
+    #: verifier (task=dataset: math or exact when listed, else the first function, said at start-up)
+    correct_from: Optional[str] = None
     #: verifier processes (persistent, one thread each); a call past reward_timeout_s kills and replaces one
     num_workers: int = 2

@@ -17,6 +17,18 @@ per completion) plus ``completion_ids`` (token ids) and ``max_completion_length`
 applicable": left out of the function's own mean (``rollout/reward/<name>``) and counted as 0 in the
 weighted total, as TRL's ``nansum`` does. A function that raises, returns something else or runs past
 ``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
+
+A function may also return, verl's convention, a dict ``{"score": float | None, "correct": bool}``: ``score``
+enters the weighted total, ``correct`` says whether the completion is right (a batched one: a list of such dicts).
+
+Correctness (``eval/accuracy``, ``eval/pass@k``, ``rollout/groups_all_correct`` / ``_wrong``) comes from one
+verifier, never from a threshold on the weighted total (with ``[math, format]`` a formatted wrong answer totals 1;
+with ``[math, length_penalty]`` a right one totals less than 1). ``reward.correct_from`` names the function; null
+(the default) takes the task's verifier: the reward itself when ``reward.functions`` is null; the ``math``
+function when it is listed (it is the built-in tasks' verifier); for ``task=dataset`` the first built-in verifier
+listed (``math``, ``exact``), else the first function (said at start-up); for the other tasks their verifier, run
+beside the functions. A completion is correct when that function's dict says ``correct``, or, for a number (or a
+dict without ``correct``), when the score is >= 1 (a verifier's 1.0); None or a failed call is not correct.
 """
 
 from __future__ import annotations
@@ -29,12 +41,13 @@ import re
 import sys
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from lit_rl.registry import Registry
 from lit_rl.tasks.base import Example, Task
+from lit_rl.tasks.dataset import DatasetTask
 from lit_rl.tasks.rewards import extract_answer, math_reward
 from lit_rl.tasks.verifier_pool import Outcome, shared_pool
 
@@ -181,30 +194,40 @@ class Scores:
 
     total: N weighted totals (a None counts 0); parts: name -> N values of each function (nan = None or failed;
     empty with the task's own verifier); errors: calls that raised, returned a non-number or timed out (a batched
-    call counts once per completion it covered); timeouts: those that timed out."""
+    call counts once per completion it covered); timeouts: those that timed out; correct: N bools from the
+    correctness verifier (``RewardFunctions.correct_source``; empty: not verified, no completion correct)."""
 
     total: list[float]
     parts: dict[str, list[float]]
     errors: int = 0
     timeouts: int = 0
+    correct: list[bool] = field(default_factory=list)
 
 
 class RewardFunctions:
     """The reward of a run: the task's own verifier, or ``reward.functions`` weighted by ``reward.weights``,
-    computed in the verifier pool (``verifier_pool.shared_pool``).
+    computed in the verifier pool (``verifier_pool.shared_pool``), and each completion's correctness from one
+    verifier (``reward.correct_from``; the module docstring says which by default).
 
     Args:
         task: the task (its ``reward`` is the verifier when ``functions`` is None; a ``ConstantReward`` task
-            gives its constant to training completions and scores the eval split with the wrapped task).
+            gives its constant to training completions, whose correctness its wrapped task's verifier still
+            decides, and scores the eval split with the wrapped task).
         functions: names (see the module docstring) or None.
         weights: one weight per function, or None (all 1).
         num_workers: verifier processes (``reward.num_workers``).
         timeout_s: the time limit of one call (``reward_timeout_s``).
         max_completion_length: the generation cap in tokens, handed to batched functions (``length_penalty``).
+        correct_from: the name (or the spec as listed) of the function whose verdict is the correctness; None:
+            the task's verifier.
+
+    Attributes:
+        correct_source: what decides correctness, in words (e.g. ``"reward function 'math'"``).
+        correct_note: a line to print at start-up when the default fell back to the first function, else None.
 
     Raises:
         ValueError, FileNotFoundError, ImportError: a function cannot be loaded here (each names it), weights of
-            the wrong length, or two functions with one name.
+            the wrong length, two functions with one name, or ``correct_from`` naming none of them.
     """
 
     def __init__(
@@ -215,16 +238,24 @@ class RewardFunctions:
         num_workers: int = 2,
         timeout_s: float = 10.0,
         max_completion_length: int = 64,
+        correct_from: str | None = None,
     ):
         self.task, self.num_workers, self.timeout_s = task, int(num_workers), float(timeout_s)
         self.max_completion_length = int(max_completion_length)
         self.constant = getattr(task, "value", None) if hasattr(task, "eval_task") else None
         verifier = getattr(task, "eval_task", task)
+        self.correct_note: str | None = None
         if functions is None:
+            if correct_from is not None:
+                raise ValueError(
+                    f"reward.correct_from={correct_from!r} needs reward.functions (it names one of them); "
+                    "with reward.functions null the task's verifier decides"
+                )
             self.names = ["task"]
             self.refs: list = [BoundReward(verifier)]
             self.weights = [1.0]
             self.own_verifier = True
+            self.correct_index, self.correct_source = 0, "the task's verifier"
         else:
             functions = list(functions)
             if not functions:
@@ -245,8 +276,43 @@ class RewardFunctions:
                     f"give one weight per function (or null: all 1)"
                 )
             self.own_verifier = False
+            self._choose_correct(functions, correct_from, verifier)
         self.key = uuid.uuid4().hex  # what the workers load for this run
         self._reported: set[str] = set()
+
+    def _choose_correct(self, functions: list[str], correct_from: str | None, verifier: Task) -> None:
+        """Set ``correct_index`` (into ``refs``; ``len(weights)``: the task's verifier, appended to ``refs`` and
+        left out of the total), ``correct_source`` and ``correct_note``."""
+        if correct_from is not None:
+            names = {**{s: n for s, n in zip(functions, self.names)}, **{n: n for n in self.names}}
+            if correct_from not in names:
+                raise ValueError(
+                    f"reward.correct_from={correct_from!r} is not one of reward.functions: choose one of "
+                    f"{self.names} (or null for the task's verifier)"
+                )
+            self.correct_index = self.names.index(names[correct_from])
+            self.correct_source = f"reward function {names[correct_from]!r} (reward.correct_from)"
+            return
+        if isinstance(verifier, DatasetTask):  # no verifier of its own beyond the functions chosen for it
+            listed = [n for n in ("math", "exact") if n in functions]
+            self.correct_index = functions.index(listed[0]) if listed else 0
+            self.correct_source = f"reward function {self.names[self.correct_index]!r}"
+            if not listed:
+                self.correct_note = (
+                    f"lit_rl: correctness (eval/accuracy, eval/pass@k, rollout/groups_all_correct) comes from "
+                    f"{self.correct_source}, the first of reward.functions: none of them is a built-in verifier "
+                    f"(math, exact); set reward.correct_from to name another"
+                )
+            return
+        own = type(verifier).reward is Task.reward  # math_reward on the gold answer: the ``math`` built-in
+        if own and "math" in functions:
+            self.correct_index = functions.index("math")
+            self.correct_source = "reward function 'math' (the task's verifier)"
+            return
+        self.correct_index = len(self.refs)  # run beside the functions, out of the total
+        self.refs.append(FunctionRef("math", False, verifier.answer_format) if own else BoundReward(verifier))
+        self.names.append("task verifier")
+        self.correct_source = "the task's verifier"
 
     @property
     def pool(self):
@@ -264,17 +330,19 @@ class RewardFunctions:
         completion_ids: Sequence[Sequence[int]],
         split: str,
     ) -> Scores:
-        """Score completion i of ``examples[i]`` (N of each); ``split`` "train" or "eval"."""
+        """Score completion i of ``examples[i]`` (N of each); ``split`` "train" or "eval". With a constant reward
+        on "train" only the correctness verifier runs."""
         n = len(completions)
-        if self.constant is not None and split == "train":
-            return Scores([float(self.constant)] * n, {}, 0)
+        constant = self.constant is not None and split == "train"
+        scored = len(self.weights)  # refs[:scored] enter the total; a ref beyond them only decides correctness
         if n == 0:
-            return Scores([], {} if self.own_verifier else {name: [] for name in self.names}, 0)
+            return Scores([], {} if self.own_verifier or constant else {name: [] for name in self.names[:scored]})
+        run = [self.correct_index] if constant else range(len(self.refs))
         prompts = [ex.question for ex in examples]
         rows = [ex if self.own_verifier else ex.as_dict() for ex in examples]
         jobs, owners = [], []
-        for f, ref in enumerate(self.refs):
-            if ref.batched:
+        for f in run:
+            if self.refs[f].batched:
                 columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in ("prompts", "completions")}
                 kwargs = dict(
                     columns,
@@ -289,6 +357,7 @@ class RewardFunctions:
                     owners.append((f, i))
         outcomes = self.pool.run(self.key, self.refs, jobs, self.timeout_s)
         parts = [[math.nan] * n for _ in self.refs]
+        correct = [False] * n
         errors = timeouts = 0
         for (f, i), outcome in zip(owners, outcomes):
             covered = range(n) if i is None else [i]
@@ -303,10 +372,19 @@ class RewardFunctions:
                 continue
             values = outcome.value if i is None else [outcome.value]
             for j, v in zip(covered, values):
+                said = None
+                if isinstance(v, dict):  # verl's {"score": ..., "correct": ...}
+                    v, said = v["score"], v["correct"]
                 parts[f][j] = math.nan if v is None else float(v)
-        total = [sum(w * (0.0 if math.isnan(p[j]) else p[j]) for w, p in zip(self.weights, parts)) for j in range(n)]
-        named = {} if self.own_verifier else dict(zip(self.names, parts))
-        return Scores(total, named, errors, timeouts)
+                if f == self.correct_index:
+                    correct[j] = said if said is not None else (v is not None and v >= 1.0)
+        if constant:
+            return Scores([float(self.constant)] * n, {}, errors, timeouts, correct)
+        total = [
+            sum(w * (0.0 if math.isnan(p[j]) else p[j]) for w, p in zip(self.weights, parts[:scored])) for j in range(n)
+        ]
+        named = {} if self.own_verifier else dict(zip(self.names[:scored], parts[:scored]))
+        return Scores(total, named, errors, timeouts, correct)
 
     def _report(self, f: int, outcome: Outcome) -> None:
         """Print a function's first failure of each kind once (later ones are counted, not printed)."""

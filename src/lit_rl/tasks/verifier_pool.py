@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -63,12 +64,24 @@ def first_line(err: BaseException) -> str:
 
 
 def convert(value: Any, batched: bool) -> Any:
-    """A reward function's return value as plain data: a float or None (not applicable); for a batched
-    function a list of them. Raises TypeError for anything else (a string, a non-finite number)."""
+    """A reward function's return value as plain data: a float or None (not applicable), or, verl's convention,
+    a dict ``{"score": float | None, "correct": bool}`` (``correct`` may be left out or None: not said; other
+    keys are ignored), returned as ``{"score": float | None, "correct": bool | None}``; for a batched function
+    a list of them. Raises TypeError for anything else (a string, a non-finite number, a dict without
+    ``score``, a ``correct`` that is not a bool or 0/1)."""
     if batched:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-            raise TypeError(f"a batched reward function must return a list of float | None, got {type(value).__name__}")
+        if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__"):
+            raise TypeError(
+                f"a batched reward function must return a list of float | None | dict, got {type(value).__name__}"
+            )
         return [convert(v, False) for v in value]
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise TypeError(f"a reward dict needs a 'score' (and may give 'correct'), got keys {sorted(value)}")
+        correct = value.get("correct")
+        if correct is not None and (isinstance(correct, (str, bytes)) or not _is_zero_or_one(correct)):
+            raise TypeError(f"a reward dict's 'correct' must be a bool (or 0 / 1), got {correct!r}")
+        return {"score": convert(value["score"], False), "correct": None if correct is None else bool(correct)}
     if value is None:
         return None
     if isinstance(value, (int, float)) or hasattr(value, "__float__"):
@@ -76,7 +89,15 @@ def convert(value: Any, batched: bool) -> Any:
         if not math.isfinite(out):
             raise TypeError(f"reward {out} is not finite")
         return out
-    raise TypeError(f"a reward must be a number or None, got {type(value).__name__}")
+    raise TypeError(f"a reward must be a number, None or a dict with 'score', got {type(value).__name__}")
+
+
+def _is_zero_or_one(value: Any) -> bool:
+    """``value`` is a bool, numpy bool or a number equal to 0 or 1."""
+    try:
+        return bool(value == 0 or value == 1) and hasattr(value, "__float__")
+    except Exception:  # noqa: BLE001 - an array or an object whose comparison fails: not a truth value
+        return False
 
 
 def _worker_entry(fd: int) -> None:
