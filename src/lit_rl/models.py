@@ -14,11 +14,13 @@ Resolution order for ``load_policy(name_or_path)``:
 head_dim >= 32) with the SmolLM2 tokenizer, for fast tests.
 
 Only safetensors weights are loaded (``use_safetensors=True``) and ``trust_remote_code`` is off unless
-the caller turns it on.
+the caller turns it on. Every dropout probability is set to 0 (``disable_dropout``: the trainer's forward is as
+deterministic as the engine's) unless ``model.keep_dropout``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -219,7 +221,8 @@ def tiny_config(vocab_size: int, seed_config: dict | None = None):
 
 
 def load_policy(spec: ModelConfig, tokenizer=None):
-    """Load ``(model, tokenizer)`` for ``spec``; the model is in ``spec.dtype`` on CPU, in train mode.
+    """Load ``(model, tokenizer)`` for ``spec``; the model is in ``spec.dtype`` on CPU, in train mode, with every
+    dropout probability 0 (``disable_dropout``) unless ``spec.keep_dropout``.
     ``tokenizer``: one already loaded with ``load_tokenizer`` for this model (loaded here when None).
 
     Raises FileNotFoundError (see ``resolve_model_path``) or ValueError for an unknown dtype.
@@ -252,8 +255,104 @@ def load_policy(spec: ModelConfig, tokenizer=None):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.lora.r > 0:
         model = add_lora(model, spec.lora)
+    if not spec.keep_dropout:
+        disable_dropout(model)
     model.train()
     return model, tokenizer
+
+
+# -- Dropout ----------------------------------------------------------------------------------------------------------
+def _dropout_name(name: str) -> bool:
+    """A config key or module attribute that holds a dropout probability: ``*dropout*`` (``attention_dropout``,
+    ``hidden_dropout``, ``lora_dropout``) or GPT-2's ``*pdrop`` (``attn_pdrop``, ``resid_pdrop``, ``embd_pdrop``)."""
+    return "dropout" in name or name.endswith("pdrop")
+
+
+def _config_dropout(config, prefix: str = "") -> dict[str, tuple[object, str, float]]:
+    """Every dropout probability of a transformers ``config`` and its sub-configs (a multimodal model's
+    ``text_config``): dotted key -> (the config object holding it, its key there, the value)."""
+    from transformers import PretrainedConfig
+
+    found = {}
+    for key, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            found |= _config_dropout(value, f"{prefix}{key}.")
+        elif _dropout_name(key) and isinstance(value, float | int) and not isinstance(value, bool):
+            found[prefix + key] = (config, key, float(value))
+    return found
+
+
+def _module_dropout(model: torch.nn.Module):
+    """(label, module, attribute, value) for each dropout probability a module holds: ``nn.Dropout``'s ``p``
+    (label: the module's own name, e.g. PEFT's ``lora_dropout``, Phi-3's ``resid_attn_dropout``) and float
+    attributes named like one (label ``LlamaAttention.attention_dropout``)."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            names = [part for part in path.split(".") if not part.isdigit() and part != "default"]
+            yield (names[-1] if names else "dropout"), module, "p", float(module.p)
+        for name, value in vars(module).items():
+            if _dropout_name(name) and isinstance(value, float):
+                yield f"{type(module).__name__}.{name}", module, name, value
+
+
+def dropout_probabilities(model: torch.nn.Module) -> dict[str, float]:
+    """The non-zero dropout probabilities ``model``'s forward in training mode applies, by where they are set: a
+    config key (``attention_dropout``), an ``nn.Dropout``'s name (``lora_dropout``) or a module attribute
+    (``LlamaAttention.attention_dropout``), the largest of each name. {}: a forward as deterministic as the
+    engine's."""
+    config = getattr(model, "config", None)
+    in_config = _config_dropout(config) if config is not None else {}
+    found = {key: value for key, (_, _, value) in in_config.items() if value > 0}
+    for label, _, _, value in _module_dropout(model):
+        if value > 0:
+            found[label] = max(value, found.get(label, 0.0))
+    return found
+
+
+def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
+    """Set every dropout probability of ``model`` to 0, so that its forward in training mode is as deterministic
+    as the engine's (which samples in eval mode) and the KL reference's; ``model.keep_dropout=true`` skips this.
+
+    The model stays in training mode: ``model.eval()`` would also stop gradient checkpointing (transformers'
+    checkpointed layers recompute only while training). Three places hold a probability, and each is zeroed:
+    ``nn.Dropout`` modules (``p``; PEFT's ``lora_dropout`` too); float module attributes read at forward time
+    (the attention functions take ``dropout=0.0 if not self.training else self.attention_dropout``, a float
+    and no module, which TRL's ``disable_dropout_in_model`` misses); and the config, which some models read at
+    forward time (Falcon's ``self.config.hidden_dropout``, GPT-Neo's ``attention_dropout``).
+
+    Returns the config's non-zero values it zeroed, by key (a sub-config's as ``text_config.attention_dropout``);
+    ``checkpoint_config`` puts them back while the policy is exported."""
+    zeroed = {}
+    for key, (config, name, value) in (_config_dropout(model.config) if hasattr(model, "config") else {}).items():
+        if value > 0:
+            setattr(config, name, 0.0)
+            zeroed[key] = value
+    for _, module, name, value in list(_module_dropout(model)):
+        if value > 0:
+            setattr(module, name, 0.0)
+    # not a registered attribute: deepcopies (the KL reference, the engine's own copy) carry it along
+    model.__dict__["lit_rl_dropout"] = {**model.__dict__.get("lit_rl_dropout", {}), **zeroed}
+    return zeroed
+
+
+def original_dropout(model) -> dict[str, float]:
+    """The checkpoint config's dropout probabilities ``disable_dropout`` zeroed in ``model``, by key; {} if none."""
+    return dict(model.__dict__.get("lit_rl_dropout", {})) if isinstance(model, torch.nn.Module) else {}
+
+
+@contextlib.contextmanager
+def checkpoint_config(model):
+    """Context manager: inside it ``model.config`` holds the checkpoint's own dropout probabilities (those
+    ``disable_dropout`` zeroed), so that ``save_pretrained`` writes the config the model was loaded with."""
+    zeroed = original_dropout(model)
+    places = _config_dropout(model.config) if zeroed else {}
+    for key, value in zeroed.items():
+        setattr(places[key][0], places[key][1], value)
+    try:
+        yield model
+    finally:
+        for key in zeroed:
+            setattr(places[key][0], places[key][1], 0.0)
 
 
 # -- LoRA (PEFT) ------------------------------------------------------------------------------------------------------
@@ -326,8 +425,6 @@ def has_lora(model) -> bool:
 def adapter_disabled(model):
     """Context manager: inside it ``model`` computes the frozen base model (PEFT's ``disable_adapter``), the
     reference policy of a LoRA run. A no-op context for a model without an adapter."""
-    import contextlib
-
     wrapper = peft_model(model)
     return wrapper.disable_adapter() if wrapper is not None else contextlib.nullcontext()
 

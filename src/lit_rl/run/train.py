@@ -36,7 +36,16 @@ from ..algorithms.base import updates_per_step
 from ..config import ConfigError, check_world_size, validate
 from ..kernels import kernel_mode
 from ..logprobs import check_head_parity
-from ..models import check_lora_targets, load_policy, load_tokenizer, merged_weights, peft_model
+from ..models import (
+    check_lora_targets,
+    checkpoint_config,
+    dropout_probabilities,
+    load_policy,
+    load_tokenizer,
+    merged_weights,
+    original_dropout,
+    peft_model,
+)
 from ..rollout.datamodule import RolloutDataModule
 from ..rollout.sources import RolloutSourceShutdown
 from ..schema import ModelConfig, TrainConfig, train_config
@@ -70,12 +79,13 @@ def export_policy(policy, folder: Path, weights: dict | None = None, merge: bool
     (W0 + (alpha / r) B A, the base model's names: loadable without PEFT). ``weights``: the full state dict
     (FSDP's gathered one), None for the module's own."""
     wrapper = peft_model(policy)
-    if wrapper is None:
-        policy.save_pretrained(folder, state_dict=weights, safe_serialization=True)
-    elif merge:
-        policy.save_pretrained(folder, state_dict=merged_weights(policy), safe_serialization=True)
-    else:
-        wrapper.save_pretrained(folder, safe_serialization=True)
+    with checkpoint_config(policy):  # the checkpoint's own dropout in config.json, not the zeros trained with
+        if wrapper is None:
+            policy.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+        elif merge:
+            policy.save_pretrained(folder, state_dict=merged_weights(policy), safe_serialization=True)
+        else:
+            wrapper.save_pretrained(folder, safe_serialization=True)
 
 
 def precision_plugins(trainer_kwargs: dict) -> list:
@@ -406,7 +416,35 @@ def load_checked_policy(cfg: TrainConfig, spec: ModelConfig, tokenizer):
         check_head_parity(policy, len(tokenizer))
     except ValueError as err:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err
+    if lightning_rank() == 0:
+        report_dropout(spec, policy)
     return policy, tokenizer
+
+
+def report_dropout(spec: ModelConfig, policy) -> None:
+    """One printed line when the configured model has dropout: what ``model.keep_dropout=false`` turned off in
+    the trainer's forward (the checkpoint config's probabilities, ``model.lora.dropout``), or with ``true`` what
+    stays on and what it costs."""
+    if spec.keep_dropout:
+        kept = dropout_probabilities(policy)
+        if kept:
+            listed = ", ".join(f"{k}={v:g}" for k, v in kept.items())
+            print(
+                f"lit_rl: model.keep_dropout=true: dropout stays on in the trainer's forward ({listed}); the engine "
+                f"samples without it, and train/logprob_abs_diff includes its noise",
+                flush=True,
+            )
+        return
+    off = original_dropout(policy)
+    if spec.lora.r > 0 and spec.lora.dropout > 0:
+        off["model.lora.dropout"] = spec.lora.dropout
+    if off:
+        listed = ", ".join(f"{k}={v:g}" for k, v in off.items())
+        print(
+            f"lit_rl: dropout off in the trainer's forward, as in the engine's ({listed}); "
+            f"model.keep_dropout=true keeps it",
+            flush=True,
+        )
 
 
 def enter_kernel_mode(cfg: TrainConfig, policy):

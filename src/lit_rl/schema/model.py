@@ -21,7 +21,7 @@ class LoraConfig:
     r: int = 0
     #: the scale is alpha / r (Hu et al. 2021, eq. 3)
     alpha: float = 16.0
-    #: dropout on the adapter's input (PEFT's lora_dropout), in [0, 1)
+    #: dropout on the adapter's input (PEFT's lora_dropout), in [0, 1); acts only with ``model.keep_dropout=true``
     dropout: float = 0.0
     #: module-name suffixes that get an adapter: the attention and MLP projections (Phi-3's fused ones too)
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
@@ -42,6 +42,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     #: recompute layer activations in backward (less memory, ~15% more time)
     gradient_checkpointing: bool = False
+    #: false: every dropout probability (the checkpoint's attention / hidden / embedding dropout, and
+    #: ``lora.dropout``) is 0 in the trainer's forward, as deterministic as the engine's and the reference's (which
+    #: run in eval mode); true: keep them, and ``train/logprob_abs_diff`` then measures the dropout noise too
+    keep_dropout: bool = False
     #: seed of the random initialisation (``tiny`` only)
     init_seed: int = 0
     #: LoRA adapter (r = 0: off)
