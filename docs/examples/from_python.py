@@ -7,14 +7,15 @@ each argument. Its rewards stay near 0 (the model is random): use ``model=smollm
 import lit_rl
 
 
-def brevity(prompts, completions, **columns):
-    """TRL's batched convention: one reward per completion; shorter is better."""
-    return [-len(c) / 100 for c in completions]
+def brevity(prompts, completions, completion_ids, max_completion_length, **columns):
+    """TRL's batched convention: one reward per completion, -(tokens) / the cap, in [-1, 0]: shorter is better."""
+    return [-len(ids) / max_completion_length for ids in completion_ids]
 
 
 if __name__ == "__main__":  # the verifier workers import this file to call brevity: guard the run
     cfg = lit_rl.compose("model=tiny", "algo=dapo", "trainer.max_steps=4", "eval.num_examples=8")
     cfg.optim.lr = 1e-5  # typed fields; every value is checked when the run starts
+    cfg.reward.weights = [1.0, 0.1]  # one per reward function
     rows = [
         {"prompt": f"What is {a} + {b}? Answer after ####.", "answer": str(a + b)} for a in range(9) for b in range(9)
     ]
