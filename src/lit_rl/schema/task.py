@@ -87,7 +87,8 @@ class DatasetConfig(TaskConfig):
     seed: int = 0
     #: the prompt column: text, or a list of chat messages {role, content}
     prompt_field: str = "prompt"
-    #: the gold-answer column; null = none (reward functions that need no answer)
+    #: the gold-answer column; null = none, for reward functions that need no answer (the task's verifier, math and
+    #: exact compare with it: refused with null, ``config.check_answer_needed``)
     answer_field: Optional[str] = "answer"
     system_prompt: Optional[str] = None
     #: a str.format template over the row's columns for text prompts, e.g. "{question} Answer after ####."
