@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, fast_config
+from helpers import FAST, ROOT, fast_config
 
 from lit_rl.config import ConfigError, validate
 
@@ -56,3 +56,154 @@ def test_the_recipe_exits_2_on_a_dataset_without_answers_before_torch_loads(tmp_
     assert "lit_rl: error: task.answer_field=null: the rows have no gold answer" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     assert not run_dir.exists()  # refused before the run wrote anything
+
+
+# -- item 8 (b): a reward function that fails on every call stops the run ---------------------------------------
+FAILING = """
+import math, os, time
+
+def raises(prompt, completion, example):
+    raise ValueError("no parser for this\\nsecond line")
+
+def nan(prompt, completion, example):
+    return math.nan
+
+def text(prompt, completion, example):
+    return "1.0"
+
+def sleeps(prompt, completion, example):
+    time.sleep(60)
+
+def exits(prompt, completion, example):
+    os._exit(3)  # the worker process dies
+
+def wrong_length(prompts, completions, **columns):
+    return [1.0]
+
+def fine(prompt, completion, example):
+    return 0.5
+"""
+
+#: what each kind of failure is reported as (the first error the stop names)
+FIRST_ERRORS = {
+    "raises": "ValueError: no parser for this",
+    "nan": "TypeError: reward nan is not finite",
+    "text": "TypeError: a reward must be a number, None or a dict with 'score', got str",
+    "sleeps": "ran past reward_timeout_s=1 s",
+    "exits": "the verifier process died",
+    "wrong_length": "returned 1 rewards for 2 completions",
+}
+
+
+def test_every_kind_of_failure_is_tallied_per_function_with_its_first_error(tmp_path):
+    """Two completions: each failing function fails on both (2 of 2 calls), the working one on none; the tally
+    and the first error of each are what ``count_failed_step`` reads."""
+    from lit_rl.tasks import ArithmeticTask
+    from lit_rl.tasks.reward_functions import RewardFunctions
+
+    (tmp_path / "f.py").write_text(FAILING)
+    names = [*FIRST_ERRORS, "fine"]
+    task = ArithmeticTask(num_train=2, num_eval=0)
+    rewards = RewardFunctions(task, [f"{tmp_path}/f.py:{n}" for n in names], num_workers=2, timeout_s=1.0)
+    examples = task.train_examples()[:2]
+    scores = rewards.score(examples, ["#### 1", "#### 2"], [[1], [2]], "train")
+    assert scores.failures == {**{n: (2, 2) for n in FIRST_ERRORS}, "fine": (0, 2), "task verifier": (0, 2)}
+    assert rewards.first_errors == FIRST_ERRORS
+    assert scores.total == [0.5, 0.5] and scores.errors == 12
+
+
+def test_the_run_of_failed_steps_is_bounded_and_ends_at_a_step_with_one_success(tmp_path):
+    """max_failed_steps=3: steps 0-1 all failed, step 2 one success (the run of failed steps ends), steps 3-5 all
+    failed: the third of those, step 5, raises, naming the function, its first error and steps 3-5."""
+    from lit_rl.tasks import ArithmeticTask
+    from lit_rl.tasks.reward_functions import RewardFunctionFailed, RewardFunctions
+
+    (tmp_path / "f.py").write_text(FAILING)
+    rewards = RewardFunctions(ArithmeticTask(num_train=1, num_eval=0), [f"{tmp_path}/f.py:raises"])
+    rewards.first_errors["raises"] = "ValueError: no parser for this"
+    all_failed, task_fine = {"raises": (8, 8), "task verifier": (0, 8)}, {"task verifier": (0, 8)}
+    for step, tally in enumerate([all_failed, all_failed, {"raises": (7, 8)}, all_failed, all_failed]):
+        rewards.count_failed_step({**task_fine, **tally}, step)
+    assert rewards.failed_steps == {"raises": 2, "task verifier": 0}
+    with pytest.raises(RewardFunctionFailed) as err:
+        rewards.count_failed_step(all_failed, 5)
+    message = str(err.value)
+    assert message.startswith(
+        "reward function 'raises' failed on every call in 3 RL steps in a row (steps 3-5, reward.max_failed_steps=3); "
+        "its first error: ValueError: no parser for this. "
+    )
+    assert "stopped at RL step 5, before its update" in message
+    never = RewardFunctions(ArithmeticTask(num_train=1, num_eval=0), ["format"], max_failed_steps=0)
+    for step in range(10):
+        never.count_failed_step({"format": (8, 8)}, step)  # 0: never stops
+
+
+@pytest.mark.parametrize("algo", [["algo=grpo"], ["algo=dapo", "algo.overlong.buffer_length=4"]])
+def test_a_function_that_fails_on_every_call_stops_the_run_before_the_steps_update(tmp_path, algo):
+    """In-process (``run``), max_failed_steps=2: step 0 trains, step 1 raises RewardFunctionFailed before its
+    update and metrics, so TensorBoard holds step 0 only and there is no finished.json. DAPO's dynamic sampling
+    draws rounds until algo.dynamic_sampling.max_rounds (every reward is 0: every group is dropped); all its
+    rounds' calls count for the step."""
+    from lit_rl.run.train import run
+    from lit_rl.tasks.reward_functions import RewardFunctionFailed
+    from lit_rl.tools.compare import read_scalars
+
+    (tmp_path / "f.py").write_text(FAILING)
+    cfg = fast_config(
+        *algo,
+        "trainer.max_steps=4",
+        "eval.num_examples=0",
+        f"reward.functions=[{tmp_path}/f.py:nan,format]",
+        "reward.max_failed_steps=2",
+    )
+    with pytest.raises(RewardFunctionFailed) as err:
+        run(cfg, tmp_path / "run")
+    assert str(err.value).startswith(
+        "reward function 'nan' failed on every call in 2 RL steps in a row (steps 0-1, reward.max_failed_steps=2); "
+        "its first error: TypeError: reward nan is not finite. "
+    )
+    assert [step for step, _ in read_scalars(tmp_path / "run" / "tensorboard")["train/loss"]] == [0]
+    assert not (tmp_path / "run" / "finished.json").exists()
+
+
+def _recipe(*args, timeout=600):
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_a_function_that_fails_on_every_call_stops_the_recipe_with_its_first_error_and_a_run_that_continues(tmp_path):
+    """6 steps, reward.max_failed_steps=3, a function that always raises: steps 0 and 1 train (each printing
+    nothing more than the one line), step 2 stops before its update: exit 1, ``lit_rl: stopped: ...`` naming it and
+    its first error, no traceback, no finished.json; the run folder holds steps 0-1 and the checkpoint after step
+    1 (checkpoint.every_n_steps=2). Continuing it with reward.max_failed_steps=0 trains steps 2-5 and finishes:
+    each step logged once."""
+    from lit_rl.tools.compare import read_scalars
+
+    (tmp_path / "f.py").write_text(FAILING)
+    run_dir = tmp_path / "run"
+    res = _recipe(
+        *FAST,
+        "trainer.max_steps=6",
+        "eval.num_examples=0",
+        f"reward.functions=[{tmp_path}/f.py:raises]",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert (
+        "lit_rl: stopped: reward function 'raises' failed on every call in 3 RL steps in a row (steps 0-2, "
+        "reward.max_failed_steps=3); its first error: ValueError: no parser for this. " in res.stderr
+    )
+    assert "stopped at RL step 2, before its update" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert res.stdout.count("reward function 'raises' failed: ValueError: no parser for this;") == 1
+    assert not (run_dir / "finished.json").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    s = read_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in s["train/loss"]] == [0, 1]
+    assert [v for _, v in s["rollout/reward_errors"]] == [8.0, 8.0]  # 2 prompts x G = 4, each failed
+
+    res = _recipe("--resume", str(run_dir), "reward.max_failed_steps=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (run_dir / "finished.json").exists()
+    assert [step for step, _ in read_scalars(run_dir / "tensorboard")["train/loss"]] == [0, 1, 2, 3, 4, 5]

@@ -675,11 +675,12 @@ def check_attn_implementation(cfg: DictConfig) -> None:
 
 def check_reward(cfg: DictConfig) -> None:
     """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
-    weight per function, ``correct_from`` one of the functions, at least one worker."""
+    weight per function, ``correct_from`` one of the functions, at least one worker, ``max_failed_steps`` >= 0."""
     from omegaconf import OmegaConf
 
     r = OmegaConf.to_container(cfg.reward, resolve=True)
     _check_int(r["num_workers"], "reward.num_workers", 1)
+    _check_int(r.get("max_failed_steps", 3), "reward.max_failed_steps", 0, " (0 = never stop)")
     if r["functions"] is None:
         _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
         _check(

@@ -162,6 +162,7 @@ def build_rewards(cfg: TrainConfig, task) -> RewardFunctions:
             timeout_s=cfg.reward_timeout_s,
             max_completion_length=cfg.sampling.max_new_tokens,
             correct_from=r.correct_from,
+            max_failed_steps=r.max_failed_steps,
         )
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(str(err)) from err

@@ -156,3 +156,6 @@ class RewardConfig:
     correct_from: Optional[str] = None
     #: verifier processes (persistent, one thread each); a call past reward_timeout_s kills and replaces one
     num_workers: int = 2
+    #: stop the run after this many RL steps in a row in which every call of one function failed (raised, returned
+    #: a NaN or a non-number, timed out, killed its worker), naming it and its first error; 0 = never
+    max_failed_steps: int = 3

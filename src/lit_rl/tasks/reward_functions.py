@@ -15,8 +15,10 @@ user message for chat data), ``completion`` the generated text, ``example`` a di
 columns with ``id``, ``question`` and ``answer``; the batched form gets each of those as a list (one entry
 per completion) plus ``completion_ids`` (token ids) and ``max_completion_length``. None means "not
 applicable": left out of the function's own mean (``rollout/reward/<name>``) and counted as 0 in the
-weighted total, as TRL's ``nansum`` does. A function that raises, returns something else or runs past
-``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
+weighted total, as TRL's ``nansum`` does. A function that raises, returns something else (a NaN, a string) or
+runs past ``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
+One that fails on every call of ``reward.max_failed_steps`` (3) training steps in a row stops the run
+(``RewardFunctionFailed``, naming it and its first error; ``RewardFunctions.count_failed_step``).
 
 A function may also return, verl's convention, a dict ``{"score": float | None, "correct": bool}``: ``score``
 enters the weighted total, ``correct`` says whether the completion is right (a batched one: a list of such dicts).
@@ -40,7 +42,7 @@ import math
 import re
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,7 +53,7 @@ from lit_rl.tasks.dataset import DatasetTask
 from lit_rl.tasks.rewards import extract_answer, math_reward
 from lit_rl.tasks.verifier_pool import Outcome, shared_pool
 
-__all__ = ["BUILTINS", "RewardFunctions", "Scores", "load_function", "pass_at_k"]
+__all__ = ["BUILTINS", "RewardFunctionFailed", "RewardFunctions", "Scores", "load_function", "pass_at_k"]
 
 
 # -- built-ins ---------------------------------------------------------------------------------------------------
@@ -188,6 +190,12 @@ def function_name(spec: str) -> str:
     return spec if spec in BUILTINS else spec.rpartition(":")[2]
 
 
+class RewardFunctionFailed(RuntimeError):
+    """A reward function failed on every call of ``reward.max_failed_steps`` training steps in a row: it raised,
+    returned something that is not a reward, ran past ``reward_timeout_s`` or killed its worker. The message names
+    it, its first error and the step the run stopped at."""
+
+
 @dataclass
 class Scores:
     """The rewards of N completions.
@@ -195,13 +203,16 @@ class Scores:
     total: N weighted totals (a None counts 0); parts: name -> N values of each function (nan = None or failed;
     empty with the task's own verifier); errors: calls that raised, returned a non-number or timed out (a batched
     call counts once per completion it covered); timeouts: those that timed out; correct: N bools from the
-    correctness verifier (``RewardFunctions.correct_source``; empty: not verified, no completion correct)."""
+    correctness verifier (``RewardFunctions.correct_source``; empty: not verified, no completion correct);
+    failures: name -> (completions whose call of it failed, completions it was called on), for every function
+    that ran (the correctness verifier beside the functions included)."""
 
     total: list[float]
     parts: dict[str, list[float]]
     errors: int = 0
     timeouts: int = 0
     correct: list[bool] = field(default_factory=list)
+    failures: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class RewardFunctions:
@@ -220,10 +231,13 @@ class RewardFunctions:
         max_completion_length: the generation cap in tokens, handed to batched functions (``length_penalty``).
         correct_from: the name (or the spec as listed) of the function whose verdict is the correctness; None:
             the task's verifier.
+        max_failed_steps: training steps in a row in which every call of one function fails before
+            ``count_failed_step`` stops the run (``reward.max_failed_steps``); 0: never.
 
     Attributes:
         correct_source: what decides correctness, in words (e.g. ``"reward function 'math'"``).
         correct_note: a line to print at start-up when the default fell back to the first function, else None.
+        first_errors: name -> the first failure of each function that failed, in words (``"ValueError: boom"``).
 
     Raises:
         ValueError, FileNotFoundError, ImportError: a function cannot be loaded here (each names it), weights of
@@ -239,8 +253,10 @@ class RewardFunctions:
         timeout_s: float = 10.0,
         max_completion_length: int = 64,
         correct_from: str | None = None,
+        max_failed_steps: int = 3,
     ):
         self.task, self.num_workers, self.timeout_s = task, int(num_workers), float(timeout_s)
+        self.max_failed_steps = int(max_failed_steps)
         self.max_completion_length = int(max_completion_length)
         self.constant = getattr(task, "value", None) if hasattr(task, "eval_task") else None
         verifier = getattr(task, "eval_task", task)
@@ -279,6 +295,8 @@ class RewardFunctions:
             self._choose_correct(functions, correct_from, verifier)
         self.key = uuid.uuid4().hex  # what the workers load for this run
         self._reported: set[str] = set()
+        self.first_errors: dict[str, str] = {}
+        self.failed_steps: dict[str, int] = {}  # name -> training steps in a row in which every call failed
 
     def _choose_correct(self, functions: list[str], correct_from: str | None, verifier: Task) -> None:
         """Set ``correct_index`` (into ``refs``; ``len(weights)``: the task's verifier, appended to ``refs`` and
@@ -337,6 +355,7 @@ class RewardFunctions:
         scored = len(self.weights)  # refs[:scored] enter the total; a ref beyond them only decides correctness
         if n == 0:
             return Scores([], {} if self.own_verifier or constant else {name: [] for name in self.names[:scored]})
+        failures = {self.names[f]: [0, 0] for f in ([self.correct_index] if constant else range(len(self.refs)))}
         run = [self.correct_index] if constant else range(len(self.refs))
         prompts = [ex.question for ex in examples]
         rows = [ex if self.own_verifier else ex.as_dict() for ex in examples]
@@ -363,7 +382,9 @@ class RewardFunctions:
             covered = range(n) if i is None else [i]
             if outcome.status == "ok" and i is None and len(outcome.value) != n:
                 outcome = Outcome("error", message=f"returned {len(outcome.value)} rewards for {n} completions")
+            failures[self.names[f]][1] += len(covered)
             if outcome.status != "ok":
+                failures[self.names[f]][0] += len(covered)
                 errors += len(covered)
                 timeouts += len(covered) * (outcome.status == "timeout")
                 self._report(f, outcome)
@@ -378,27 +399,63 @@ class RewardFunctions:
                 parts[f][j] = math.nan if v is None else float(v)
                 if f == self.correct_index:
                     correct[j] = said if said is not None else (v is not None and v >= 1.0)
+        failed = {name: (a, b) for name, (a, b) in failures.items()}
         if constant:
-            return Scores([float(self.constant)] * n, {}, errors, timeouts, correct)
+            return Scores([float(self.constant)] * n, {}, errors, timeouts, correct, failed)
         total = [
             sum(w * (0.0 if math.isnan(p[j]) else p[j]) for w, p in zip(self.weights, parts[:scored])) for j in range(n)
         ]
         named = {} if self.own_verifier else dict(zip(self.names[:scored], parts[:scored]))
-        return Scores(total, named, errors, timeouts, correct)
+        return Scores(total, named, errors, timeouts, correct, failed)
+
+    def count_failed_step(self, failures: Mapping[str, tuple[float, float]], rl_step: int) -> None:
+        """Count one training step's ``failures`` (name -> (completions whose call failed, completions called),
+        summed over the ranks): a function that failed on every call of the step extends its run of failed steps,
+        one that scored a completion ends it (a step that did not call it changes nothing).
+
+        Raises:
+            RewardFunctionFailed: a function's run reached ``max_failed_steps`` (not 0), naming it, its first
+                error and ``rl_step``, the step the run stops at (before its update).
+        """
+        for name, (failed, called) in failures.items():
+            if called > 0:
+                self.failed_steps[name] = self.failed_steps.get(name, 0) + 1 if failed >= called else 0
+        limit = self.max_failed_steps
+        for name in self.names:
+            steps = self.failed_steps.get(name, 0)
+            if limit and steps >= limit:
+                first = self.first_errors.get(name, "(its error was reported on another rank)")
+                raise RewardFunctionFailed(
+                    f"reward function {name!r} failed on every call in {steps} RL steps in a row (steps "
+                    f"{rl_step - steps + 1}-{rl_step}, reward.max_failed_steps={limit}); its first error: {first}. "
+                    f"Every completion scored 0 from it, so the run could not learn from it: stopped at RL step "
+                    f"{rl_step}, before its update. Fix the function (call it on one completion by hand), then "
+                    f"start again or continue from the run's last checkpoint (ckpt_path=last); "
+                    f"reward.max_failed_steps=0 never stops"
+                )
 
     def _report(self, f: int, outcome: Outcome) -> None:
         """Print a function's first failure of each kind once (later ones are counted, not printed)."""
         name = self.names[f]
+        if outcome.status == "timeout":
+            error = f"ran past reward_timeout_s={self.timeout_s:g} s"
+            what = f"{error} (its worker process was killed and replaced)"
+        else:
+            error = outcome.message
+            what = f"failed: {error}"
+        self.first_errors.setdefault(name, error)
         if (name, outcome.status) in self._reported:
             return
         self._reported.add((name, outcome.status))
-        if outcome.status == "timeout":
-            what = f"ran past reward_timeout_s={self.timeout_s:g} s (its worker process was killed and replaced)"
-        else:
-            what = f"failed: {outcome.message}"
+        stop = (
+            f"; a run in which every call of it fails for reward.max_failed_steps={self.max_failed_steps} steps "
+            f"in a row stops"
+            if self.max_failed_steps
+            else ""
+        )
         print(
             f"lit_rl: reward function {name!r} {what}; the completion scores 0, counted in rollout/reward_errors "
-            f"(printed once)",
+            f"(printed once){stop}",
             flush=True,
         )
 
