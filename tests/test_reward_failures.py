@@ -207,3 +207,118 @@ def test_a_function_that_fails_on_every_call_stops_the_recipe_with_its_first_err
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run_dir / "finished.json").exists()
     assert [step for step, _ in read_scalars(run_dir / "tensorboard")["train/loss"]] == [0, 1, 2, 3, 4, 5]
+
+
+# -- item 9: what the reward functions print goes to <run>/reward_output.log, not to the console -----------------
+NOISY = """
+import sys
+
+def noisy(prompt, completion, example):
+    for i in range(2000):
+        print(f"noisy {example['id']:04d} line {i:04d} " + "x" * 40)
+    print(f"noisy {example['id']:04d} to stderr", file=sys.stderr)
+    return 0.0
+"""
+#: every line ``noisy`` prints, whole
+NOISY_LINE = r"noisy \d{4} (line \d{4} x{40}|to stderr)"
+
+
+def _noisy_rewards(tmp_path, log):
+    from lit_rl.tasks import ArithmeticTask
+    from lit_rl.tasks.reward_functions import RewardFunctions
+
+    (tmp_path / "noisy.py").write_text(NOISY)
+    task = ArithmeticTask(num_train=8, num_eval=0)
+    return task, RewardFunctions(task, [f"{tmp_path}/noisy.py:noisy"], num_workers=2, output_log=log)
+
+
+def test_the_functions_output_goes_to_the_log_whole_lines_and_one_console_line(tmp_path, capfd):
+    """Two workers, 8 completions, 2,001 lines per call: the log holds all 16,008 lines, each whole (none cut
+    mid-line by the other worker), stdout and stderr alike; the console gets one line, once, with the count and
+    the first line, and none of theirs. The pool is shared by later runs in the process: a second set of
+    functions writes to its own log, and one without a log prints to the console again."""
+    import re
+
+    from lit_rl.tasks.verifier_pool import close_shared_pool
+
+    close_shared_pool()  # fresh workers, started on this test's console (capfd)
+    log = tmp_path / "reward_output.log"
+    task, rewards = _noisy_rewards(tmp_path, log)
+    examples, texts = task.train_examples(), ["#### 1"] * 8
+    rewards.prepare()
+    rewards.score(examples, texts, [[1]] * 8, "train")
+    lines = log.read_text().splitlines()
+    assert len(lines) == 8 * 2001 and all(re.fullmatch(NOISY_LINE, line) for line in lines)
+    assert sorted({line[:10] for line in lines}) == [f"noisy {ex.id:04d}" for ex in examples]
+    out, err = capfd.readouterr()
+    assert "noisy" not in err and out.count("noisy") == 3  # only the first three lines, quoted in the note
+    first = " | ".join(repr(line) for line in lines[:3])
+    assert out.splitlines() == [
+        f"lit_rl: the reward functions printed 16008 lines so far, written to {log} with the rest of their output "
+        f"(their workers' stdout and stderr), not here; the first: {first} (printed once)"
+    ]
+    rewards.score(examples[:1], texts[:1], [[1]], "eval")
+    assert len(log.read_text().splitlines()) == 9 * 2001 and capfd.readouterr().out == ""  # printed once
+
+    other = tmp_path / "other" / "reward_output.log"
+    other.parent.mkdir()
+    _, second = _noisy_rewards(tmp_path, other)
+    second.score(examples[:2], texts[:2], [[1]] * 2, "train")
+    assert len(other.read_text().splitlines()) == 2 * 2001 and len(log.read_text().splitlines()) == 9 * 2001
+    assert f"printed 4002 lines so far, written to {other}" in capfd.readouterr().out  # its own note
+    _, console = _noisy_rewards(tmp_path, None)
+    console.score(examples[:1], texts[:1], [[1]], "train")
+    out, err = capfd.readouterr()
+    assert out.count("noisy 0000 line") == 2000 and err == "noisy 0000 to stderr\n"
+    assert len(other.read_text().splitlines()) == 2 * 2001
+
+
+def test_a_run_writes_its_reward_output_log(tmp_path, capfd):
+    """One step of 2 prompts x G = 4 with the noisy function: <run>/reward_output.log holds 8 x 2,001 lines and the
+    console one line about them."""
+    from lit_rl.run.train import run
+
+    (tmp_path / "noisy.py").write_text(NOISY)
+    cfg = fast_config("trainer.max_steps=1", "eval.num_examples=0", f"reward.functions=[{tmp_path}/noisy.py:noisy]")
+    run(cfg, tmp_path / "run")
+    log = tmp_path / "run" / "reward_output.log"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 8 * 2001
+    out, err = capfd.readouterr()
+    assert out.count(f"lit_rl: the reward functions printed {8 * 2001} lines so far, written to {log}") == 1
+    assert out.count("noisy") == 3 and "noisy" not in err
+
+
+WORKER_ONLY_FAILURE = """
+import os
+if os.environ.get("LIT_RL_VERIFIER_WORKER"):  # loads in the trainer, fails in the workers
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "say_why")):
+        print("cannot reach the grading server")
+    raise ConnectionError("no grading server")
+
+def grade(prompt, completion, example):
+    return 1.0
+"""
+
+
+@pytest.mark.parametrize("say_why", [False, True])
+def test_functions_that_cannot_load_in_the_workers_leave_no_empty_log(tmp_path, say_why):
+    """A refused start leaves no empty reward_output.log behind (the run folder of a refused start is removed
+    when it holds nothing a run wrote); one the workers printed to is kept and named in the error."""
+    from lit_rl.tasks import ArithmeticTask
+    from lit_rl.tasks.reward_functions import RewardFunctions
+
+    if say_why:
+        (tmp_path / "say_why").touch()
+    (tmp_path / "g.py").write_text(WORKER_ONLY_FAILURE)
+    log = tmp_path / "reward_output.log"
+    task = ArithmeticTask(num_train=1, num_eval=0)
+    rewards = RewardFunctions(task, [f"{tmp_path}/g.py:grade"], num_workers=1, output_log=log)
+    with pytest.raises(RuntimeError) as err:
+        rewards.prepare()
+    assert "ConnectionError: no grading server" in str(err.value)
+    if say_why:
+        assert str(err.value).endswith(f"(what the functions printed: {log})")
+        assert log.read_text() == "cannot reach the grading server\n"
+    else:
+        assert not log.exists()

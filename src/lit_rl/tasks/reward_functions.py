@@ -18,7 +18,9 @@ applicable": left out of the function's own mean (``rollout/reward/<name>``) and
 weighted total, as TRL's ``nansum`` does. A function that raises, returns something else (a NaN, a string) or
 runs past ``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
 One that fails on every call of ``reward.max_failed_steps`` (3) training steps in a row stops the run
-(``RewardFunctionFailed``, naming it and its first error; ``RewardFunctions.count_failed_step``).
+(``RewardFunctionFailed``, naming it and its first error; ``RewardFunctions.count_failed_step``). What the
+functions print (their workers' stdout and stderr) goes to ``output_log`` (a run's ``reward_output.log``), and
+one console line says so, with the count and the first lines, the first time they print.
 
 A function may also return, verl's convention, a dict ``{"score": float | None, "correct": bool}``: ``score``
 enters the weighted total, ``correct`` says whether the completion is right (a batched one: a list of such dicts).
@@ -39,6 +41,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import re
 import sys
 import uuid
@@ -233,6 +236,8 @@ class RewardFunctions:
             the task's verifier.
         max_failed_steps: training steps in a row in which every call of one function fails before
             ``count_failed_step`` stops the run (``reward.max_failed_steps``); 0: never.
+        output_log: the file the workers' stdout and stderr go to while they run these functions (appended to;
+            ``verifier_pool``), None: the console.
 
     Attributes:
         correct_source: what decides correctness, in words (e.g. ``"reward function 'math'"``).
@@ -254,6 +259,7 @@ class RewardFunctions:
         max_completion_length: int = 64,
         correct_from: str | None = None,
         max_failed_steps: int = 3,
+        output_log: str | os.PathLike | None = None,
     ):
         self.task, self.num_workers, self.timeout_s = task, int(num_workers), float(timeout_s)
         self.max_failed_steps = int(max_failed_steps)
@@ -296,6 +302,9 @@ class RewardFunctions:
         self.key = uuid.uuid4().hex  # what the workers load for this run
         self._reported: set[str] = set()
         self.first_errors: dict[str, str] = {}
+        self.output_log = None if output_log is None else str(output_log)
+        self._output_start: int | None = None  # the log's size before these functions first ran
+        self._output_told = False
         self.failed_steps: dict[str, int] = {}  # name -> training steps in a row in which every call failed
 
     def _choose_correct(self, functions: list[str], correct_from: str | None, verifier: Task) -> None:
@@ -337,9 +346,44 @@ class RewardFunctions:
         return shared_pool(self.num_workers)
 
     def prepare(self) -> None:
-        """Start the verifier workers and load the functions in each now (``VerifierPool.prepare``); raises
-        RuntimeError when a worker cannot load them."""
-        self.pool.prepare(self.key, self.refs)
+        """Start the verifier workers and load the functions in each now (``VerifierPool.prepare``), their output
+        to ``output_log``; raises RuntimeError when a worker cannot load them (an ``output_log`` it left empty is
+        removed; one the functions printed to is named)."""
+        self._mark_output()
+        try:
+            self.pool.prepare(self.key, self.refs, log=self.output_log)
+        except RuntimeError as err:
+            if self.output_log is None or not os.path.exists(self.output_log):
+                raise
+            if os.path.getsize(self.output_log) == 0:
+                os.remove(self.output_log)
+                raise
+            raise RuntimeError(f"{err} (what the functions printed: {self.output_log})") from err
+
+    def _mark_output(self) -> None:
+        if self.output_log is not None and self._output_start is None:
+            self._output_start = os.path.getsize(self.output_log) if os.path.exists(self.output_log) else 0
+
+    def report_output(self) -> None:
+        """Print one line the first time the functions have printed to ``output_log``: how many lines so far, the
+        first ones and the file (the lines never reach the console). Later output is only written to the file."""
+        if self.output_log is None or self._output_start is None or self._output_told:
+            return
+        try:
+            if os.path.getsize(self.output_log) <= self._output_start:
+                return
+            with open(self.output_log, "rb") as f:
+                f.seek(self._output_start)
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return
+        self._output_told = True
+        first = " | ".join(repr(line[:100] + ("..." if len(line) > 100 else "")) for line in lines[:3])
+        print(
+            f"lit_rl: the reward functions printed {len(lines)} lines so far, written to {self.output_log} with the "
+            f"rest of their output (their workers' stdout and stderr), not here; the first: {first} (printed once)",
+            flush=True,
+        )
 
     def score(
         self,
@@ -374,7 +418,9 @@ class RewardFunctions:
                 for i in range(n):
                     jobs.append((f, (prompts[i], completions[i], rows[i]), {}))
                     owners.append((f, i))
-        outcomes = self.pool.run(self.key, self.refs, jobs, self.timeout_s)
+        self._mark_output()
+        outcomes = self.pool.run(self.key, self.refs, jobs, self.timeout_s, log=self.output_log)
+        self.report_output()
         parts = [[math.nan] * n for _ in self.refs]
         correct = [False] * n
         errors = timeouts = 0
