@@ -81,8 +81,9 @@ def main(cfg: DictConfig):
         from lit_rl.algorithms import NonFiniteUpdates  # torch and Lightning load from here on
         from lit_rl.run.checkpoints import OutputWriteError
         from lit_rl.run.train import run
+        from lit_rl.tasks.reward_functions import RewardFunctionFailed
 
-        stops = (NonFiniteUpdates, OutputWriteError)
+        stops = (NonFiniteUpdates, OutputWriteError, RewardFunctionFailed)
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
     except (ConfigError, *stops) as err:
         kind, code = ("error", 2) if isinstance(err, ConfigError) else ("stopped", 1)

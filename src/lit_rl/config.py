@@ -114,6 +114,7 @@ def validate(cfg: DictConfig) -> None:
     check_hardware(cfg)
     check_lora(cfg)
     check_task(cfg)
+    check_answer_needed(cfg)
     check_model_path(cfg)
     check_environment(cfg)
 
@@ -273,6 +274,40 @@ def check_task(cfg: DictConfig) -> None:
     timeout = cfg.reward_timeout_s
     _check(is_number(timeout) and timeout > 0, "reward_timeout_s", timeout, "must be a number of seconds > 0")
     _raise_first(task_config(cfg).problems(cfg))
+
+
+#: the built-in reward functions that compare a completion with the gold answer (``tasks.reward_functions``)
+ANSWER_FUNCTIONS = ("math", "exact")
+
+
+def check_answer_needed(cfg: DictConfig) -> None:
+    """``task=dataset`` with ``task.answer_field`` null has no gold answer: refuse a reward that compares with
+    one, since it can never reward a completion. The task's verifier (``reward.functions`` null) scores every
+    completion 0, and ``math`` / ``exact`` (``ANSWER_FUNCTIONS``) score None (not applicable) on every one, which
+    also leaves ``eval/accuracy`` at 0 when one of them decides correctness. A ``task.constant_reward`` run
+    rewards the constant, as it means to: accepted."""
+    task = cfg.task
+    if task.name != "dataset" or task.get("answer_field", "answer") is not None:
+        return
+    if task.get("constant_reward") is not None:
+        return
+    functions = cfg.reward.functions
+    fix = (
+        "give the rows' gold-answer column (task.answer_field=<column>), or reward.functions that need no answer "
+        "(format, length_penalty, or your own 'module:function' / 'path/to/file.py:function')"
+    )
+    if functions is None:
+        raise ConfigError(
+            "task.answer_field=null: the rows have no gold answer, and with reward.functions null the task's "
+            f"verifier compares each completion with it, so every reward would be 0 and the run learns nothing: {fix}"
+        )
+    listed = [str(f) for f in functions if str(f) in ANSWER_FUNCTIONS]
+    if listed:
+        raise ConfigError(
+            f"task.answer_field=null: the rows have no gold answer, and reward.functions lists {listed[0]!r}, "
+            f"which compares each completion with it, so it would score None (not applicable) on every one: "
+            f"{fix}; or drop {listed[0]!r}"
+        )
 
 
 def task_config(cfg: DictConfig) -> TaskConfig:
@@ -640,11 +675,12 @@ def check_attn_implementation(cfg: DictConfig) -> None:
 
 def check_reward(cfg: DictConfig) -> None:
     """The ``reward`` section: the functions load (a bad name, file or module fails here, naming it), one
-    weight per function, ``correct_from`` one of the functions, at least one worker."""
+    weight per function, ``correct_from`` one of the functions, at least one worker, ``max_failed_steps`` >= 0."""
     from omegaconf import OmegaConf
 
     r = OmegaConf.to_container(cfg.reward, resolve=True)
     _check_int(r["num_workers"], "reward.num_workers", 1)
+    _check_int(r.get("max_failed_steps", 3), "reward.max_failed_steps", 0, " (0 = never stop)")
     if r["functions"] is None:
         _check(r["weights"] is None, "reward.weights", r["weights"], "needs reward.functions (one per function)")
         _check(

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import objectives as obj
-from ..rollout.datamodule import PromptBatch, ScoredRollouts, concat_scored, select_rows
+from ..rollout.datamodule import PromptBatch, ScoredRollouts, add_failures, concat_scored, select_rows
 from ..schema import DapoConfig
 from .grpo import GRPO
 
@@ -43,7 +43,7 @@ class DAPO(GRPO):
         kept: list[ScoredRollouts] = []
         n_kept = all_correct = all_wrong = rounds = 0
         examples = batch.examples
-        rewards_seen, errors = [], 0
+        rewards_seen, errors, failures = [], 0, {}
         offset, world = batch.offset, dm.world_size
         while True:
             # group ids and seeds by a prompt's position in the round's full list (all ranks): one id per group
@@ -58,6 +58,7 @@ class DAPO(GRPO):
             )
             rewards_seen.append(scored.rewards)
             errors += scored.reward_errors
+            failures = add_failures(failures, scored.reward_failures)
             for g in scored.group_ids.unique().tolist():
                 rows = (scored.group_ids == g).nonzero().squeeze(-1)
                 r = scored.rewards[rows]
@@ -76,6 +77,7 @@ class DAPO(GRPO):
             # shaping makes a group's shaped rewards differ)
             kept = [scored]
         out = concat_scored(kept, learner.tokenizer.pad_token_id)
+        out.reward_failures = failures  # every round's calls, as rollout/reward_errors counts them
         generated = torch.cat(rewards_seen)
         # these replace the base's rollout metrics: reward over everything generated (comparable with the
         # other algorithms), the dropped groups' counts, and the reward of the groups kept for training

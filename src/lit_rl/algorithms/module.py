@@ -269,6 +269,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         rl_step = self.global_step // self.updates_per_step
         # this rank's share of the step's prompts, sampled with the weights the source chooses (rollout.mode)
         scored, collect_metrics, t_sync = self.source.collect(self, batch)
+        self.count_reward_failures(scored, rl_step)  # a reward function failing step after step stops the run here
         t_rollout = time.perf_counter() - t0
         metrics = {**self.rollout_metrics(scored), **collect_metrics}
         weights = self.algorithm.metric_weights(self, batch, scored, metrics)
@@ -305,6 +306,21 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         """Generate and score this rank's share of the step's rollouts the algorithm's way (``Algorithm.collect``)
         with the engine as the source has set it. Returns (ScoredRollouts, rollout metrics of this rank)."""
         return self.algorithm.collect(self, batch)
+
+    def count_reward_failures(self, scored: ScoredRollouts, rl_step: int) -> None:
+        """``RewardFunctions.count_failed_step`` of the step's reward calls, summed over the ranks (a collective,
+        so every rank stops together): a function that failed on every call of ``reward.max_failed_steps`` steps
+        in a row raises ``RewardFunctionFailed`` here, before the step's update and its metrics, so the run folder
+        ends at the last step trained (its checkpoints, the loggers' history)."""
+        rewards = getattr(self.datamodule, "rewards", None) if self._trainer is not None else None
+        if rewards is None or not rewards.max_failed_steps:
+            return
+        values = {}
+        for name in rewards.names:  # the same names on every rank, in the same order
+            failed, called = scored.reward_failures.get(name, (0, 0))
+            values[f"failed:{name}"], values[f"called:{name}"] = float(failed), float(called)
+        values = self.all_reduce_dict(values, "sum")
+        rewards.count_failed_step({n: (values[f"failed:{n}"], values[f"called:{n}"]) for n in rewards.names}, rl_step)
 
     def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
         r = scored.rollouts

@@ -59,6 +59,9 @@ class ScoredRollouts:
     #: name -> [N] float32 of each of ``reward.functions`` (nan: not applicable); empty with the task's verifier
     reward_parts: dict[str, torch.Tensor] = field(default_factory=dict)
     correct: torch.Tensor | None = None
+    #: name -> (completions whose call of it failed, completions it was called on) over every completion scored for
+    #: the step (DAPO: every round's), which ``RewardFunctions.count_failed_step`` counts; empty: not tallied
+    reward_failures: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.correct is None:
@@ -106,7 +109,18 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         reward_errors=sum(p.reward_errors for p in parts),
         reward_parts={k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts},
         correct=torch.cat([p.correct for p in parts]),
+        reward_failures=add_failures(*(p.reward_failures for p in parts)),
     )
+
+
+def add_failures(*tallies: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``ScoredRollouts.reward_failures`` of several batches, summed name by name."""
+    out: dict[str, tuple[int, int]] = {}
+    for tally in tallies:
+        for name, (failed, called) in tally.items():
+            a, b = out.get(name, (0, 0))
+            out[name] = (a + failed, b + called)
+    return out
 
 
 def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
@@ -361,6 +375,7 @@ class RolloutDataModule(L.LightningDataModule):
             reward_errors=scores.errors,
             reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
             correct=torch.tensor(scores.correct, dtype=torch.bool),
+            reward_failures=scores.failures,
         )
 
     # -- Lightning hooks -----------------------------------------------------------------------------

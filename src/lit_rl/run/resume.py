@@ -53,6 +53,7 @@ SAFE_ON_RESUME = (
     "eval.every_n_steps",
     "eval.batch_size",
     "reward.num_workers",
+    "reward.max_failed_steps",
     "log.samples_every_n_steps",
     "log.num_samples",
     "log.plain_lines",

@@ -71,6 +71,9 @@ from .runfolder import RunFolderClaim, check_output_folders, claim_run_folder, l
 
 log = logging.getLogger(__name__)
 
+#: the run folder's file of what the reward functions print (their verifier workers' stdout and stderr)
+REWARD_OUTPUT = "reward_output.log"
+
 
 def export_policy(policy, folder: Path, weights: dict | None = None, merge: bool = False) -> None:
     """Write the trained policy to ``folder`` in save_pretrained format (safetensors): the full model, or with
@@ -148,10 +151,11 @@ def build_task_from_cfg(cfg: TrainConfig | DictConfig):
     return build_task(dataclasses.asdict(train_config(cfg).task))
 
 
-def build_rewards(cfg: TrainConfig, task) -> RewardFunctions:
-    """The run's ``RewardFunctions``: ``reward.functions`` (or the task's verifier) in the verifier pool, and
-    the verifier of correctness (``reward.correct_from``); prints which one when the default fell back to the
-    first function (``task=dataset`` without a built-in verifier among the functions)."""
+def build_rewards(cfg: TrainConfig, task, output_log: Path | None = None) -> RewardFunctions:
+    """The run's ``RewardFunctions``: ``reward.functions`` (or the task's verifier) in the verifier pool, their
+    output to ``output_log`` (None: the console), and the verifier of correctness (``reward.correct_from``);
+    prints which one when the default fell back to the first function (``task=dataset`` without a built-in
+    verifier among the functions)."""
     r = cfg.reward
     try:
         rewards = RewardFunctions(
@@ -162,6 +166,8 @@ def build_rewards(cfg: TrainConfig, task) -> RewardFunctions:
             timeout_s=cfg.reward_timeout_s,
             max_completion_length=cfg.sampling.max_new_tokens,
             correct_from=r.correct_from,
+            max_failed_steps=r.max_failed_steps,
+            output_log=output_log,
         )
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(str(err)) from err
@@ -346,11 +352,11 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     return trainer, checkpoints
 
 
-def build_data(cfg: TrainConfig) -> tuple[RolloutDataModule, ModelConfig, object]:
+def build_data(cfg: TrainConfig, reward_log: Path | None = None) -> tuple[RolloutDataModule, ModelConfig, object]:
     """(the ``RolloutDataModule``, the model's ``ModelConfig``, its tokenizer) of ``cfg``, checked before any
     weight loads: the task's data, the tokenizer's chat template, the prompts against the context, the model's
-    support, the LoRA targets (on the meta device), the reward functions loaded in the verifier workers.
-    Raises ConfigError naming the field or file."""
+    support, the LoRA targets (on the meta device), the reward functions loaded in the verifier workers (what
+    they print to ``reward_log``, None: the console). Raises ConfigError naming the field or file."""
     try:  # data and model problems are the user's input too: report them like config errors
         task = build_task_from_cfg(cfg)
     except (ValueError, FileNotFoundError) as err:
@@ -374,7 +380,7 @@ def build_data(cfg: TrainConfig) -> tuple[RolloutDataModule, ModelConfig, object
         eval_examples=cfg.eval.num_examples,
         eval_batch_size=cfg.eval.batch_size,
         reward_timeout_s=cfg.reward_timeout_s,
-        rewards=build_rewards(cfg, task),
+        rewards=build_rewards(cfg, task, reward_log),
     )
     config = model_config(cfg.model)
     check_context(cfg, datamodule, config)  # before the weights load
@@ -466,15 +472,20 @@ def enter_kernel_mode(cfg: TrainConfig, policy):
     return mode
 
 
-def assemble(cfg: TrainConfig | DictConfig, before_weights: Callable[[], None] | None = None) -> ModelParts:
+def assemble(
+    cfg: TrainConfig | DictConfig,
+    before_weights: Callable[[], None] | None = None,
+    reward_log: Path | None = None,
+) -> ModelParts:
     """The data, the model and the ``RLModule`` of a validated config whose auto settings are filled in
     (``resolve_settings``; a ``DictConfig`` is typed here, ``schema.train_config``), without a Trainer, in the order
     that keeps failures cheap: the data and the tokenizer (checked: ``build_data``), then ``before_weights()`` when
     given, the policy (checked), the kernel mode (entered), the module (its algorithm, rollout source and engine).
     What ``build`` trains with, and what the gradient probe and the benchmarks measure. The caller leaves the kernel
-    mode (``parts.kernels``) when done. Raises ConfigError."""
+    mode (``parts.kernels``) when done. ``reward_log``: the file the reward functions' output goes to (a run's
+    ``REWARD_OUTPUT``), None: the console. Raises ConfigError."""
     cfg = train_config(cfg)
-    datamodule, spec, tokenizer = build_data(cfg)
+    datamodule, spec, tokenizer = build_data(cfg, reward_log)
     if before_weights is not None:
         before_weights()
     policy, tokenizer = load_checked_policy(cfg, spec, tokenizer)
@@ -490,13 +501,14 @@ def assemble(cfg: TrainConfig | DictConfig, before_weights: Callable[[], None] |
 def build(prepared: Prepared) -> RunParts:
     """Everything a prepared run trains with, in the order that keeps failures cheap: the Trainer, then
     ``assemble`` (the data and the tokenizer, checked; config.yaml; the policy, checked; the kernel mode; the
-    ``RLModule``). Raises ConfigError."""
+    ``RLModule``). The reward functions' output goes to ``<run>/reward_output.log`` (``REWARD_OUTPUT``, appended
+    to by every rank, and by a continued run). Raises ConfigError."""
     trainer, checkpoints = build_trainer(prepared)
     write_config = None
     if trainer.is_global_zero:
         check_output_folders(prepared.out)
         write_config = partial(write_run_config, prepared)  # once the data passed its checks, before the weights
-    parts = assemble(prepared.cfg, before_weights=write_config)
+    parts = assemble(prepared.cfg, before_weights=write_config, reward_log=prepared.out / REWARD_OUTPUT)
     return RunParts(prepared, trainer, checkpoints, parts)
 
 

@@ -87,7 +87,8 @@ class DatasetConfig(TaskConfig):
     seed: int = 0
     #: the prompt column: text, or a list of chat messages {role, content}
     prompt_field: str = "prompt"
-    #: the gold-answer column; null = none (reward functions that need no answer)
+    #: the gold-answer column; null = none, for reward functions that need no answer (the task's verifier, math and
+    #: exact compare with it: refused with null, ``config.check_answer_needed``)
     answer_field: Optional[str] = "answer"
     system_prompt: Optional[str] = None
     #: a str.format template over the row's columns for text prompts, e.g. "{question} Answer after ####."
@@ -155,3 +156,6 @@ class RewardConfig:
     correct_from: Optional[str] = None
     #: verifier processes (persistent, one thread each); a call past reward_timeout_s kills and replaces one
     num_workers: int = 2
+    #: stop the run after this many RL steps in a row in which every call of one function failed (raised, returned
+    #: a NaN or a non-number, timed out, killed its worker), naming it and its first error; 0 = never
+    max_failed_steps: int = 3

@@ -15,8 +15,12 @@ user message for chat data), ``completion`` the generated text, ``example`` a di
 columns with ``id``, ``question`` and ``answer``; the batched form gets each of those as a list (one entry
 per completion) plus ``completion_ids`` (token ids) and ``max_completion_length``. None means "not
 applicable": left out of the function's own mean (``rollout/reward/<name>``) and counted as 0 in the
-weighted total, as TRL's ``nansum`` does. A function that raises, returns something else or runs past
-``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
+weighted total, as TRL's ``nansum`` does. A function that raises, returns something else (a NaN, a string) or
+runs past ``reward_timeout_s`` scores 0 and is counted in ``rollout/reward_errors``; its first error is printed once.
+One that fails on every call of ``reward.max_failed_steps`` (3) training steps in a row stops the run
+(``RewardFunctionFailed``, naming it and its first error; ``RewardFunctions.count_failed_step``). What the
+functions print (their workers' stdout and stderr) goes to ``output_log`` (a run's ``reward_output.log``), and
+one console line says so, with the count and the first lines, the first time they print.
 
 A function may also return, verl's convention, a dict ``{"score": float | None, "correct": bool}``: ``score``
 enters the weighted total, ``correct`` says whether the completion is right (a batched one: a list of such dicts).
@@ -37,10 +41,11 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import re
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,7 +56,7 @@ from lit_rl.tasks.dataset import DatasetTask
 from lit_rl.tasks.rewards import extract_answer, math_reward
 from lit_rl.tasks.verifier_pool import Outcome, shared_pool
 
-__all__ = ["BUILTINS", "RewardFunctions", "Scores", "load_function", "pass_at_k"]
+__all__ = ["BUILTINS", "RewardFunctionFailed", "RewardFunctions", "Scores", "load_function", "pass_at_k"]
 
 
 # -- built-ins ---------------------------------------------------------------------------------------------------
@@ -188,6 +193,12 @@ def function_name(spec: str) -> str:
     return spec if spec in BUILTINS else spec.rpartition(":")[2]
 
 
+class RewardFunctionFailed(RuntimeError):
+    """A reward function failed on every call of ``reward.max_failed_steps`` training steps in a row: it raised,
+    returned something that is not a reward, ran past ``reward_timeout_s`` or killed its worker. The message names
+    it, its first error and the step the run stopped at."""
+
+
 @dataclass
 class Scores:
     """The rewards of N completions.
@@ -195,13 +206,16 @@ class Scores:
     total: N weighted totals (a None counts 0); parts: name -> N values of each function (nan = None or failed;
     empty with the task's own verifier); errors: calls that raised, returned a non-number or timed out (a batched
     call counts once per completion it covered); timeouts: those that timed out; correct: N bools from the
-    correctness verifier (``RewardFunctions.correct_source``; empty: not verified, no completion correct)."""
+    correctness verifier (``RewardFunctions.correct_source``; empty: not verified, no completion correct);
+    failures: name -> (completions whose call of it failed, completions it was called on), for every function
+    that ran (the correctness verifier beside the functions included)."""
 
     total: list[float]
     parts: dict[str, list[float]]
     errors: int = 0
     timeouts: int = 0
     correct: list[bool] = field(default_factory=list)
+    failures: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class RewardFunctions:
@@ -220,10 +234,15 @@ class RewardFunctions:
         max_completion_length: the generation cap in tokens, handed to batched functions (``length_penalty``).
         correct_from: the name (or the spec as listed) of the function whose verdict is the correctness; None:
             the task's verifier.
+        max_failed_steps: training steps in a row in which every call of one function fails before
+            ``count_failed_step`` stops the run (``reward.max_failed_steps``); 0: never.
+        output_log: the file the workers' stdout and stderr go to while they run these functions (appended to;
+            ``verifier_pool``), None: the console.
 
     Attributes:
         correct_source: what decides correctness, in words (e.g. ``"reward function 'math'"``).
         correct_note: a line to print at start-up when the default fell back to the first function, else None.
+        first_errors: name -> the first failure of each function that failed, in words (``"ValueError: boom"``).
 
     Raises:
         ValueError, FileNotFoundError, ImportError: a function cannot be loaded here (each names it), weights of
@@ -239,8 +258,11 @@ class RewardFunctions:
         timeout_s: float = 10.0,
         max_completion_length: int = 64,
         correct_from: str | None = None,
+        max_failed_steps: int = 3,
+        output_log: str | os.PathLike | None = None,
     ):
         self.task, self.num_workers, self.timeout_s = task, int(num_workers), float(timeout_s)
+        self.max_failed_steps = int(max_failed_steps)
         self.max_completion_length = int(max_completion_length)
         self.constant = getattr(task, "value", None) if hasattr(task, "eval_task") else None
         verifier = getattr(task, "eval_task", task)
@@ -279,6 +301,11 @@ class RewardFunctions:
             self._choose_correct(functions, correct_from, verifier)
         self.key = uuid.uuid4().hex  # what the workers load for this run
         self._reported: set[str] = set()
+        self.first_errors: dict[str, str] = {}
+        self.output_log = None if output_log is None else str(output_log)
+        self._output_start: int | None = None  # the log's size before these functions first ran
+        self._output_told = False
+        self.failed_steps: dict[str, int] = {}  # name -> training steps in a row in which every call failed
 
     def _choose_correct(self, functions: list[str], correct_from: str | None, verifier: Task) -> None:
         """Set ``correct_index`` (into ``refs``; ``len(weights)``: the task's verifier, appended to ``refs`` and
@@ -319,9 +346,44 @@ class RewardFunctions:
         return shared_pool(self.num_workers)
 
     def prepare(self) -> None:
-        """Start the verifier workers and load the functions in each now (``VerifierPool.prepare``); raises
-        RuntimeError when a worker cannot load them."""
-        self.pool.prepare(self.key, self.refs)
+        """Start the verifier workers and load the functions in each now (``VerifierPool.prepare``), their output
+        to ``output_log``; raises RuntimeError when a worker cannot load them (an ``output_log`` it left empty is
+        removed; one the functions printed to is named)."""
+        self._mark_output()
+        try:
+            self.pool.prepare(self.key, self.refs, log=self.output_log)
+        except RuntimeError as err:
+            if self.output_log is None or not os.path.exists(self.output_log):
+                raise
+            if os.path.getsize(self.output_log) == 0:
+                os.remove(self.output_log)
+                raise
+            raise RuntimeError(f"{err} (what the functions printed: {self.output_log})") from err
+
+    def _mark_output(self) -> None:
+        if self.output_log is not None and self._output_start is None:
+            self._output_start = os.path.getsize(self.output_log) if os.path.exists(self.output_log) else 0
+
+    def report_output(self) -> None:
+        """Print one line the first time the functions have printed to ``output_log``: how many lines so far, the
+        first ones and the file (the lines never reach the console). Later output is only written to the file."""
+        if self.output_log is None or self._output_start is None or self._output_told:
+            return
+        try:
+            if os.path.getsize(self.output_log) <= self._output_start:
+                return
+            with open(self.output_log, "rb") as f:
+                f.seek(self._output_start)
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return
+        self._output_told = True
+        first = " | ".join(repr(line[:100] + ("..." if len(line) > 100 else "")) for line in lines[:3])
+        print(
+            f"lit_rl: the reward functions printed {len(lines)} lines so far, written to {self.output_log} with the "
+            f"rest of their output (their workers' stdout and stderr), not here; the first: {first} (printed once)",
+            flush=True,
+        )
 
     def score(
         self,
@@ -337,6 +399,7 @@ class RewardFunctions:
         scored = len(self.weights)  # refs[:scored] enter the total; a ref beyond them only decides correctness
         if n == 0:
             return Scores([], {} if self.own_verifier or constant else {name: [] for name in self.names[:scored]})
+        failures = {self.names[f]: [0, 0] for f in ([self.correct_index] if constant else range(len(self.refs)))}
         run = [self.correct_index] if constant else range(len(self.refs))
         prompts = [ex.question for ex in examples]
         rows = [ex if self.own_verifier else ex.as_dict() for ex in examples]
@@ -355,7 +418,9 @@ class RewardFunctions:
                 for i in range(n):
                     jobs.append((f, (prompts[i], completions[i], rows[i]), {}))
                     owners.append((f, i))
-        outcomes = self.pool.run(self.key, self.refs, jobs, self.timeout_s)
+        self._mark_output()
+        outcomes = self.pool.run(self.key, self.refs, jobs, self.timeout_s, log=self.output_log)
+        self.report_output()
         parts = [[math.nan] * n for _ in self.refs]
         correct = [False] * n
         errors = timeouts = 0
@@ -363,7 +428,9 @@ class RewardFunctions:
             covered = range(n) if i is None else [i]
             if outcome.status == "ok" and i is None and len(outcome.value) != n:
                 outcome = Outcome("error", message=f"returned {len(outcome.value)} rewards for {n} completions")
+            failures[self.names[f]][1] += len(covered)
             if outcome.status != "ok":
+                failures[self.names[f]][0] += len(covered)
                 errors += len(covered)
                 timeouts += len(covered) * (outcome.status == "timeout")
                 self._report(f, outcome)
@@ -378,27 +445,63 @@ class RewardFunctions:
                 parts[f][j] = math.nan if v is None else float(v)
                 if f == self.correct_index:
                     correct[j] = said if said is not None else (v is not None and v >= 1.0)
+        failed = {name: (a, b) for name, (a, b) in failures.items()}
         if constant:
-            return Scores([float(self.constant)] * n, {}, errors, timeouts, correct)
+            return Scores([float(self.constant)] * n, {}, errors, timeouts, correct, failed)
         total = [
             sum(w * (0.0 if math.isnan(p[j]) else p[j]) for w, p in zip(self.weights, parts[:scored])) for j in range(n)
         ]
         named = {} if self.own_verifier else dict(zip(self.names[:scored], parts[:scored]))
-        return Scores(total, named, errors, timeouts, correct)
+        return Scores(total, named, errors, timeouts, correct, failed)
+
+    def count_failed_step(self, failures: Mapping[str, tuple[float, float]], rl_step: int) -> None:
+        """Count one training step's ``failures`` (name -> (completions whose call failed, completions called),
+        summed over the ranks): a function that failed on every call of the step extends its run of failed steps,
+        one that scored a completion ends it (a step that did not call it changes nothing).
+
+        Raises:
+            RewardFunctionFailed: a function's run reached ``max_failed_steps`` (not 0), naming it, its first
+                error and ``rl_step``, the step the run stops at (before its update).
+        """
+        for name, (failed, called) in failures.items():
+            if called > 0:
+                self.failed_steps[name] = self.failed_steps.get(name, 0) + 1 if failed >= called else 0
+        limit = self.max_failed_steps
+        for name in self.names:
+            steps = self.failed_steps.get(name, 0)
+            if limit and steps >= limit:
+                first = self.first_errors.get(name, "(its error was reported on another rank)")
+                raise RewardFunctionFailed(
+                    f"reward function {name!r} failed on every call in {steps} RL steps in a row (steps "
+                    f"{rl_step - steps + 1}-{rl_step}, reward.max_failed_steps={limit}); its first error: {first}. "
+                    f"Every completion scored 0 from it, so the run could not learn from it: stopped at RL step "
+                    f"{rl_step}, before its update. Fix the function (call it on one completion by hand), then "
+                    f"start again or continue from the run's last checkpoint (ckpt_path=last); "
+                    f"reward.max_failed_steps=0 never stops"
+                )
 
     def _report(self, f: int, outcome: Outcome) -> None:
         """Print a function's first failure of each kind once (later ones are counted, not printed)."""
         name = self.names[f]
+        if outcome.status == "timeout":
+            error = f"ran past reward_timeout_s={self.timeout_s:g} s"
+            what = f"{error} (its worker process was killed and replaced)"
+        else:
+            error = outcome.message
+            what = f"failed: {error}"
+        self.first_errors.setdefault(name, error)
         if (name, outcome.status) in self._reported:
             return
         self._reported.add((name, outcome.status))
-        if outcome.status == "timeout":
-            what = f"ran past reward_timeout_s={self.timeout_s:g} s (its worker process was killed and replaced)"
-        else:
-            what = f"failed: {outcome.message}"
+        stop = (
+            f"; a run in which every call of it fails for reward.max_failed_steps={self.max_failed_steps} steps "
+            f"in a row stops"
+            if self.max_failed_steps
+            else ""
+        )
         print(
             f"lit_rl: reward function {name!r} {what}; the completion scores 0, counted in rollout/reward_errors "
-            f"(printed once)",
+            f"(printed once){stop}",
             flush=True,
         )
 

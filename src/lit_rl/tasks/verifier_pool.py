@@ -11,10 +11,18 @@ and from run to run, and get it again only when it changes (a new ``key``). Each
 thread.
 
 Protocol, over one socket pair per worker (``multiprocessing.connection.Connection``): the parent sends
-``("setup", key, file)`` (the functions pickled into ``file``, so a large task never fills the socket) and
+``("setup", key, file, log)`` (the functions pickled into ``file``, so a large task never fills the socket) and
 the worker answers ``("ready", key)`` or ``("setup_error", line)``; then ``("call", index, args, kwargs)``,
 answered with ``("ok", value)`` or ``("error", line)``. The limit starts when a call is sent to a worker that
 is ready, so starting a worker and loading the functions do not count against it.
+
+What the functions print. ``log`` names a file (a run's ``reward_output.log``) that the worker's stdout and
+stderr (file descriptors 1 and 2: ``print``, warnings, tracebacks of a crash, C extensions, subprocesses) are
+appended to from that setup on, line-buffered: each line is one ``write`` to a file opened with ``O_APPEND``, so
+the workers' lines never interleave mid-line (a function printing 2,000 lines per call once wrote 31 MB to the
+console, cut mid-line between workers). None: the trainer's own stdout and stderr, as the worker started with.
+The file is chosen per ``key``, i.e. per run: a pool shared by several runs in one process writes each run's
+output to its own file.
 """
 
 from __future__ import annotations
@@ -105,9 +113,36 @@ def _worker_entry(fd: int) -> None:
     _worker_main(Connection(fd))
 
 
+def _redirect_output(log: str | None, console: tuple[int, int]) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2) at the file ``log``, appended to and
+    line-buffered, or back at ``console`` (the descriptors it started with) when ``log`` is None. Raises OSError
+    when ``log`` cannot be opened."""
+    streams = [s for s in (sys.stdout, sys.stderr) if s is not None]
+    for stream in streams:  # what is buffered goes where it was meant to
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if log is None:
+        os.dup2(console[0], 1)
+        os.dup2(console[1], 2)
+        return
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+    for stream in streams:  # one write per line (PYTHONUNBUFFERED writes a print's text and its newline apart)
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def _worker_main(conn) -> None:
-    """A worker's loop: load functions on "setup", run them on "call", until the socket closes."""
+    """A worker's loop: load functions on "setup" (its output sent to the setup's log), run them on "call", until
+    the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it closes the socket
+    console = (os.dup(1), os.dup(2))  # the trainer's stdout and stderr, for a setup without a log
     functions: list = []
     batched: list[bool] = []
     setup_error = ""
@@ -118,6 +153,7 @@ def _worker_main(conn) -> None:
             return  # the parent closed the socket or died
         if msg[0] == "setup":
             try:
+                _redirect_output(msg[3] if len(msg) > 3 else None, console)
                 with open(msg[2], "rb") as f:
                     entries = pickle.load(f)
                 functions, batched = [], []
@@ -222,9 +258,18 @@ class VerifierPool:
             self._files[key] = path
         return self._files[key]
 
-    def run(self, key: str, functions: list, jobs: list[tuple[int, tuple, dict]], timeout_s: float) -> list[Outcome]:
+    def run(
+        self,
+        key: str,
+        functions: list,
+        jobs: list[tuple[int, tuple, dict]],
+        timeout_s: float,
+        log: str | None = None,
+    ) -> list[Outcome]:
         """Run ``jobs`` on the workers (see the class docstring). ``key`` names ``functions``: workers that
-        loaded the same key reuse what they loaded. Raises RuntimeError when no worker can load the functions
+        loaded the same key reuse what they loaded. ``log``: the file a worker that loads them (a fresh
+        replacement included) sends its output to (the module docstring), None the trainer's console; give
+        the same for one ``key`` as ``prepare`` did. Raises RuntimeError when no worker can load the functions
         (the first worker's error), since every call would fail alike."""
         with self._lock:
             if not jobs:
@@ -240,7 +285,7 @@ class VerifierPool:
                     if w.job is not None:
                         continue
                     if w.key != key and w.loading != key:  # also a fresh replacement: it loads while others work
-                        w.conn.send(("setup", key, file))
+                        w.conn.send(("setup", key, file, log))
                         w.loading, w.setup_deadline = key, now + SETUP_TIMEOUT_S
                     elif w.key == key and pending:
                         w.job = pending.popleft()
@@ -287,11 +332,11 @@ class VerifierPool:
                         )
             return results  # type: ignore[return-value]
 
-    def prepare(self, key: str, functions: list, timeout_s: float = SETUP_TIMEOUT_S) -> None:
-        """Start the workers and have every one load ``functions`` (under ``key``) now, waiting until all have:
-        at start-up, so that a function that cannot be loaded in a worker fails before the model loads and
-        the first step's time holds no start-up. Raises RuntimeError naming the worker's error, or when a
-        worker takes longer than ``timeout_s``."""
+    def prepare(self, key: str, functions: list, timeout_s: float = SETUP_TIMEOUT_S, log: str | None = None) -> None:
+        """Start the workers and have every one load ``functions`` (under ``key``, their output to ``log``: see
+        ``run``) now, waiting until all have: at start-up, so that a function that cannot be loaded in a worker
+        fails before the model loads and the first step's time holds no start-up. Raises RuntimeError naming
+        the worker's error, or when a worker takes longer than ``timeout_s``."""
         with self._lock:
             file = self._file_for(key, functions)
             while len(self._workers) < self.num_workers:
@@ -300,7 +345,7 @@ class VerifierPool:
             while any(w.key != key for w in self._workers):
                 for w in self._workers:
                     if w.key != key and w.loading != key:
-                        w.conn.send(("setup", key, file))
+                        w.conn.send(("setup", key, file, log))
                         w.loading = key
                 loading = [w for w in self._workers if w.key != key]
                 ready = wait([w.conn for w in loading], timeout=max(0.0, deadline - time.monotonic()))
