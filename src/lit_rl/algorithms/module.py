@@ -307,21 +307,6 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         with the engine as the source has set it. Returns (ScoredRollouts, rollout metrics of this rank)."""
         return self.algorithm.collect(self, batch)
 
-    def count_reward_failures(self, scored: ScoredRollouts, rl_step: int) -> None:
-        """``RewardFunctions.count_failed_step`` of the step's reward calls, summed over the ranks (a collective,
-        so every rank stops together): a function that failed on every call of ``reward.max_failed_steps`` steps
-        in a row raises ``RewardFunctionFailed`` here, before the step's update and its metrics, so the run folder
-        ends at the last step trained (its checkpoints, the loggers' history)."""
-        rewards = getattr(self.datamodule, "rewards", None) if self._trainer is not None else None
-        if rewards is None or not rewards.max_failed_steps:
-            return
-        values = {}
-        for name in rewards.names:  # the same names on every rank, in the same order
-            failed, called = scored.reward_failures.get(name, (0, 0))
-            values[f"failed:{name}"], values[f"called:{name}"] = float(failed), float(called)
-        values = self.all_reduce_dict(values, "sum")
-        rewards.count_failed_step({n: (values[f"failed:{n}"], values[f"called:{n}"]) for n in rewards.names}, rl_step)
-
     def rollout_metrics(self, scored: ScoredRollouts) -> dict[str, float]:
         r = scored.rollouts
         lengths = r.response_length.float()

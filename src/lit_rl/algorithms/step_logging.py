@@ -1,4 +1,5 @@
-"""The step's metrics: FLOPs and rates, the reduction over data-parallel ranks, and the write to the loggers.
+"""The step's metrics: FLOPs and rates, the reduction over data-parallel ranks, the reward functions' failure
+tally (``count_reward_failures``), and the write to the loggers.
 
 ``StepLoggingMixin`` is part of ``RLModule`` (``algorithms.module``); the bookkeeping of the reductions lives in
 ``parallel``, the FLOP counts in ``lit_rl.run.flops``.
@@ -84,6 +85,21 @@ class StepLoggingMixin:
     def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
         """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
         return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)
+
+    def count_reward_failures(self, scored: ScoredRollouts, rl_step: int) -> None:
+        """``RewardFunctions.count_failed_step`` of the step's reward calls, summed over the ranks (a collective,
+        so every rank stops together): a function that failed on every call of ``reward.max_failed_steps`` steps
+        in a row raises ``RewardFunctionFailed`` here, before the step's update and its metrics, so the run folder
+        ends at the last step trained (its checkpoints, the loggers' history)."""
+        rewards = getattr(self.datamodule, "rewards", None) if self._trainer is not None else None
+        if rewards is None or not rewards.max_failed_steps:
+            return
+        values = {}
+        for name in rewards.names:  # the same names on every rank, in the same order
+            failed, called = scored.reward_failures.get(name, (0, 0))
+            values[f"failed:{name}"], values[f"called:{name}"] = float(failed), float(called)
+        values = self.all_reduce_dict(values, "sum")
+        rewards.count_failed_step({n: (values[f"failed:{n}"], values[f"called:{n}"]) for n in rewards.names}, rl_step)
 
     def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
         """This rank's step metrics combined with the other ranks' (``parallel.reduce_step_metrics`` with this

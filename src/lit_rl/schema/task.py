@@ -88,7 +88,7 @@ class DatasetConfig(TaskConfig):
     #: the prompt column: text, or a list of chat messages {role, content}
     prompt_field: str = "prompt"
     #: the gold-answer column; null = none, for reward functions that need no answer (the task's verifier, math and
-    #: exact compare with it: refused with null, ``config.check_answer_needed``)
+    #: exact compare with it: refused with null, ``tasks.reward_checks.check_answer_needed``)
     answer_field: Optional[str] = "answer"
     system_prompt: Optional[str] = None
     #: a str.format template over the row's columns for text prompts, e.g. "{question} Answer after ####."
