@@ -296,6 +296,26 @@ def test_a_bad_config_exits_2_naming_the_field_before_torch_is_imported(tmp_path
     assert not run_dir.exists()
 
 
+def test_gsm8k_without_path_offline_is_refused_at_once_naming_task_path(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, an empty cache), ``task=gsm8k`` without ``task.path`` used to build the model
+    and then end in datasets' ConnectionError traceback (exit 1, 29 s without a network): now refused before
+    torch loads, naming the hub and ``task.path``."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "h")}
+    env.pop("HF_DATASETS_CACHE", None)
+    cmd = [sys.executable, "-c", RUN_RECIPE, os.path.join(ROOT, "recipes", "train.py"), "task=gsm8k"]
+    res = subprocess.run(cmd + [f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 2, res.stderr
+    assert (
+        "lit_rl: error: task.path=None is not allowed: task=gsm8k without task.path reads openai/gsm8k from the "
+        "Hugging Face hub, which is not reachable (HF_HUB_OFFLINE=1), and the local cache has no copy of it: set "
+        "task.path to a local folder holding train.jsonl and test.jsonl" in res.stderr
+    )
+    assert "Traceback" not in res.stderr + res.stdout
+    assert "imported: []" in res.stdout
+    assert not run_dir.exists()
+
+
 def test_validation_imports_neither_torch_nor_lightning():
     """Every algorithm's default config passes ``validate`` in a process that never imports torch."""
     code = """

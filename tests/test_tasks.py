@@ -315,6 +315,46 @@ def test_gsm8k_small_local_copy_and_limits(tmp_path):
     assert len(limited.train_examples()) == 2 and len(limited.eval_examples()) == 1
 
 
+@pytest.fixture
+def empty_hub_cache(tmp_path, monkeypatch):
+    """The Hugging Face caches pointed at empty folders; returns (hub cache, datasets cache)."""
+    from huggingface_hub import constants
+
+    hub, home = tmp_path / "hub", tmp_path / "home"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    return hub, home / "datasets"
+
+
+def test_gsm8k_from_the_hub_offline_says_so_at_once(empty_hub_cache, monkeypatch):
+    """Without ``path`` and with the hub unreachable: a one-line error naming ``task.path``, at once (datasets
+    retried for half a minute, then raised a ConnectionError)."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        Gsm8kTask()
+    assert time.monotonic() - start < 5
+    assert str(err.value) == (
+        "task=gsm8k without task.path reads openai/gsm8k from the Hugging Face hub, which is not reachable "
+        "(HF_HUB_OFFLINE=1), and the local cache has no copy of it: set task.path to a local folder holding "
+        "train.jsonl and test.jsonl (GSM8K's, or your own in its format: docs/data.md)"
+    )
+
+
+def test_hub_dataset_cached_looks_in_both_caches(empty_hub_cache):
+    from lit_rl.hub import hub_dataset_cached
+
+    hub, datasets_cache = empty_hub_cache
+    assert not hub_dataset_cached("openai/gsm8k")
+    (hub / "datasets--openai--gsm8k").mkdir(parents=True)
+    assert hub_dataset_cached("openai/gsm8k") and not hub_dataset_cached("other/set")
+    (datasets_cache / "other___set").mkdir(parents=True)
+    assert hub_dataset_cached("other/set")
+
+
 def test_gsm8k_missing_path(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):

@@ -59,12 +59,29 @@ class Gsm8kConfig(TaskConfig):
     max_eval: Optional[int] = None
 
     def problems(self, run) -> Problems:
+        """Beyond the base's: ``path`` is a folder; without one, the hub dataset can be read (a local copy in
+        the cache, or the hub reachable: ``hub.hub_offline_reason``, a second or two), which offline would
+        otherwise end in a ConnectionError traceback after half a minute of retries."""
         yield from super().problems(run)
         if self.path:
             path = Path(self.path).expanduser()
             yield from rule(
                 path.is_dir(), "task.path", self.path, "must be a folder holding train.jsonl and test.jsonl"
             )
+            return
+        from ..hub import hub_dataset_cached, hub_offline_reason
+
+        offline = None if hub_dataset_cached(self.hub_id) else hub_offline_reason()
+        yield from rule(offline is None, "task.path", self.path, gsm8k_offline_message(self.hub_id, offline))
+
+
+def gsm8k_offline_message(hub_id: str, reason: str | None) -> str:
+    """What ``task=gsm8k`` without ``task.path`` says when hub dataset ``hub_id`` cannot be read (``reason``)."""
+    return (
+        f"task=gsm8k without task.path reads {hub_id} from the Hugging Face hub, which is not reachable "
+        f"({reason}), and the local cache has no copy of it: set task.path to a local folder holding "
+        f"train.jsonl and test.jsonl (GSM8K's, or your own in its format: docs/data.md)"
+    )
 
 
 @dataclass

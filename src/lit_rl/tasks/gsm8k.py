@@ -101,7 +101,8 @@ class Gsm8kTask(Task):
     Raises:
         FileNotFoundError: ``path`` or one of its files does not exist (the message names it).
         ValueError: a file is empty or has a bad line (file and line number in the message),
-            a hub row has no ``####`` answer, a bad ``answer_format``, or a negative limit.
+            a hub row has no ``####`` answer, a bad ``answer_format``, or a negative limit; without
+            ``path``, the hub is not reachable and the cache has no copy (said at once, naming ``task.path``).
     """
 
     name = "gsm8k"
@@ -138,7 +139,16 @@ class Gsm8kTask(Task):
         import datasets
 
         if self.path is None:
-            return datasets.load_dataset(self.hub_id, self.hub_config)
+            from lit_rl.hub import hub_dataset_cached, hub_offline_reason
+            from lit_rl.schema.task import gsm8k_offline_message
+
+            offline = None if hub_dataset_cached(self.hub_id) else hub_offline_reason()
+            if offline is not None:  # datasets would retry for half a minute, then raise a ConnectionError
+                raise ValueError(gsm8k_offline_message(self.hub_id, offline))
+            try:
+                return datasets.load_dataset(self.hub_id, self.hub_config)
+            except ConnectionError as err:  # a cached copy that is incomplete, or the hub went away
+                raise ValueError(gsm8k_offline_message(self.hub_id, str(err).splitlines()[0])) from err
         root = Path(self.path).expanduser()
         if not root.is_dir():
             raise FileNotFoundError(f"GSM8K data directory not found: {root}")
