@@ -113,6 +113,8 @@ class DatasetConfig(TaskConfig):
     max_examples: Optional[int] = None
     #: a prompt longer than the context leaves for max_new_tokens: drop (counted) | error
     overlong_prompts: str = "drop"
+    #: a row whose prompt holds no text (null, empty or white space): drop (counted, said at start-up) | error
+    empty_prompts: str = "drop"
 
     def problems(self, run) -> Problems:
         """Beyond the base's: what can be checked without reading the data: a local path or data file exists, the
@@ -120,7 +122,7 @@ class DatasetConfig(TaskConfig):
         problems (splits, columns, rows) are reported when the task loads, still before the model
         (``tasks.DatasetTask``)."""
         yield from super().problems(run)
-        from ..tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
+        from ..tasks.dataset import EMPTY_PROMPTS, FORMATS, OVERLONG_PROMPTS, looks_local
 
         yield from rule(
             bool(self.path) or bool(self.data_files),
@@ -148,6 +150,12 @@ class DatasetConfig(TaskConfig):
             "task.overlong_prompts",
             self.overlong_prompts,
             f"choose one of {list(OVERLONG_PROMPTS)}",
+        )
+        yield from rule(
+            self.empty_prompts in EMPTY_PROMPTS,
+            "task.empty_prompts",
+            self.empty_prompts,
+            f"choose one of {list(EMPTY_PROMPTS)}",
         )
         yield from rule(
             self.eval_split is not None or fraction > 0 or run.eval.num_examples == 0,
