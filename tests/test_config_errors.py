@@ -182,6 +182,31 @@ def test_bad_vllm_engine_values_are_named(engine, overrides, message, monkeypatc
         validate(cfg_for(f"engine={engine}", *overrides))
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+algo.clip_ratioo=0.3", r"algo.clip_ratioo=0.3 is not allowed: algo has no field 'clip_ratioo' \(did you"),
+        ("+model.bar=2", r"model.bar=2 is not allowed: model has no field 'bar' \(its fields: attn_implementation,"),
+        ("+model.lora.q=1", r"model.lora.q=1 is not allowed: model.lora has no field 'q' \(its fields: alpha,"),
+        (
+            "+algo.clip.x=2",
+            r"algo.clip.x=2 is not allowed: algo.clip has no field 'x' \(its fields: eps_high, eps_low\)",
+        ),
+        ("+task.baz=1", r"task.baz=1 is not allowed: task has no field 'baz' \(its fields: answer_format,"),
+        ("+engine.nope=1", r"engine.nope=1 is not allowed: engine has no field 'nope'"),
+        ("+sampling.top_kk=5", r"sampling.top_kk=5 is not allowed: .*did you mean sampling.top_k\?"),
+        ("+foo=1", r"foo=1 is not allowed: the config has no top-level field 'foo' \(its fields: advantage,"),
+    ],
+)
+def test_a_key_added_with_plus_to_a_typed_section_is_refused_by_name(override, message):
+    """``+section.key=value`` passes Hydra's compose (``+`` adds keys); every typed section refuses it at
+    start-up, naming the field, as Hydra does for ``section.key=value``. ``trainer`` stays open (Lightning's
+    keyword arguments)."""
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_for(override))
+    validate(cfg_for("+trainer.enable_model_summary=false"))
+
+
 def test_group_size_one_is_fine_without_a_group_baseline():
     validate(cfg_for("algo=reinforce", "algo.baseline=batch_mean", "rollout.group_size=1"))
 
@@ -251,6 +276,13 @@ sys.exit(code)
         # config.validate's
         ("algo.clip.eps_low=7", "lit_rl: error: algo.clip.eps_low=7 is not allowed: must be < 1"),
         ("algo.name=nope", "lit_rl: error: algo='nope' is not allowed: choose one of ['reinforce', 'ppo'"),
+        # the form Hydra's own message suggests for an unknown key adds it: refused by name as well
+        (
+            "+algo.clip_ratioo=0.3",
+            "lit_rl: error: algo.clip_ratioo=0.3 is not allowed: algo has no field 'clip_ratioo' "
+            "(did you mean algo.clip_ratio_c? its fields: baseline, clip, clip_ratio_c,",
+        ),
+        ("+optim.foo=1", "lit_rl: error: optim.foo=1 is not allowed: optim has no field 'foo' (its fields: betas,"),
     ],
 )
 def test_a_bad_config_exits_2_naming_the_field_before_torch_is_imported(tmp_path, override, message):
@@ -261,6 +293,26 @@ def test_a_bad_config_exits_2_naming_the_field_before_torch_is_imported(tmp_path
     assert message in res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     assert "imported: []" in res.stdout  # neither torch nor Lightning: they load only to run
+    assert not run_dir.exists()
+
+
+def test_gsm8k_without_path_offline_is_refused_at_once_naming_task_path(tmp_path):
+    """Offline (HF_HUB_OFFLINE=1, an empty cache), ``task=gsm8k`` without ``task.path`` used to build the model
+    and then end in datasets' ConnectionError traceback (exit 1, 29 s without a network): now refused before
+    torch loads, naming the hub and ``task.path``."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "h")}
+    env.pop("HF_DATASETS_CACHE", None)
+    cmd = [sys.executable, "-c", RUN_RECIPE, os.path.join(ROOT, "recipes", "train.py"), "task=gsm8k"]
+    res = subprocess.run(cmd + [f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 2, res.stderr
+    assert (
+        "lit_rl: error: task.path=None is not allowed: task=gsm8k without task.path reads openai/gsm8k from the "
+        "Hugging Face hub, which is not reachable (HF_HUB_OFFLINE=1), and the local cache has no copy of it: set "
+        "task.path to a local folder holding train.jsonl and test.jsonl" in res.stderr
+    )
+    assert "Traceback" not in res.stderr + res.stdout
+    assert "imported: []" in res.stdout
     assert not run_dir.exists()
 
 

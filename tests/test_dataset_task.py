@@ -157,12 +157,90 @@ def test_each_bad_input_gives_a_one_line_error_naming_it(tmp_path):
     assert "no column 'prompt'" in msg
 
 
+def test_a_text_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    """datasets said only "'utf-8' codec can't decode byte 0xe9 in position 23" (json: while the rows were
+    read; csv: inside "An error occurred while generating the dataset"): the file and its first bad line."""
+    jsonl = tmp_path / "latin1.jsonl"
+    jsonl.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    csv = tmp_path / "latin1.csv"
+    csv.write_bytes(b"prompt,answer\na,1\nb,2\ncaf\xe9,3\n")
+    why = "not valid UTF-8 (byte 0xe9 at byte {} of the line: {}); save the file as UTF-8"
+    expected = {
+        jsonl: f"{jsonl} line 2: " + why.format(16, "invalid continuation byte"),
+        csv: f"{csv} line 4: " + why.format(4, "invalid continuation byte"),
+    }
+    for file, message in expected.items():
+        assert one_line_error(ValueError, lambda: DatasetTask(path=str(file))) == message
+        assert one_line_error(ValueError, lambda: DatasetTask(data_files=[str(file)])) == message
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"prompt": "a", "answer": "1"}\n')
+    (folder / "b.jsonl").write_bytes(jsonl.read_bytes())
+    assert one_line_error(ValueError, lambda: DatasetTask(path=str(folder))).startswith(
+        f"{folder / 'b.jsonl'} line 2: "
+    )
+
+
+def test_empty_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
+    """A prompt with no text (empty, white space, null, chat messages with no text) was trained on silently;
+    ``task.empty_prompts=drop`` (the default, as for overlong prompts) leaves the rows out and counts them,
+    ``error`` refuses the first, naming it."""
+    rows = [
+        {"prompt": "What is 2 + 3?", "answer": "5"},
+        {"prompt": "", "answer": "1"},
+        {"prompt": " \n\t", "answer": "2"},
+        {"prompt": None, "answer": "3"},
+        {"prompt": "What is 4 + 4?", "answer": "8"},
+    ]
+    data = write(tmp_path / "d.jsonl", rows)
+    task = DatasetTask(path=str(data))
+    assert [(ex.id, ex.answer) for ex in task.train_examples()] == [(0, "5"), (4, "8")]
+    assert task.dropped_empty == {"train": [1, 2, 3], "eval": []}
+    assert task.dropped_note == (
+        "lit_rl: task=dataset: dropped 3 of 5 train prompts (rows 1, 2, 3) that hold no text "
+        "(column 'prompt' null, empty or white space; task.empty_prompts=drop)"
+    )
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(data), empty_prompts="error"))
+    assert msg == (
+        f"{data} split 'train' row 1: column 'prompt' holds no text (''; task.empty_prompts=error; "
+        "drop leaves such rows out, counted)"
+    )
+    # chat messages with no text but the system message's, in an eval split; an empty CSV cell (read as null)
+    chat = [
+        {"messages": [{"role": "user", "content": "Add 2 and 3."}], "answer": "5"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " "}], "answer": "1"},
+    ]
+    train, test = write(tmp_path / "chat.jsonl", chat), write(tmp_path / "chat_test.jsonl", chat[::-1])
+    task = DatasetTask(data_files={"train": str(train), "test": str(test)}, prompt_field="messages", eval_split="test")
+    assert [ex.id for ex in task.train_examples()] == [0] and [ex.id for ex in task.eval_examples()] == [1]
+    assert task.dropped_empty == {"train": [1], "eval": [0]}
+    assert "dropped 1 of 2 train prompts (row 1) and 1 of 2 eval prompts (row 0) that hold no text" in task.dropped_note
+    csv = tmp_path / "cells.csv"
+    csv.write_text("prompt,answer\n,1\nWhat is 1 + 1?,2\n")
+    task = DatasetTask(path=str(csv))
+    assert [ex.question for ex in task.train_examples()] == ["What is 1 + 1?"] and task.dropped_empty["train"] == [0]
+    # nothing left to train on; a bad option value
+    blank = write(tmp_path / "blank.jsonl", rows[1:4])
+    msg = one_line_error(ValueError, lambda: DatasetTask(path=str(blank)))
+    assert msg == f"{blank} split 'train': all 3 prompts hold no text (column 'prompt' null, empty or white space)"
+    with pytest.raises(
+        ConfigError, match=r"task.empty_prompts='skip' is not allowed: choose one of \['drop', 'error'\]"
+    ):
+        validate(fast_config("task=dataset", f"task.path={data}", "eval.num_examples=0", "task.empty_prompts=skip"))
+
+
 def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
-    rows = [{"prompt": "short", "answer": "1"}, {"prompt": "word " * 3000, "answer": "2"}]
+    rows = [
+        {"prompt": "short", "answer": "1"},
+        {"prompt": "word " * 3000, "answer": "2"},
+        {"prompt": " ", "answer": "3"},
+    ]
     data = write(tmp_path / "long.jsonl", rows)
     base = ("task=dataset", f"task.path={data}", "eval.num_examples=0", "trainer.max_steps=1")
     run(fast_config(*base), tmp_path / "drop")
-    assert "dropped 1 of 2 train prompts" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dropped 1 of 2 train prompts" in out  # overlong, of the rows with text
+    assert "lit_rl: task=dataset: dropped 1 of 3 train prompts (row 2) that hold no text" in out  # said at start-up
     with pytest.raises(ConfigError, match="longest train prompt"):
         run(fast_config(*base, "task.overlong_prompts=error"), tmp_path / "error")
 

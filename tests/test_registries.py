@@ -128,10 +128,14 @@ def test_every_preset_composes_and_validates_with_each_swept_value(preset):
         for o in options(g)
     ],
 )
-def test_every_group_option_composes_and_validates(group, option):
+def test_every_group_option_composes_and_validates(group, option, tmp_path):
     overrides = [f"{group}={option}"] + ([] if group == "model" else ["model=tiny"])
     if (group, option) == ("task", "dataset"):  # the example file of docs/data.md
         overrides += [f"task.path={ROOT}/docs/examples/sums.jsonl", "task.eval_fraction=0.25"]
+    if (group, option) == ("task", "gsm8k"):  # a local folder: offline, the hub dataset is refused at start-up
+        for name in ("train.jsonl", "test.jsonl"):
+            (tmp_path / name).write_text('{"question": "What is 1 + 1?", "answer": "#### 2"}\n')
+        overrides += [f"task.path={tmp_path}"]
     if (group, option) == ("engine", "vllm"):
         pytest.importorskip("vllm")
     validate(compose_config(*overrides))

@@ -11,6 +11,7 @@ import pytest
 
 from lit_rl.tasks import (
     ArithmeticTask,
+    DatasetTask,
     Example,
     Gsm8kTask,
     Task,
@@ -295,9 +296,11 @@ def test_gsm8k_reward(gsm8k_task):
     assert gsm8k_task.reward("#### 17", ex) == 0.0
 
 
-def _write_split(tmp_path: Path, train_lines: list[str], test_lines: list[str] | None = None) -> Path:
+def _write_split(tmp_path: Path, train_lines: list, test_lines: list[str] | None = None) -> Path:
+    """train.jsonl and test.jsonl of ``tmp_path``, one line each of ``train_lines`` (str, or bytes as they are)."""
     good = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
-    (tmp_path / "train.jsonl").write_text("".join(line + "\n" for line in train_lines))
+    raw = [line if isinstance(line, bytes) else line.encode() for line in train_lines]
+    (tmp_path / "train.jsonl").write_bytes(b"".join(line + b"\n" for line in raw))
     (tmp_path / "test.jsonl").write_text("".join(line + "\n" for line in (test_lines or [good])))
     return tmp_path
 
@@ -313,6 +316,46 @@ def test_gsm8k_small_local_copy_and_limits(tmp_path):
     assert [ex.question for ex in task.eval_examples()] == ["q7", "q8"]
     limited = build_task("gsm8k", path=str(path), max_train=2, max_eval=1)
     assert len(limited.train_examples()) == 2 and len(limited.eval_examples()) == 1
+
+
+@pytest.fixture
+def empty_hub_cache(tmp_path, monkeypatch):
+    """The Hugging Face caches pointed at empty folders; returns (hub cache, datasets cache)."""
+    from huggingface_hub import constants
+
+    hub, home = tmp_path / "hub", tmp_path / "home"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    return hub, home / "datasets"
+
+
+def test_gsm8k_from_the_hub_offline_says_so_at_once(empty_hub_cache, monkeypatch):
+    """Without ``path`` and with the hub unreachable: a one-line error naming ``task.path``, at once (datasets
+    retried for half a minute, then raised a ConnectionError)."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        Gsm8kTask()
+    assert time.monotonic() - start < 5
+    assert str(err.value) == (
+        "task=gsm8k without task.path reads openai/gsm8k from the Hugging Face hub, which is not reachable "
+        "(HF_HUB_OFFLINE=1), and the local cache has no copy of it: set task.path to a local folder holding "
+        "train.jsonl and test.jsonl (GSM8K's, or your own in its format: docs/data.md)"
+    )
+
+
+def test_hub_dataset_cached_looks_in_both_caches(empty_hub_cache):
+    from lit_rl.hub import hub_dataset_cached
+
+    hub, datasets_cache = empty_hub_cache
+    assert not hub_dataset_cached("openai/gsm8k")
+    (hub / "datasets--openai--gsm8k").mkdir(parents=True)
+    assert hub_dataset_cached("openai/gsm8k") and not hub_dataset_cached("other/set")
+    (datasets_cache / "other___set").mkdir(parents=True)
+    assert hub_dataset_cached("other/set")
 
 
 def test_gsm8k_missing_path(tmp_path):
@@ -344,7 +387,8 @@ def test_gsm8k_empty_file(tmp_path):
         ('["q", "#### 3"]', "expected a JSON object"),
         ('{"question": "q", "answer": 3}', "field 'answer' must be a string"),
         ('{"question": "q", "answer": "no final answer"}', "no final answer after '####'"),
-        ("", "empty line"),
+        ('{"question": " ", "answer": "#### 3"}', "field 'question' is empty (a prompt with no text)"),
+        (b'{"question": "caf\xe9", "answer": "#### 3"}', "not valid UTF-8 (byte 0xe9 at byte 18 of the line"),
     ],
 )
 def test_gsm8k_bad_line_names_file_and_line(tmp_path, bad_line, problem):
@@ -354,6 +398,24 @@ def test_gsm8k_bad_line_names_file_and_line(tmp_path, bad_line, problem):
     message = str(err.value)
     assert message.startswith(f"{path / 'train.jsonl'} line 3: ")
     assert problem in message
+
+
+def test_gsm8k_reads_a_byte_order_mark_crlf_and_blank_lines_as_task_dataset_does(tmp_path):
+    """A UTF-8 BOM, CRLF line ends and blank lines (between records and trailing, as editors write them) were
+    refused by task=gsm8k ('line 1: not valid JSON', 'empty line') and read by task=dataset: both read them."""
+    records = [{"question": "q1", "answer": "w\n#### 1"}, {"question": "q2", "answer": "w\n#### 2"}]
+    text = "\ufeff" + json.dumps(records[0]) + "\r\n\r\n  \t\r\n" + json.dumps(records[1]) + "\r\n\n\n"
+    (tmp_path / "train.jsonl").write_bytes(text.encode("utf-8"))
+    (tmp_path / "test.jsonl").write_bytes(text.encode("utf-8"))
+    task = Gsm8kTask(path=str(tmp_path), instruction="")
+    for examples in (task.train_examples(), task.eval_examples()):
+        assert [(ex.id, ex.question, ex.answer) for ex in examples] == [(0, "q1", "1"), (1, "q2", "2")]
+    data = tmp_path / "d.jsonl"  # the same file read by task=dataset
+    data.write_bytes(text.replace("question", "prompt").encode("utf-8"))
+    assert [ex.question for ex in DatasetTask(path=str(data)).train_examples()] == ["q1", "q2"]
+    (tmp_path / "train.jsonl").write_text("\n \n")  # nothing but blank lines is still no data
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'train.jsonl'}: file is empty (only blank lines)")):
+        Gsm8kTask(path=str(tmp_path))
 
 
 def test_gsm8k_bad_line_in_test_file(tmp_path):

@@ -2,7 +2,9 @@
 
 Each error names the field, the value given and what is allowed.
 
-What is checked where. ``validate`` is a short sequence of named checks, part by part, always in the same order
+What is checked where. ``validate`` first refuses a key that no typed section has a field for (``check_keys``:
+Hydra refuses ``algo.clip_ratioo=0.3`` while it composes, but ``+algo.clip_ratioo=0.3`` adds the key), then runs a
+short sequence of named checks, part by part, always in the same order
 (the first bad value is the one reported). A value that only its own section bounds is checked by that section's
 dataclass in ``lit_rl.schema`` (``problems``: the algorithm's rules, the task option's fields, the engine's
 mismatch dial, correction, rollout's stale-rollout fields, sampling, optim, checkpoint, eval, log); this module
@@ -27,10 +29,12 @@ Lightning's device count (``check_world_size``) and the model's own config (cont
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .choices import (
     ALGO_CONFIGS,
@@ -102,7 +106,8 @@ def validate(cfg: DictConfig) -> None:
     without importing torch, part by part in this order, then the checks that need torch, vLLM or the user's
     code (``check_environment``). A section whose values only it bounds checks them on its dataclass
     (``problems``: ``check_section``, ``algo_config``, ``task_config``); the rest here crosses parts or reads
-    a registry of ``lit_rl.choices``."""
+    a registry of ``lit_rl.choices``. Before any value: every key is a field (``check_keys``)."""
+    check_keys(cfg)
     check_choices(cfg)
     check_section(cfg, "correction")
     check_dtypes(cfg)
@@ -120,6 +125,37 @@ def validate(cfg: DictConfig) -> None:
     reward_checks.check_answer_needed(cfg)
     check_model_path(cfg)
     check_environment(cfg)
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first key of a typed section that its dataclass has no field for, naming it,
+    the closest field and the fields there are. Hydra refuses ``algo.clip_ratioo=0.3`` while it composes, but
+    ``+algo.clip_ratioo=0.3`` (the form its own message suggests) adds the key to any section, where it would
+    be ignored or fail later with a traceback. Sections typed by a dataclass are closed (every group but
+    ``trainer``, and the root); untyped ones stay open (``trainer``: Lightning's keyword arguments, which
+    Lightning checks)."""
+    for field, value, section, fields in _unknown_keys(cfg, ""):
+        key = field.rsplit(".", 1)[-1]
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f"did you mean {section}{close[0]}? " if close else ""
+        where = f"{section[:-1]} has no field {key!r}" if section else f"the config has no top-level field {key!r}"
+        _check(False, field, value, f"{where} ({hint}its fields: {', '.join(sorted(fields))})")
+
+
+def _unknown_keys(node: DictConfig, prefix: str):
+    """(field, value, section prefix, the section's fields) for each key of ``node`` and of its typed
+    sub-sections that is not a field of its dataclass; nothing for an untyped node."""
+    cls = OmegaConf.get_type(node)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in node.keys():
+        child = node._get_node(key)
+        if key not in fields:
+            plain = isinstance(child, (DictConfig, ListConfig))
+            yield f"{prefix}{key}", OmegaConf.to_container(child) if plain else child._value(), prefix, fields
+        elif isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            yield from _unknown_keys(child, f"{prefix}{key}.")
 
 
 #: the config sections whose values only their own dataclass bounds (``problems``), by key

@@ -25,12 +25,12 @@ import importlib.util
 import logging
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 import torch
 
+from .hub import hub_reachable
 from .schema.model import LORA_TARGETS, LoraConfig, ModelConfig  # noqa: F401  (the model config group)
 
 log = logging.getLogger(__name__)
@@ -56,21 +56,6 @@ def parse_dtype(name: str) -> torch.dtype:
 def cache_dir() -> Path:
     """Folder where lit_rl keeps converted models: ``$LIT_RL_CACHE`` or ``~/.cache/lit_rl``."""
     return Path(os.environ.get("LIT_RL_CACHE", Path.home() / ".cache" / "lit_rl"))
-
-
-def hub_reachable(host: str = "huggingface.co", timeout_s: float = 2.0) -> bool:
-    """True if the hub may be used: ``HF_HUB_OFFLINE`` unset and ``host`` resolves by DNS."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    previous = socket.getdefaulttimeout()
-    socket.setdefaulttimeout(timeout_s)
-    try:
-        socket.getaddrinfo(host, 443)
-        return True
-    except OSError:
-        return False
-    finally:
-        socket.setdefaulttimeout(previous)
 
 
 def _packaged_gguf(package: str, filename: str) -> Path | None:

@@ -361,6 +361,9 @@ def build_data(cfg: TrainConfig, reward_log: Path | None = None) -> tuple[Rollou
         task = build_task_from_cfg(cfg)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"task={cfg.task.name}: {err}") from err
+    note = getattr(getattr(task, "task", task), "dropped_note", None)  # ConstantReward wraps the task
+    if note:
+        print(note, flush=True)  # rows left out for a prompt with no text (task.empty_prompts=drop)
     spec = cfg.model
     try:
         tokenizer = load_tokenizer(spec.name_or_path, spec.trust_remote_code)

@@ -59,12 +59,29 @@ class Gsm8kConfig(TaskConfig):
     max_eval: Optional[int] = None
 
     def problems(self, run) -> Problems:
+        """Beyond the base's: ``path`` is a folder; without one, the hub dataset can be read (a local copy in
+        the cache, or the hub reachable: ``hub.hub_offline_reason``, a second or two), which offline would
+        otherwise end in a ConnectionError traceback after half a minute of retries."""
         yield from super().problems(run)
         if self.path:
             path = Path(self.path).expanduser()
             yield from rule(
                 path.is_dir(), "task.path", self.path, "must be a folder holding train.jsonl and test.jsonl"
             )
+            return
+        from ..hub import hub_dataset_cached, hub_offline_reason
+
+        offline = None if hub_dataset_cached(self.hub_id) else hub_offline_reason()
+        yield from rule(offline is None, "task.path", self.path, gsm8k_offline_message(self.hub_id, offline))
+
+
+def gsm8k_offline_message(hub_id: str, reason: str | None) -> str:
+    """What ``task=gsm8k`` without ``task.path`` says when hub dataset ``hub_id`` cannot be read (``reason``)."""
+    return (
+        f"task=gsm8k without task.path reads {hub_id} from the Hugging Face hub, which is not reachable "
+        f"({reason}), and the local cache has no copy of it: set task.path to a local folder holding "
+        f"train.jsonl and test.jsonl (GSM8K's, or your own in its format: docs/data.md)"
+    )
 
 
 @dataclass
@@ -97,6 +114,8 @@ class DatasetConfig(TaskConfig):
     max_examples: Optional[int] = None
     #: a prompt longer than the context leaves for max_new_tokens: drop (counted) | error
     overlong_prompts: str = "drop"
+    #: a row whose prompt holds no text (null, empty or white space): drop (counted, said at start-up) | error
+    empty_prompts: str = "drop"
 
     def problems(self, run) -> Problems:
         """Beyond the base's: what can be checked without reading the data: a local path or data file exists, the
@@ -104,7 +123,7 @@ class DatasetConfig(TaskConfig):
         problems (splits, columns, rows) are reported when the task loads, still before the model
         (``tasks.DatasetTask``)."""
         yield from super().problems(run)
-        from ..tasks.dataset import FORMATS, OVERLONG_PROMPTS, looks_local
+        from ..tasks.dataset import EMPTY_PROMPTS, FORMATS, OVERLONG_PROMPTS, looks_local
 
         yield from rule(
             bool(self.path) or bool(self.data_files),
@@ -132,6 +151,12 @@ class DatasetConfig(TaskConfig):
             "task.overlong_prompts",
             self.overlong_prompts,
             f"choose one of {list(OVERLONG_PROMPTS)}",
+        )
+        yield from rule(
+            self.empty_prompts in EMPTY_PROMPTS,
+            "task.empty_prompts",
+            self.empty_prompts,
+            f"choose one of {list(EMPTY_PROMPTS)}",
         )
         yield from rule(
             self.eval_split is not None or fraction > 0 or run.eval.num_examples == 0,

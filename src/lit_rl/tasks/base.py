@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lit_rl.tasks.rewards import ANSWER_MODES, math_reward
@@ -35,6 +36,44 @@ class Example:
         """The example as reward functions see it: the data row's columns, then ``id``, ``question``
         (the prompt text) and ``answer``."""
         return {**(self.columns or {}), "id": self.id, "question": self.question, "answer": self.answer}
+
+
+def first_non_utf8_line(file: Path) -> str | None:
+    """``"<file> line N: not valid UTF-8 (...)"`` for the first line of ``file`` that is not UTF-8, else None
+    (``datasets`` reports such a file as ``'utf-8' codec can't decode byte 0xe9 in position 23``, naming neither
+    the file nor the line)."""
+    with open(file, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            problem = utf8_problem(raw)
+            if problem is not None:
+                return f"{file} line {lineno}: {problem}"
+    return None
+
+
+def utf8_problem(raw: bytes) -> str | None:
+    """Why the line ``raw`` is not UTF-8 (the byte and where it is), or None when it is."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (
+            f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line: {err.reason}); "
+            "save the file as UTF-8"
+        )
+    return None
+
+
+def no_text(value) -> bool:
+    """Whether a prompt holds no text: null, an empty or white-space string, or chat messages (a list) whose
+    contents outside the system message are all empty or white space."""
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return not value.strip()
+    if isinstance(value, list):
+        if not all(isinstance(m, Mapping) for m in value):
+            return False  # not chat messages: reported as such
+        return all(m.get("role") == "system" or not str(m.get("content") or "").strip() for m in value)
+    return False
 
 
 class Task:

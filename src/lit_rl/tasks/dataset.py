@@ -15,7 +15,10 @@ Each row becomes an ``Example``: the prompt from ``prompt_field`` (a string, for
 ``prompt_template`` when one is given, or a list of chat messages ``{"role", "content"}``), the gold
 answer from ``answer_field`` (text after a GSM8K ``####`` when it has one), and the row's columns
 (``Example.columns``, handed to reward functions). Bad input fails at start-up, before the model loads,
-with a one-line error naming the file, split, row or column (and listing the columns that exist).
+with a one-line error naming the file, split, row or column (and listing the columns that exist); a text file
+that is not UTF-8 is named with its first bad line. A row whose prompt holds no text (null, empty or white
+space) is left out and counted (``empty_prompts=drop``, said in a start-up line: ``dropped_note``) or refused
+(``error``), as an overlong prompt is (``overlong_prompts``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_rl.tasks.base import Example, Task, check_answer_format
+from lit_rl.tasks.base import Example, Task, check_answer_format, first_non_utf8_line, no_text
 from lit_rl.tasks.gsm8k import gold_from_solution
 
-__all__ = ["DatasetTask", "FORMATS", "OVERLONG_PROMPTS"]
+__all__ = ["DatasetTask", "EMPTY_PROMPTS", "FORMATS", "OVERLONG_PROMPTS"]
 
 #: file extension -> the ``datasets`` builder that reads it (and its extra arguments)
 FORMATS: dict[str, tuple[str, dict]] = {
@@ -41,6 +44,10 @@ FORMATS: dict[str, tuple[str, dict]] = {
 }
 #: what happens to a prompt that does not fit the context with its max_new_tokens: dropped (and counted) | error
 OVERLONG_PROMPTS = ("drop", "error")
+#: what happens to a row whose prompt holds no text (null, empty, white space): dropped (and counted) | error
+EMPTY_PROMPTS = ("drop", "error")
+#: the formats read as text: a file that is not UTF-8 is named with its first bad line
+TEXT_FORMATS = (".jsonl", ".json", ".csv", ".tsv")
 # files ``save_to_disk`` writes: a folder holding one of them is read with ``load_from_disk``
 _SAVED_MARKERS = ("dataset_dict.json", "state.json")
 
@@ -95,11 +102,14 @@ class DatasetTask(Task):
         answer_format: ``"flexible"`` or ``"strict"`` answer extraction of the ``math`` reward.
         overlong_prompts: ``drop`` (a prompt longer than the context allows is left out and counted) or ``error``
             (start-up fails naming it); applied by ``RolloutDataModule.drop_overlong``.
+        empty_prompts: ``drop`` (a row whose prompt holds no text, null, empty or white space, is left out and
+            counted: ``dropped_empty``, ``dropped_note``) or ``error`` (start-up fails naming the row).
 
     Raises:
         FileNotFoundError: a local file or folder does not exist (the message names it).
-        ValueError: an unknown extension, a missing split or column, an empty split, a prompt that is neither
-            text nor chat messages, a bad template, or a bad option; one line naming it.
+        ValueError: an unknown extension, a text file that is not UTF-8 (naming the file and line), a missing
+            split or column, an empty split, a prompt that is neither text nor chat messages, an empty prompt
+            with ``empty_prompts=error``, a bad template, or a bad option; one line naming it.
     """
 
     name = "dataset"
@@ -120,6 +130,7 @@ class DatasetTask(Task):
         max_examples: int | None = None,
         answer_format: str = "flexible",
         overlong_prompts: str = "drop",
+        empty_prompts: str = "drop",
     ) -> None:
         if path is None and not data_files:
             raise ValueError("task.path or task.data_files must name the data (a file, a folder or a hub id)")
@@ -129,6 +140,8 @@ class DatasetTask(Task):
             raise ValueError(f"task.max_examples={max_examples!r} must be >= 1 or null")
         if overlong_prompts not in OVERLONG_PROMPTS:
             raise ValueError(f"task.overlong_prompts={overlong_prompts!r}: choose one of {list(OVERLONG_PROMPTS)}")
+        if empty_prompts not in EMPTY_PROMPTS:
+            raise ValueError(f"task.empty_prompts={empty_prompts!r}: choose one of {list(EMPTY_PROMPTS)}")
         self.path, self.data_files, self.config = path, data_files, config
         self.split, self.eval_split, self.eval_fraction = str(split), eval_split, float(eval_fraction)
         self.seed = int(seed)
@@ -136,9 +149,20 @@ class DatasetTask(Task):
         self.system_prompt, self.prompt_template = system_prompt, prompt_template
         self.max_examples = None if max_examples is None else int(max_examples)
         self.answer_format = check_answer_format(answer_format)
-        self.overlong_prompts = overlong_prompts
+        self.overlong_prompts, self.empty_prompts = overlong_prompts, empty_prompts
         self.source = str(path) if path is not None else str(data_files)
+        #: rows left out for a prompt with no text (``empty_prompts=drop``): their ids, per role (train, eval)
+        self.dropped_empty: dict[str, list[int]] = {"train": [], "eval": []}
+        try:
+            self._build()
+        except Exception as err:
+            if not _caused_by(err, UnicodeDecodeError):
+                raise
+            bad = next(filter(None, map(first_non_utf8_line, self._text_files())), None)
+            raise ValueError(bad or f"{self.source}: not valid UTF-8 ({_first_line(err)})") from err
 
+    def _build(self) -> None:
+        """Read the splits and make their examples (``train_examples``, ``eval_examples``)."""
         splits = self._load()
         train = self._split(splits, self.split)
         if self.eval_split is not None:
@@ -151,8 +175,8 @@ class DatasetTask(Task):
             train, evaluation, eval_name = parts["train"], parts["test"], f"{self.split} (held out)"
         else:
             evaluation, eval_name = None, None
-        self._train = self._examples(train, self.split)
-        self._eval = self._examples(evaluation, eval_name) if evaluation is not None else ()
+        self._train = self._examples(train, self.split, "train")
+        self._eval = self._examples(evaluation, eval_name, "eval") if evaluation is not None else ()
 
     # -- loading -------------------------------------------------------------------------------------------------
     def _load(self) -> Mapping:
@@ -191,15 +215,30 @@ class DatasetTask(Task):
             raise FileNotFoundError(f"task.path={path}: no such file or folder")
         return self._read(lambda: datasets.load_dataset(path, self.config))
 
+    def _text_files(self) -> list[Path]:
+        """The local files read as text (``TEXT_FORMATS``): the data files, the file ``path`` names, or the text
+        files in the folder it names; none for a hub id or a saved dataset."""
+        if self.data_files:
+            files = self.data_files
+            values = files.values() if isinstance(files, Mapping) else [files]
+            flat = [Path(f).expanduser() for v in values for f in ([v] if isinstance(v, str) else v)]
+        else:
+            local = Path(str(self.path)).expanduser()
+            flat = sorted(local.rglob("*")) if local.is_dir() else [local]
+        return [f for f in flat if f.suffix.lower() in TEXT_FORMATS and f.is_file()]
+
     def _read(self, load):
         """``load()``, its errors turned into one line naming the data."""
         try:
             return load()
+        except UnicodeDecodeError:
+            raise  # named with its file and line by ``__init__``
         except (FileNotFoundError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = _first_line(err)
             if "corresponds to no data" in first:  # datasets' words for a file without rows
                 raise ValueError(f"{self.source} split {self.split!r} is empty (no rows)") from err
-            raise type(err)(f"{self.source}: cannot read it ({first})") from err
+            kind = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
+            raise kind(f"{self.source}: cannot read it ({first})") from err
         except Exception as err:  # noqa: BLE001 - datasets' own errors (e.g. a malformed file): one line, named
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise ValueError(f"{self.source}: cannot read it ({type(err).__name__}: {first})") from err
@@ -228,12 +267,21 @@ class DatasetTask(Task):
                     )
         return ds
 
-    def _examples(self, ds, split: str) -> tuple[Example, ...]:
-        """One ``Example`` per row of ``ds`` (ids: the row's index in the split)."""
+    def _examples(self, ds, split: str, role: str) -> tuple[Example, ...]:
+        """One ``Example`` per row of ``ds`` (ids: the row's index in the split), but for a prompt with no text
+        (``empty_prompts``: left out, its id in ``dropped_empty[role]``, or refused). ``role``: train or eval."""
         out = []
         for idx, row in enumerate(ds):
             where = f"{self.source} split {split!r} row {idx}"
             prompt = row[self.prompt_field]
+            if no_text(prompt):
+                if self.empty_prompts == "error":
+                    raise ValueError(
+                        f"{where}: column {self.prompt_field!r} holds no text ({_short(prompt)}; "
+                        f"task.empty_prompts=error; drop leaves such rows out, counted)"
+                    )
+                self.dropped_empty[role].append(idx)
+                continue
             messages = None
             if isinstance(prompt, str):
                 if self.prompt_template is not None:
@@ -255,7 +303,28 @@ class DatasetTask(Task):
                 if "####" in answer:
                     answer = gold_from_solution(answer) or answer
             out.append(Example(id=idx, question=prompt, answer=answer, messages=messages, columns=dict(row)))
+        if not out:
+            raise ValueError(
+                f"{self.source} split {split!r}: all {len(ds)} prompts hold no text (column {self.prompt_field!r} "
+                "null, empty or white space)"
+            )
         return tuple(out)
+
+    @property
+    def dropped_note(self) -> str | None:
+        """The start-up line saying how many rows were left out for a prompt with no text; None if none was."""
+        parts = []
+        for role, ids in self.dropped_empty.items():
+            if ids:
+                total = len(ids) + len(self._train if role == "train" else self._eval)
+                shown = ", ".join(map(str, ids[:5])) + (", ..." if len(ids) > 5 else "")
+                parts.append(f"{len(ids)} of {total} {role} prompts ({'row' if len(ids) == 1 else 'rows'} {shown})")
+        if not parts:
+            return None
+        return (
+            f"lit_rl: task=dataset: dropped {' and '.join(parts)} that hold no text "
+            f"(column {self.prompt_field!r} null, empty or white space; task.empty_prompts=drop)"
+        )
 
     # -- Task API ------------------------------------------------------------------------------------------------
     def train_examples(self) -> Sequence[Example]:
@@ -268,6 +337,22 @@ class DatasetTask(Task):
 
     def __repr__(self) -> str:
         return f"DatasetTask({self.source!r}, split={self.split!r}, train={len(self._train)}, eval={len(self._eval)})"
+
+
+def _caused_by(err: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``err`` or an error it was raised from or during is a ``kind``."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _is_chat(value) -> bool:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from lit_rl.tasks.base import Example, Task, check_answer_format
+from lit_rl.tasks.base import Example, Task, check_answer_format, no_text, utf8_problem
 
 __all__ = ["Gsm8kTask", "DEFAULT_GSM8K_INSTRUCTION", "gold_from_solution", "validate_jsonl"]
 
@@ -33,16 +34,18 @@ def gold_from_solution(solution: str) -> str | None:
 def validate_jsonl(file: Path) -> int:
     """Check a GSM8K-style JSONL file line by line before ``datasets`` reads it.
 
-    Every line must be a JSON object with string fields ``question`` and ``answer``, and the
-    answer must end with ``#### N``.
+    Every line must be a JSON object with string fields ``question`` (not empty) and ``answer``,
+    and the answer must end with ``#### N``. As ``task=dataset`` (``datasets``' JSON reader) does,
+    a UTF-8 byte-order mark at the start and blank lines (trailing ones, as editors write them,
+    or between records) are accepted; CRLF line ends too.
 
     Returns:
         The number of records.
 
     Raises:
         FileNotFoundError: ``file`` does not exist (the message names it).
-        ValueError: ``file`` is empty, or a line is bad; the message names the file and the
-            1-based line number, e.g. ``"/x/train.jsonl line 3: not valid JSON (...)"``.
+        ValueError: ``file`` has no record, or a line is bad; the message names the file and
+            the 1-based line number, e.g. ``"/x/train.jsonl line 3: not valid JSON (...)"``.
     """
     if not file.is_file():
         raise FileNotFoundError(f"{file}: file not found")
@@ -50,12 +53,14 @@ def validate_jsonl(file: Path) -> int:
     with file.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             where = f"{file} line {lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not valid UTF-8 ({e})") from None
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            problem = utf8_problem(raw)
+            if problem is not None:
+                raise ValueError(f"{where}: {problem}")
+            line = raw.decode("utf-8")
             if not line.strip():
-                raise ValueError(f"{where}: empty line")
+                continue  # a blank line: datasets' JSON reader skips it too
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -67,11 +72,13 @@ def validate_jsonl(file: Path) -> int:
                     raise ValueError(f"{where}: missing field {field!r}")
                 if not isinstance(record[field], str):
                     raise ValueError(f"{where}: field {field!r} must be a string, got {type(record[field]).__name__}")
+            if not record["question"].strip():
+                raise ValueError(f"{where}: field 'question' is empty (a prompt with no text)")
             if gold_from_solution(record["answer"]) is None:
                 raise ValueError(f"{where}: field 'answer' has no final answer after '####'")
             count += 1
     if count == 0:
-        raise ValueError(f"{file}: file is empty")
+        raise ValueError(f"{file}: file is empty" + (" (only blank lines)" if file.stat().st_size else ""))
     return count
 
 
@@ -101,7 +108,8 @@ class Gsm8kTask(Task):
     Raises:
         FileNotFoundError: ``path`` or one of its files does not exist (the message names it).
         ValueError: a file is empty or has a bad line (file and line number in the message),
-            a hub row has no ``####`` answer, a bad ``answer_format``, or a negative limit.
+            a hub row has no ``####`` answer, a bad ``answer_format``, or a negative limit; without
+            ``path``, the hub is not reachable and the cache has no copy (said at once, naming ``task.path``).
     """
 
     name = "gsm8k"
@@ -138,7 +146,16 @@ class Gsm8kTask(Task):
         import datasets
 
         if self.path is None:
-            return datasets.load_dataset(self.hub_id, self.hub_config)
+            from lit_rl.hub import hub_dataset_cached, hub_offline_reason
+            from lit_rl.schema.task import gsm8k_offline_message
+
+            offline = None if hub_dataset_cached(self.hub_id) else hub_offline_reason()
+            if offline is not None:  # datasets would retry for half a minute, then raise a ConnectionError
+                raise ValueError(gsm8k_offline_message(self.hub_id, offline))
+            try:
+                return datasets.load_dataset(self.hub_id, self.hub_config)
+            except ConnectionError as err:  # a cached copy that is incomplete, or the hub went away
+                raise ValueError(gsm8k_offline_message(self.hub_id, str(err).splitlines()[0])) from err
         root = Path(self.path).expanduser()
         if not root.is_dir():
             raise FileNotFoundError(f"GSM8K data directory not found: {root}")
@@ -158,6 +175,8 @@ class Gsm8kTask(Task):
             gold = gold_from_solution(solution)
             if gold is None:
                 raise ValueError(f"GSM8K {split_name} row {idx}: answer has no '####' final answer")
+            if no_text(question):
+                raise ValueError(f"GSM8K {split_name} row {idx}: the question is empty (a prompt with no text)")
             text = f"{question}\n\n{self.instruction}" if self.instruction else question
             examples.append(Example(id=idx, question=text, answer=gold))
         return tuple(examples)
