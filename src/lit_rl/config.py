@@ -29,12 +29,11 @@ Lightning's device count (``check_world_size``) and the model's own config (cont
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from .choices import (
     ALGO_CONFIGS,
@@ -65,7 +64,7 @@ from .schema import (
     TaskConfig,
     config_of,
 )
-from .schema.base import Problems, is_int, is_number
+from .schema.base import Problems, is_int, is_number, unknown_keys
 from .tasks import TASKS
 
 DTYPES = ("float32", "bfloat16")
@@ -134,28 +133,12 @@ def check_keys(cfg: DictConfig) -> None:
     be ignored or fail later with a traceback. Sections typed by a dataclass are closed (every group but
     ``trainer``, and the root); untyped ones stay open (``trainer``: Lightning's keyword arguments, which
     Lightning checks)."""
-    for field, value, section, fields in _unknown_keys(cfg, ""):
+    for field, value, section, fields in unknown_keys(cfg):
         key = field.rsplit(".", 1)[-1]
         close = difflib.get_close_matches(key, fields, n=1)
         hint = f"did you mean {section}{close[0]}? " if close else ""
         where = f"{section[:-1]} has no field {key!r}" if section else f"the config has no top-level field {key!r}"
         _check(False, field, value, f"{where} ({hint}its fields: {', '.join(sorted(fields))})")
-
-
-def _unknown_keys(node: DictConfig, prefix: str):
-    """(field, value, section prefix, the section's fields) for each key of ``node`` and of its typed
-    sub-sections that is not a field of its dataclass; nothing for an untyped node."""
-    cls = OmegaConf.get_type(node)
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        return
-    fields = [f.name for f in dataclasses.fields(cls)]
-    for key in node.keys():
-        child = node._get_node(key)
-        if key not in fields:
-            plain = isinstance(child, (DictConfig, ListConfig))
-            yield f"{prefix}{key}", OmegaConf.to_container(child) if plain else child._value(), prefix, fields
-        elif isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
-            yield from _unknown_keys(child, f"{prefix}{key}.")
 
 
 #: the config sections whose values only their own dataclass bounds (``problems``), by key

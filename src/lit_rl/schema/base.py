@@ -68,3 +68,22 @@ def config_of(cls: type[C], values: Mapping | C | None, ignore_unknown: bool = F
             value = config_of(type(default), value)
         out[name] = value
     return cls(**out)
+
+
+def unknown_keys(node, prefix: str = ""):
+    """(field, value, section prefix, the section's fields) for each key of ``node`` (an OmegaConf
+    ``DictConfig``) and of its typed sub-sections that is not a field of its dataclass; nothing for an untyped
+    node (``config.check_keys`` refuses the first: Hydra lets ``+section.key=...`` add any key)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    cls = OmegaConf.get_type(node)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for key in node.keys():
+        child = node._get_node(key)
+        if key not in fields:
+            plain = isinstance(child, (DictConfig, ListConfig))
+            yield f"{prefix}{key}", OmegaConf.to_container(child) if plain else child._value(), prefix, fields
+        elif isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            yield from unknown_keys(child, f"{prefix}{key}.")
