@@ -87,11 +87,12 @@ class SampleLogger(L.Callback):
 
 
 class PlainLines(L.Callback):
-    """One plain line per RL step on stdout (step, reward, response length, s/step, rollout tokens/s): what a
-    log file or a cluster job's output shows, where a progress bar never prints."""
+    """One plain line per RL step (step, reward, response length, s/step, rollout tokens/s): on stdout when
+    ``console`` (what a log file or a cluster job's output shows, where a progress bar never prints), else to the
+    run's ``run_log`` only (``runlog.RunLog.note``: the console shows the progress bar)."""
 
-    def __init__(self, max_steps: int):
-        self.max_steps = max_steps
+    def __init__(self, max_steps: int, console: bool = True, run_log=None):
+        self.max_steps, self.console, self.run_log = max_steps, console, run_log
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not trainer.is_global_zero:
@@ -99,13 +100,16 @@ class PlainLines(L.Callback):
         m = {k: float(v) for k, v in trainer.callback_metrics.items()}
         step = trainer.global_step // pl_module.updates_per_step
         total = f"/{self.max_steps}" if self.max_steps > 0 else ""
-        print(
+        line = (
             f"lit_rl: step {step}{total} reward {m.get('rollout/reward_mean', float('nan')):.4f} "
             f"length {m.get('rollout/response_length_mean', float('nan')):.1f} "
             f"s/step {m.get('time/step_s', float('nan')):.2f} "
-            f"tokens/s {m.get('perf/rollout_tokens_per_s', float('nan')):.1f}",
-            flush=True,
+            f"tokens/s {m.get('perf/rollout_tokens_per_s', float('nan')):.1f}"
         )
+        if self.console:
+            print(line, flush=True)  # the run's log takes it from stdout
+        elif self.run_log is not None:
+            self.run_log.note(line)
 
 
 def plain_lines_on(setting) -> bool:

@@ -68,6 +68,7 @@ from .resume import (
     save_final_checkpoint,
 )
 from .runfolder import RunFolderClaim, check_output_folders, claim_run_folder, lightning_rank
+from .runlog import RUN_LOG, RunLog
 
 log = logging.getLogger(__name__)
 
@@ -205,11 +206,19 @@ def run(cfg: DictConfig, out_dir: str | os.PathLike, overrides: list[str] | None
     running one (``runfolder.claim_run_folder``: global rank 0 claims it before the checks, until the run
     ends) or cannot be written, or prompts that do not fit the context; OutputWriteError when a checkpoint or
     the policy export cannot be written during the run (the checkpoints written before stay whole).
+
+    What the run prints, and the error that ends it, also go to ``<run>/train.log`` (``runlog.RunLog``; global
+    rank 0, once the folder is checked as this run's).
     """
     claims: list[RunFolderClaim] = []  # the run folder's claim, held until the run ends however it ends
+    run_log = RunLog.start()
     try:
-        return _run(cfg, out_dir, overrides, claims)
+        return _run(cfg, out_dir, overrides, claims, run_log)
+    except BaseException as err:
+        run_log.end(err)
+        raise
     finally:
+        run_log.close()
         for claim in claims:
             claim.release()
 
@@ -222,7 +231,7 @@ class Prepared:
     changes), validated and with its auto settings resolved, built once here and passed through; out: the run folder
     (claimed); ckpt_path: the checkpoint it continues from, or None; hardware: what the auto settings chose, one
     line each (printed, and written at the top of config.yaml); governor: the ``threads=adaptive`` callback or None;
-    updates_per_rl_step: optimizer steps per RL step.
+    updates_per_rl_step: optimizer steps per RL step; log: the run's ``RunLog`` (None: the console only).
     """
 
     cfg: TrainConfig
@@ -231,6 +240,7 @@ class Prepared:
     hardware: list[str]
     governor: AdaptiveThreads | None
     updates_per_rl_step: int
+    log: RunLog | None = None
 
 
 @dataclass
@@ -264,20 +274,20 @@ class RunParts:
     model: ModelParts
 
 
-def _run(cfg: DictConfig, out_dir, overrides, claims: list) -> dict[str, float]:
-    prepared = prepare_output(cfg, out_dir, overrides, claims)
+def _run(cfg: DictConfig, out_dir, overrides, claims: list, run_log: RunLog) -> dict[str, float]:
+    prepared = prepare_output(cfg, out_dir, overrides, claims, run_log)
     parts = build(prepared)
     metrics = fit(parts)
     export(parts, metrics)
     return metrics
 
 
-def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list) -> Prepared:
+def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list, run_log: RunLog | None = None) -> Prepared:
     """Check the config and claim the run folder, before anything heavy: the continued run's config
     (``continued_run``), ``config.validate``, the hardware and engine settings resolved (``resolve_settings``),
     the folder claimed by global rank 0 (appended to ``claims``, released by ``run``) and checked
-    (``check_run_folder``), the seed set; then the typed config is built (``schema.train_config``), once.
-    Raises ConfigError."""
+    (``check_run_folder``), the seed set; then the typed config is built (``schema.train_config``), once. ``run_log``
+    (global rank 0) writes to the checked folder's ``train.log`` from then on. Raises ConfigError."""
     cfg, out = continued_run(cfg, Path(out_dir), overrides)
     validate(cfg)
     hardware, governor = resolve_settings(cfg)
@@ -301,7 +311,12 @@ def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list) -> Prepare
                 f"(trainer.max_steps={max_steps}): nothing to continue; to train it further, give a "
                 f"larger trainer.max_steps (e.g. --resume {out} trainer.max_steps={finished_at + 10})"
             )
-    return Prepared(cfg, out, ckpt_path, hardware, governor, k)
+    if run_log is not None and lightning_rank() == 0:
+        run_log.attach(out / RUN_LOG)
+    elif run_log is not None:  # the other ranks' console only (they would hold their lines to the end)
+        run_log.close()
+        run_log = None
+    return Prepared(cfg, out, ckpt_path, hardware, governor, k, run_log)
 
 
 def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
@@ -330,10 +345,11 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     if prepared.governor is not None:
         callbacks.append(prepared.governor)
     callbacks.append(SampleLogger(cfg.log.samples_every_n_steps, cfg.log.num_samples, out))
-    if plain_lines_on(cfg.log.plain_lines):
-        callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1)))
-        if cfg.log.plain_lines == "auto":  # not a terminal: a progress bar would never print
-            trainer_kwargs["enable_progress_bar"] = False
+    console = plain_lines_on(cfg.log.plain_lines)
+    if console or prepared.log is not None:  # the run's log has them even where the console shows a progress bar
+        callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1), console, prepared.log))
+    if console and cfg.log.plain_lines == "auto":  # not a terminal: a progress bar would never print
+        trainer_kwargs["enable_progress_bar"] = False
     try:
         trainer = L.Trainer(
             logger=logger,
