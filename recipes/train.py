@@ -2,7 +2,8 @@
 
     python recipes/train.py                                   # GRPO, SmolLM2-135M-Instruct, arithmetic
     python recipes/train.py task=gsm8k task.path=<dir with train.jsonl/test.jsonl>
-    python recipes/train.py -m model=tiny advantage.alpha=0,1  # a Hydra multirun sweep
+    python recipes/train.py -m model=tiny advantage.alpha=0,1  # a Hydra multirun sweep (-m may come anywhere)
+    python recipes/train.py experiment=alpha_sweep -m         # a sweep preset (refused without -m)
     python recipes/train.py --resume <run folder>             # continue a run (its config.yaml, its last checkpoint)
     tensorboard --logdir outputs/
 
@@ -66,6 +67,23 @@ def resume_flag(argv: list[str]) -> list[str]:
     return out
 
 
+def multirun_first(argv: list[str]) -> list[str]:
+    """``argv`` with ``-m`` / ``--multirun`` moved to the front: Hydra's parser takes the overrides as one run of
+    positional arguments, so ``experiment=algo_zoo -m seed=1`` failed with "unrecognized arguments: seed=1"."""
+    flags = [a for a in argv if a in ("-m", "--multirun")]
+    return flags + [a for a in argv if a not in ("-m", "--multirun")]
+
+
+def refuse_sweep_without_multirun(hydra_cfg) -> None:
+    """ConfigError for a sweep preset (an experiment that sets ``hydra.sweeper.params``) run without ``-m``:
+    Hydra would run one job at the config's defaults, silently."""
+    params = hydra_cfg.sweeper.get("params") or {}
+    if params:
+        preset = hydra_cfg.runtime.choices.get("experiment") or "this config"
+        swept = ", ".join(f"{k}={v}" for k, v in params.items())
+        raise ConfigError(f"experiment={preset} is a sweep: add -m (it sweeps {swept})")
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig):
     global job_started
@@ -74,6 +92,8 @@ def main(cfg: DictConfig):
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     stops: tuple[type[Exception], ...] = ()  # a run's own stops; known once it is imported (with torch)
     try:
+        if not multirun:
+            refuse_sweep_without_multirun(hydra_cfg)
         if multirun and cfg.resume:
             raise ConfigError("resume=... continues one run; it cannot be swept (-m): continue each job on its own")
         if not continues_run(cfg):
@@ -102,7 +122,7 @@ def main(cfg: DictConfig):
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = resume_flag(sys.argv[1:])
+    sys.argv[1:] = multirun_first(resume_flag(sys.argv[1:]))
     try:
         main()
     except SystemExit as exit_:

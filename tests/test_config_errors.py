@@ -501,3 +501,24 @@ def test_an_output_folder_that_cannot_be_written_is_refused_at_start_up(tmp_path
         r"its first checkpoint or at the end: choose another folder",
     ):
         run(cfg_for(), out)
+
+
+def test_a_sweep_preset_without_m_is_refused_and_m_may_follow_the_overrides(tmp_path):
+    """``experiment=alpha_sweep`` without ``-m`` used to run one job at the defaults, silently; ``-m`` after an
+    override failed with Hydra's "unrecognized arguments"."""
+    recipe = [sys.executable, "-c", RUN_RECIPE, os.path.join(ROOT, "recipes", "train.py")]
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        recipe + ["experiment=alpha_sweep", f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 2, res.stderr
+    assert "lit_rl: error: experiment=alpha_sweep is a sweep: add -m (it sweeps advantage.alpha=0,0.25,0.5,1)" in (
+        res.stderr
+    )
+    assert "imported: []" in res.stdout and not run_dir.exists()
+    # -m after the overrides: the sweep starts (its jobs' configs are checked first: one is refused, no job runs)
+    sweep = [f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    res = subprocess.run(recipe + ["advantage.alpha=7,0", "-m"] + sweep, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "unrecognized arguments" not in res.stderr
+    assert "lit_rl: error: 1 of the sweep's 2 jobs have invalid configs; no job was started:" in res.stderr

@@ -197,8 +197,14 @@ def test_auto_threads_honours_omp_num_threads_and_shares_cores_among_ranks(monke
         resolve_hardware(cfg)
         assert cfg.threads == 4
         cfg = cfg_for("threads=1")
-        resolve_hardware(cfg)
+        assert len(resolve_hardware(cfg)) == 2  # no warning at or below the cores
         assert cfg.threads == 1 and torch.get_num_threads() == 1
+        assert resolve_hardware(cfg_for("threads=8"))[2:] == []
+        # above the cores: one start-up line says so (threads=999 on 2 cores ran 6.5x slower than threads=2)
+        assert resolve_hardware(cfg_for("threads=9"))[2:] == [
+            "warning: threads=9 is more than the 8 cores available to this process: its threads take turns and "
+            "every step runs slower (threads=auto uses 8)"
+        ]
     finally:
         torch.set_num_threads(previous)
 

@@ -142,6 +142,19 @@ def auto_threads(processes: int = 1, environ=None) -> tuple[int, str]:
     return max(1, cores // max(1, processes)), f"{cores} cores available to this process{shared}"
 
 
+def oversubscribed(threads: int) -> list[str]:
+    """[a warning] for an explicit ``threads`` above the cores this process may run on (``available_cores``), else
+    []: more threads than cores take turns, and every product waits for the slowest (issue 33: threads=999 on 2
+    cores ran 6.5x slower than threads=2)."""
+    cores = available_cores()
+    if threads <= cores:
+        return []
+    return [
+        f"warning: threads={threads} is more than the {cores} cores available to this process: its threads take "
+        f"turns and every step runs slower (threads=auto uses {cores})"
+    ]
+
+
 def resolve_threads(threads) -> int:
     """``threads`` as a count: ``auto`` (or null) -> ``auto_threads()``; a positive integer as is.
     Raises ValueError for anything else."""

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..rollout.engines import on_cuda, resolve_auto
 from .callbacks import AdaptiveThreads, adaptive_threads
-from .hardware import auto_threads, configure_threads, omp_summary, resolve_precision, uses_cuda
+from .hardware import auto_threads, configure_threads, omp_summary, oversubscribed, resolve_precision, uses_cuda
 from .model_checks import model_head_dim
 
 
@@ -75,6 +75,8 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
             why = "set explicitly"
         cfg.threads = configure_threads(cfg.threads)
         lines.append(f"threads={cfg.threads} ({why}; {omp_summary()})")
+        if requested not in (None, "auto", "adaptive"):
+            lines += oversubscribed(cfg.threads)
     return lines
 
 
