@@ -357,6 +357,44 @@ def test_engine_for_a_model_with_small_heads(tmp_path):
                 resolve_engine(cfg)
 
 
+def test_engine_for_a_qwen2_whose_config_head_dim_vllm_ignores(tmp_path, capsys):
+    """vLLM's Qwen2 builds head_dim = hidden_size // num_attention_heads whatever the config's head_dim says
+    (transformers builds the config's): the check computes what vLLM builds, so a Qwen2 config with head_dim 32
+    over hidden 64 / 4 heads (vLLM: 16, ``Unsupported CPU attention configuration: head_dim=16`` in step 1) and
+    one with head_dim 32 over hidden 128 / 2 heads (vLLM: 64, its weights do not fit) are refused by name, and
+    engine=auto picks the embedded engine; from config folders alone, no weights."""
+    from helpers.families import family_config
+    from transformers import LlamaConfig
+
+    from lit_rl.config import ConfigError
+    from lit_rl.models import load_model_config
+    from lit_rl.run.model_checks import vllm_head_dim
+    from lit_rl.run.resolve import resolve_engine
+
+    # what the check computes for ordinary models: the config's head_dim where vLLM takes it (Llama, tiny)
+    assert vllm_head_dim(load_model_config("tiny")) == 32
+    assert vllm_head_dim(family_config("qwen2", 100)) == 32  # hidden 64 / 2 heads, head_dim 32: they agree
+    assert vllm_head_dim(family_config("qwen3", 100, num_attention_heads=4, num_key_value_heads=2)) == 32
+    assert vllm_head_dim(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32)) == 32
+    shapes = {"hd16": (64, 4, 16), "hd64": (128, 2, 64)}  # hidden, heads, what vLLM builds; the config says 32
+    for name, (hidden, heads, built) in shapes.items():
+        config = family_config("qwen2", 100, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=1)
+        assert config.head_dim == 32 and vllm_head_dim(config) == built
+        config.save_pretrained(tmp_path / name)
+        cfg = compose_config(f"model.name_or_path={tmp_path / name}", "engine=auto")
+        resolve_engine(cfg)
+        assert cfg.engine.name == "torch"
+        assert "engine=auto -> torch (vLLM's Qwen2ForCausalLM builds head_dim" in capsys.readouterr().out
+        cfg = compose_config(f"model.name_or_path={tmp_path / name}", "engine=vllm")
+        with pytest.raises(
+            ConfigError,
+            match=rf"engine=vllm: vLLM's Qwen2ForCausalLM builds head_dim = hidden_size // num_attention_heads = "
+            rf"{hidden} // {heads} = {built} and ignores the head_dim 32 of model.name_or_path='.*{name}''s config "
+            rf".*vLLM serves Qwen2ForCausalLM only with head_dim unset or equal to {built}; use engine=torch",
+        ):
+            resolve_engine(cfg)
+
+
 def test_engine_auto_picks_vllm_where_it_is_installed():
     from lit_rl.run.resolve import resolve_engine
 

@@ -26,14 +26,15 @@ def on_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_auto(cfg: dict, head_dim: int | None = None) -> str:
-    """The engine ``engine.name=auto`` stands for: "vllm" when vLLM is installed and (on CPU, where its
-    attention needs head_dim >= 32) can run the model and ``engine.logit_noise`` is off, else "torch"."""
+def resolve_auto(cfg: dict, vllm_refusal: str | None = None) -> str:
+    """The engine ``engine.name=auto`` stands for: "vllm" when vLLM is installed, can serve the model
+    (``vllm_refusal``, why not, from ``run.model_checks.vllm_refusal``: e.g. head_dim < 32 on CPU) and
+    ``engine.logit_noise`` is off, else "torch"."""
     if not vllm_installed():
         return "torch"
     if float(cfg.get("logit_noise") or 0.0) > 0:  # the logit-noise dial exists in the embedded engine only
         return "torch"
-    if not on_cuda() and head_dim is not None and head_dim < 32:
+    if vllm_refusal:
         return "torch"
     return "vllm"
 

@@ -1,7 +1,7 @@
 """What the configured model allows, checked at start-up before its weights load: its context against the run's
 prompts (``check_context``), its attention implementation and sliding windows (``check_model_support``), its
-head size (``model_head_dim``, which ``engine=auto`` reads). Every refusal is a ``ConfigError`` naming the
-field to change.
+head size as vLLM builds it (``vllm_head_dim``; ``vllm_refusal``, which ``engine=auto`` reads). Every refusal is
+a ``ConfigError`` naming the field to change.
 """
 
 from __future__ import annotations
@@ -22,13 +22,73 @@ def model_config(model_cfg: DictConfig):
         return None
 
 
-def model_head_dim(model_cfg: DictConfig) -> int | None:
-    """Attention head size of the configured model, read from its config (no weights loaded); None if unknown."""
-    config = model_config(model_cfg)
+#: architectures whose vLLM model (0.32, ``vllm/model_executor/models/<file>.py``: qwen2, qwen2_moe, olmoe,
+#: stablelm, minicpm, internlm2, granitemoe, orion, jamba) builds its attention with head_dim =
+#: hidden_size // num_attention_heads whatever the config's ``head_dim`` says; transformers (and vLLM's Llama,
+#: Qwen3, Gemma, ...) take the config's ``head_dim`` when it is set
+VLLM_DERIVED_HEAD_DIM = frozenset(
+    {
+        "Qwen2ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "OlmoeForCausalLM",
+        "StableLmForCausalLM",
+        "MiniCPMForCausalLM",
+        "InternLM2ForCausalLM",
+        "GraniteMoeForCausalLM",
+        "OrionForCausalLM",
+        "JambaForCausalLM",
+    }
+)
+#: the smallest head_dim vLLM's CPU attention runs (``Unsupported CPU attention configuration`` below it)
+VLLM_CPU_MIN_HEAD_DIM = 32
+
+
+def architecture(config) -> str | None:
+    """The architecture vLLM builds for ``config``: its ``architectures`` entry (what the engine's saved config
+    carries), else the transformers causal-LM class ``AutoModelForCausalLM`` would build."""
+    named = getattr(config, "architectures", None)
+    if named:
+        return named[0]
+    cls = causal_lm_class(config)
+    return cls.__name__ if cls is not None else None
+
+
+def vllm_head_dim(config) -> int | None:
+    """The attention head size vLLM builds for ``config``: hidden_size // num_attention_heads for the
+    architectures of ``VLLM_DERIVED_HEAD_DIM``, else the config's ``head_dim`` when set, else that quotient;
+    None without a config."""
     try:
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        derived = config.hidden_size // config.num_attention_heads
     except Exception:  # noqa: BLE001 - no config (a bad name is reported where the model loads)
         return None
+    if architecture(config) in VLLM_DERIVED_HEAD_DIM:
+        return derived
+    return getattr(config, "head_dim", None) or derived
+
+
+def vllm_refusal(model_cfg: DictConfig, cuda: bool) -> str | None:
+    """Why vLLM cannot serve the configured model, read from its config before any weight loads; None if it
+    can (or the config cannot be read). Refused: an architecture of ``VLLM_DERIVED_HEAD_DIM`` whose config sets
+    a ``head_dim`` other than hidden_size // num_attention_heads (transformers builds the config's, vLLM the
+    quotient: the weights do not fit, on any device), and, on CPU, a head_dim below ``VLLM_CPU_MIN_HEAD_DIM``
+    as vLLM builds it (``vllm_head_dim``). ``engine=auto`` then picks torch, ``engine=vllm`` stops."""
+    config = model_config(model_cfg)
+    built = vllm_head_dim(config)
+    if built is None:
+        return None
+    model = f"model.name_or_path={model_cfg.name_or_path!r}"
+    declared = getattr(config, "head_dim", None)
+    arch = architecture(config)
+    if arch in VLLM_DERIVED_HEAD_DIM and declared and declared != built:
+        return (
+            f"vLLM's {arch} builds head_dim = hidden_size // num_attention_heads = {config.hidden_size} // "
+            f"{config.num_attention_heads} = {built} and ignores the head_dim {declared} of {model}'s config "
+            f"(transformers builds {declared}), so the weights do not fit; vLLM serves {arch} only with "
+            f"head_dim unset or equal to {built}"
+        )
+    if not cuda and built < VLLM_CPU_MIN_HEAD_DIM:
+        return f"vLLM's CPU attention needs head_dim >= {VLLM_CPU_MIN_HEAD_DIM} and {model} has {built}"
+    return None
 
 
 def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:

@@ -12,26 +12,25 @@ from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..rollout.engines import on_cuda, resolve_auto
 from .callbacks import AdaptiveThreads, adaptive_threads
 from .hardware import auto_threads, configure_threads, omp_summary, oversubscribed, resolve_precision, uses_cuda
-from .model_checks import model_head_dim
+from .model_checks import vllm_refusal
 
 
 def resolve_engine(cfg: DictConfig) -> None:
-    """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm (installed and, on CPU,
-    the model's head_dim >= 32, which vLLM's CPU attention needs) or torch (printed); vLLM's ``dtype: null``
+    """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm (installed, and the model's
+    head_dim as vLLM builds it fits, ``model_checks.vllm_refusal``: >= 32 on CPU, and equal to the config's for
+    the architectures vLLM derives it for) or torch (printed, with the reason); vLLM's ``dtype: null``
     becomes bfloat16 under a bf16 trainer precision (``auto`` resolved as ``resolve_hardware`` does), else
     ``model.dtype``, and its ``kv_cache_gb: null``
-    1 GiB on CPU; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model vLLM's CPU
-    build cannot run."""
+    1 GiB on CPU; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model vLLM cannot
+    run (``vllm_refusal``), before any weight loads."""
     with open_dict(cfg):
-        head_dim = model_head_dim(cfg.model) if cfg.engine.name in ("auto", "vllm") and not on_cuda() else None
+        refusal = vllm_refusal(cfg.model, on_cuda()) if cfg.engine.name in ("auto", "vllm") else None
         if cfg.engine.name == "auto":
-            cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), head_dim)
-            print(f"lit_rl: engine=auto -> {cfg.engine.name}", flush=True)
-        if cfg.engine.name == "vllm" and head_dim is not None and head_dim < 32:
-            raise ConfigError(
-                f"engine=vllm: vLLM's CPU attention needs head_dim >= 32 and model.name_or_path="
-                f"{cfg.model.name_or_path!r} has {head_dim}; use engine=torch (or engine=auto)"
-            )
+            cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), refusal)
+            why = f" ({refusal})" if refusal and cfg.engine.name == "torch" else ""
+            print(f"lit_rl: engine=auto -> {cfg.engine.name}{why}", flush=True)
+        if cfg.engine.name == "vllm" and refusal:
+            raise ConfigError(f"engine=vllm: {refusal}; use engine=torch (or engine=auto)")
         if cfg.engine.name == "vllm" and not cfg.engine.dtype:
             precision, _ = resolve_precision(cfg.trainer.get("precision", "auto"), cfg.trainer.get("accelerator"))
             cfg.engine.dtype = "bfloat16" if str(precision).startswith("bf16") else cfg.model.dtype
