@@ -444,3 +444,30 @@ def test_versus_with_seeds_gets_intervals(tmp_path):
     half = 12.706204736174707 * math.sqrt(0.02) / math.sqrt(2)  # t_{0.975,1} * s / sqrt(2), s^2 = 0.02
     assert f"| correction=tis | 0.6 ± {half:.4g} [2] | 0.3 ± n/a [1] |" in table
     assert (out / "rollout_reward_mean_vs_rollout.lag.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# ----------------------------------------------------- seeds of a swept value with "/" (issue 33, item 5)
+@pytest.mark.parametrize("seed_first", [True, False])
+def test_seeds_group_whatever_the_order_of_a_swept_path_and_seed(tmp_path, seed_first):
+    """Folders as an older lit_rl left them: a swept value with "/" made them two levels deep, and with
+    ``seed`` first on the command line compare saw 4 settings of 1 seed instead of 2 x 2."""
+    for path in ("data/a.jsonl", "data/b.jsonl"):
+        for seed in (0, 1):
+            items = [f"seed={seed}", f"task.path={path}"] if seed_first else [f"task.path={path}", f"seed={seed}"]
+            run = tmp_path / ",".join(items)
+            write_run(str(run), {"rollout/reward_mean": {1: 0.1 * seed}})
+            (run / ".hydra").mkdir()
+            (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in ["task=dataset", *items]))
+    groups = compare.group_runs(compare.find_runs([str(tmp_path)]))
+    assert sorted(groups) == ["task.path=data/a.jsonl", "task.path=data/b.jsonl"]
+    assert all(len(runs) == 2 for runs in groups.values())
+
+
+def test_the_recorded_seed_picks_the_seed_item_of_a_name(tmp_path):
+    # a path value that holds "seed=1" is no seed item when the run's record says seed=0
+    assert compare.setting_of("seed=0,task.path=runs/seed=1", 0) == ("task.path=runs/seed=1", 0)
+    assert compare.setting_of("seed=0,task.path=data/a.jsonl") == ("task.path=data/a.jsonl", 0)
+    run = tmp_path / "r"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- algo=dapo\n- +seed=7\n")
+    assert compare.recorded_seed(run) == 7 and compare.recorded_seed(tmp_path / "none") is None

@@ -186,3 +186,54 @@ def test_a_refused_start_s_folder_is_removed_only_when_nothing_was_written_and_n
     assert not discard_refused_run_folder(live) and (live / ".hydra" / "config.yaml").exists()
     claim.release()
     assert not discard_refused_run_folder(tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------- sweep job folder names (issue 33, item 5)
+def test_a_swept_value_with_a_slash_names_one_folder_level_unique_per_job():
+    from urllib.parse import unquote
+
+    from lit_rl.run.runfolder import NAME_MAX, job_folder_name, run_name
+
+    argv = ["-m", "seed=0,1", "task=dataset", "task.path=data/a.jsonl,data/b.jsonl"]
+    name = run_name(["seed=0", "task=dataset", "task.path=data/a.jsonl"], argv=argv)
+    assert name == "seed=0,task.path=data%2Fa.jsonl" and "/" not in name
+    assert unquote(name) == "seed=0,task.path=data/a.jsonl"  # reversible
+    model = run_name(["model.name_or_path=org/name", "seed=1"], argv=["model.name_or_path=org/name,x/y", "seed=0,1"])
+    assert model == "model.name_or_path=org%2Fname,seed=1"
+    # two spellings of one path are two jobs: values are kept as written, never normalised into one folder
+    same = ["docs/examples/sums.jsonl", "docs/examples/../examples/sums.jsonl"]
+    names = {job_folder_name([f"task.path={p}", f"seed={s}"]) for p in same for s in (0, 1)}
+    assert len(names) == 4 and not any("/" in n or n in (".", "..") for n in names)
+    assert job_folder_name(["a=50%2F"]) != job_folder_name(["a=50/"])  # "%" is escaped too: no collisions
+    long = [job_folder_name([f"task.path={'d/' * 200}{i}.jsonl"]) for i in range(2)]
+    assert long[0] != long[1] and all(len(n.encode()) <= NAME_MAX for n in long)
+    assert job_folder_name([]) == "run"
+
+
+def test_study_names_its_job_folders_as_a_multirun_does():
+    from lit_rl.tools.study import expand
+
+    jobs = expand({}, ["task=dataset", "task.path=data/a.jsonl,data/b.jsonl", "seed=0,1"])
+    assert [j.name for j in jobs] == [
+        "task.path=data%2Fa.jsonl,seed=0",
+        "task.path=data%2Fb.jsonl,seed=0",
+        "task.path=data%2Fa.jsonl,seed=1",
+        "task.path=data%2Fb.jsonl,seed=1",
+    ]
+
+
+def test_multirun_over_two_spellings_of_one_path_runs_every_job_in_its_own_folder(tmp_path):
+    sweep = tmp_path / "sweep"
+    paths = "docs/examples/sums.jsonl,docs/examples/../examples/sums.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), "-m", "seed=0,1", "task=dataset"]
+    cmd += [f"task.path={paths}", "task.prompt_field=problem", "task.answer_field=solution", *CLI]
+    cmd += [f"hydra.sweep.dir={sweep}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "src"))
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    jobs = sorted(p for p in os.listdir(sweep) if not p.startswith(".") and p != "multirun.yaml")
+    assert len(jobs) == 4 and all((sweep / j / "finished.json").is_file() for j in jobs), jobs
+    from lit_rl.tools.compare import find_runs, group_runs
+
+    groups = group_runs(find_runs([str(sweep)]))
+    assert sorted(len(v) for v in groups.values()) == [2, 2], groups  # 2 settings x 2 seeds

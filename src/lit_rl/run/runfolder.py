@@ -67,7 +67,8 @@ def swept_keys(args) -> set[str]:
 
 
 def run_name(task_overrides, sweeper_params=None, argv=None) -> str:
-    """Name of a multirun job from the overrides the sweep varies, e.g. ``algo=dapo,seed=1``.
+    """Name of a multirun job's folder from the overrides the sweep varies, e.g. ``algo=dapo,seed=1``
+    (``job_folder_name``: one level, "/" in a value written ``%2F``).
 
     A key is swept when the command line sweeps it (``swept_keys``) or an experiment preset lists it under
     ``hydra.sweeper.params``; fixed overrides stay out of the name (they are in each run's config.yaml),
@@ -77,7 +78,31 @@ def run_name(task_overrides, sweeper_params=None, argv=None) -> str:
     swept = set(dict(sweeper_params or {}).keys())
     swept |= swept_keys(sys.argv[1:] if argv is None else argv)
     parts = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
-    return ",".join(parts) or "run"
+    return job_folder_name(parts)
+
+
+# a file name's limit on Linux and macOS file systems is 255 bytes; longer names are cut and made unique by a hash
+NAME_MAX = 255
+
+
+def job_folder_name(items) -> str:
+    """One path component naming a job from its swept ``key=value`` items, joined by ",": ``algo=dapo,seed=1``.
+
+    A value with "/" (a data path ``task.path=data/a.jsonl``, a model id ``org/name``) used to make the job's
+    folder two levels deep, and ``..`` in it (``docs/examples/../examples/x.jsonl``) landed two jobs in one
+    folder. "%" and "/" are percent-encoded (``%25``, ``%2F``: plain ASCII, no shell quoting, and
+    ``urllib.parse.unquote`` gives the items back), so the name is one level and two different item lists
+    never give the same name; values are kept as written, not normalised. A name longer than ``NAME_MAX``
+    bytes is cut and ends in ``~`` and 10 hex digits of its SHA-1, unique still. ``run`` when nothing is swept.
+    """
+    name = ",".join(items).replace("%", "%25").replace("/", "%2F") or "run"
+    if len(name.encode()) <= NAME_MAX:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    head = name.encode()[: NAME_MAX - len(digest) - 1].decode(errors="ignore")
+    return f"{head}~{digest}"
 
 
 def run_dir(resume, default: str) -> str:

@@ -66,6 +66,8 @@ def expand(preset_params: dict[str, str], args: list[str]) -> list[Job]:
             grid.pop(key, None)  # a fixed value on the command line replaces the preset's sweep of that key
         else:
             grid[parsed[0]] = parsed[1]
+    from ..run.runfolder import job_folder_name
+
     keys = list(grid)
     seeds = grid.pop("seed", None)
     keys = [k for k in keys if k != "seed"]
@@ -73,7 +75,7 @@ def expand(preset_params: dict[str, str], args: list[str]) -> list[Job]:
     for seed in seeds or [None]:
         for combo in itertools.product(*(grid[k] for k in keys)):
             items = [f"{k}={v}" for k, v in zip(keys, combo)] + ([f"seed={seed}"] if seed is not None else [])
-            jobs.append(Job(",".join(items) or "run", fixed + items))
+            jobs.append(Job(job_folder_name(items), fixed + items))  # one level: "/" in a value is %2F
     return jobs
 
 

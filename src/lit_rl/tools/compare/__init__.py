@@ -5,7 +5,8 @@
 A *run* is a folder that holds TensorBoard event files, directly or in a ``tensorboard/`` subfolder (what
 ``recipes/train.py`` writes). A run's name is its path relative to the folder given on the command line
 (for a Hydra multirun: the override_dirname, e.g. ``algo=dapo,seed=1``). Runs whose names differ only by a
-``seed=N`` item form one *setting* (``algo=dapo``); each tag is shown per setting as the mean over its seeds
+``seed=N`` item form one *setting* (``algo=dapo``), wherever the item stands (a job's ``.hydra/overrides.yaml``,
+when there is one, says which item is its seed); each tag is shown per setting as the mean over its seeds
 with a min–max band across seeds.
 
 Rules (also written under the table in ``summary.md``):
@@ -47,7 +48,7 @@ seed intervals and Welch's test, ``versus`` a tag against a swept value, ``table
 from .cli import main, parse_args
 from .curves import Curve, common_step, curves_for, lower_is_better, seed_curve, tb_smooth, value_at
 from .runs import CompareError, find_runs, read_scalars
-from .settings import group_runs, setting_of, split_key
+from .settings import group_runs, recorded_seed, setting_of, split_key
 from .stats import (
     Interval,
     WelchResult,
@@ -85,6 +86,7 @@ __all__ = [
     "run_final",
     "seed_curve",
     "seed_finals",
+    "recorded_seed",
     "setting_of",
     "shifted",
     "split_key",
