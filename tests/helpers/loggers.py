@@ -69,8 +69,8 @@ def read_wandb_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]
     return {tag: sorted(points) for tag, points in out.items()}
 
 
-def wandb_run_name(run_dir: str | Path) -> str:
-    """The display name of an offline W&B run (its ``run`` record)."""
+def _wandb_run_record(run_dir: str | Path):
+    """The ``run`` record of an offline W&B run folder (its display name, its id)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (log,) = Path(run_dir).glob("run-*.wandb")
@@ -78,21 +78,18 @@ def wandb_run_name(run_dir: str | Path) -> str:
         record = pb.Record()
         record.ParseFromString(payload)
         if record.WhichOneof("record_type") == "run":
-            return record.run.display_name
+            return record.run
     raise ValueError(f"{log}: no run record")
+
+
+def wandb_run_name(run_dir: str | Path) -> str:
+    """The display name of an offline W&B run (its ``run`` record)."""
+    return _wandb_run_record(run_dir).display_name
 
 
 def wandb_run_id(run_dir: str | Path) -> str:
     """The run id an offline W&B run folder was written under (its ``run`` record)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (log,) = Path(run_dir).glob("run-*.wandb")
-    for payload in _wandb_records(log):
-        record = pb.Record()
-        record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "run":
-            return record.run.run_id
-    raise ValueError(f"{log}: no run record")
+    return _wandb_run_record(run_dir).run_id
 
 
 def read_mlflow_scalars(tracking_uri: str, run_name: str) -> tuple[dict[str, list[tuple[int, float]]], object]:

@@ -451,25 +451,16 @@ def report_dropout(spec: ModelConfig, policy) -> None:
     the trainer's forward (the checkpoint config's probabilities, ``model.lora.dropout``), or with ``true`` what
     stays on and what it costs."""
     if spec.keep_dropout:
-        kept = dropout_probabilities(policy)
-        if kept:
-            listed = ", ".join(f"{k}={v:g}" for k, v in kept.items())
-            print(
-                f"lit_rl: model.keep_dropout=true: dropout stays on in the trainer's forward ({listed}); the engine "
-                f"samples without it, and train/logprob_abs_diff includes its noise",
-                flush=True,
-            )
-        return
-    off = original_dropout(policy)
-    if spec.lora.r > 0 and spec.lora.dropout > 0:
-        off["model.lora.dropout"] = spec.lora.dropout
-    if off:
-        listed = ", ".join(f"{k}={v:g}" for k, v in off.items())
-        print(
-            f"lit_rl: dropout off in the trainer's forward, as in the engine's ({listed}); "
-            f"model.keep_dropout=true keeps it",
-            flush=True,
-        )
+        probabilities = dropout_probabilities(policy)
+        what = "model.keep_dropout=true: dropout stays on in the trainer's forward ({}); the engine samples without "
+        what += "it, and train/logprob_abs_diff includes its noise"
+    else:
+        probabilities = original_dropout(policy)
+        if spec.lora.r > 0 and spec.lora.dropout > 0:
+            probabilities["model.lora.dropout"] = spec.lora.dropout
+        what = "dropout off in the trainer's forward, as in the engine's ({}); model.keep_dropout=true keeps it"
+    if probabilities:
+        print("lit_rl: " + what.format(", ".join(f"{k}={v:g}" for k, v in probabilities.items())), flush=True)
 
 
 def enter_kernel_mode(cfg: TrainConfig, policy):
