@@ -322,3 +322,28 @@ def test_functions_that_cannot_load_in_the_workers_leave_no_empty_log(tmp_path, 
         assert log.read_text() == "cannot reach the grading server\n"
     else:
         assert not log.exists()
+
+
+def test_workers_outlive_a_signal_to_the_process_group_so_the_step_can_finish():
+    """Ctrl-C, ``timeout`` and SLURM's scancel signal the whole process group: the verifier workers must leave the
+    signal to the trainer (which finishes its step, scoring with them, then checkpoints). A SIGTERM that killed
+    them broke the step's scoring with BrokenPipeError (seen with ``timeout -s TERM`` on the main job)."""
+    import signal
+    import time
+
+    from lit_rl.tasks.reward_functions import FunctionRef
+    from lit_rl.tasks.verifier_pool import VerifierPool
+
+    pool = VerifierPool(num_workers=1)
+    try:
+        refs = [FunctionRef("format", batched=False)]
+        pool.prepare("k", refs)
+        (worker,) = pool._workers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(worker.process.pid, sig)
+        time.sleep(0.5)
+        assert worker.process.poll() is None  # still running
+        outcome = pool.run("k", refs, [(0, ("q", "#### 7", {}), {})], timeout_s=10.0)
+        assert [(o.status, o.value) for o in outcome] == [("ok", 1.0)]
+    finally:
+        pool.close()
