@@ -113,7 +113,18 @@ ROLLOUT_MODES: Registry[RolloutMode] = Registry(
     {
         "sync": RolloutMode("the weights about to be trained", multi_rank=True),
         "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",)),
-        "async": RolloutMode("the newest weights a producer thread has, at most rollout.max_staleness RL steps old"),
+        "async": RolloutMode(
+            "the newest weights a producer (thread or process) has, at most rollout.max_staleness RL steps old"
+        ),
+    },
+)
+#: ``rollout.producer`` -> where an async run's engine samples (``rollout.sources.StaleSource``)
+PRODUCERS: Registry[str] = Registry(
+    "rollout.producer",
+    {
+        "auto": "process where it can run (engine=torch without LoRA, on the CPU), else thread",
+        "thread": "a thread of the trainer's process, sharing its cores",
+        "process": "a process of its own on its own cores, fed by a shared weight store",
     },
 )
 #: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``

@@ -50,6 +50,7 @@ from ..models import adapter_disabled, adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
+from ..rollout.staleness import token_staleness
 from ..rollout.types import RolloutBatch, left_pad
 from ..schema import (
     AdvantageConfig,
@@ -326,10 +327,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             "rollout/truncation_rate": sum(f == "length" for f in r.finish_reason) / max(len(r.finish_reason), 1),
             "rollout/groups_all_correct": float(all_correct),
             "rollout/groups_all_wrong": float(all_wrong),
-            # in RL steps: versions count optimizer steps, updates_per_step of them per RL step
-            "rollout/staleness_mean": float((self.global_step - r.policy_version).float().mean())
-            / self.updates_per_step,
-            "rollout/staleness_max": float((self.global_step - r.policy_version).max()) / self.updates_per_step,
+            **token_staleness(r, self.global_step, self.updates_per_step),
         }
 
     # -- 2. the batch: rewards -> RolloutBatch -> advantages ------------------------------------------------------
@@ -351,6 +349,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             policy_version=r.policy_version,
             topk_ids=r.topk_ids,
             topk_logprobs=r.topk_logprobs,
+            token_versions=r.token_versions,
         ).to(self.device)
         rb.advantages = self.algorithm.advantages(self, rb)
         self.algorithm.finish_batch(self, scored, rb)

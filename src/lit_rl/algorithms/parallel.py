@@ -47,6 +47,7 @@ SUMMED_METRICS = (
 )
 MAX_METRICS = (
     "rollout/staleness_max",
+    "rollout/version_span_max",
     "rollout/generation_rounds",
     "time/rollout_s",
     "time/train_s",
@@ -185,6 +186,7 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         old_head_logprobs=one(row.old_head_logprobs, float("-inf")),
         old_values=one(row.old_values),
         returns=one(row.returns),
+        token_versions=None if row.token_versions is None else row.token_versions[:, :1],
     )
 
 

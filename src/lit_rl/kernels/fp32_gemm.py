@@ -85,7 +85,10 @@ class OneDNNGemm:
     back. Also a context manager. Raises RuntimeError when oneDNN is not ``available``, or when the
     batch-invariant kernels (which own ``aten::mm``) are enabled. Keep a reference while it should act: the
     registration lives in a ``torch.library.Library`` that unregisters itself when garbage-collected, so
-    ``OneDNNGemm().enable()`` alone ends at once."""
+    ``OneDNNGemm().enable()`` alone ends at once. ``OneDNNGemm._active``: the enabled one, if any (a rollout process
+    installs the same kernels as its trainer)."""
+
+    _active: "OneDNNGemm | None" = None
 
     def __init__(self):
         self._lib = None
@@ -109,12 +112,15 @@ class OneDNNGemm:
             lib.impl("mm", mm, "CPU")
             lib.impl("addmm", addmm, "CPU")
         self._lib = lib
+        OneDNNGemm._active = self
         return self
 
     def disable(self) -> None:
         if self.enabled:
             self._lib._destroy()
             self._lib = None
+            if OneDNNGemm._active is self:
+                OneDNNGemm._active = None
 
     def __enter__(self) -> "OneDNNGemm":
         return self.enable()

@@ -100,6 +100,10 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         topk_ids=cat("topk_ids"),
         topk_logprobs=cat("topk_logprobs"),
     )
+    # padding holds the row's version (its oldest token's)
+    rollouts.token_versions = torch.where(
+        rollouts.response_mask, cat("token_versions"), rollouts.policy_version[:, None]
+    )
     return ScoredRollouts(
         rollouts,
         torch.cat([p.rewards for p in parts]),
@@ -137,6 +141,7 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
         policy_version=r.policy_version[rows],
         topk_ids=pick(r.topk_ids),
         topk_logprobs=pick(r.topk_logprobs),
+        token_versions=r.token_versions[rows],
     )
     return ScoredRollouts(
         rollouts,

@@ -133,6 +133,12 @@ class StaleSource(RolloutSource):
     def __init__(self, engine: RolloutEngine, rollout: RolloutConfig | Mapping | None = None):
         super().__init__(engine, rollout)
         ro = self.cfg
+        trainer_threads = None
+        if ro.mode == "async" and self.producer_kind(ro, engine) == "process":  # the engine in a process of its own
+            from .producer_process import ProcessEngine
+
+            producer_threads, trainer_threads = core_split(ro)
+            self.engine = ProcessEngine(engine, producer_threads, ro.producer_timeout_s)
         self.stale = StaleRollouts(
             ro.mode,
             lag=ro.lag,
@@ -141,7 +147,22 @@ class StaleSource(RolloutSource):
             buffer_size=ro.buffer_size,
             behaviour_logprobs=ro.behaviour_logprobs,
             save_history=ro.save_history,
+            producer_timeout_s=ro.producer_timeout_s,
+            trainer_threads=trainer_threads,
         )
+
+    @staticmethod
+    def producer_kind(rollout: RolloutConfig, engine: RolloutEngine) -> str:
+        """``rollout.producer`` resolved for ``engine``: ``auto`` is ``process`` for the embedded engine on the CPU
+        without a LoRA adapter (what the rollout process serves and what has run), else ``thread``."""
+        if rollout.producer != "auto":
+            return rollout.producer
+        from ..models import has_lora
+        from .torch_engine import TorchEngine
+
+        if not isinstance(engine, TorchEngine) or has_lora(engine.source):
+            return "thread"
+        return "process" if next(engine.source.parameters()).device.type == "cpu" else "thread"
 
     @classmethod
     def engine_owns_weights(cls, rollout: RolloutConfig) -> bool:
@@ -174,6 +195,17 @@ class StaleSource(RolloutSource):
 
     def close(self) -> None:
         self.stale.close()  # no producer thread outlives the run (exceptions: ``RolloutSourceShutdown``)
+        if getattr(self.engine, "pid", None) is not None:  # nor a rollout process
+            self.engine.close()
+
+
+def core_split(rollout: RolloutConfig) -> tuple[int, int]:
+    """(rollout process threads, trainer threads) of ``rollout.producer=process``: ``producer_threads`` (null: half
+    of this process's torch threads, at least 1) and ``trainer_threads`` (null: the rest, at least 1); on the
+    project's 2-core machine 1 + 1."""
+    total = torch.get_num_threads()
+    producer = int(rollout.producer_threads or max(1, total // 2))
+    return producer, int(rollout.trainer_threads or max(1, total - producer))
 
 
 #: ``rollout.mode`` -> its ``RolloutSource`` class (the names and what the checks know: ``choices.ROLLOUT_MODES``)

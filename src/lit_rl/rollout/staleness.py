@@ -43,7 +43,8 @@ from torch import Tensor
 
 # rollout.mode and rollout.on_stale: the one lists, torch-free there so that config.validate checks them first
 from ..choices import ON_STALE, ROLLOUT_MODES  # noqa: F401  (re-exported)
-from .types import RolloutEngine
+from .types import RolloutEngine, row_versions
+from .weight_store import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,23 @@ def swapped_weights(module: torch.nn.Module, weights: dict[str, Tensor], restore
         yield
     finally:
         load_weights(module, restore)
+
+
+def token_staleness(rollouts, version_now: int, updates_per_step: int = 1) -> dict[str, float]:
+    """``rollout/staleness_mean`` and ``rollout/staleness_max`` over the valid tokens of ``rollouts`` (``Rollouts``),
+    each token by the version that sampled it (``token_versions``), in RL steps: (``version_now`` - version) /
+    ``updates_per_step``; and ``rollout/version_span_max``: the most distinct versions inside one sequence (1 when
+    no sequence spans an update)."""
+    mask = rollouts.response_mask.bool()
+    versions = torch.where(mask, rollouts.token_versions, rollouts.policy_version[:, None])
+    lag = (version_now - versions).double() / updates_per_step
+    valid = lag[mask] if mask.any() else lag.flatten()
+    distinct = (versions.sort(dim=1).values.diff(dim=1) != 0).sum(dim=1) + 1
+    return {
+        "rollout/staleness_mean": float(valid.mean()) if valid.numel() else 0.0,
+        "rollout/staleness_max": float(valid.max()) if valid.numel() else 0.0,
+        "rollout/version_span_max": float(distinct.max()) if distinct.numel() else 1.0,
+    }
 
 
 class WeightHistory:
@@ -204,12 +222,15 @@ class RolloutProducer:
             with self.cond:
                 while not self.buffer:
                     if self.error is not None:
-                        raise RuntimeError("the rollout producer thread failed") from self.error
+                        raise RuntimeError(f"the rollout producer failed: {self.error}") from self.error
                     if self.stop_event.is_set():
                         raise RuntimeError("the rollout producer was stopped")
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        raise TimeoutError("no rollouts from the producer in time")
+                        raise TimeoutError(
+                            f"no rollouts from the producer within rollout.producer_timeout_s={timeout_s:g} s "
+                            f"(alive: {self.thread.is_alive()}); raise it if one batch legitimately takes longer"
+                        )
                     self.cond.wait(timeout=1.0 if remaining is None else min(1.0, remaining))
                 item = self.buffer.popleft()
                 self.cond.notify_all()  # room in the buffer
@@ -259,10 +280,11 @@ class RolloutProducer:
                     try:
                         if version > self.engine.version or self.engine.version < 0:
                             self.engine.sync_weights(version, weights)
-                        version = self.engine.version
                         start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.prompt_batch(step))
                         seconds = time.perf_counter() - start
+                        rows = scored.rollouts.policy_version
+                        version = int(rows.min()) if rows.numel() else self.engine.version  # the oldest token's
                     finally:
                         self.lock.release()
                     with self.cond:
@@ -289,6 +311,13 @@ class StaleRollouts:
         buffer_size: batches (RL steps of rollouts) the async buffer holds; None = max(1, max_staleness).
         behaviour_logprobs: score stale rows with their generating weights (p_o) for the decomposition.
         save_history: keep the lagged weight history in checkpoints (exact resume).
+        producer_timeout_s: the longest wait for the producer's next batch (``async``; a dead rollout process is
+            reported at once).
+        trainer_threads: torch threads of the trainer once a rollout process runs beside it (None: unchanged).
+
+    With an engine that runs in a process of its own (``producer_process.ProcessEngine``: it has ``attach``) the
+    versions travel through a ``WeightStore`` of ``max_staleness + 1`` slots in shared memory, which is also the
+    history stale tokens are scored from.
     """
 
     def __init__(
@@ -300,13 +329,16 @@ class StaleRollouts:
         buffer_size: int | None = None,
         behaviour_logprobs: bool = True,
         save_history: bool = True,
+        producer_timeout_s: float | None = None,
+        trainer_threads: int | None = None,
     ):
         if mode not in ("lagged", "async"):
             raise ValueError(f"StaleRollouts handles rollout.mode lagged or async, not {mode!r}")
         self.mode, self.lag, self.max_staleness, self.on_stale = mode, int(lag), int(max_staleness), on_stale
         self.buffer_size = int(buffer_size) if buffer_size else max(1, self.max_staleness)
         self.behaviour_logprobs, self.save_history = bool(behaviour_logprobs), bool(save_history)
-        self.history = WeightHistory()
+        self.producer_timeout_s, self.trainer_threads = producer_timeout_s, trainer_threads
+        self.history: WeightHistory | WeightStore = WeightHistory()
         self.producer: RolloutProducer | None = None
         self._held: RolloutProducer | None = None  # the producer whose engine lock the trainer holds
         self.dropped_total = 0
@@ -326,15 +358,21 @@ class StaleRollouts:
             with swapped_weights(module.policy, self.history.versions[target], current):
                 module.engine.sync_weights(target)
                 return module.collect(batch)
-        weights = self.history.record(version_now, module.policy)
+        if self.producer is None and hasattr(module.engine, "attach"):  # a rollout process: a shared weight store
+            self.history = WeightStore(module.policy.state_dict(), slots=self.max_staleness + 1)
+            module.engine.attach(self.history)
+            if self.trainer_threads:
+                torch.set_num_threads(int(self.trainer_threads))
+        # forget first, then write: max_staleness + 1 versions at most, the newest included
         self.history.prune(version_now - self.max_staleness * per_step)
         if not self.behaviour_logprobs:  # only the newest is needed (the producer's next load)
             self.history.prune(version_now)
+        weights = self.history.record(version_now, module.policy)
         if self.producer is None:
             self.producer = RolloutProducer(module, batch.step, self.max_staleness, self.on_stale, self.buffer_size)
             self.producer.start()
         self.producer.publish(version_now, weights)
-        item, dropped = self.producer.take(version_now)
+        item, dropped = self.producer.take(version_now, self.producer_timeout_s)
         self.dropped_total += dropped
         metrics = dict(item.metrics)
         metrics["rollout/dropped_samples"] = float(dropped)
@@ -345,25 +383,34 @@ class StaleRollouts:
 
     @torch.no_grad()
     def score_behaviour(self, module: Learner, rb) -> None:
-        """Fill ``rb.behaviour_logprobs`` with the trainer's log-probs under each stale row's generating
-        weights; rows of the trained version hold NaN (their p_o is the update's own ``old_logprobs``).
-        No-op when no row is stale or the option is off. The trainer's weights are swapped in place and
-        restored exactly (one device only: ``config.validate`` refuses several ranks)."""
+        """Fill ``rb.behaviour_logprobs`` with the trainer's log-probs under the weights that sampled each token
+        (``rb.token_versions``; None: each row's ``policy_version``): a row whose tokens span versions is scored
+        once per version, each score kept on that version's tokens, so r_num and r_stale split exactly per
+        token. Tokens of the trained version hold NaN (their p_o is the update's own ``old_logprobs``). No-op when
+        no token is stale or the option is off. The trainer's weights are swapped in place and restored exactly
+        (one device only: ``config.validate`` refuses several ranks)."""
         version_now = module.policy_version
-        stale_versions = sorted({int(v) for v in rb.policy_version.tolist()} - {version_now})
+        mask = rb.response_mask.bool()
+        versions = (
+            rb.token_versions if rb.token_versions is not None else row_versions(rb.policy_version, mask.shape[1])
+        )
+        stale_versions = sorted({int(v) for v in versions[mask].unique().tolist()} - {version_now})
         if not self.behaviour_logprobs or not stale_versions:
             return
-        missing = [v for v in stale_versions if v not in self.history.versions]
+        kept = self.history.versions
+        missing = [v for v in stale_versions if v not in kept]
         if missing:  # e.g. the first async steps after a resume; leave the decomposition to the update
             log.warning("no weights kept for versions %s; r_num/r_stale of this step use the trained weights", missing)
             return
-        # NaN marks rows of the trained version: their p_o is the update's own old_logprobs
+        # NaN marks tokens of the trained version: their p_o is the update's own old_logprobs
         out = torch.full_like(rb.rollout_logprobs, float("nan"))
         for v in stale_versions:
-            rows = (rb.policy_version == v).nonzero().squeeze(-1)
-            with swapped_weights(module.policy, self.history.versions[v], self.history.versions[version_now]):
-                out[rows] = module.score_rows(rb, rows)
-        rb.behaviour_logprobs = out.masked_fill(~rb.response_mask.bool(), 0.0)
+            mine = mask & (versions == v)
+            rows = mine.any(-1).nonzero().squeeze(-1)
+            with swapped_weights(module.policy, kept[v], kept[version_now]):
+                scores = module.score_rows(rb, rows)
+            out[rows] = torch.where(mine[rows], scores, out[rows])
+        rb.behaviour_logprobs = out.masked_fill(~mask, 0.0)
 
     # -- evaluation, shutdown, checkpoints ------------------------------------------------------------
     def pause(self) -> None:

@@ -22,7 +22,10 @@ class Rollouts:
         actually sampled from (after temperature and any top-k/top-p truncation); 0 on padding.
     topk_ids / topk_logprobs: [N, T, k] int64 / float32 of that same distribution, or None when k = 0.
     finish_reason: N strings, "stop" (a stop token was sampled) or "length" (hit max_new_tokens).
-    policy_version: [N] int64, the weight version that generated each sequence.
+    policy_version: [N] int64, the weight version that generated each sequence (the oldest of its tokens' when
+        they span several: what ``rollout.max_staleness`` bounds).
+    token_versions: [N, T] int64, the weight version that sampled each token (padding: the row's
+        ``policy_version``); None at construction means every token of a row has its ``policy_version``.
     """
 
     prompt_ids: list[list[int]]
@@ -33,11 +36,21 @@ class Rollouts:
     policy_version: Tensor
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
+    token_versions: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_versions is None:
+            self.token_versions = row_versions(self.policy_version, self.response_ids.shape[1])
 
     @property
     def response_length(self) -> Tensor:
         """[N] int64 number of generated tokens T_i."""
         return self.response_mask.sum(-1)
+
+
+def row_versions(policy_version: Tensor, width: int) -> Tensor:
+    """[N, width] int64: each row's ``policy_version`` [N] on every token (a sequence of one version)."""
+    return policy_version.long()[:, None].expand(-1, width).clone()
 
 
 @dataclass
@@ -51,9 +64,11 @@ class RolloutBatch:
     rewards [N] float32; advantages [N] (or [N, T] for token-level estimators) float32, None until the algorithm
     has computed them (``RLModule.build_batch``);
     group_ids [N] int64 (the prompt id — groups are identified by it, never by row position);
-    policy_version [N] int64; old_logprobs [N, T] float32 or None (filled by the trainer);
-    behaviour_logprobs [N, T] float32 or None: the trainer's log-probs under the weights that generated each
-    row (p_o of SPEC's decomposition), filled only when some row is stale (``rollout.mode=lagged|async``);
+    policy_version [N] int64 (a row's oldest token's version); token_versions [N, T] int64 or None (the version
+    that sampled each token; None: the row's policy_version on every token); old_logprobs [N, T] float32 or None
+    (filled by the trainer);
+    behaviour_logprobs [N, T] float32 or None: the trainer's log-probs under the weights that sampled each
+    token (p_o of SPEC's decomposition), filled only when some row is stale (``rollout.mode=lagged|async``);
     None means every row was generated with the weights being trained, so p_o = old_logprobs;
     topk_ids / topk_logprobs [N, T, k] or None; old_head_logprobs [N, T, k] float32 or None: pi_old at the
     head ids, kept by the snapshot for score centering when a batch gets several optimizer steps;
@@ -77,6 +92,7 @@ class RolloutBatch:
     old_head_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    token_versions: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -120,6 +136,7 @@ class RolloutBatch:
             "old_head_logprobs",
             "old_values",
             "returns",
+            "token_versions",
         ):
             value = getattr(self, name)
             if value is not None:

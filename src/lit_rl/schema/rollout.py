@@ -112,6 +112,16 @@ class RolloutConfig:
     behaviour_logprobs: bool = True
     #: lagged: keep the lag's weight history in checkpoints (exact resume)
     save_history: bool = True
+    #: async: where the engine runs: auto (process where it can: engine=torch without LoRA, on the CPU; else
+    #: thread) | thread (a thread of the trainer's process) | process (a process of its own, on its own cores,
+    #: reading versions from a shared weight store)
+    producer: str = "auto"
+    #: async, producer=process: torch threads of the rollout process; null = half the trainer's (at least 1)
+    producer_threads: Optional[int] = None
+    #: async, producer=process: torch threads left to the trainer; null = the trainer's minus producer_threads (>= 1)
+    trainer_threads: Optional[int] = None
+    #: async: the longest wait for the producer's next batch (s); a dead rollout process is an error at once
+    producer_timeout_s: Number = 600.0
 
     def problems(self, run) -> Problems:
         """The stale-rollout fields' values it refuses (``schema.base``: ``config.validate`` raises ConfigError
@@ -131,6 +141,7 @@ class RolloutConfig:
             size,
             "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
         )
+        yield from self.producer_problems(run)
         for key in ("behaviour_logprobs", "save_history"):
             value = getattr(self, key)
             yield from rule(isinstance(value, bool), f"rollout.{key}", value, "must be true or false")
@@ -141,6 +152,49 @@ class RolloutConfig:
             self.lag,
             f"is read by {' | '.join(f'rollout.mode={m}' for m in readers)} only (rollout.mode={mode}); add "
             f"rollout.mode={readers[0]}",
+        )
+
+    def producer_problems(self, run) -> Problems:
+        """``producer`` among ``choices.PRODUCERS``, and ``process`` where it can run: the embedded engine
+        (``engine=vllm`` samples in its own engine core) and no LoRA adapter (the rollout process loads plain
+        weights); the thread counts integers >= 1 or null; ``producer_timeout_s`` a number of seconds > 0."""
+        from ..choices import PRODUCERS
+
+        yield from rule(
+            self.producer in PRODUCERS, "rollout.producer", self.producer, f"choose one of {list(PRODUCERS)}"
+        )
+        if self.producer == "process":
+            engine = run.engine.name
+            yield from rule(
+                engine != "vllm",
+                "rollout.producer",
+                "process",
+                f"runs the embedded engine (engine=torch), not engine={engine}: vLLM samples in its own engine "
+                "core already; use rollout.producer=thread",
+            )
+            lora = run.model.get("lora") if hasattr(run.model, "get") else getattr(run.model, "lora", None)
+            r = getattr(lora, "r", 0) if lora is not None else 0
+            yield from rule(
+                not r,
+                "rollout.producer",
+                "process",
+                f"loads plain weights into the rollout process, not a LoRA adapter (model.lora.r={r}); use "
+                "rollout.producer=thread",
+            )
+        for key in ("producer_threads", "trainer_threads"):
+            value = getattr(self, key)
+            yield from rule(
+                value is None or (is_int(value) and value >= 1),
+                f"rollout.{key}",
+                value,
+                "must be null or an integer >= 1",
+            )
+        timeout = self.producer_timeout_s
+        yield from rule(
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0,
+            "rollout.producer_timeout_s",
+            timeout,
+            "must be a number of seconds > 0",
         )
 
 

@@ -1,0 +1,223 @@
+"""The rollout process of ``rollout.mode=async rollout.producer=process``: the embedded engine in a process of its own,
+on cores of its own, reading the trainer's weights from a ``WeightStore``.
+
+``ProcessEngine`` is the trainer's side: a ``RolloutEngine`` whose ``generate`` is served by a spawned process
+(``serve``) that holds the engine's own copy of the weights. The copy travels once, when the process starts
+(``torch.multiprocessing`` hands its tensors over in shared memory, not by value); after that only versions move,
+through the store: ``sync_weights(v)`` writes version v into the store once (the trainer's state dict), and the
+process loads the version a request names (``copy_`` from the store's slot into its model, under the store's lock)
+before it generates. A request carries the prompts, the sampling settings, the seeds and the caller's autocast
+state (the trainer's precision context), so the process samples exactly as the engine would in the trainer's
+thread: same model, same kernels (the batch-invariant or oneDNN kernels are installed in the process too), same
+seeds, same thread count (``rollout.producer_threads``).
+
+Faults: a process that dies is an error at the caller's next look (twice a second), naming the exit code; one that
+does not answer within ``rollout.producer_timeout_s`` is a TimeoutError naming the option; neither ever hangs the
+trainer. The process ignores SIGINT and SIGTERM (a signal to the process group must not kill it before the trainer
+has checkpointed: the trainer stops it, ``close``), and leaves by itself when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import signal
+import time
+import traceback
+
+import torch
+
+from .torch_engine import GenerationCancelled, GenerationStats, TorchEngine
+from .types import Rollouts, SamplingConfig
+from .weight_store import WeightStore
+
+PROCESS_NAME = "lit_rl-rollout-process"
+POLL_S = 0.5  # how often a waiting caller looks at the process (alive? cancelled?)
+
+
+class ProducerDied(RuntimeError):
+    """The rollout process ended (crashed, was killed) while the trainer needed it."""
+
+
+def _kernel_mode(name: str, model):
+    """The trainer's kernel mode, installed in this process for ``model`` (``kernels.kernel_mode``)."""
+    if name == "batch_invariant":
+        from ..kernels import BatchInvariantMode
+
+        return BatchInvariantMode(model)
+    if name == "onednn":
+        from ..kernels import OneDNNGemm
+
+        return OneDNNGemm()
+    return contextlib.nullcontext()
+
+
+def trainer_kernels() -> str:
+    """The kernels installed in this process now: ``batch_invariant``, ``onednn`` (float32 products through
+    oneDNN) or ``default``."""
+    from ..kernels import BatchInvariantMode, OneDNNGemm
+
+    if BatchInvariantMode._active is not None:
+        return "batch_invariant"
+    return "onednn" if OneDNNGemm._active is not None else "default"
+
+
+def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, threads: int, kernels: str, parent: int):
+    """The rollout process's loop: load the version a request names from ``store`` into ``model`` (the engine's
+    copy), generate, reply ``(request id, "ok", Rollouts, seconds)`` or ``(id, "error", traceback text)``; a
+    ``None`` request ends it, and so does the end of process ``parent``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns this process's life (``ProcessEngine.close``)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(int(threads))
+    int8 = engine_kwargs.pop("int8_roundtrip")
+    engine = TorchEngine(model, **engine_kwargs)  # shares ``model`` (no copy) ...
+    engine.own_copy, engine.int8_roundtrip = True, int8  # ... which is the engine's own copy, loaded from the store
+    engine.version = -1
+    with torch.no_grad(), _kernel_mode(kernels, model):
+        while True:
+            try:
+                request = requests.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the trainer is gone
+                    return
+                continue
+            if request is None:
+                return
+            rid, version, prompts, params, seeds, autocast = request
+            try:
+                if version != engine.version:
+                    held = version if version in store else store.newest()  # pruned meanwhile: the newest
+                    if not store.load_into(held, lambda weights: engine.sync_weights(held, weights)):
+                        raise RuntimeError(f"weight version {version} is not in the weight store")
+                enabled, dtype = autocast
+                with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+                    out = engine.generate(prompts, params, seeds)
+                replies.put((rid, "ok", out, engine.last.seconds))
+            except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+                replies.put((rid, "error", traceback.format_exc(), 0.0))
+
+
+class ProcessEngine:
+    """A ``RolloutEngine`` served by a rollout process of its own (see the module docstring).
+
+    Args:
+        engine: the embedded engine with its own copy of the weights (``own_copy=True``): its copy is handed to
+            the process when it starts; its settings (pad and stop ids, mismatch dials) are the process's.
+        threads: torch threads of the rollout process (``rollout.producer_threads``).
+        timeout_s: the longest wait for one reply (``rollout.producer_timeout_s``; the first includes the process's
+            start-up, a few seconds of imports).
+
+    ``store`` (a ``WeightStore``) must be attached before the first ``sync_weights``. ``cancel`` (a
+    ``threading.Event``) makes a waiting ``generate`` raise ``GenerationCancelled``. Raises ValueError for an
+    engine without its own copy.
+    """
+
+    def __init__(self, engine: TorchEngine, threads: int, timeout_s: float):
+        if not engine.own_copy:
+            raise ValueError("ProcessEngine needs an engine with its own copy of the weights (own_copy=True)")
+        self.local, self.threads, self.timeout_s = engine, int(threads), float(timeout_s)
+        self.version, self.own_copy, self.cancel = engine.version, True, None
+        self.store: WeightStore | None = None
+        self.process = None
+        self.last = GenerationStats()
+        self._ids = itertools.count()
+
+    @property
+    def source(self) -> torch.nn.Module:
+        """The trainer's module (what ``sync_weights`` without weights publishes)."""
+        return self.local.source
+
+    def attach(self, store: WeightStore) -> None:
+        """Read weights from ``store`` (before the process starts)."""
+        self.store = store
+
+    def start(self) -> None:
+        """Spawn the rollout process (idempotent). Raises RuntimeError when no store is attached."""
+        if self.process is not None:
+            return
+        if self.store is None:
+            raise RuntimeError("attach a WeightStore before the rollout process starts")
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.requests, self.replies = ctx.Queue(), ctx.Queue()
+        e = self.local
+        kwargs = {
+            "pad_token_id": e.pad_token_id,
+            "stop_token_ids": e.stop_token_ids,
+            "int8_roundtrip": e.int8_roundtrip,
+            "logit_noise": e.logit_noise,
+            "temperature_offset": e.temperature_offset,
+        }
+        args = (e.model, kwargs, self.store, self.requests, self.replies, self.threads, trainer_kernels(), os.getpid())
+        self.process = ctx.Process(target=serve, args=args, name=PROCESS_NAME, daemon=True)
+        self.process.start()
+
+    @property
+    def pid(self) -> int | None:
+        """The rollout process's id (None before it starts)."""
+        return None if self.process is None else self.process.pid
+
+    def sync_weights(self, version: int, weights=None) -> None:
+        """Sample with version ``version`` from the next ``generate``: ``weights`` (a state dict of the trainer's
+        names) or, None, the trainer's current weights are written into the store unless it holds the version."""
+        if self.store is None:
+            raise RuntimeError("attach a WeightStore before syncing the rollout process")
+        if version not in self.store:
+            self.store.write(version, weights if weights is not None else self.local.source.state_dict())
+        self.version = int(version)
+
+    def generate(self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int]) -> Rollouts:
+        """``TorchEngine.generate`` in the rollout process, with the version of the last ``sync_weights``.
+        Raises ProducerDied, TimeoutError (``rollout.producer_timeout_s``), GenerationCancelled, or RuntimeError
+        carrying the process's traceback."""
+        self.start()
+        rid = next(self._ids)
+        autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        self.requests.put((rid, self.version, [list(p) for p in prompts], params, list(seeds), autocast))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                got, status, payload, seconds = self.replies.get(timeout=POLL_S)
+            except queue.Empty:
+                self._check_alive()
+                if self.cancel is not None and self.cancel.is_set():
+                    raise GenerationCancelled("generation cancelled") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the rollout process (pid {self.pid}) sent no rollouts within rollout.producer_timeout_s="
+                        f"{self.timeout_s:g} s; raise it if one batch legitimately takes longer"
+                    ) from None
+                continue
+            if got != rid:  # the reply to a request cancelled earlier
+                continue
+            if status != "ok":
+                raise RuntimeError(f"the rollout process (pid {self.pid}) failed:\n{payload}")
+            self.last = GenerationStats(seconds, int(payload.response_mask.sum()))
+            return payload
+
+    def _check_alive(self) -> None:
+        if self.process is not None and not self.process.is_alive():
+            raise ProducerDied(
+                f"the rollout process (pid {self.pid}) died with exit code {self.process.exitcode} "
+                f"(rollout.producer=process); the run cannot continue without it"
+            )
+
+    def sleep(self) -> None:
+        """Nothing to release."""
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the rollout process (idempotent): asked to end, killed if it has not within ``timeout_s``."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.is_alive():
+            with contextlib.suppress(Exception):
+                self.requests.put(None)
+            process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
+        for q in (self.requests, self.replies):
+            q.cancel_join_thread()
+            q.close()
