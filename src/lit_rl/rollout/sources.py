@@ -202,8 +202,13 @@ class StaleSource(RolloutSource):
 def core_split(rollout: RolloutConfig) -> tuple[int, int]:
     """(rollout process threads, trainer threads) of ``rollout.producer=process``: ``producer_threads`` (null: half
     of this process's torch threads, at least 1) and ``trainer_threads`` (null: the rest, at least 1); on the
-    project's 2-core machine 1 + 1."""
+    project's 2-core machine 1 + 1. Under ``kernels=batch_invariant`` both keep the run's count (``threads``): the
+    bits of a product depend on the thread count, and the engine's must equal the trainer's."""
+    from .producer_process import trainer_kernels
+
     total = torch.get_num_threads()
+    if trainer_kernels() == "batch_invariant":
+        return total, total
     producer = int(rollout.producer_threads or max(1, total // 2))
     return producer, int(rollout.trainer_threads or max(1, total - producer))
 

@@ -33,7 +33,8 @@ class WeightStore:
 
     Args:
         template: a name -> tensor dict with the shapes and dtypes every version has (the trainer's state
-            dict; tied tensors are stored once per name).
+            dict; tied tensors are stored once, under their first name: loading a version into a module with the
+            same ties restores both).
         slots: versions kept at once (>= 1): ``max_staleness + 1``.
         device: where the slots live: ``cpu`` (shared memory), ``cuda[:i]`` (IPC handles) or ``meta`` (a dry
             run: the layout without memory). Default: the template's device.
@@ -52,8 +53,15 @@ class WeightStore:
         if device.type not in TRANSPORTS:
             raise ValueError(f"weight store device {device} is not allowed: choose one of {sorted(TRANSPORTS)}")
         self.device, self.transport = device, TRANSPORTS[device.type]
+        seen, names = set(), {}
+        for name, value in template.items():  # tied tensors (input and output embeddings) once, under the first name
+            shared = value.numel() and value.device.type != "meta"  # meta tensors have no address
+            key = (value.data_ptr(), tuple(value.shape), value.stride()) if shared else (name,)
+            if key not in seen:
+                seen.add(key)
+                names[name] = value
         self.slots: list[dict[str, Tensor]] = [
-            {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in template.items()} for _ in range(slots)
+            {k: torch.empty(v.shape, dtype=v.dtype, device=device) for k, v in names.items()} for _ in range(slots)
         ]
         #: version held by each slot, -1 = empty (shared: the reader looks a version up here)
         self.table = torch.full((slots,), -1, dtype=torch.long)

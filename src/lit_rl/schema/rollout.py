@@ -184,6 +184,13 @@ class RolloutConfig:
         for key in ("producer_threads", "trainer_threads"):
             value = getattr(self, key)
             yield from rule(
+                value is None or run.kernels.name != "batch_invariant",
+                f"rollout.{key}",
+                value,
+                "must stay null under kernels=batch_invariant: the engine's products must run at the trainer's thread "
+                "count for their bits to match; set the run's threads (threads=1 gives 1 + 1 with the process)",
+            )
+            yield from rule(
                 value is None or (is_int(value) and value >= 1),
                 f"rollout.{key}",
                 value,

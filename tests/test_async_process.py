@@ -1,0 +1,207 @@
+"""``rollout.producer=process`` (``lit_rl.rollout.producer_process``), its weight store (``rollout.weight_store``) and
+per-token versions (``Rollouts.token_versions``): the process samples what the in-process engine samples for the
+same version and seeds, a hung or killed process is an error within ``rollout.producer_timeout_s``, and a sequence
+written by two versions gets r_num and r_stale split per token."""
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import MOVING, THREADS
+from helpers import fast_config as cfg_for
+
+from lit_rl.algorithms import RLModule
+from lit_rl.config import ConfigError, validate
+from lit_rl.corrections import mismatch_decomposition
+from lit_rl.rollout.producer_process import ProcessEngine, ProducerDied
+from lit_rl.rollout.staleness import StaleRollouts, load_weights, token_staleness, weights_snapshot
+from lit_rl.rollout.torch_engine import TorchEngine
+from lit_rl.rollout.types import RolloutBatch, Rollouts, left_pad
+from lit_rl.rollout.weight_store import WeightStore
+from lit_rl.schema.rollout import SamplingConfig
+
+PROMPTS = [[5, 9, 14, 3], [5, 9, 14, 3], [7, 2, 11]]
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=6, logprobs_top_k=3)
+
+
+def moved(model, seed: int) -> dict[str, torch.Tensor]:
+    """A new version of ``model``'s weights: every tensor plus seeded noise of size 1e-2 (a snapshot)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 1e-2 * torch.randn(v.shape, generator=g) for k, v in weights_snapshot(model).items()}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """(the process engine, the in-process engine): both sample with their own copy of the tiny model's weights;
+    the process at the test process's thread count, as a thread producer would."""
+    model, tok = tiny
+    kwargs = dict(pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id], own_copy=True)
+    process = ProcessEngine(TorchEngine(model, **kwargs), threads=THREADS, timeout_s=120)
+    process.attach(WeightStore(model.state_dict(), slots=2))
+    yield process, TorchEngine(model, **kwargs)
+    process.close()
+
+
+def test_the_store_writes_a_version_once_keeps_the_newest_and_shares_its_memory(tiny):
+    model, _ = tiny
+    store = WeightStore(model.state_dict(), slots=2)
+    names = list(store.slots[0])
+    assert "lm_head.weight" not in names or "model.embed_tokens.weight" not in names  # tied: stored once
+    assert all(t.is_shared() for slot in store.slots for t in slot.values()) and store.table.is_shared()
+    versions = {v: moved(model, v) for v in range(3)}
+    for v in range(3):
+        store.write(v, versions[v])
+    assert sorted(store.versions) == [1, 2] and store.oldest() == 1 and store.newest() == 2  # the oldest went
+    slot = store.write(2, versions[0])  # a version is written once: the second write changes nothing
+    assert all(torch.equal(slot[k], versions[2][k]) for k in names)
+    store.prune(2)
+    assert sorted(store.versions) == [2] and 1 not in store
+    assert store.load_into(1, lambda w: None) is False
+    target = weights_snapshot(model)
+    assert store.load_into(2, lambda w: load_weights(model, w))
+    try:
+        assert all(torch.equal(model.state_dict()[k], versions[2][k]) for k in names)
+    finally:
+        load_weights(model, target)
+
+
+def test_the_cuda_transport_layout_is_dry_run_on_the_meta_device(tiny):
+    """What a GPU store would move per version: the same slots and bytes as the CPU one, no memory here."""
+    model, _ = tiny
+    cpu = WeightStore(model.state_dict(), slots=3).describe()
+    dry = WeightStore({k: v.to("meta") for k, v in model.state_dict().items()}, slots=3).describe()
+    expected = sum(t.numel() * t.element_size() for t in weights_snapshot(model).values())
+    assert cpu["transport"] == "cpu_shm" and dry["transport"] == "dry_run"
+    assert cpu["bytes_per_version"] == expected and cpu["bytes"] == 3 * expected
+    # the meta layout cannot see ties (no addresses): it counts the tied output embedding apart
+    assert dry["bytes_per_version"] >= expected and dry["slots"] == 3
+    with pytest.raises(ValueError, match="slot"):
+        WeightStore(model.state_dict(), slots=0)
+
+
+def test_process_and_thread_producers_give_identical_rollouts_for_identical_versions(tiny, engines):
+    process, local = engines
+    model, _ = tiny
+    seeds = [11, 12, 13]
+    for version, weights in [(0, weights_snapshot(model)), (1, moved(model, 1))]:
+        process.sync_weights(version, weights)
+        local.sync_weights(version, weights)
+        a, b = process.generate(PROMPTS, SAMPLING, seeds), local.generate(PROMPTS, SAMPLING, seeds)
+        assert a.policy_version.tolist() == b.policy_version.tolist() == [version] * 3
+        for name in ("response_ids", "response_mask", "rollout_logprobs", "topk_ids", "topk_logprobs"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (version, name)
+        assert torch.equal(a.token_versions, torch.full_like(a.response_ids, version))
+    assert process.last.tokens == int(a.response_mask.sum()) and process.last.seconds > 0
+    assert not torch.equal(a.rollout_logprobs, process.generate(PROMPTS, SAMPLING, [1, 2, 3]).rollout_logprobs)
+
+
+def test_a_hung_then_a_killed_rollout_process_is_an_error_within_the_timeout(engines):
+    process, _ = engines
+    process.generate(PROMPTS[:1], SAMPLING, [1])  # started and answering
+    timeout, process.timeout_s = process.timeout_s, 2.0
+    try:
+        os.kill(process.pid, signal.SIGSTOP)  # hung: alive, silent
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"rollout.producer_timeout_s=2 s"):
+            process.generate(PROMPTS[:1], SAMPLING, [1])
+        assert 2.0 <= time.monotonic() - t0 < 2.0 + 2.0
+        os.kill(process.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ProducerDied, match=r"died with exit code -9"):
+            process.generate(PROMPTS[:1], SAMPLING, [1])
+        assert time.monotonic() - t0 < 2.0  # at the next look, not at the timeout
+    finally:
+        process.timeout_s = timeout
+        process.close()  # the next user of the fixture starts a fresh process
+    assert process.pid is None
+
+
+def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
+    """A hand-made sequence of 6 tokens: the first 3 sampled by version 0, the rest by version 1, trained at
+    version 1. Its behaviour log-probs are version 0's forward on the first 3 and NaN (= old_logprobs) on the
+    rest, so log r_stale is exactly 0 on version 1's tokens and log pi_1/pi_0 on version 0's."""
+    model, tok = tiny
+
+    class AtVersion1(RLModule):  # the learner at optimizer step 1 (no Trainer drives it here)
+        policy_version = 1
+
+    module = AtVersion1(model, tok, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2)
+    v0, v1 = weights_snapshot(model), moved(model, 7)
+    out = TorchEngine(model, tok.pad_token_id, [], own_copy=True)
+    out.sync_weights(0, v0)
+    r = out.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=6), [3, 4])
+    versions = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    rollouts = Rollouts(**{**r.__dict__, "token_versions": versions, "policy_version": torch.tensor([0, 1])})
+    assert token_staleness(rollouts, 1) == {
+        "rollout/staleness_mean": 3 / 12,
+        "rollout/staleness_max": 1.0,
+        "rollout/version_span_max": 2.0,
+    }
+    prompt_ids, prompt_mask = left_pad(r.prompt_ids, tok.pad_token_id)
+    rb = RolloutBatch(
+        prompt_ids, prompt_mask, r.response_ids, r.response_mask, r.rollout_logprobs, torch.zeros(2), None,
+        torch.zeros(2, dtype=torch.long), torch.tensor([0, 1]), token_versions=versions,
+    )  # fmt: skip
+    rows = torch.arange(2)
+    try:
+        load_weights(model, v0)
+        pi_0 = module.score_rows(rb, rows)
+        load_weights(model, v1)
+        pi_1 = module.score_rows(rb, rows)  # old_logprobs: the trained version's forward
+        stale = StaleRollouts("lagged", lag=1)
+        stale.history.versions = {0: v0, 1: weights_snapshot(model)}
+        stale.score_behaviour(module, rb)
+        assert all(torch.equal(model.state_dict()[k], v1[k]) for k in v1)  # the trained weights came back
+    finally:
+        load_weights(model, v0)
+    old_tokens = versions == 0
+    assert torch.isnan(rb.behaviour_logprobs[~old_tokens]).all()
+    assert torch.equal(rb.behaviour_logprobs[old_tokens], pi_0[old_tokens])
+    p_o = torch.where(torch.isnan(rb.behaviour_logprobs), pi_1, rb.behaviour_logprobs)  # loss.assemble_loss's rule
+    log_r_stale = pi_1 - p_o
+    assert torch.equal(log_r_stale[~old_tokens], torch.zeros(9))
+    assert torch.equal(log_r_stale[old_tokens], (pi_1 - pi_0)[old_tokens]) and log_r_stale[old_tokens].abs().min() > 0
+    parts = mismatch_decomposition(r.rollout_logprobs, p_o, pi_1, ~old_tokens)
+    assert float(parts["r_stale_abs"]) == 0.0
+    parts = mismatch_decomposition(r.rollout_logprobs, p_o, pi_1, old_tokens)
+    assert math.isclose(float(parts["r_stale_abs"]), float((pi_1 - pi_0)[old_tokens].abs().mean()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.producer=fork"], "rollout.producer='fork' is not allowed: choose one of ['auto', 'thread'"),
+        (["rollout.producer=process", "engine=vllm"], "runs the embedded engine (engine=torch), not engine=vllm"),
+        (["rollout.producer=process", "model.lora.r=4"], "loads plain weights into the rollout process"),
+        (["rollout.producer_threads=0"], "rollout.producer_threads=0 is not allowed: must be null or an integer >= 1"),
+        (["kernels=batch_invariant", "rollout.trainer_threads=1"], "must stay null under kernels=batch_invariant"),
+        (["rollout.producer_timeout_s=0"], "rollout.producer_timeout_s=0 is not allowed: must be a number of seconds"),
+    ],
+)
+def test_bad_producer_fields_are_named(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_for("rollout.mode=async", *overrides))
+    assert message in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+def test_a_rollout_process_killed_mid_run_fails_the_run_within_the_timeout(tmp_path, monkeypatch):
+    from lit_rl.run.train import run
+
+    original, seen = RLModule.update, {}
+
+    def killing(self, rb):
+        if self.global_step == 1:
+            seen["pid"], seen["t"] = self.engine.pid, time.monotonic()
+            os.kill(self.engine.pid, signal.SIGKILL)
+        return original(self, rb)
+
+    monkeypatch.setattr(RLModule, "update", killing)
+    overrides = ["trainer.max_steps=6", "rollout.mode=async", "rollout.producer=process", "eval.num_examples=0"]
+    with pytest.raises(RuntimeError, match=r"rollout process \(pid \d+\) died with exit code -9") as err:
+        run(cfg_for(*overrides, "rollout.producer_timeout_s=60", *MOVING), tmp_path / "x")
+    assert time.monotonic() - seen["t"] < 60, err.value
+    assert "rollout.producer=process" in str(err.value)
