@@ -5,12 +5,15 @@ written by two versions gets r_num and r_stale split per token."""
 
 import math
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
-from helpers import MOVING, THREADS
+from helpers import FAST, MOVING, ROOT, THREADS
 from helpers import fast_config as cfg_for
 
 from lit_rl.algorithms import RLModule
@@ -205,3 +208,23 @@ def test_a_rollout_process_killed_mid_run_fails_the_run_within_the_timeout(tmp_p
         run(cfg_for(*overrides, "rollout.producer_timeout_s=60", *MOVING), tmp_path / "x")
     assert time.monotonic() - seen["t"] < 60, err.value
     assert "rollout.producer=process" in str(err.value)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_stops_the_trainer_and_its_rollout_process(tmp_path):
+    """The rollout process ignores SIGTERM (the trainer owns its life): the trainer checkpoints its last step, exits
+    143 and stops the process on its way out."""
+    script = os.path.join(ROOT, "tests", "helpers", "fault_injection.py")
+    out = tmp_path / "run"
+    overrides = [*FAST, *MOVING, "eval.num_examples=0", "trainer.max_steps=4", "checkpoint.every_n_steps=10"]
+    res = subprocess.run(
+        [sys.executable, script, "sigterm_between", "2", str(out), *overrides, "rollout.mode=async"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert res.returncode == 128 + signal.SIGTERM, (res.returncode, res.stderr[-3000:])
+    assert "lit_rl: stopped by SIGTERM after RL step 2" in res.stdout, res.stdout[-2000:]
+    pid = int(re.search(r"rollout producer in process (\d+)", res.stdout).group(1))
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()

@@ -3,6 +3,7 @@ logged staleness, the r_num / r_stale split, lag 0 equal to sync, exact resume o
 bound on staleness, and no producer thread left behind by an exception or Ctrl-C."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -138,6 +139,9 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
     assert "rollout producer stopped (joined)" in out, out[-3000:]
     live = next(line for line in out.splitlines() if line.startswith("live threads:"))
     assert PRODUCER not in live, live
+    # the default producer (rollout.producer=auto) is a process: it is gone with the run
+    pid = int(re.search(r"rollout producer in process (\d+)", out).group(1))
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,13 @@ class ProcessEngine:
         args = (e.model, kwargs, self.store, self.requests, self.replies, self.threads, trainer_kernels(), os.getpid())
         self.process = ctx.Process(target=serve, args=args, name=PROCESS_NAME, daemon=True)
         self.process.start()
+        layout = self.store.describe()
+        print(
+            f"lit_rl: rollout producer in process {self.process.pid} at {self.threads} torch threads (trainer: "
+            f"{torch.get_num_threads()}); weights through a {layout['transport']} store of {layout['slots']} "
+            f"versions ({layout['bytes'] / 2**20:.1f} MiB)",
+            flush=True,
+        )
 
     @property
     def pid(self) -> int | None:
