@@ -228,3 +228,54 @@ def test_sigterm_checkpoints_and_stops_the_trainer_and_its_rollout_process(tmp_p
     assert "lit_rl: stopped by SIGTERM after RL step 2" in res.stdout, res.stdout[-2000:]
     pid = int(re.search(r"rollout producer in process (\d+)", res.stdout).group(1))
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def batch_of(r: Rollouts, pad_token_id: int) -> RolloutBatch:
+    """The ``RolloutBatch`` the trainer would score for rollouts ``r`` (rewards and groups unused here)."""
+    prompt_ids, prompt_mask = left_pad(r.prompt_ids, pad_token_id)
+    n = len(r.prompt_ids)
+    return RolloutBatch(
+        prompt_ids, prompt_mask, r.response_ids, r.response_mask, r.rollout_logprobs, torch.zeros(n), None,
+        torch.zeros(n, dtype=torch.long), r.policy_version, token_versions=r.token_versions,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_on_update", ["recompute", "keep"])
+def test_a_weight_swap_at_decode_step_k_samples_the_rest_with_the_new_version(tiny, kv_on_update):
+    """Weights swapped before decode step k = 3 (``TorchEngine.between_steps``): tokens 0..2 are version 0's and
+    3.. version 1's. With ``recompute`` their log-probs are bit for bit those of a fresh engine holding version 1
+    given the same context (greedy: the same tokens), and the trainer's forward under version 1 (batch-invariant
+    kernels); with ``keep`` the cache written by version 0 leaves a gap to it, which is measured."""
+    from lit_rl.kernels import BatchInvariantMode
+
+    model, tok = tiny
+    v0, v1, k = weights_snapshot(model), moved(model, 5), 3
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=7)
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=4)
+    with BatchInvariantMode(model):
+        engine = TorchEngine(model, tok.pad_token_id, [], own_copy=True)
+        engine.sync_weights(0, v0)
+        engine.between_steps = lambda step: step == k and engine.sync_weights(1, v1) is None
+        engine.kv_on_update = kv_on_update
+        r = engine.generate(PROMPTS, greedy, [0, 1, 2])
+        fresh = TorchEngine(model, tok.pad_token_id, [], own_copy=True)
+        fresh.sync_weights(1, v1)
+        contexts = [p + ids[:k].tolist() for p, ids in zip(PROMPTS, r.response_ids)]
+        f = fresh.generate(contexts, SamplingConfig(temperature=0.0, max_new_tokens=7 - k), [0, 1, 2])
+        try:
+            load_weights(model, v1)
+            trainer = module.score_rows(batch_of(r, tok.pad_token_id), torch.arange(3))
+        finally:
+            load_weights(model, v0)
+    assert r.token_versions[:, :k].eq(0).all() and r.token_versions[:, k:].eq(1).all()
+    assert r.policy_version.tolist() == [0, 0, 0] and token_staleness(r, 1)["rollout/version_span_max"] == 2.0
+    assert engine.last.swaps == 1 and engine.last.swap_seconds >= 0
+    gap = (r.rollout_logprobs[:, k:] - trainer[:, k:]).abs().max()
+    if kv_on_update == "recompute":
+        assert torch.equal(r.response_ids[:, k:], f.response_ids) and torch.equal(
+            r.rollout_logprobs[:, k:], f.rollout_logprobs
+        )
+        assert gap == 0
+    else:
+        assert gap > 1e-4, gap  # the older keys and values of version 0 under version 1's queries
+    assert torch.equal(r.rollout_logprobs[:, :k], trainer[:, :k]) is False  # version 0's tokens, scored under 1

@@ -29,10 +29,13 @@ from .types import Rollouts, SamplingConfig, left_pad
 
 @dataclass
 class GenerationStats:
-    """Timing of the last ``generate`` call: seconds and generated tokens (valid ones only)."""
+    """Timing of the last ``generate`` call: seconds and generated tokens (valid ones only); in-flight weight
+    updates: how many swaps it made between decode steps and the seconds they paused decoding."""
 
     seconds: float = 0.0
     tokens: int = 0
+    swaps: int = 0
+    swap_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -166,6 +169,14 @@ class TorchEngine:
 
     ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
+
+    In-flight weight updates (``rollout.weight_update=in_flight``): ``between_steps``, None or a callable
+    ``between_steps(step) -> bool`` called before each decode step after the first, which returns True when it
+    loaded newer weights (``sync_weights``) into the engine; tokens sampled from then on record the new version
+    (``Rollouts.token_versions``). ``kv_on_update``: ``keep`` continues with the cache written by the older
+    weights (the documents' "KV kept"); ``recompute`` re-prefills every live sequence (prompt and the tokens
+    sampled so far) with the new weights, so the next token's log-prob is the one a fresh engine holding the new
+    version assigns to the same context.
     """
 
     def __init__(
@@ -194,6 +205,8 @@ class TorchEngine:
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.version = 0
         self.last = GenerationStats()
+        self.between_steps = None
+        self.kv_on_update = "keep"
         self.sync_weights(0)
 
     def _copy_model(self) -> None:
@@ -267,12 +280,39 @@ class TorchEngine:
         model = self.model
         was_training = model.training
         model.eval()
+        self._swaps = [0, 0.0]
         try:
             out = self._generate(prompts, params, seeds)
         finally:
             model.train(was_training)
-        self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()))
+        seconds = time.perf_counter() - start
+        self.last = GenerationStats(seconds, int(out.response_mask.sum()), self._swaps[0], self._swaps[1])
         return out
+
+    # -- in-flight weight updates: between two decode steps ------------------------------------------------
+    def _swapped(self, step: int) -> bool:
+        """Ask ``between_steps`` for newer weights before decode step ``step``; counts the swap and its pause."""
+        if self.between_steps is None or step == 0:
+            return False
+        t0 = time.perf_counter()
+        if not self.between_steps(step):
+            return False
+        self._swaps[0] += 1
+        self._swaps[1] += time.perf_counter() - t0
+        return True
+
+    def _reprefill(self, prompts, tokens: Tensor, active: Tensor, step: int, capacity: int, device):
+        """``kv_on_update=recompute``: a new cache of every live row's prompt + its ``step`` sampled tokens under
+        the engine's current weights. Returns (the forward's output, cache, attention_mask, position_ids)."""
+        rows = active.tolist()
+        ids, mask = left_pad([list(prompts[r]) + tokens[r, :step].tolist() for r in rows], self.pad_token_id)
+        ids, mask = ids.to(device), mask.long().to(device)
+        position_ids = position_ids_from_mask(mask)
+        cache = reserved_cache(capacity)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        return out, cache, mask, position_ids
 
     def _generate(self, prompts, params: SamplingConfig, seeds) -> Rollouts:
         n, steps, k = len(prompts), params.max_new_tokens, params.logprobs_top_k
@@ -304,17 +344,24 @@ class TorchEngine:
         position_ids = position_ids_from_mask(attention_mask)
         cache = reserved_cache(input_ids.shape[1] + steps)
         active = torch.arange(n)  # original row of each live batch row
+        versions = torch.full((n, steps), self.version, dtype=torch.long)
         for step in range(steps):
             if self.cancel is not None and self.cancel.is_set():
                 raise GenerationCancelled("generation cancelled")
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )  # fills ``cache`` in place
+            if self._swapped(step) and self.kv_on_update == "recompute":
+                out, cache, attention_mask, position_ids = self._reprefill(
+                    prompts, tokens, active, step, max(map(len, prompts)) + steps, device
+                )
+            else:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )  # fills ``cache`` in place
+            versions[active, step] = self.version
             logits = out.logits[:, -1]
             if step == 0 and len(distinct) < n:
                 cache.batch_select_indices(row_of.to(device))
@@ -358,7 +405,8 @@ class TorchEngine:
             response_mask=mask[:, :width],
             rollout_logprobs=logprobs[:, :width],
             finish_reason=["stop" if s else "length" for s in finished_by_stop.tolist()],
-            policy_version=torch.full((n,), self.version, dtype=torch.long),
+            policy_version=versions[:, 0].clone(),  # the oldest token's: versions only grow
             topk_ids=topk_ids[:, :width] if k else None,
             topk_logprobs=topk_lp[:, :width] if k else None,
+            token_versions=torch.where(mask[:, :width], versions[:, :width], versions[:, :1]),
         )
