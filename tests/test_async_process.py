@@ -279,3 +279,46 @@ def test_a_weight_swap_at_decode_step_k_samples_the_rest_with_the_new_version(ti
     else:
         assert gap > 1e-4, gap  # the older keys and values of version 0 under version 1's queries
     assert torch.equal(r.rollout_logprobs[:, :k], trainer[:, :k]) is False  # version 0's tokens, scored under 1
+
+
+def test_in_flight_the_thread_producer_takes_a_version_published_during_a_generate(tiny):
+    """``rollout.weight_update=in_flight`` wired into the thread producer: version 1 is published while the engine
+    samples with version 0, so from the first decode step after it every token is version 1's."""
+    from lit_rl.rollout.staleness import RolloutProducer
+
+    model, tok = tiny
+    rollout = {"mode": "async", "producer": "thread", "weight_update": "in_flight", "kv_on_update": "recompute"}
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, rollout_mode=rollout)
+    assert module.engine.own_copy and module.engine.kv_on_update == "recompute"
+    producer = RolloutProducer(module, 0, 1, "block", 1, in_flight=True)  # not started: its hook only
+    module.engine.sync_weights(0, weights_snapshot(model))
+    producer.publish(1, moved(model, 3))
+    r = module.engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5), [1, 2, 3])
+    assert r.token_versions.tolist() == [[0, 1, 1, 1, 1]] * 3 and r.policy_version.tolist() == [0, 0, 0]
+    assert module.engine.last.swaps == 1 and module.engine.version == 1
+    r = module.engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5), [1, 2, 3])  # nothing newer: no swap
+    assert r.token_versions.eq(1).all() and module.engine.last.swaps == 0
+
+
+@pytest.mark.slow
+def test_in_flight_the_rollout_process_takes_a_version_written_to_the_store_during_a_generate(tiny):
+    """The rollout process looks at its store between decode steps: a version written while it samples a long
+    batch is loaded at some step k, every row's tokens from k on record it, the swap is counted."""
+    import threading
+
+    model, tok = tiny
+    kwargs = dict(pad_token_id=tok.pad_token_id, stop_token_ids=[], own_copy=True)
+    process = ProcessEngine(TorchEngine(model, **kwargs), threads=THREADS, timeout_s=120, in_flight=True)
+    process.attach(WeightStore(model.state_dict(), slots=2))
+    try:
+        process.sync_weights(0, weights_snapshot(model))
+        process.generate(PROMPTS, SamplingConfig(max_new_tokens=2), [1, 2, 3])  # started
+        later = threading.Timer(0.3, process.store.write, (1, moved(model, 4)))
+        later.start()
+        r = process.generate(PROMPTS, SamplingConfig(max_new_tokens=400), [1, 2, 3])
+        later.join()
+    finally:
+        process.close()
+    first = int(r.token_versions[0].eq(1).nonzero()[0])
+    assert 0 < first < 400 and process.last.swaps == 1
+    assert r.token_versions[:, :first].eq(0).all() and r.token_versions[:, first:].eq(1).all()

@@ -127,6 +127,22 @@ PRODUCERS: Registry[str] = Registry(
         "process": "a process of its own on its own cores, fed by a shared weight store",
     },
 )
+#: ``rollout.weight_update`` -> when an async engine takes a newer version
+WEIGHT_UPDATES: Registry[str] = Registry(
+    "rollout.weight_update",
+    {
+        "between_batches": "before each batch: a sequence is written by one version",
+        "in_flight": "between decode steps too: a sequence may span versions, each token recording its own",
+    },
+)
+#: ``rollout.kv_on_update`` -> what an in-flight update does with the cache the older weights wrote
+KV_ON_UPDATE: Registry[str] = Registry(
+    "rollout.kv_on_update",
+    {
+        "recompute": "re-prefill every live sequence with the new weights (exact: a fresh engine's log-probs)",
+        "keep": "continue with the cache the older weights wrote (the documents' KV kept; a gap, measured)",
+    },
+)
 #: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``
 ON_STALE: Registry[str] = Registry(
     "rollout.on_stale",

@@ -66,15 +66,25 @@ def trainer_kernels() -> str:
 
 def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, threads: int, kernels: str, parent: int):
     """The rollout process's loop: load the version a request names from ``store`` into ``model`` (the engine's
-    copy), generate, reply ``(request id, "ok", Rollouts, seconds)`` or ``(id, "error", traceback text)``; a
-    ``None`` request ends it, and so does the end of process ``parent``."""
+    copy), generate, reply ``(request id, "ok", Rollouts, GenerationStats)`` or ``(id, "error", traceback text,
+    None)``; a ``None`` request ends it, and so does the end of process ``parent``. ``engine_kwargs`` may hold
+    ``in_flight`` (look at the store between decode steps and load a newer version) and ``kv_on_update``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns this process's life (``ProcessEngine.close``)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(int(threads))
-    int8 = engine_kwargs.pop("int8_roundtrip")
+    int8, in_flight = engine_kwargs.pop("int8_roundtrip"), engine_kwargs.pop("in_flight", False)
+    kv_on_update = engine_kwargs.pop("kv_on_update", "recompute")
     engine = TorchEngine(model, **engine_kwargs)  # shares ``model`` (no copy) ...
     engine.own_copy, engine.int8_roundtrip = True, int8  # ... which is the engine's own copy, loaded from the store
     engine.version = -1
+    if in_flight:
+
+        def newer(step: int) -> bool:
+            newest = store.newest()
+            return newest > engine.version and store.load_into(newest, lambda w: engine.sync_weights(newest, w))
+
+        engine.between_steps = newer
+    engine.kv_on_update = kv_on_update
     with torch.no_grad(), _kernel_mode(kernels, model):
         while True:
             try:
@@ -94,9 +104,9 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
                 enabled, dtype = autocast
                 with torch.autocast("cpu", dtype=dtype, enabled=enabled):
                     out = engine.generate(prompts, params, seeds)
-                replies.put((rid, "ok", out, engine.last.seconds))
+                replies.put((rid, "ok", out, engine.last))
             except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
-                replies.put((rid, "error", traceback.format_exc(), 0.0))
+                replies.put((rid, "error", traceback.format_exc(), None))
 
 
 class ProcessEngine:
@@ -108,16 +118,21 @@ class ProcessEngine:
         threads: torch threads of the rollout process (``rollout.producer_threads``).
         timeout_s: the longest wait for one reply (``rollout.producer_timeout_s``; the first includes the process's
             start-up, a few seconds of imports).
+        in_flight: ``rollout.weight_update=in_flight``: the process looks at the store between decode steps and
+            loads a newer version (``TorchEngine.between_steps``), the cache handled per ``kv_on_update``.
 
     ``store`` (a ``WeightStore``) must be attached before the first ``sync_weights``. ``cancel`` (a
     ``threading.Event``) makes a waiting ``generate`` raise ``GenerationCancelled``. Raises ValueError for an
     engine without its own copy.
     """
 
-    def __init__(self, engine: TorchEngine, threads: int, timeout_s: float):
+    def __init__(
+        self, engine: TorchEngine, threads: int, timeout_s: float, in_flight: bool = False, kv_on_update="recompute"
+    ):
         if not engine.own_copy:
             raise ValueError("ProcessEngine needs an engine with its own copy of the weights (own_copy=True)")
         self.local, self.threads, self.timeout_s = engine, int(threads), float(timeout_s)
+        self.in_flight, self.kv_on_update = bool(in_flight), kv_on_update
         self.version, self.own_copy, self.cancel = engine.version, True, None
         self.store: WeightStore | None = None
         self.process = None
@@ -148,6 +163,8 @@ class ProcessEngine:
             "int8_roundtrip": e.int8_roundtrip,
             "logit_noise": e.logit_noise,
             "temperature_offset": e.temperature_offset,
+            "in_flight": self.in_flight,
+            "kv_on_update": self.kv_on_update,
         }
         args = (e.model, kwargs, self.store, self.requests, self.replies, self.threads, trainer_kernels(), os.getpid())
         self.process = ctx.Process(target=serve, args=args, name=PROCESS_NAME, daemon=True)
@@ -185,7 +202,7 @@ class ProcessEngine:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                got, status, payload, seconds = self.replies.get(timeout=POLL_S)
+                got, status, payload, stats = self.replies.get(timeout=POLL_S)
             except queue.Empty:
                 self._check_alive()
                 if self.cancel is not None and self.cancel.is_set():
@@ -200,7 +217,7 @@ class ProcessEngine:
                 continue
             if status != "ok":
                 raise RuntimeError(f"the rollout process (pid {self.pid}) failed:\n{payload}")
-            self.last = GenerationStats(seconds, int(payload.response_mask.sum()))
+            self.last = stats
             return payload
 
     def _check_alive(self) -> None:

@@ -138,7 +138,11 @@ class StaleSource(RolloutSource):
             from .producer_process import ProcessEngine
 
             producer_threads, trainer_threads = core_split(ro)
-            self.engine = ProcessEngine(engine, producer_threads, ro.producer_timeout_s)
+            self.engine = ProcessEngine(
+                engine, producer_threads, ro.producer_timeout_s, ro.weight_update == "in_flight", ro.kv_on_update
+            )
+        elif hasattr(engine, "kv_on_update"):
+            engine.kv_on_update = ro.kv_on_update
         self.stale = StaleRollouts(
             ro.mode,
             lag=ro.lag,
@@ -149,6 +153,7 @@ class StaleSource(RolloutSource):
             save_history=ro.save_history,
             producer_timeout_s=ro.producer_timeout_s,
             trainer_threads=trainer_threads,
+            in_flight=ro.mode == "async" and ro.weight_update == "in_flight",
         )
 
     @staticmethod

@@ -187,7 +187,9 @@ class RolloutProducer:
     while it evaluates. A failure in the thread is re-raised by ``take`` in the trainer's thread.
     """
 
-    def __init__(self, module, first_step: int, max_staleness: int, on_stale: str, capacity: int):
+    def __init__(
+        self, module, first_step: int, max_staleness: int, on_stale: str, capacity: int, in_flight: bool = False
+    ):
         self.module, self.engine = module, module.engine
         self.max_staleness, self.on_stale, self.capacity = max_staleness, on_stale, capacity
         self.updates_per_step = module.updates_per_step
@@ -202,6 +204,18 @@ class RolloutProducer:
         self.engine.cancel = self.stop_event
         self.threads = torch.get_num_threads()  # torch's intra-op thread count is per thread: copy the trainer's
         self.thread = threading.Thread(target=self._run, name="lit_rl-rollout-producer", daemon=True)
+        if in_flight and hasattr(self.engine, "between_steps"):  # a rollout process looks at its store itself
+            self.engine.between_steps = self._newer_weights
+
+    def _newer_weights(self, step: int) -> bool:
+        """``rollout.weight_update=in_flight``, between two decode steps: load the newest published version into
+        the engine if it is newer than the one sampling (True then)."""
+        with self.cond:
+            published = self.published
+        if published is None or published[0] <= self.engine.version:
+            return False
+        self.engine.sync_weights(*published)
+        return True
 
     def start(self) -> None:
         self.thread.start()
@@ -283,6 +297,10 @@ class RolloutProducer:
                         start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.prompt_batch(step))
                         seconds = time.perf_counter() - start
+                        last = getattr(self.engine, "last", None)
+                        if last is not None:  # the in-flight swaps of the batch's (last) generate call
+                            metrics = {**metrics, "rollout/weight_swaps": float(getattr(last, "swaps", 0))}
+                            metrics["time/weight_swap_s"] = float(getattr(last, "swap_seconds", 0.0))
                         rows = scored.rollouts.policy_version
                         version = int(rows.min()) if rows.numel() else self.engine.version  # the oldest token's
                     finally:
@@ -314,6 +332,7 @@ class StaleRollouts:
         producer_timeout_s: the longest wait for the producer's next batch (``async``; a dead rollout process is
             reported at once).
         trainer_threads: torch threads of the trainer once a rollout process runs beside it (None: unchanged).
+        in_flight: ``rollout.weight_update=in_flight``: the engine takes a newer version between decode steps.
 
     With an engine that runs in a process of its own (``producer_process.ProcessEngine``: it has ``attach``) the
     versions travel through a ``WeightStore`` of ``max_staleness + 1`` slots in shared memory, which is also the
@@ -331,13 +350,14 @@ class StaleRollouts:
         save_history: bool = True,
         producer_timeout_s: float | None = None,
         trainer_threads: int | None = None,
+        in_flight: bool = False,
     ):
         if mode not in ("lagged", "async"):
             raise ValueError(f"StaleRollouts handles rollout.mode lagged or async, not {mode!r}")
         self.mode, self.lag, self.max_staleness, self.on_stale = mode, int(lag), int(max_staleness), on_stale
         self.buffer_size = int(buffer_size) if buffer_size else max(1, self.max_staleness)
         self.behaviour_logprobs, self.save_history = bool(behaviour_logprobs), bool(save_history)
-        self.producer_timeout_s, self.trainer_threads = producer_timeout_s, trainer_threads
+        self.producer_timeout_s, self.trainer_threads, self.in_flight = producer_timeout_s, trainer_threads, in_flight
         self.history: WeightHistory | WeightStore = WeightHistory()
         self.producer: RolloutProducer | None = None
         self._held: RolloutProducer | None = None  # the producer whose engine lock the trainer holds
@@ -369,7 +389,9 @@ class StaleRollouts:
             self.history.prune(version_now)
         weights = self.history.record(version_now, module.policy)
         if self.producer is None:
-            self.producer = RolloutProducer(module, batch.step, self.max_staleness, self.on_stale, self.buffer_size)
+            self.producer = RolloutProducer(
+                module, batch.step, self.max_staleness, self.on_stale, self.buffer_size, self.in_flight
+            )
             self.producer.start()
         self.producer.publish(version_now, weights)
         item, dropped = self.producer.take(version_now, self.producer_timeout_s)

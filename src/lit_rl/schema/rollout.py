@@ -122,6 +122,12 @@ class RolloutConfig:
     trainer_threads: Optional[int] = None
     #: async: the longest wait for the producer's next batch (s); a dead rollout process is an error at once
     producer_timeout_s: Number = 600.0
+    #: async: between_batches (a newer version is loaded before each batch) | in_flight (also between decode
+    #: steps: one sequence may span versions; engine=torch only)
+    weight_update: str = "between_batches"
+    #: async, in_flight: recompute (re-prefill the live sequences with the new weights: exact) | keep (continue
+    #: with the cache the older weights wrote)
+    kv_on_update: str = "recompute"
 
     def problems(self, run) -> Problems:
         """The stale-rollout fields' values it refuses (``schema.base``: ``config.validate`` raises ConfigError
@@ -142,6 +148,7 @@ class RolloutConfig:
             "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
         )
         yield from self.producer_problems(run)
+        yield from self.update_problems(run)
         for key in ("behaviour_logprobs", "save_history"):
             value = getattr(self, key)
             yield from rule(isinstance(value, bool), f"rollout.{key}", value, "must be true or false")
@@ -203,6 +210,32 @@ class RolloutConfig:
             timeout,
             "must be a number of seconds > 0",
         )
+
+    def update_problems(self, run) -> Problems:
+        """``weight_update`` and ``kv_on_update`` among their choices; ``in_flight`` read by ``async`` only and
+        refused with ``engine=vllm`` (its pause / update / resume is not wired)."""
+        from ..choices import KV_ON_UPDATE, WEIGHT_UPDATES
+
+        update = self.weight_update
+        yield from rule(
+            update in WEIGHT_UPDATES, "rollout.weight_update", update, f"choose one of {list(WEIGHT_UPDATES)}"
+        )
+        kv = self.kv_on_update
+        yield from rule(kv in KV_ON_UPDATE, "rollout.kv_on_update", kv, f"choose one of {list(KV_ON_UPDATE)}")
+        if update == "in_flight":
+            yield from rule(
+                self.mode == "async",
+                "rollout.weight_update",
+                update,
+                f"is read by rollout.mode=async only (rollout.mode={self.mode}); add rollout.mode=async",
+            )
+            yield from rule(
+                run.engine.name != "vllm",
+                "rollout.weight_update",
+                update,
+                "needs the embedded engine (engine=torch): vLLM's pause / update / resume is not wired in this "
+                "version; use rollout.weight_update=between_batches with engine=vllm",
+            )
 
 
 @dataclass
