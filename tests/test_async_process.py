@@ -182,6 +182,10 @@ def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
         (["rollout.producer_threads=0"], "rollout.producer_threads=0 is not allowed: must be null or an integer >= 1"),
         (["kernels=batch_invariant", "rollout.trainer_threads=1"], "must stay null under kernels=batch_invariant"),
         (["rollout.producer_timeout_s=0"], "rollout.producer_timeout_s=0 is not allowed: must be a number of seconds"),
+        (["rollout.weight_update=sometimes"], "rollout.weight_update='sometimes' is not allowed: choose one of"),
+        (["rollout.kv_on_update=drop"], "rollout.kv_on_update='drop' is not allowed: choose one of ['recompute'"),
+        (["rollout.weight_update=in_flight", "engine=vllm"], "needs the embedded engine (engine=torch)"),
+        (["rollout.weight_update=in_flight", "rollout.mode=lagged"], "is read by rollout.mode=async only"),
     ],
 )
 def test_bad_producer_fields_are_named(overrides, message):
