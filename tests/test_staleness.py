@@ -2,6 +2,7 @@
 logged staleness, the r_num / r_stale split, lag 0 equal to sync, exact resume of a lagged run, async's
 bound on staleness, and no producer thread left behind by an exception or Ctrl-C."""
 
+import multiprocessing
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from lit_rl.algorithms import RLModule
 from lit_rl.config import ConfigError, validate
+from lit_rl.rollout.producer_process import PROCESS_NAME
 from lit_rl.run.train import run
 from lit_rl.tools.compare import read_scalars
 
@@ -96,6 +98,9 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
     assert dropped == sorted(dropped)  # a running count
     if on_stale == "block":
         assert dropped[-1] == 0.0  # blocking drops nothing
+    for tag in ("time/trainer_wait_frac", "time/producer_idle_frac"):
+        assert len(s[tag]) == 6 and all(0.0 <= v <= 1.0 for v in values(s, tag)), s[tag]
+    assert values(s, "rollout/version_span_max") == [1.0] * 6  # weight_update=between_batches
     assert not producer_threads()
 
 
@@ -112,6 +117,7 @@ def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="injected failure"):
         run(cfg_for("trainer.max_steps=6", "rollout.mode=async", "rollout.max_staleness=2", *MOVING), tmp_path / "x")
     assert not producer_threads()
+    assert not [p for p in multiprocessing.active_children() if p.name == PROCESS_NAME]  # nor a rollout process
 
 
 def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):

@@ -201,6 +201,7 @@ class RolloutProducer:
         self.published: tuple[int, dict[str, Tensor]] | None = None
         self.error: BaseException | None = None
         self.generated = 0
+        self.idle_s = 0.0  # seconds the producer waited for weights or buffer room (time/producer_idle_frac)
         self.engine.cancel = self.stop_event
         self.threads = torch.get_num_threads()  # torch's intra-op thread count is per thread: copy the trainer's
         self.thread = threading.Thread(target=self._run, name="lit_rl-rollout-producer", daemon=True)
@@ -282,9 +283,11 @@ class RolloutProducer:
             with self.module.precision_context():
                 while not self.stop_event.is_set():
                     step = self.next_step
+                    idle_from = time.perf_counter()
                     with self.cond:
                         while not self._ready(step) and not self.stop_event.is_set():
                             self.cond.wait(timeout=1.0)
+                        self.idle_s += time.perf_counter() - idle_from
                         if self.stop_event.is_set():
                             return
                         version, weights = self.published
@@ -362,6 +365,7 @@ class StaleRollouts:
         self.producer: RolloutProducer | None = None
         self._held: RolloutProducer | None = None  # the producer whose engine lock the trainer holds
         self.dropped_total = 0
+        self._started, self._marks = 0.0, None  # time/trainer_wait_frac, time/producer_idle_frac
 
     # -- the step's rollouts --------------------------------------------------------------------------
     def collect(self, module: Learner, batch) -> tuple[Any, dict[str, float]]:
@@ -393,15 +397,31 @@ class StaleRollouts:
                 module, batch.step, self.max_staleness, self.on_stale, self.buffer_size, self.in_flight
             )
             self.producer.start()
+            self._started, self._marks = time.perf_counter(), None
         self.producer.publish(version_now, weights)
+        wait_from = time.perf_counter()
         item, dropped = self.producer.take(version_now, self.producer_timeout_s)
+        metrics = self._overlap(time.perf_counter() - wait_from)
         self.dropped_total += dropped
-        metrics = dict(item.metrics)
+        metrics.update(item.metrics)
         metrics["rollout/dropped_samples"] = float(dropped)
         metrics["rollout/dropped_samples_total"] = float(self.dropped_total)
         metrics["rollout/buffered_steps"] = float(len(self.producer.buffer))
         metrics["time/generate_s"] = item.seconds  # time/rollout_s is the trainer's wait for the buffer
         return item.scored, metrics
+
+    def _overlap(self, wait_s: float) -> dict[str, float]:
+        """Since the previous batch was taken (the first: since the producer started): ``time/trainer_wait_frac``,
+        the trainer's share of that time spent waiting for this batch (``wait_s``), and ``time/producer_idle_frac``,
+        the producer's share spent waiting for weights or buffer room. Both near 0: the two overlap fully."""
+        now, idle = time.perf_counter(), self.producer.idle_s
+        since, idle_before = self._marks if self._marks is not None else (self._started, 0.0)
+        self._marks = (now, idle)
+        wall = max(now - since, 1e-9)
+        return {
+            "time/trainer_wait_frac": min(1.0, wait_s / wall),
+            "time/producer_idle_frac": min(1.0, (idle - idle_before) / wall),
+        }
 
     @torch.no_grad()
     def score_behaviour(self, module: Learner, rb) -> None:
