@@ -1,21 +1,31 @@
 """Step time of sync versus async rollouts on the same work, measured side by side in one run.
 
     python benchmarks/async_speedup.py              # SmolLM2-135M, 2 prompts x G=8 x 64 new tokens, 6 steps
+    python benchmarks/async_speedup.py --model tiny --steps 2 --force   # a quick check that every setting runs
 
 The recipe itself (``lit_rl.run.train.run``, GRPO on the default task, bf16-mixed, no eval) runs the same steps
 (same prompts, same seeds) in each setting, one after the other in this process:
 
 * ``sync, 1 thread``: generate, then train (``rollout.mode=sync``, ``threads=1``): one core works at a time;
-* ``async, 1+1 threads``: a producer thread generates step s+1 while the trainer trains step s
-  (``rollout.mode=async rollout.max_staleness=1``), each with one torch thread: rollout and training on
-  separate cores, as the documents' 1.84x had them on separate GPUs; ``rollout.behaviour_logprobs=false``
-  so the update does the same work as sync (with it on, stale rows are also scored with their own weights
-  for the r_num / r_stale split: one more forward pass, timed as a third setting);
+* ``async, thread producer, 1+1``: a producer thread generates step s+1 while the trainer trains step s
+  (``rollout.mode=async rollout.max_staleness=1 rollout.producer=thread``), each with one torch thread: rollout
+  and training on separate cores, as the documents' 1.84x had them on separate GPUs;
+  ``rollout.behaviour_logprobs=false`` so the update does the same work as sync;
+* ``async, process producer, 1+1``: the same with the engine in a process of its own
+  (``rollout.producer=process``: one thread there, one in the trainer), weights through the shared-memory store;
+* ``async, process, in flight``: the process producer taking newer weights between decode steps
+  (``rollout.weight_update=in_flight rollout.kv_on_update=recompute``);
+* ``async, process, scoring stale rows``: the default ``behaviour_logprobs=true`` (stale tokens also scored with
+  their own weights for the r_num / r_stale split: one more forward pass);
 * ``sync, 2 threads``: the sync step with both cores inside each matmul, the other way to use them.
 
 Step time = ``time/step_s`` (for async: waiting for the buffer + the update), the mean over the steps
-after the first (the first has nothing to overlap with). The sampled completions differ between sync and
-async after step 0 (async samples with one-step-old weights), so generated token counts are printed too.
+after the first (the first has nothing to overlap with; with the process producer it also holds the process's
+start). The sampled completions differ between sync and async after step 0 (async samples with one-step-old
+weights), so generated token counts are printed too, with RL steps per minute, trained tokens per second, the
+mean and max staleness and, for async, the trainer's and the producer's idle fractions
+(``time/trainer_wait_frac``, ``time/producer_idle_frac``). Partial rollouts and the skewed batch of issue 35 are
+not here yet.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
         cfg = compose(config_name="train", overrides=overrides)
     run(cfg, out)
     s = read_scalars(out / "tensorboard")
-    after_first = lambda tag: [v for step, v in s[tag] if step > 0]  # noqa: E731
+    after_first = lambda tag: [v for step, v in s.get(tag, []) if step > 0] or [0.0]  # noqa: E731
     return {
         "step": statistics.mean(after_first("time/step_s")),
         "rollout": statistics.mean(after_first("time/rollout_s")),
@@ -53,6 +63,9 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
             v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/rollout_s"))
         ),
         "staleness": statistics.mean(after_first("rollout/staleness_mean")),
+        "staleness_max": max(after_first("rollout/staleness_max")),
+        "trainer_wait": statistics.mean(after_first("time/trainer_wait_frac")),  # 0: sync
+        "producer_idle": statistics.mean(after_first("time/producer_idle_frac")),
     }
 
 
@@ -82,15 +95,19 @@ def main():
         "eval.num_examples=0",
         "trainer.enable_progress_bar=false",
     ]
+    one_each = ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"]  # 1 + 1 threads in every async setting
     settings = {
         "sync, 1 thread": ["rollout.mode=sync", "threads=1"],
-        "async, 1+1 threads": [
-            "rollout.mode=async",
-            "rollout.max_staleness=1",
+        "async, thread producer, 1+1": [*one_each, "rollout.producer=thread", "rollout.behaviour_logprobs=false"],
+        "async, process producer, 1+1": [*one_each, "rollout.producer=process", "rollout.behaviour_logprobs=false"],
+        "async, process, in flight": [
+            *one_each,
+            "rollout.producer=process",
             "rollout.behaviour_logprobs=false",
-            "threads=1",
+            "rollout.weight_update=in_flight",
+            "rollout.kv_on_update=recompute",
         ],
-        "async, 1+1 threads, scoring stale rows": ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"],
+        "async, process, scoring stale rows": [*one_each, "rollout.producer=process"],
         "sync, 2 threads": ["rollout.mode=sync", "threads=2"],
     }
     if args.skip_two_threads:
@@ -109,13 +126,15 @@ def main():
         f"GRPO, bf16-mixed, mean of steps 2-{args.steps}"
     )
     print(
-        "| setting | step s | rollout (or wait) s | update s | generated tokens / step | staleness |\n"
-        "|---|---|---|---|---|---|"
+        "| setting | step s | RL steps / min | rollout (or wait) s | update s | generated tokens / step "
+        "| trained tokens / s | staleness mean / max | trainer wait / producer idle |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     for name, r in results.items():
         print(
-            f"| {name} | {r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} | {r['tokens']:.0f} "
-            f"| {r['staleness']:.1f} |"
+            f"| {name} | {r['step']:.2f} | {60 / r['step']:.2f} | {r['rollout']:.2f} | {r['train']:.2f} "
+            f"| {r['tokens']:.0f} | {r['tokens'] / r['step']:.1f} | {r['staleness']:.2f} / {r['staleness_max']:.0f} "
+            f"| {r['trainer_wait']:.2f} / {r['producer_idle']:.2f} |"
         )
     base = results["sync, 1 thread"]["step"]
     print()
