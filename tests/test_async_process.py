@@ -326,3 +326,15 @@ def test_in_flight_the_rollout_process_takes_a_version_written_to_the_store_duri
     first = int(r.token_versions[0].eq(1).nonzero()[0])
     assert 0 < first < 400 and process.last.swaps == 1
     assert r.token_versions[:, :first].eq(0).all() and r.token_versions[:, first:].eq(1).all()
+
+
+def test_a_store_lock_left_held_is_an_error_not_a_hang(tiny, monkeypatch):
+    """A reader killed while it copies a version leaves the lock held: the trainer's next write says so."""
+    from lit_rl.rollout import weight_store
+
+    model, _ = tiny
+    monkeypatch.setattr(weight_store, "LOCK_TIMEOUT_S", 0.2)
+    store = WeightStore(model.state_dict(), slots=1)
+    store.lock.acquire()  # what a reader that died mid-copy leaves behind
+    with pytest.raises(RuntimeError, match="the weight store's lock was not released within 0.2 s"):
+        store.write(0, model.state_dict())

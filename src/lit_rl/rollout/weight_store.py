@@ -19,6 +19,7 @@ Transports (``WeightStore.transport``):
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from collections.abc import Iterator, Mapping
 
@@ -26,6 +27,9 @@ import torch
 from torch import Tensor
 
 TRANSPORTS = {"cpu": "cpu_shm", "cuda": "cuda_ipc", "meta": "dry_run"}
+#: the longest wait for the store's lock: a reader holds it only while it copies one version (well under a second
+#: for SmolLM2-135M); a reader killed while holding it would otherwise block the trainer forever
+LOCK_TIMEOUT_S = 120.0
 
 
 class WeightStore:
@@ -72,12 +76,25 @@ class WeightStore:
             self.table.share_memory_()
         self.lock = (context or multiprocessing.get_context("spawn")).Lock()
 
+    @contextlib.contextmanager
+    def locked(self):
+        """The store's lock, or RuntimeError after ``LOCK_TIMEOUT_S`` (its holder died while reading a version)."""
+        if not self.lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise RuntimeError(
+                f"the weight store's lock was not released within {LOCK_TIMEOUT_S:g} s: the rollout process "
+                "probably died while it copied a version"
+            )
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     # -- the trainer's side ------------------------------------------------------------------------------
     def write(self, version: int, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """Store ``weights`` as ``version`` (once: a version already held is returned as is), in the slot of the
         oldest version (or an empty one). Returns the slot. Raises KeyError for a name missing from ``weights``."""
         version = int(version)
-        with self.lock:
+        with self.locked():
             held = self._slot_of(version)
             if held is not None:
                 return self.slots[held]
@@ -98,7 +115,7 @@ class WeightStore:
 
     def prune(self, keep_from: int) -> None:
         """Forget every version older than ``keep_from`` (their slots are free for the next writes)."""
-        with self.lock:
+        with self.locked():
             old = (self.table >= 0) & (self.table < int(keep_from))
             self.table[old] = -1
 
@@ -121,7 +138,7 @@ class WeightStore:
     def load_into(self, version: int, load) -> bool:
         """Call ``load(weights)`` with ``version``'s slot while holding the lock (so the trainer cannot overwrite
         it meanwhile); ``load`` copies what it needs. Returns False when the store does not hold ``version``."""
-        with self.lock:
+        with self.locked():
             i = self._slot_of(int(version))
             if i is None:
                 return False
