@@ -266,7 +266,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
     # -- the RL step (Lightning's training_step), then its parts in the order it calls them ------------------------
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         t0 = time.perf_counter()
-        rl_step = self.global_step // self.updates_per_step
+        rl_step = self.rl_steps_done()
         # this rank's share of the step's prompts, sampled with the weights the source chooses (rollout.mode)
         scored, collect_metrics, t_sync = self.source.collect(self, batch)
         self.count_reward_failures(scored, rl_step)  # a reward function failing step after step stops the run here
