@@ -471,3 +471,18 @@ def test_the_recorded_seed_picks_the_seed_item_of_a_name(tmp_path):
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "overrides.yaml").write_text("- algo=dapo\n- +seed=7\n")
     assert compare.recorded_seed(run) == 7 and compare.recorded_seed(tmp_path / "none") is None
+
+
+def test_eval_tags_are_scores_and_patterns_expand_to_the_logged_tags():
+    """Every eval/ tag is higher-is-better whatever its set's name holds; ``eval/*/pass@*`` stands for each eval
+    set's pass@k that a run logged (issue 40)."""
+    for tag in ("eval/kl_heldout/accuracy", "eval/long_length/worst@8", "eval/maj@8"):
+        assert not compare.lower_is_better(tag)
+    from lit_rl.tools.compare.cli import logged_tags
+
+    known = ["eval/accuracy", "eval/gsm/pass@1", "eval/gsm/pass@2", "eval/math/pass@1", "train/loss"]
+    assert logged_tags(["eval/*/pass@*", "train/loss"], known) == (
+        ["eval/gsm/pass@1", "eval/gsm/pass@2", "eval/math/pass@1", "train/loss"],
+        [],
+    )
+    assert logged_tags(["eval/*/maj@*", "train/loss"], known) == (["train/loss"], ["eval/*/maj@*"])

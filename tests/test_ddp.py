@@ -122,21 +122,42 @@ def test_a_rank_samples_what_one_device_samples_for_its_prompts(tiny):
     assert one.texts[4:] == rank1.texts
 
 
+#: a reward of 1 on the first of every four completions (also the correctness), eval.n=4 from before step 0
+EVERY_FOURTH = """
+def every_fourth(prompts, completions, **columns):
+    return [1.0 if i % 4 == 0 else 0.0 for i in range(len(completions))]
+"""
+EVAL = ("eval.n=4", "eval.temperature=1.0", "eval.at_start=true", "reward.correct_from=every_fourth")
+
+
 def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
     """``trainer=ddp trainer.devices=2``: one TensorBoard run (rank 0 writes), train/loss at steps 0, 1, 2,
     a checkpoint and finished.json; every logged value equals the one-device run's (seeds do not depend on
-    the rank, and each value is reduced over ranks with the weights one device would use)."""
+    the rank, and each value is reduced over ranks with the weights one device would use), the evaluations'
+    pass@k, maj@n, best@n... included (issue 40)."""
     out = tmp_path / "ddp"
-    launch_recipe("trainer.max_steps=3", "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    (tmp_path / "r.py").write_text(EVERY_FOURTH)
+    launch_recipe(
+        "trainer.max_steps=3",
+        *EVAL,
+        f"reward.functions=[{tmp_path}/r.py:every_fourth]",
+        "trainer=ddp",
+        "trainer.devices=2",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )
     events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert len(events) == 1, events
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
     assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "policy" / "model.safetensors").is_file()
     ddp = read_scalars(out / "tensorboard")
     assert [s for s, _ in ddp["train/loss"]] == [0, 1, 2]
-    assert len(ddp["eval/accuracy"]) == 1  # after step 2, both ranks' shares of the 4 eval prompts
+    # before step 0 (eval.at_start) and after step 2 (x of step 1), both ranks' shares of the 4 eval prompts;
+    # every_fourth: 1 correct sample of 4 per problem, pass@2 = 1 - C(3,2)/C(4,2) = 0.5
+    assert [(x, round(v, 6)) for x, v in ddp["eval/pass@2"]] == [(-1, 0.5), (1, 0.5)]
+    assert sorted(p.name for p in (out / "eval_generations").iterdir()) == ["main.jsonl", "main.rank1.jsonl"]
 
-    run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
+    run(cfg_for("trainer.max_steps=3", *EVAL, f"reward.functions=[{tmp_path}/r.py:every_fourth]"), tmp_path / "one")
     assert_logs_what_one_device_logs(ddp, read_scalars(tmp_path / "one" / "tensorboard"))
 
 

@@ -73,8 +73,11 @@ def default_tables(page: Path) -> list[tuple[list[str], str]]:
 
 
 def parse_default(text: str):
-    """A default as the page writes it: null, true/false, a number, else the (un-backticked) string."""
+    """A default as the page writes it: null, true/false, [] (an empty list), a number, else the (un-backticked)
+    string."""
     text = text.strip().strip("`")
+    if text == "[]":
+        return []
     if text in ("null", "true", "false"):
         return {"null": None, "true": True, "false": False}[text]
     for kind in (int, float):

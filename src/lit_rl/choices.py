@@ -55,6 +55,8 @@ BASELINES = ReinforceConfig.baselines
 STD_KINDS = ("population", "sample")
 #: ``advantage.scale``: whose std divides the centred reward (TRL's ``scale_rewards``)
 SCALES = ("group", "batch", "none")
+#: ``advantage.multi_reward``: how several ``reward.functions`` become one advantage (``objectives.gdpo_advantages``)
+MULTI_REWARD = ("sum", "normalize_then_sum")
 #: ``kl.estimator``
 KL_KINDS = ("k1", "k2", "k3")
 #: ``kl.mode``: the KL to the reference as a loss term (GRPO's) or folded into the per-token reward (classic RLHF)

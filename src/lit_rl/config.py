@@ -43,6 +43,7 @@ from .choices import (
     KERNELS,
     KL_KINDS,
     KL_MODES,
+    MULTI_REWARD,
     REDUCTION_MODES,
     ROLLOUT_MODES,
     SCALES,
@@ -334,6 +335,8 @@ def check_advantage(cfg: DictConfig) -> None:
     std, scale = adv.get("std", "population"), adv.get("scale", "group")
     _check(std in STD_KINDS, "advantage.std", std, f"choose one of {list(STD_KINDS)}")
     _check(scale in SCALES, "advantage.scale", scale, f"choose one of {list(SCALES)}")
+    multi = adv.get("multi_reward", "sum")
+    _check(multi in MULTI_REWARD, "advantage.multi_reward", multi, f"choose one of {list(MULTI_REWARD)}")
     _check(
         scale != "none" or adv.alpha == 0,
         "advantage.scale",

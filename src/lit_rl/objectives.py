@@ -26,7 +26,7 @@ Sources:
 """
 
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -254,6 +254,146 @@ def group_advantages(
     has_variance = _group_has_variance(rewards, valid, inverse, num_groups)
     keep = valid & has_variance[inverse]
     return torch.where(keep, advantages, torch.zeros_like(advantages))
+
+
+def gdpo_advantages(
+    parts: Tensor,
+    weights: Sequence[float],
+    group_ids: Tensor,
+    alpha: float = 1.0,
+    eps: float = 1e-6,
+    valid: Optional[Tensor] = None,
+    std: str = "population",
+    scale: str = "group",
+    sum_over_ranks: Optional[Callable[[Tensor], Tensor]] = None,
+) -> tuple[Tensor, Tensor]:
+    """GDPO's advantage of several rewards (``advantage.multi_reward=normalize_then_sum``): each reward normalised
+    within its group first, so that no reward's scale drowns the others, then summed with its weight, then whitened
+    over the step: A = (S − mean S) / (std S + eps), S_i = Σ_k w_k A_k,i.
+
+    Each reward's own A_k is ``group_advantages`` with the ``advantage`` group's ``alpha``, ``eps``, ``std`` and
+    ``scale`` (``scale=batch``: reward k's std over the step; ``none``: centred only). A reward that is None (NaN
+    in ``parts``) is left out of that reward's group statistics and gets A_k = 0 there (TRL's nan-aware form). The
+    whitening takes ``std``'s kind and ``eps`` over the valid rows of the whole step (every rank's, through
+    ``sum_over_ranks``); invalid rows get 0. Unlike GRPO, a group whose rewards all agree then gets −mean S / std S,
+    not 0: the whitening shifts every row (as the peers do).
+
+    Rewards r1 = [1, 1, 0, 0], r2 = [1, 1, 1, 0] of one group, weights [1, 1], population std, eps 1e-6:
+    [0.8881, 0.8881, −0.2379, −1.5382] (SPEC vector 18; summing first gives [0.9045, 0.9045, −0.3015, −1.5076]).
+    Peers: TRL (``multi_objective_aggregation="normalize_then_sum"``) normalises with eps 1e-4 and whitens with the
+    sample std (torch's ``std()``): ``advantage.std=sample advantage.eps=1e-4`` here; verl's
+    ``compute_gdpo_outcome_advantage`` whitens over tokens (``masked_whiten``: each completion weighted by its
+    length) where lit_rl whitens over completions.
+
+    Args:
+        parts: float [N, K], reward k of completion i (NaN: None).
+        weights: K weights (``reward.weights``).
+        group_ids: integer [N]; alpha, eps, std, scale: as ``group_advantages``.
+        valid: bool [N] (completions with a response) or None (all).
+        sum_over_ranks: maps a float64 tensor to its sum over data-parallel ranks; None: one rank.
+
+    Returns:
+        (advantages [N], per-reward advantages A_k [K, N]), float32.
+
+    Raises:
+        ValueError: ``parts`` not [N, K] with K = len(weights) and N = len(group_ids); as ``group_advantages``.
+    """
+    if parts.dim() != 2 or parts.shape[1] != len(weights) or parts.shape[0] != group_ids.shape[0]:
+        raise ValueError(
+            f"parts must be [N, K] with N = {group_ids.shape[0]} completions and K = {len(weights)} weights, "
+            f"got {tuple(parts.shape)}"
+        )
+    parts = parts.float()
+    n = parts.shape[0]
+    valid = torch.ones(n, dtype=torch.bool, device=parts.device) if valid is None else valid.bool()
+    reduce = sum_over_ranks if sum_over_ranks is not None else (lambda t: t)
+    per_reward = []
+    for k in range(parts.shape[1]):
+        r = parts[:, k]
+        ok = valid & ~r.isnan()
+        r = torch.where(ok, r, torch.zeros_like(r))
+        batch_std = None
+        if scale == "batch":
+            moments = reduce(torch.stack([ok.sum().double(), r.double().sum(), (r.double() ** 2).sum()]))
+            batch_std = float(std_from_moments(*moments.tolist(), std))
+        per_reward.append(group_advantages(r, group_ids, alpha, eps, ok, std, scale, batch_std))
+    per_reward = torch.stack(per_reward) if per_reward else parts.new_zeros(0, n)
+    w = torch.tensor([float(x) for x in weights], dtype=parts.dtype, device=parts.device)
+    combined = (w[:, None] * per_reward).sum(0)
+    c = torch.where(valid, combined, torch.zeros_like(combined)).double()
+    count, total, total_sq = reduce(torch.stack([valid.sum().double(), c.sum(), (c**2).sum()])).tolist()
+    mean = total / count if count else 0.0
+    sigma = float(std_from_moments(count, total, total_sq, std))
+    advantages = (combined - mean) / (sigma + eps)
+    return torch.where(valid, advantages, torch.zeros_like(advantages)).float(), per_reward.float()
+
+
+def opd_advantages(
+    advantages: Tensor, student_logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tensor
+) -> Tensor:
+    """On-policy distillation in the advantage (``distill.mode=advantage``; slime ``--use-opd``): the per-token
+    advantage A_t = A − coef · (log π_student(y_t) − log π_teacher(y_t)), the sampled token's reverse-KL estimate
+    (k1) subtracted with its coefficient; 0 on padding. With μ = π its policy-gradient term −A_t ∇log π_θ(y_t)
+    has expectation coef · ∇ Σ_t E_{h_t}[KL(π(·|h_t) ‖ π_teacher(·|h_t))] (the per-position KL, its prefixes
+    held fixed: no cost-to-go, slime's and Thinking Machines' discount 0), the full sequence KL's gradient for
+    one-token responses. A teacher equal to the student adds exactly 0.
+
+    Student [−1, −2], teacher [−1.5, −1], coef 1, A = 0 → [−0.5, +1.0] (SPEC vector 19).
+
+    Args:
+        advantages: float [N] (one per completion) or [N, T].
+        student_logprobs, teacher_logprobs: float [N, T] log-probs of the sampled tokens (no gradient), the
+            teacher's under the sampler's temperature and truncation.
+        coef: ``distill.coef`` (>= 0).
+        mask: bool [N, T] valid response tokens.
+
+    Returns:
+        float32 [N, T].
+
+    Raises:
+        ValueError: shapes that differ.
+    """
+    if student_logprobs.shape != teacher_logprobs.shape or student_logprobs.shape != mask.shape:
+        raise ValueError(
+            f"student_logprobs {tuple(student_logprobs.shape)}, teacher_logprobs {tuple(teacher_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must have one shape [N, T]"
+        )
+    base = _broadcast_advantages(advantages.float(), student_logprobs)
+    gap = (student_logprobs.float() - teacher_logprobs.float()).detach()
+    out = base - coef * gap
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def opd_loss(logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """On-policy distillation as its own loss term (``distill.mode=loss``; prime-rl's form): per token
+    coef · sg(log π_θ(y_t) − log π_teacher(y_t)) · log π_θ(y_t), reduced over its own token count
+    (Σ_valid ℓ_t / #valid tokens, not the objective's reduction). Its expected gradient under μ = π is
+    coef / (tokens per response) · ∇ Σ_t E_{h_t}[KL(π(·|h_t) ‖ π_teacher(·|h_t))] for responses of one length.
+    Its value is not the KL. With a teacher equal to the student each token's gap is 0 only where the two forwards
+    agree bit for bit (the teacher's own forward may round differently from the trainer's: the term is then a small
+    non-zero gradient whose expectation is 0); the log-ratio itself as a loss (no stop-gradient) would have a
+    per-sample gradient ∇log π_θ ≠ 0 even then, 0 only in expectation, which is why the gap is held fixed here.
+
+    Args:
+        logprobs: float [N, T] log π_θ of the sampled tokens (with gradient).
+        teacher_logprobs: float [N, T] (no gradient); coef: ``distill.coef``; mask: bool [N, T].
+
+    Returns:
+        (the scalar loss, the mean per-token log-ratio over valid tokens: ``train/opd_kl``).
+
+    Raises:
+        ValueError: shapes that differ.
+    """
+    if logprobs.shape != teacher_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, teacher_logprobs {tuple(teacher_logprobs.shape)} and mask "
+            f"{tuple(mask.shape)} must have one shape [N, T]"
+        )
+    mask = mask.bool()
+    gap = (logprobs.detach() - teacher_logprobs).float()
+    count = mask.sum().clamp(min=1)
+    loss = masked_sum(coef * gap * logprobs, mask) / count
+    return loss, masked_sum(gap, mask) / count
 
 
 def reward_std(rewards: Tensor, valid: Optional[Tensor] = None, std: str = "population") -> Tensor:

@@ -115,6 +115,11 @@ class Algorithm(nn.Module):
         fills ``rb.old_logprobs``). Called once per RL step, before the update."""
         raise NotImplementedError(f"{type(self).__name__} does not define its advantages")
 
+    def batch_metrics(self, learner, rb: RolloutBatch) -> dict[str, float]:
+        """This rank's metrics of the advantages just computed (averaged over ranks, each rank holding as many
+        completions). Default: none (GRPO's family: each reward's own advantage under ``advantage.multi_reward``)."""
+        return {}
+
     def finish_batch(self, learner, scored: ScoredRollouts, rb: RolloutBatch) -> None:
         """Last changes to the batch after its advantages (DAPO: truncated completions leave the loss).
         Default: none."""

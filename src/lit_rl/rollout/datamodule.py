@@ -37,6 +37,23 @@ class PromptBatch:
     step: int
     examples: list[Example]
     offset: int = 0
+    #: the eval set this batch belongs to (``RolloutDataModule.eval_sets``; 0: the task's own split)
+    eval_set: int = 0
+
+
+@dataclass
+class EvalSet:
+    """One evaluation set (``eval.sets``): its name (the tags' ``eval/<name>/...``; "main" is the task's own
+    split, logged as ``eval/...``), the data module that encodes and scores its prompts with its own task
+    (template, fields, verifier), its examples, and whether they all have a gold answer (maj@n needs one)."""
+
+    name: str
+    data: "RolloutDataModule"
+    examples: list[Example]
+
+    @property
+    def has_answers(self) -> bool:
+        return bool(self.examples) and all(str(ex.answer or "").strip() for ex in self.examples)
 
 
 @dataclass
@@ -195,6 +212,7 @@ class RolloutDataModule(L.LightningDataModule):
         eval_batch_size: prompts per eval generation call.
         reward_timeout_s: the time limit of one reward call (used when ``rewards`` is None).
         rewards: the ``RewardFunctions`` that score completions; None: the task's own verifier in a pool of 2.
+        train_examples: the training examples; None: ``task.train_examples()`` (an eval set gives its own).
     """
 
     def __init__(
@@ -208,6 +226,7 @@ class RolloutDataModule(L.LightningDataModule):
         eval_batch_size: int = 64,
         reward_timeout_s: float = 10.0,
         rewards: RewardFunctions | None = None,
+        train_examples: list[Example] | None = None,
     ):
         super().__init__()
         self.task, self.tokenizer = task, tokenizer
@@ -215,7 +234,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_examples, self.eval_batch_size = eval_examples, eval_batch_size
         self.reward_timeout_s = reward_timeout_s
         self.rewards = rewards if rewards is not None else RewardFunctions(task, timeout_s=reward_timeout_s)
-        self._train = list(task.train_examples())
+        self._train = list(task.train_examples() if train_examples is None else train_examples)
         self._eval = list(task.eval_examples())[:eval_examples]
         if not self._train:
             raise ValueError(f"task {task.name!r} has no training examples")
@@ -223,6 +242,25 @@ class RolloutDataModule(L.LightningDataModule):
         self._start_step: Callable[[], int] = lambda: 0
         #: prompts left out at start-up for not fitting the context (``task.overlong_prompts=drop``), per split
         self.dropped_prompts = {"train": 0, "eval": 0}
+        #: further evaluation sets (``add_eval_set``), each with its own task; the task's own split comes first
+        self.extra_eval_sets: list[EvalSet] = []
+
+    @property
+    def eval_sets(self) -> list[EvalSet]:
+        """The sets each evaluation scores: the task's own split ("main", when it holds examples), then
+        ``eval.sets`` in their order."""
+        main = [EvalSet("main", self, self._eval)] if self._eval else []
+        return main + self.extra_eval_sets
+
+    def add_eval_set(self, name: str, task: Task, examples: list[Example], rewards: RewardFunctions) -> None:
+        """Evaluate ``examples`` as set ``name`` too: encoded with ``task``'s template, scored by ``rewards``
+        (the set's own verifier). Raises ValueError for a name already taken (or "main")."""
+        if name == "main" or any(s.name == name for s in self.extra_eval_sets):
+            raise ValueError(f"eval set name {name!r} is taken (names are unique; 'main' is the task's own split)")
+        data = RolloutDataModule(
+            task, self.tokenizer, 1, 1, seed=self.seed, eval_examples=0, train_examples=examples, rewards=rewards
+        )
+        self.extra_eval_sets.append(EvalSet(name, data, list(examples)))
 
     # -- ranks ---------------------------------------------------------------------------------------
     @property
@@ -392,11 +430,14 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_StepStream(self, lambda: self._start_step()), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        """This rank's contiguous share of the eval examples in batches of ``eval_batch_size``; a rank
-        whose share is empty gets one empty batch, so every rank takes part in the eval's reduction."""
-        offset, examples = self.shard(self._eval)
-        batches = [
-            PromptBatch(-1, examples[i : i + self.eval_batch_size], offset + i)
-            for i in range(0, len(examples), self.eval_batch_size)
-        ] or [PromptBatch(-1, [], offset)]
+        """This rank's contiguous share of each eval set's examples (``eval_sets``, one after the other) in
+        batches of ``eval_batch_size``; a rank whose share of a set is empty gets one empty batch of it, so every
+        rank takes part in the eval's reduction."""
+        batches = []
+        for index, eval_set in enumerate(self.eval_sets):
+            offset, examples = self.shard(eval_set.examples)
+            batches += [
+                PromptBatch(-1, examples[i : i + self.eval_batch_size], offset + i, index)
+                for i in range(0, len(examples), self.eval_batch_size)
+            ] or [PromptBatch(-1, [], offset, index)]
         return DataLoader(batches, batch_size=None, num_workers=0, collate_fn=lambda b: b)

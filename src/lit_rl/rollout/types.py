@@ -72,7 +72,9 @@ class RolloutBatch:
     None means every row was generated with the weights being trained, so p_o = old_logprobs;
     topk_ids / topk_logprobs [N, T, k] or None; old_head_logprobs [N, T, k] float32 or None: pi_old at the
     head ids, kept by the snapshot for score centering when a batch gets several optimizer steps;
-    old_values / returns [N, T] float32 or None (critic).
+    old_values / returns [N, T] float32 or None (critic);
+    reward_parts [N, K] float32 or None: each of the K ``reward.functions``' own reward (NaN: None), for the
+    advantages that normalise each reward apart (``advantage.multi_reward=normalize_then_sum``).
     """
 
     prompt_ids: Tensor
@@ -93,6 +95,7 @@ class RolloutBatch:
     old_values: Tensor | None = None
     returns: Tensor | None = None
     token_versions: Tensor | None = None
+    reward_parts: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

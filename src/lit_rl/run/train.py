@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..algorithms import RLModule
 from ..algorithms.base import updates_per_step
+from ..algorithms.evaluation import EVAL_GENERATIONS
 from ..config import ConfigError, check_world_size, validate
 from ..kernels import kernel_mode
 from ..logprobs import check_head_parity
@@ -144,6 +145,7 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer):
         update=cfg.update,
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
+    module.eval_at_start = bool(cfg.eval.at_start)
     return module
 
 
@@ -278,7 +280,8 @@ def _run(cfg: DictConfig, out_dir, overrides, claims: list, run_log: RunLog) -> 
     prepared = prepare_output(cfg, out_dir, overrides, claims, run_log)
     parts = build(prepared)
     metrics = fit(parts)
-    export(parts, metrics)
+    if not prepared.cfg.eval.only:  # an evaluation alone leaves no policy and no finished.json
+        export(parts, metrics)
     return metrics
 
 
@@ -340,7 +343,7 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     if "strategy" in trainer_kwargs:
         trainer_kwargs["strategy"] = build_strategy(trainer_kwargs["strategy"])
     plugins = precision_plugins(trainer_kwargs)
-    eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 else None
+    eval_every = cfg.eval.every_n_steps if cfg.eval.num_examples > 0 or cfg.eval.sets else None
     callbacks = [checkpoints, RolloutSourceShutdown()]  # the latter stops an async rollout producer
     if prepared.governor is not None:
         callbacks.append(prepared.governor)
@@ -401,6 +404,7 @@ def build_data(cfg: TrainConfig, reward_log: Path | None = None) -> tuple[Rollou
         reward_timeout_s=cfg.reward_timeout_s,
         rewards=build_rewards(cfg, task, reward_log),
     )
+    add_eval_sets(cfg, datamodule, reward_log)
     config = model_config(cfg.model)
     check_context(cfg, datamodule, config)  # before the weights load
     check_model_support(cfg, datamodule, config)
@@ -410,9 +414,35 @@ def build_data(cfg: TrainConfig, reward_log: Path | None = None) -> tuple[Rollou
         raise ConfigError(f"model.lora.target_modules={list(spec.lora.target_modules)}: {err}") from err
     try:  # the verifier workers start and load the reward functions (a user's module) now, not at step 1
         datamodule.rewards.prepare()
+        for eval_set in datamodule.extra_eval_sets:
+            eval_set.data.rewards.prepare()
     except RuntimeError as err:
         raise ConfigError(f"reward.functions: {err}") from err
     return datamodule, spec, tokenizer
+
+
+def add_eval_sets(cfg: TrainConfig, datamodule: RolloutDataModule, reward_log: Path | None) -> None:
+    """``eval.sets`` added to ``datamodule`` (``RolloutDataModule.add_eval_set``), each with its own task (its template,
+    fields and verifier, which decides correctness) and its split's first ``num_examples`` examples (default
+    ``eval.num_examples``). Prints which sets have no gold answers (they skip maj@n). Raises ConfigError naming the
+    set for a task that cannot be built or an empty set."""
+    for i, entry in enumerate(cfg.eval.sets):
+        where = f"eval.sets[{i}] ({entry['name']})"
+        try:
+            task = build_task(dict(entry["task"]))
+            split = entry.get("split") or "eval"
+            examples = list(task.eval_examples() if split == "eval" else task.train_examples())
+        except (ValueError, FileNotFoundError, TypeError) as err:
+            raise ConfigError(f"{where}.task: {err}") from err
+        examples = examples[: entry.get("num_examples") or cfg.eval.num_examples or len(examples)]
+        if not examples:
+            raise ConfigError(f"{where}: its task's {split} split holds no examples")
+        rewards = RewardFunctions(
+            task, timeout_s=cfg.reward_timeout_s, max_completion_length=cfg.eval.max_new_tokens, output_log=reward_log
+        )
+        datamodule.add_eval_set(entry["name"], task, examples, rewards)
+        if not datamodule.extra_eval_sets[-1].has_answers and int(cfg.eval.n) > 1:
+            print(f"lit_rl: {where} has examples without a gold answer: no maj@n for it", flush=True)
 
 
 def write_run_config(prepared: Prepared) -> None:
@@ -519,6 +549,7 @@ def build(prepared: Prepared) -> RunParts:
         check_output_folders(prepared.out)
         write_config = partial(write_run_config, prepared)  # once the data passed its checks, before the weights
     parts = assemble(prepared.cfg, before_weights=write_config, reward_log=prepared.out / REWARD_OUTPUT)
+    parts.module.eval_dir = prepared.out / EVAL_GENERATIONS
     return RunParts(prepared, trainer, checkpoints, parts)
 
 
@@ -542,14 +573,18 @@ def fit(parts: RunParts) -> dict[str, float]:
         if ckpt_path is not None:
             check_checkpoint_fits(ckpt_path, module)
         try:
-            trainer.fit(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path)
+            if prepared.cfg.eval.only:  # the model (or checkpoint) evaluated, logged at step 0; no training
+                trainer.validate(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path, verbose=False)
+            else:
+                trainer.fit(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path)
         except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
             raise preempted(trainer, parts.checkpoints, prepared.out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
             module.source.close()  # idempotent; first, so no producer thread still uses the engine
             module.source.close_engine()
             finish_loggers(trainer)
-        save_final_checkpoint(trainer, parts.checkpoints)
+        if not prepared.cfg.eval.only:
+            save_final_checkpoint(trainer, parts.checkpoints)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}  # reduced over ranks: the same on each
 
 

@@ -141,6 +141,15 @@ class AlgoConfig:
         The base: ``algo.clip.eps_low`` < 1 where the clip has a lower bound, and ``algo.clip`` at the preset's
         values where the objective reads no clip. Each algorithm adds its own options' rules."""
         clip = self.clip
+        multi = run.get("advantage", {}).get("multi_reward", "sum") if hasattr(run, "get") else "sum"
+        yield from rule(
+            self.group_normalised or multi == "sum",
+            "advantage.multi_reward",
+            multi,
+            f"normalize_then_sum (GDPO) normalises each reward in its group, and algo={self.name} is not "
+            "group-normalised (it has its own advantage estimator): leave it at sum, or choose an algorithm of GRPO's "
+            "family",
+        )
         if self.clip_has_lower_bound:
             yield from rule(
                 clip.eps_low < 1, "algo.clip.eps_low", clip.eps_low, "must be < 1 (the lower bound is 1 - eps_low)"

@@ -101,6 +101,10 @@ class AdvantageConfig:
     #: group (the group's std, GRPO) | batch (the step's std, TRL scale_rewards=batch) | none (no division: alpha
     #: must be 0) (``objectives.SCALES``)
     scale: str = "group"
+    #: several reward.functions: sum (the weighted total normalised, GRPO) | normalize_then_sum (GDPO: each reward
+    #: normalised in its group, summed with reward.weights, whitened over the step; group-normalised algorithms
+    #: only) (``objectives.multi_reward_advantages``)
+    multi_reward: str = "sum"
 
 
 @dataclass

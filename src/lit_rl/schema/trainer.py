@@ -3,6 +3,8 @@ Trainer's defaults."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,19 +22,32 @@ class UpdateConfig:
 
 @dataclass
 class EvalConfig:
-    """``eval``: held-out accuracy: greedy pass@1, or mean@n and pass@k from n samples per problem."""
+    """``eval``: held-out accuracy: greedy pass@1, or mean@n, pass@k (every power of two k <= n), maj@n, best@n and
+    worst@n from n samples per problem; on the task's own split (``eval/...``) and on each of ``sets``
+    (``eval/<name>/...``)."""
 
     every_n_steps: int = 10
     #: 0 = no evaluation
     num_examples: int = 64
     batch_size: int = 64
     max_new_tokens: int = 64
-    #: samples per problem; > 1 logs eval/mean@n and eval/pass@k (needs temperature > 0)
+    #: samples per problem; > 1 logs eval/mean@n, eval/pass@k for every power of two k <= n, eval/maj@n,
+    #: eval/best@n and eval/worst@n (needs temperature > 0)
     n: int = 1
-    #: pass@k's k (1 <= k <= n), the unbiased estimator of Chen et al. 2021
+    #: one more pass@k to log besides the powers of two (1 <= k <= n), the unbiased estimator of Chen et al. 2021
     k: int = 1
     #: 0 = greedy
     temperature: Number = 0.0
+    #: further eval sets, each a task config of its own (template, fields, verifier), logged as eval/<name>/...:
+    #: {name: <tag name>, task: {name: gsm8k|dataset|arithmetic, ...its fields}, split: eval|train (the task's
+    #: split evaluated; default eval), num_examples: (default eval.num_examples)}
+    sets: list[Any] = field(default_factory=list)
+    #: evaluate once before the first RL step (logged at the step before the first training step); a continued
+    #: run does not
+    at_start: bool = False
+    #: evaluate model.name_or_path (a model or a run's policy/ folder) or the checkpoint ckpt_path, then stop: no
+    #: training step (logged as eval.at_start is)
+    only: bool = False
 
     def problems(self, run) -> Problems:
         """The evaluation's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
@@ -50,6 +65,53 @@ class EvalConfig:
             temperature,
             f"must be > 0 with eval.n={n} (greedy decoding gives n equal samples)",
         )
+        for key in ("at_start", "only"):
+            value = getattr(self, key)
+            yield from rule(isinstance(value, bool), f"eval.{key}", value, "must be true or false")
+        yield from eval_set_problems(self.sets)
+        yield from rule(
+            not self.only or self.num_examples > 0 or bool(self.sets),
+            "eval.only",
+            self.only,
+            "needs something to evaluate: eval.num_examples > 0 or eval.sets",
+        )
+
+
+#: the keys one entry of ``eval.sets`` may have
+EVAL_SET_KEYS = ("name", "task", "split", "num_examples")
+
+
+def eval_set_problems(sets) -> Problems:
+    """What ``eval.sets`` refuses: an entry that is not a mapping of ``EVAL_SET_KEYS``, a name that is missing, not a
+    plain tag word, "main" (the task's own split) or given twice, a ``task`` without its ``name``, a ``split`` other
+    than eval / train, a ``num_examples`` below 1."""
+    yield from rule(isinstance(sets, (list, tuple)), "eval.sets", sets, "must be a list of {name, task, ...}")
+    if not isinstance(sets, (list, tuple)):
+        return
+    seen = set()
+    for i, entry in enumerate(sets):
+        where = f"eval.sets[{i}]"
+        if not isinstance(entry, Mapping):
+            yield where, entry, f"must be a mapping with keys {list(EVAL_SET_KEYS)}"
+            continue
+        unknown = sorted(set(entry) - set(EVAL_SET_KEYS))
+        yield from rule(not unknown, where, unknown, f"has unknown keys; allowed: {list(EVAL_SET_KEYS)}")
+        name = entry.get("name")
+        ok = isinstance(name, str) and bool(re.fullmatch(r"[A-Za-z0-9_.@-]+", name)) and name != "main"
+        yield from rule(ok, f"{where}.name", name, "must be a word of letters, digits, _ . @ - (not 'main')")
+        yield from rule(name not in seen, f"{where}.name", name, "is given twice (eval set names are unique)")
+        seen.add(name)
+        task = entry.get("task")
+        yield from rule(
+            isinstance(task, Mapping) and isinstance(task.get("name"), str),
+            f"{where}.task",
+            task,
+            "must be a task config with its name, e.g. {name: gsm8k, path: data/gsm8k}",
+        )
+        split = entry.get("split", "eval")
+        yield from rule(split in ("eval", "train"), f"{where}.split", split, "must be eval or train")
+        count = entry.get("num_examples")
+        yield from rule(count is None or (is_int(count) and count >= 1), f"{where}.num_examples", count, "must be >= 1")
 
 
 @dataclass

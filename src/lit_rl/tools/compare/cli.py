@@ -4,6 +4,7 @@ against ``--x`` and the seed intervals and ``--test`` results, one step per func
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import os
 import sys
@@ -130,7 +131,13 @@ def requested_tags(args: argparse.Namespace) -> list[str]:
 
 def logged_tags(tags: list[str], known: list[str]) -> tuple[list[str], list[str]]:
     """(the tags to compare, the tags asked for that no run logged): the missing ones are left out with a
-    warning; raises CompareError when no tag asked for was logged."""
+    warning; raises CompareError when no tag asked for was logged. A tag with ``*`` is a pattern (``fnmatch``) that
+    stands for the logged tags it matches, in sorted order: ``eval/*/pass@*`` is every eval set's pass@k."""
+    expanded = []
+    for t in tags:
+        matches = sorted(k for k in known if fnmatch.fnmatchcase(k, t)) if "*" in t else []
+        expanded += matches or [t]
+    tags = list(dict.fromkeys(expanded))
     missing = [t for t in tags if t not in known]
     if len(missing) == len(tags):
         raise CompareError(

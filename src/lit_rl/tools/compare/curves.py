@@ -79,9 +79,11 @@ def tb_smooth(values, weight: float = 0.6) -> list[float]:
 
 
 def lower_is_better(tag: str) -> bool:
-    """Whether ``best`` is the minimum for ``tag``: it contains loss, kl, time/ or length (any case)."""
+    """Whether ``best`` is the minimum for ``tag``: it contains loss, kl, time/ or length (any case), and is not an
+    evaluation score (``eval/...``: accuracy, pass@k, maj@n, best@n, worst@n, reward_mean, whatever an eval set's
+    name holds: ``eval/kl_test/accuracy`` is higher-is-better)."""
     t = tag.lower()
-    return any(k in t for k in LOWER_IS_BETTER)
+    return not t.startswith("eval/") and any(k in t for k in LOWER_IS_BETTER)
 
 
 def curves_for(
