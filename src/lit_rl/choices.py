@@ -61,8 +61,9 @@ KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 
 # -- corrections (lit_rl.corrections) ----------------------------------------------------------------------------
-#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections; each has its
-#: ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the tests)
+#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``, ``opsm``, ``rs``): the one list of corrections;
+#: each has its ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the
+#: tests)
 CORRECTIONS: Registry[frozenset] = Registry(
     "correction",
     {
@@ -72,6 +73,12 @@ CORRECTIONS: Registry[frozenset] = Registry(
         "sc": frozenset({"sc"}),
         "sc+tis": frozenset({"sc", "tis"}),
         "sc+mis": frozenset({"sc", "mis"}),
+        "opsm": frozenset({"opsm"}),
+        "sc+opsm": frozenset({"sc", "opsm"}),
+        "tis+opsm": frozenset({"tis", "opsm"}),
+        "rs": frozenset({"rs"}),
+        "tis+rs": frozenset({"tis", "rs"}),
+        "sc+rs": frozenset({"sc", "rs"}),
     },
 )
 

@@ -11,9 +11,14 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
 
 1. corrections (``corrections.correct_policy_loss``): ℓ_t · w_t with w_t = f(π_old/μ) (TIS / MIS), and score
    centering's −E_μ[c w ∇log π] over the head; logs ``train/tis``, ``tis_abs``, ``tis_clipfrac``, ``mis_maskfrac``;
+   then the sequence masks (``rejection``: OPSM, the rejection family's sequence rules) zero the whole corrected
+   loss of the sequences they drop (``train/opsm_maskfrac``, ``rs_maskfrac``); and the importance weights'
+   moments, which the step turns into ``train/is_ess``, ``is_chi2`` (token and ``_seq``) and ``is_extreme_frac``
+   (``corrections.importance_diagnostics``);
 2. ``extra_loss`` (PPO's ``vf_coef`` · value loss), added per token;
 3. the entropy bonus −coef · H(π_θ(·|h_t)) (``loss.entropy_coef``);
-4. the KL to the frozen reference (``kl.estimator``) added with β when ``kl.mode=loss``; logs ``train/ref_kl``,
+4. the KL to the frozen reference (``kl.estimator``) added with β when ``kl.mode=loss`` (``kl.is_weighted``: times
+   sg(π_old/μ), the importance-weighted KL whose value ``ref_kl_is`` logs); logs ``train/ref_kl``,
    ``ref_kl_seq`` (``kl.mode=loss``: the adaptive controller's measurement), ``ref_kl_is`` (the same KL
    importance-weighted by π_old/μ: comparable between samplers);
 5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
@@ -32,6 +37,7 @@ from torch import Tensor
 
 from . import corrections as corr
 from . import objectives as obj
+from . import rejection
 from .logprobs import TokenScores
 
 
@@ -83,6 +89,9 @@ class LossSettings:
         entropy_coef: ``loss.entropy_coef`` (0 = no bonus).
         kl_estimator: ``kl.estimator`` (k1 | k2 | k3).
         kl_in_loss: ``kl.mode == "loss"`` (False: the KL went into the rewards, only logged here).
+        sequence_masks: the ``(part, section)`` pairs of the sequence masks on (``rejection.sequence_masks``:
+            ``correction.opsm``, ``correction.rs``'s sequence rules).
+        kl_is_weighted: ``kl.is_weighted``: the KL term weighted by sg(π_old/μ) (the IS-weighted, "unbiased" KL).
     """
 
     reduction: str
@@ -92,6 +101,24 @@ class LossSettings:
     entropy_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_loss: bool = True
+    sequence_masks: tuple = ()
+    kl_is_weighted: bool = False
+
+    @classmethod
+    def from_config(cls, loss, correction, kl, max_response_length: int) -> LossSettings:
+        """The settings of the config groups ``loss``, ``correction`` and ``kl`` (``schema`` dataclasses or
+        anything with their fields) and L_max (``sampling.max_new_tokens``)."""
+        return cls(
+            reduction=loss.reduction,
+            max_response_length=max_response_length,
+            weight_rule=corr.weight_function(correction),
+            score_centering=correction.sc.enabled,
+            entropy_coef=loss.entropy_coef,
+            kl_estimator=kl.estimator,
+            kl_in_loss=kl.mode == "loss",
+            sequence_masks=rejection.sequence_masks(correction),
+            kl_is_weighted=bool(getattr(kl, "is_weighted", False)),
+        )
 
 
 def assemble_loss(
@@ -143,6 +170,14 @@ def assemble_loss(
         score_coefficients=score_coefficients,
     )
     metrics.add_means({f"train/{k}": v for k, v in correction_metrics.items()}, m)
+    if settings.sequence_masks:  # OPSM, the rejection family's sequence rules: the whole corrected loss leaves
+        inputs = rejection.MaskInputs(mb.rollout_logprobs, old_logprobs.detach(), logprobs.detach(), mb.advantages, m)
+        keep, mask_metrics = rejection.apply_sequence_masks(settings.sequence_masks, inputs)
+        token_loss = torch.where(keep, token_loss, torch.zeros_like(token_loss))
+        metrics.add_means({f"train/{k}": v for k, v in mask_metrics.items()}, m)
+    token_moments, sequence_moments = corr.importance_moments(old_logprobs, mb.rollout_logprobs, m)
+    metrics.add_means({f"train/{k}": v for k, v in token_moments.items()}, m)
+    metrics.add_means({f"train/{k}": v for k, v in sequence_moments.items()}, m.any(-1))
     if extra_loss is not None:
         token_loss = token_loss + extra_loss
     if settings.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
@@ -207,4 +242,6 @@ def reference_kl_term(
     w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
     metrics.add("train/ref_kl_is", w * measured, m)
     beta = kl_coef if settings.kl_in_loss else 0.0
+    if beta > 0 and settings.kl_is_weighted:  # TRL use_bias_correction_kl, slime --use-unbiased-kl: the same weight
+        kl = w.to(kl.dtype) * kl
     return beta * kl if beta > 0 else None

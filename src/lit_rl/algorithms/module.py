@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from .. import corrections as corr
 from .. import objectives as obj
 from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
 from ..loss import LossSettings, assemble_loss
@@ -296,6 +295,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         metrics.update(self.flop_rates(metrics))
         metrics.update(train_metrics)
         self.write_step_metrics(metrics, rl_step)
+        self.check_logprob_gap(metrics, rl_step)  # correction.guard: warn or stop on the numerical gap
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb), logger=False)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=len(rb))
         self.log("tok/s", metrics["perf/rollout_tokens_per_s"], prog_bar=True, logger=False, batch_size=len(rb))
@@ -544,15 +544,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
     def loss_settings(self) -> LossSettings:
         """What ``loss.assemble_loss`` reads from the config groups (``loss``, ``correction``, ``kl``, ``sampling``),
         read at each call."""
-        return LossSettings(
-            reduction=self.loss_cfg.reduction,
-            max_response_length=self.sampling.max_new_tokens,
-            weight_rule=corr.weight_function(self.correction),
-            score_centering=self.correction.sc.enabled,
-            entropy_coef=self.loss_cfg.entropy_coef,
-            kl_estimator=self.kl_cfg.estimator,
-            kl_in_loss=self.kl_cfg.mode == "loss",
-        )
+        return LossSettings.from_config(self.loss_cfg, self.correction, self.kl_cfg, self.sampling.max_new_tokens)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: RolloutBatch) -> Tensor:
