@@ -30,17 +30,19 @@ from lit_rl.expectation import (
     TabularPolicy,
     all_sequences,
     expected_gradient,
+    monte_carlo_gradient,
     noisy_table,
     prefix_rows,
     sampler_at_kl,
     sequence_logprobs,
 )
 from lit_rl.objectives import reduce_loss
+from lit_rl.rejection import m2po_bound
 from lit_rl.run.train import build_module
 
 ALGOS = tuple(ALGORITHMS)  # every registered algorithm
 #: the corrections that drop whole sequences (``rejection``) and their compositions
-MASKED = tuple(name for name in REGISTERED_CORRECTIONS if REGISTERED_CORRECTIONS[name] & {"opsm", "rs"})
+MASKED = tuple(name for name in REGISTERED_CORRECTIONS if REGISTERED_CORRECTIONS[name] & {"opsm", "rs", "m2po"})
 COMPOSED_MASKS = tuple(name for name in MASKED if "+" in name)
 ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)
 
@@ -245,8 +247,8 @@ def test_constant_reward_reinforce_matches_the_formula(drift_setup, sampler, set
     none = expected(policy, "reinforce", "none", mu, overrides)
     assert none.abs().max() > 1e-2  # the mismatch drifts an uncorrected REINFORCE
     for correction in CORRECTIONS:
-        if "rs" in REGISTERED_CORRECTIONS.get(correction, ()):
-            continue  # its sequence rules mask under any reward: pinned in test_sequence_masks_match_the_formula
+        if REGISTERED_CORRECTIONS.get(correction, frozenset()) & {"rs", "m2po"}:
+            continue  # they mask under any reward: pinned in test_sequence_masks_match_the_formula and below
         grad = expected(policy, "reinforce", correction, mu, overrides)
         rule = rule_for(correction, level, **rule_kw)
         ref = reference_drift(policy, mu, rule, correction.startswith("sc"), reduction_weight=1.0)
@@ -548,3 +550,30 @@ def test_token_rules_centred_do_not_drift(drift_setup, advantage):
         assert close(rs, ref, float(rs.abs().max())) and float(rs.abs().max()) > 1e-3
         grad = expected(policy, "reinforce", "sc+rs", mu, overrides, advantages=constant)
         assert close(grad, torch.zeros_like(grad), float(rs.abs().max()))
+
+
+def test_m2po_is_a_token_band_sc_centres_under_and_its_batch_bound_by_monte_carlo(drift_setup):
+    # Exact, for the bound of the enumerated batch (every sequence once): m2po is mask-only MIS with the band
+    # e^{±c}, pinned to the formula, and sc+m2po does not drift. Over real batches of N = 64 the bound depends on
+    # the batch: Monte Carlo (200 batches, seeded) with its standard error. sc+m2po stays within 4 SE of 0 while
+    # m2po's drift is many SE away from it
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    seqs = all_sequences(policy.vocab_size, policy.length)
+    d = sequence_log_ratios(policy, mu)
+    threshold = 0.5 * float((d**2).mean())  # binds: about half the second moment must go
+    overrides = [f"correction.m2po.threshold={threshold}"]
+    c = float(m2po_bound(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool), threshold))
+    assert 0 < c < float(d.abs().max())
+    band = WeightFunction(mis_band=(math.exp(-c), math.exp(c)), mis_weighted=False)
+    ones = lambda s: torch.ones(len(s))  # noqa: E731
+    m2po = expected(policy, "reinforce", "m2po", mu, overrides, reward=ones)
+    scale = float(m2po.abs().max())
+    assert close(m2po, reference_drift(policy, mu, band, False, 1.0), scale) and scale > 1e-2
+    assert close(expected(policy, "reinforce", "sc+m2po", mu, overrides, reward=ones), torch.zeros_like(m2po), scale)
+    assert len(seqs) == 16
+    for correction, drifts in (("m2po", True), ("sc+m2po", False)):
+        module = module_for(policy, "reinforce", correction, *overrides)
+        mc = monte_carlo_gradient(module, policy, mu, ones, 64, 200, seed=12, head_size=policy.vocab_size)
+        z = float((mc.mean.abs() / mc.stderr.clamp(min=1e-12)).max())
+        assert (z > 8) if drifts else (z < 4), (correction, z, mc.norm_stderr)

@@ -1,6 +1,7 @@
 """Sequence masks and the importance-weight diagnostics on hand vectors (issue 38): OPSM drops the whole sequence
-(not the tokens whose own advantage is negative, the bug slime fixed), verl's rejection rules and SkyRL's veto, the
-ESS / χ² of the weights exact over micro-batches, the IS-weighted KL term and the logprob gap guard."""
+(not the tokens whose own advantage is negative, the bug slime fixed), verl's rejection rules and SkyRL's veto,
+M2PO's batch bound, the ESS / χ² of the weights exact over micro-batches, the IS-weighted KL term and the logprob
+gap guard."""
 
 import math
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from lit_rl.config import ConfigError, validate
 from lit_rl.corrections import WeightFunction, effective_sample_size, importance_moments, weight_function
 from lit_rl.logprobs import TokenScores
 from lit_rl.loss import LossSettings, assemble_loss
-from lit_rl.rejection import RS_RULES, divergence, opsm_mask, rejection_mask, sequence_masks
+from lit_rl.rejection import RS_RULES, divergence, m2po_bound, opsm_mask, rejection_mask, sequence_masks
 from lit_rl.rollout.types import RolloutBatch
 from lit_rl.schema.loss import RsConfig
 
@@ -169,3 +170,27 @@ def test_the_logprob_gap_guard_and_its_config():
     ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             validate(compose_config("model=tiny", "correction=rs", override))
+
+
+def test_m2po_masks_the_largest_squared_log_ratio_until_the_second_moment_is_below_the_threshold():
+    # log pi_old - log mu = [0, 0, 0, 3], threshold 1: M2 = 9/4 > 1; masking the last leaves M2 = 0
+    rollout = [0.0, 0.0, 0.0, -3.0]
+    old = torch.zeros(1, 4)
+    assert float(m2po_bound(old, torch.tensor([rollout]), torch.ones(1, 4, dtype=torch.bool), 1.0)) == 0.0
+    logprobs, mb = one_row([-1.0, -1.0, -1.0, -4.0], [-1.0, -1.0, -1.0, -1.0], [1.0])
+    mb.advantages = torch.ones(1)
+    mb.log_ratio_bound = m2po_bound(logprobs.detach(), mb.rollout_logprobs, mb.response_mask, 1.0).expand(1)
+    scores = TokenScores(logprobs=logprobs, entropy=torch.zeros(1, 4))
+    s = LossSettings("token_mean", 8, WeightFunction())
+    loss, metrics = assemble_loss(
+        -logprobs, scores, logprobs.detach(), mb, s, num_tokens=torch.tensor(4), num_seqs=torch.tensor(1)
+    )
+    loss.backward()
+    assert logprobs.grad.tolist() == [[-0.25, -0.25, -0.25, 0.0]]  # only the last token masked, denominators kept
+    stats = MetricSums()
+    stats.record(metrics)
+    means = stats.means()
+    assert means["train/m2po_maskfrac"] == 0.25 and means["train/m2"] == pytest.approx(9 / 4)  # M2 before masking
+    # nothing to mask: +inf; every token above the threshold: -1 (all masked)
+    assert math.isinf(float(m2po_bound(old, torch.zeros(1, 4), torch.ones(1, 4), 0.04)))
+    assert float(m2po_bound(old, torch.full((1, 4), -1.0), torch.ones(1, 4), 0.5)) == -1.0

@@ -61,9 +61,9 @@ KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 
 # -- corrections (lit_rl.corrections) ----------------------------------------------------------------------------
-#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``, ``opsm``, ``rs``): the one list of corrections;
-#: each has its ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the
-#: tests)
+#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``, ``opsm``, ``rs``, ``m2po``): the one list of
+#: corrections; each has its ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags
+#: (checked by the tests)
 CORRECTIONS: Registry[frozenset] = Registry(
     "correction",
     {
@@ -79,6 +79,8 @@ CORRECTIONS: Registry[frozenset] = Registry(
         "rs": frozenset({"rs"}),
         "tis+rs": frozenset({"tis", "rs"}),
         "sc+rs": frozenset({"sc", "rs"}),
+        "m2po": frozenset({"m2po"}),
+        "sc+m2po": frozenset({"sc", "m2po"}),
     },
 )
 

@@ -29,6 +29,8 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -159,12 +161,21 @@ def assemble_loss(
     m = mb.response_mask
     logprobs = scores.logprobs
     metrics = TokenMetrics()
+    rule = settings.weight_rule
+    if mb.log_ratio_bound is not None:  # M2PO: this batch's bound c on |log pi_old/mu|, a token band [e^-c, e^c]
+        c = float(mb.log_ratio_bound[0]) if len(mb.log_ratio_bound) else math.inf
+        band = (math.exp(-c), math.exp(c)) if c >= 0 else (1.0, 1.0)  # c < 0: no token has d = 0, none kept
+        rule = dataclasses.replace(
+            rule, mis_band=band, mis_weighted=False, mis_level="token", mask_metric="m2po_maskfrac"
+        )
+        d = (old_logprobs.detach() - mb.rollout_logprobs).double()
+        metrics.add_means({"train/m2": obj.masked_mean(torch.where(m.bool(), d, 0.0) ** 2, m)}, m)
     token_loss, correction_metrics = corr.correct_policy_loss(
         pg_loss,
         logprobs,
         old_logprobs,
         mb,
-        settings.weight_rule,
+        rule,
         score_centering=settings.score_centering,
         logprobs_head=scores.head_logprobs,
         score_coefficients=score_coefficients,

@@ -16,6 +16,11 @@ whole completion by a statistic of all its tokens (and, for OPSM, its advantage)
   compared with a threshold: ``token_k1`` (|d_t| > τ drops the token), ``seq_sum_k1`` (|Σ_t d_t| > τ drops the
   sequence), ``seq_mean_k3`` (mean_t k3 > τ), ``seq_max_k2`` (max_t k2 > τ); and SkyRL's outlier veto
   ``outlier_veto`` (a sequence with any token ratio π_old/μ outside [1e-4, 100] is dropped).
+- **M2PO** (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161; AReaL): a batch-level token rule.
+  The tokens with the largest squared log-ratio d² (d = log π_old − log μ) are masked until the second moment
+  M2 = mean d² of the tokens kept is at most τ (``m2po_bound``): a bound on |d| computed once per batch, then
+  applied as a token band (mask-only MIS with the band [e^{−c}, e^c], ``loss.assemble_loss``), so score centering
+  centres under it.
 
 Conventions (as ``corrections``): N completions, T padded tokens, ``mask`` bool or 0/1 [N, T] of valid response
 tokens; a dropped sequence still counts in the step's denominators (lit_rl, IcePop and TRL keep them; verl's
@@ -240,3 +245,52 @@ def apply_sequence_masks(masks, inputs: MaskInputs) -> tuple[Tensor, dict]:
         keep = keep & part_keep
         metrics.update(part_metrics)
     return keep, metrics
+
+
+def m2po_bound(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """M2PO's cutoff c of one batch: the tokens with |d| ≤ c are kept, d = log π_old − log μ.
+
+    Sort the valid tokens' d² in increasing order s_1 ≤ ... ≤ s_n and keep the longest prefix whose mean is at most
+    τ (the mean of the m smallest grows with m): c = √s_m, so removing the largest d² one at a time until the kept
+    tokens' second moment is ≤ τ (M2PO's rule) keeps exactly these. Tokens tied with s_m are kept together. With no
+    valid token, or M2 of all of them ≤ τ, c = +inf (nothing masked); when even the smallest exceeds τ, c = −1 (all
+    masked). Log-ratios [0, 0, 0, 3] with τ = 1: M2 = 2.25 > 1, keep the three zeros (M2 = 0), c = 0.
+
+    Args:
+        old_logprobs: float [N, T], log π_old. rollout_logprobs: float [N, T], log μ. mask: bool [N, T].
+        threshold: τ ≥ 0, in nats² (the paper's default 0.04).
+
+    Returns:
+        float64 0-dim tensor c.
+
+    Raises:
+        ValueError: τ < 0 or a shape mismatch.
+    """
+    if not threshold >= 0:
+        raise ValueError(f"M2PO threshold must be >= 0, got {threshold}")
+    if old_logprobs.shape != mask.shape or rollout_logprobs.shape != mask.shape:
+        raise ValueError("old_logprobs, rollout_logprobs and mask must have the same shape")
+    d2 = (old_logprobs.detach().double() - rollout_logprobs.detach().double())[mask.bool()] ** 2
+    d2 = torch.where(torch.isnan(d2), torch.full_like(d2, math.inf), d2).sort().values
+    prefix_means = d2.cumsum(0) / torch.arange(1, len(d2) + 1, dtype=d2.dtype, device=d2.device)
+    kept = int((prefix_means <= threshold).sum())  # prefix means are non-decreasing
+    if kept == len(d2):
+        return torch.tensor(math.inf, dtype=torch.float64)
+    return d2[kept - 1].sqrt().cpu() if kept > 0 else torch.tensor(-1.0, dtype=torch.float64)
+
+
+def needs_batch_pass(correction) -> bool:
+    """Whether the ``correction`` group has a batch-level rule (``correction.m2po``): its bound needs π_old of the
+    whole batch before the first optimizer step (a snapshot pass, even with one update per batch)."""
+    return bool(getattr(getattr(correction, "m2po", None), "enabled", False))
+
+
+def batch_log_ratio_bound(correction, rb) -> Optional[Tensor]:
+    """The batch-level bound of the ``correction`` group (``correction.m2po``) for the rollout batch ``rb`` (with
+    ``old_logprobs`` filled), float64 [N], or None when no batch-level rule is on. What ``RLModule.start_update``
+    stores in ``rb.log_ratio_bound``. Each data-parallel rank bounds its own share."""
+    m2po = getattr(correction, "m2po", None)
+    if m2po is None or not m2po.enabled:
+        return None
+    bound = m2po_bound(rb.old_logprobs, rb.rollout_logprobs, rb.response_mask, float(m2po.threshold))
+    return bound.expand(len(rb)).clone()

@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .. import objectives as obj
+from .. import rejection
 from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
 from ..loss import LossSettings, assemble_loss
 from ..models import adapter_disabled, adapter_key, has_lora
@@ -403,9 +404,13 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
 
     def start_update(self, rb: RolloutBatch) -> None:
         """What the update needs before its first optimizer step: pi_old (``snapshot``) when the batch gets
-        several optimizer steps (with one, the training forward itself is pi_old)."""
-        if self.updates_per_step > 1 and rb.old_logprobs is None:
+        several optimizer steps (with one, the training forward itself is pi_old) or a batch-level correction reads
+        it (M2PO's bound on the log-ratios, ``rejection.batch_log_ratio_bound``)."""
+        batch_level = rejection.needs_batch_pass(self.correction)
+        if (self.updates_per_step > 1 or batch_level) and rb.old_logprobs is None:
             self.snapshot(rb)
+        if batch_level:
+            rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb)
 
     @torch.no_grad()
     def snapshot(self, rb: RolloutBatch) -> None:

@@ -188,6 +188,7 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         old_head_logprobs=one(row.old_head_logprobs, float("-inf")),
         old_values=one(row.old_values),
         returns=one(row.returns),
+        log_ratio_bound=row.log_ratio_bound,
     )
 
 

@@ -57,7 +57,9 @@ class RolloutBatch:
     None means every row was generated with the weights being trained, so p_o = old_logprobs;
     topk_ids / topk_logprobs [N, T, k] or None; old_head_logprobs [N, T, k] float32 or None: pi_old at the
     head ids, kept by the snapshot for score centering when a batch gets several optimizer steps;
-    old_values / returns [N, T] float32 or None (critic).
+    old_values / returns [N, T] float32 or None (critic);
+    log_ratio_bound [N] float64 or None: a batch-level correction's bound on |log π_old/μ| of a kept token (M2PO's
+    cutoff, ``rejection.m2po_bound``; the same for every row of a batch), None: no such correction.
     """
 
     prompt_ids: Tensor
@@ -77,6 +79,7 @@ class RolloutBatch:
     old_head_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    log_ratio_bound: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

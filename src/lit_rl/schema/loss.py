@@ -72,6 +72,16 @@ class RsConfig:
 
 
 @dataclass
+class M2poConfig:
+    """``correction.m2po``: M2PO (arXiv 2510.01161), mask the tokens with the largest (log pi_old/mu)^2 until the
+    batch's second moment is <= threshold (``rejection.m2po_bound``)."""
+
+    enabled: bool = False
+    #: tau, nats^2 (the paper's 0.04)
+    threshold: Number = 0.04
+
+
+@dataclass
 class GuardConfig:
     """``correction.guard``: a check of the step's numerical train-inference gap (slime's CI threshold)."""
 
@@ -92,6 +102,7 @@ class CorrectionConfig:
     sc: ScConfig = field(default_factory=ScConfig)
     opsm: OpsmConfig = field(default_factory=OpsmConfig)
     rs: RsConfig = field(default_factory=RsConfig)
+    m2po: M2poConfig = field(default_factory=M2poConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
 
     def problems(self, run) -> Problems:
@@ -151,6 +162,19 @@ class CorrectionConfig:
             rs.enabled,
             "the rejection family and MIS both mask by the ratio: choose one (rs.rule=token_k1 is mask-only MIS with "
             "the band [e^-tau, e^tau])",
+        )
+        m2po = self.m2po
+        yield from rule(
+            is_number(m2po.threshold) and m2po.threshold >= 0,
+            "correction.m2po.threshold",
+            m2po.threshold,
+            "must be >= 0",
+        )
+        yield from rule(
+            not (m2po.enabled and (self.mis.enabled or (rs.enabled and rs.rule == "token_k1"))),
+            "correction.m2po.enabled",
+            m2po.enabled,
+            "M2PO is a token band on the ratio, as MIS and rs.rule=token_k1 are: choose one",
         )
         gap = guard.logprob_abs_diff_max
         yield from rule(
