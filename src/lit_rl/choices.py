@@ -108,12 +108,15 @@ class RolloutMode:
     ``rollout.sources``'; ``rollout.sources.register_source`` adds both).
 
     description: what the mode samples with; reads: the ``rollout`` fields only this mode reads (a non-default
-    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks.
+    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks; stale: its rows
+    may come from older weights.
     """
 
     description: str
     reads: tuple[str, ...] = ()
     multi_rank: bool = False
+    #: its rows may come from weights older than those trained (``correction.bypass`` is refused)
+    stale: bool = False
 
 
 #: ``rollout.mode`` -> what it samples with and what the config checks ask of it (the one list of rollout modes)
@@ -121,8 +124,10 @@ ROLLOUT_MODES: Registry[RolloutMode] = Registry(
     "rollout.mode",
     {
         "sync": RolloutMode("the weights about to be trained", multi_rank=True),
-        "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",)),
-        "async": RolloutMode("the newest weights a producer thread has, at most rollout.max_staleness RL steps old"),
+        "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",), stale=True),
+        "async": RolloutMode(
+            "the newest weights a producer thread has, at most rollout.max_staleness RL steps old", stale=True
+        ),
     },
 )
 #: ``rollout.on_stale`` -> what happens to a batch older than ``rollout.max_staleness``

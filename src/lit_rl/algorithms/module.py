@@ -43,7 +43,6 @@ from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from .. import objectives as obj
-from .. import rejection
 from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
 from ..loss import LossSettings, assemble_loss
 from ..models import adapter_disabled, adapter_key, has_lora
@@ -69,6 +68,7 @@ from ..schema import (
 from . import parallel
 from .base import Algorithm, sequence_advantages, updates_per_step
 from .evaluation import EvaluationMixin
+from .old_policy import OldPolicyMixin
 from .optimization import OptimizationMixin
 from .parallel import MetricSums
 from .step_logging import StepLoggingMixin
@@ -117,7 +117,7 @@ def upgraded_state_dict(state_dict: dict) -> dict:
     return {f"algorithm.{k}" if k.startswith(ALGORITHM_KEYS_BEFORE) else k: v for k, v in state_dict.items()}
 
 
-class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.LightningModule):
+class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMixin, L.LightningModule):
     """The RL step: rollouts from the source, the algorithm's advantages and objective, the exact micro-batched
     update.
 
@@ -383,6 +383,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         out["train/grad_norm"] = sum(norms) / len(norms)
         out["train/lr"] = lr  # the rate the step's (last) update used, not the next step's
         out["train/skipped_updates"] = float(self.skipped_updates)
+        out["time/old_logprob_s"] = self.old_logprob_s  # the pi_old pass (0 without one: bypass, one update)
         if self.grad_scaler is not None:  # 16-mixed: the loss scale the next step starts from
             out["train/grad_scale"] = float(self.grad_scaler.get_scale())
         return out
@@ -401,40 +402,6 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
     def updates_per_step(self) -> int:
         """Optimizer steps per RL step; Lightning's ``global_step`` counts these."""
         return updates_per_step(self.algo_cfg)
-
-    def start_update(self, rb: RolloutBatch) -> None:
-        """What the update needs before its first optimizer step: pi_old (``snapshot``) when the batch gets
-        several optimizer steps (with one, the training forward itself is pi_old) or a batch-level correction reads
-        it (M2PO's bound on the log-ratios, ``rejection.batch_log_ratio_bound``)."""
-        batch_level = rejection.needs_batch_pass(self.correction)
-        if (self.updates_per_step > 1 or batch_level) and rb.old_logprobs is None:
-            self.snapshot(rb)
-        if batch_level:
-            rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb)
-
-    @torch.no_grad()
-    def snapshot(self, rb: RolloutBatch) -> None:
-        """Fill ``rb.old_logprobs`` [N, T]: pi_old, the weights this update cycle starts from, fixed for
-        all its epochs and minibatches. (With a single update the training forward itself is pi_old and
-        this pass is skipped.)"""
-        n, t = rb.response_ids.shape
-        rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
-        for i in range(0, n, self.micro_batch_size):
-            mb = rb.select(slice(i, i + self.micro_batch_size))
-            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
-            rb.old_logprobs[i : i + len(mb), : scores.logprobs.shape[1]] = scores.logprobs
-            self.store_old_head(rb, i, scores)
-
-    def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
-        """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout
-        batch gets several optimizer steps): rows ``start:`` of ``rb.old_head_logprobs`` [N, T, k] from a
-        snapshot micro-batch's ``scores``. A no-op without score centering."""
-        if scores.head_logprobs is None:
-            return
-        if rb.old_head_logprobs is None:
-            rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
-        w = scores.head_logprobs.shape[1]
-        rb.old_head_logprobs[start : start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
 
     def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
         """Backward of the whole batch's loss into ``.grad``, one micro-batch at a time.

@@ -104,6 +104,8 @@ class CorrectionConfig:
     rs: RsConfig = field(default_factory=RsConfig)
     m2po: M2poConfig = field(default_factory=M2poConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    #: true: the rollout log-probs mu are pi_old, the trainer's pi_old pass is skipped (``algorithms.old_policy``)
+    bypass: bool = False
 
     def problems(self, run) -> Problems:
         """The values of the correction's parts it refuses (``schema.base``: ``config.validate`` raises
@@ -129,6 +131,7 @@ class CorrectionConfig:
             "choose 'token', 'sequence' or 'geometric' (the geometric mean of the sequence's ratios)",
         )
         yield from self.mask_problems()
+        yield from self.bypass_problems(run)
         low = tis.low
         yield from rule(
             low is None or (is_number(low) and 0 < low <= min(1.0, tis.cap)),
@@ -136,6 +139,41 @@ class CorrectionConfig:
             low,
             f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={tis.cap})] (an on-policy token, "
             "weight 1, must keep its weight)",
+        )
+
+    def bypass_problems(self, run) -> Problems:
+        """Where ``correction.bypass=true`` cannot be exact or safe (``algorithms.old_policy``): rows sampled by
+        older weights (their proximal policy is not built), a weight correction whose pi_old/mu bypass makes 1, or
+        an objective without a clipped ratio under kernels that leave a numerical gap between mu and pi_old."""
+        if not self.bypass or run is None:
+            return
+        from ..choices import ALGO_CONFIGS, ROLLOUT_MODES  # choices imports this package
+
+        mode = run.rollout.mode
+        yield from rule(
+            not (mode in ROLLOUT_MODES and ROLLOUT_MODES[mode].stale),
+            "correction.bypass",
+            True,
+            f"false with rollout.mode={mode}: its rows come from older weights, so mu is neither pi_old nor the "
+            "proximal policy AReaL's decoupled objective would need (not built); bypass needs rollout.mode=sync",
+        )
+        weights = [part for part in ("tis", "mis", "rs", "m2po") if getattr(self, part).enabled]
+        yield from rule(
+            not weights,
+            "correction.bypass",
+            True,
+            f"false with correction={self.name}: its {'/'.join(weights)} weighs each token by pi_old/mu, which "
+            "bypass makes 1 (the PPO ratio pi_theta/mu is then the importance ratio); use none, sc or opsm",
+        )
+        exact = run.kernels.name == "batch_invariant"
+        algo = run.algo.name
+        yield from rule(
+            exact or (algo in ALGO_CONFIGS and ALGO_CONFIGS[algo].ppo_clip),
+            "correction.bypass",
+            True,
+            f"false with algo={algo} under kernels={run.kernels.name}: mu differs from pi_old by the numerical gap, "
+            "and without a clipped ratio nothing bounds pi_theta/mu; bypass is exact under kernels=batch_invariant, "
+            "and elsewhere needs a PPO-clip objective (its clip is the importance truncation, verl's bypass)",
         )
 
     def mask_problems(self) -> Problems:
