@@ -161,15 +161,7 @@ def assemble_loss(
     m = mb.response_mask
     logprobs = scores.logprobs
     metrics = TokenMetrics()
-    rule = settings.weight_rule
-    if mb.log_ratio_bound is not None:  # M2PO: this batch's bound c on |log pi_old/mu|, a token band [e^-c, e^c]
-        c = float(mb.log_ratio_bound[0]) if len(mb.log_ratio_bound) else math.inf
-        band = (math.exp(-c), math.exp(c)) if c >= 0 else (1.0, 1.0)  # c < 0: no token has d = 0, none kept
-        rule = dataclasses.replace(
-            rule, mis_band=band, mis_weighted=False, mis_level="token", mask_metric="m2po_maskfrac"
-        )
-        d = (old_logprobs.detach() - mb.rollout_logprobs).double()
-        metrics.add_means({"train/m2": obj.masked_mean(torch.where(m.bool(), d, 0.0) ** 2, m)}, m)
+    rule = batch_weight_rule(settings.weight_rule, old_logprobs, mb, metrics)
     token_loss, correction_metrics = corr.correct_policy_loss(
         pg_loss,
         logprobs,
@@ -181,14 +173,7 @@ def assemble_loss(
         score_coefficients=score_coefficients,
     )
     metrics.add_means({f"train/{k}": v for k, v in correction_metrics.items()}, m)
-    if settings.sequence_masks:  # OPSM, the rejection family's sequence rules: the whole corrected loss leaves
-        inputs = rejection.MaskInputs(mb.rollout_logprobs, old_logprobs.detach(), logprobs.detach(), mb.advantages, m)
-        keep, mask_metrics = rejection.apply_sequence_masks(settings.sequence_masks, inputs)
-        token_loss = torch.where(keep, token_loss, torch.zeros_like(token_loss))
-        metrics.add_means({f"train/{k}": v for k, v in mask_metrics.items()}, m)
-    token_moments, sequence_moments = corr.importance_moments(old_logprobs, mb.rollout_logprobs, m)
-    metrics.add_means({f"train/{k}": v for k, v in token_moments.items()}, m)
-    metrics.add_means({f"train/{k}": v for k, v in sequence_moments.items()}, m.any(-1))
+    token_loss = sequence_masked(token_loss, logprobs, old_logprobs, mb, settings, metrics)
     if extra_loss is not None:
         token_loss = token_loss + extra_loss
     if settings.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
@@ -211,15 +196,42 @@ def assemble_loss(
     metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
     # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
     # denominators (num_tokens, num_seqs and each sequence's T_i)
-    loss = obj.reduce_loss(
-        token_loss,
-        m,
-        settings.reduction,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        max_response_length=settings.max_response_length,
-    )
-    return loss, metrics
+    totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=settings.max_response_length)
+    return obj.reduce_loss(token_loss, m, settings.reduction, **totals), metrics
+
+
+def batch_weight_rule(
+    rule: corr.WeightFunction, old_logprobs: Tensor, mb, metrics: TokenMetrics
+) -> corr.WeightFunction:
+    """``rule``, or with a batch-level bound in ``mb.log_ratio_bound`` (M2PO's c on |log π_old/μ|, the same for the
+    whole batch) the token band [e^−c, e^c], mask only (``rejection.m2po_bound``; c < 0: no token kept); records
+    ``train/m2``, the mean (log π_old/μ)² before masking, into ``metrics``."""
+    if mb.log_ratio_bound is None:
+        return rule
+    m = mb.response_mask
+    c = float(mb.log_ratio_bound[0]) if len(mb.log_ratio_bound) else math.inf
+    band = (math.exp(-c), math.exp(c)) if c >= 0 else (1.0, 1.0)  # c < 0: no token has d = 0, none kept
+    d = (old_logprobs.detach() - mb.rollout_logprobs).double()
+    metrics.add_means({"train/m2": obj.masked_mean(torch.where(m.bool(), d, 0.0) ** 2, m)}, m)
+    return dataclasses.replace(rule, mis_band=band, mis_weighted=False, mis_level="token", mask_metric="m2po_maskfrac")
+
+
+def sequence_masked(
+    token_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor, mb, settings: LossSettings, metrics: TokenMetrics
+) -> Tensor:
+    """The corrected per-token loss [n, T] with the sequences the sequence masks drop zeroed (``rejection``: OPSM,
+    the rejection family's sequence rules; their ``*_maskfrac`` recorded), and the importance weights' moments
+    recorded for ``train/is_ess``, ``is_chi2`` (token and ``_seq``) and ``is_extreme_frac``."""
+    m = mb.response_mask
+    if settings.sequence_masks:
+        inputs = rejection.MaskInputs(mb.rollout_logprobs, old_logprobs.detach(), logprobs.detach(), mb.advantages, m)
+        keep, mask_metrics = rejection.apply_sequence_masks(settings.sequence_masks, inputs)
+        token_loss = torch.where(keep, token_loss, torch.zeros_like(token_loss))
+        metrics.add_means({f"train/{k}": v for k, v in mask_metrics.items()}, m)
+    token_moments, sequence_moments = corr.importance_moments(old_logprobs, mb.rollout_logprobs, m)
+    metrics.add_means({f"train/{k}": v for k, v in token_moments.items()}, m)
+    metrics.add_means({f"train/{k}": v for k, v in sequence_moments.items()}, m.any(-1))
+    return token_loss
 
 
 def reference_kl_term(
