@@ -43,7 +43,6 @@ from lit_rl.run.train import build_module
 ALGOS = tuple(ALGORITHMS)  # every registered algorithm
 #: the corrections that drop whole sequences (``rejection``) and their compositions
 MASKED = tuple(name for name in REGISTERED_CORRECTIONS if REGISTERED_CORRECTIONS[name] & {"opsm", "rs", "m2po"})
-COMPOSED_MASKS = tuple(name for name in MASKED if "+" in name)
 ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)
 
 # correction name -> extra overrides (mis_mask = mask-only MIS, verl's rejection sampling)
@@ -153,8 +152,8 @@ def test_on_policy_every_correction_equals_none(algo):
     assert reference.abs().max() > 1e-3  # the groups carry a gradient
     scale = float(reference.abs().max())
     for correction in CORRECTIONS:
-        if correction in COMPOSED_MASKS and algo not in ("grpo", "ppo"):
-            continue  # the masks' compositions: one sequence-advantage and one per-token-advantage algorithm
+        if correction in MASKED and algo not in ("grpo", "ppo"):
+            continue  # masks read only the log-ratios and the advantages' sign: one sequence-, one token-advantage algo
         levels = ("token", "sequence") if correction in ("tis", "mis", "mis_mask", "sc+tis", "sc+mis") else ("token",)
         for level in levels:
             overrides = [f"correction.tis.level={level}", f"correction.mis.level={level}"]
@@ -555,7 +554,7 @@ def test_token_rules_centred_do_not_drift(drift_setup, advantage):
 def test_m2po_is_a_token_band_sc_centres_under_and_its_batch_bound_by_monte_carlo(drift_setup):
     # Exact, for the bound of the enumerated batch (every sequence once): m2po is mask-only MIS with the band
     # e^{±c}, pinned to the formula, and sc+m2po does not drift. Over real batches of N = 64 the bound depends on
-    # the batch: Monte Carlo (200 batches, seeded) with its standard error. sc+m2po stays within 4 SE of 0 while
+    # the batch: Monte Carlo (100 batches, seeded) with its standard error. sc+m2po stays within 4 SE of 0 while
     # m2po's drift is many SE away from it
     policy, samplers = drift_setup
     mu = samplers["noise"]
@@ -574,6 +573,6 @@ def test_m2po_is_a_token_band_sc_centres_under_and_its_batch_bound_by_monte_carl
     assert len(seqs) == 16
     for correction, drifts in (("m2po", True), ("sc+m2po", False)):
         module = module_for(policy, "reinforce", correction, *overrides)
-        mc = monte_carlo_gradient(module, policy, mu, ones, 64, 200, seed=12, head_size=policy.vocab_size)
+        mc = monte_carlo_gradient(module, policy, mu, ones, 64, 100, seed=12, head_size=policy.vocab_size)
         z = float((mc.mean.abs() / mc.stderr.clamp(min=1e-12)).max())
-        assert (z > 8) if drifts else (z < 4), (correction, z, mc.norm_stderr)
+        assert (z > 6) if drifts else (z < 4), (correction, z, mc.norm_stderr)  # measured: 29.1 and 2.13
