@@ -13,7 +13,13 @@ from helpers import compose_config
 from lit_rl.algorithms.parallel import MetricSums
 from lit_rl.algorithms.step_logging import logprob_gap_problem
 from lit_rl.config import ConfigError, validate
-from lit_rl.corrections import WeightFunction, effective_sample_size, importance_moments, weight_function
+from lit_rl.corrections import (
+    WeightFunction,
+    batch_weight_scale,
+    effective_sample_size,
+    importance_moments,
+    weight_function,
+)
 from lit_rl.logprobs import TokenScores
 from lit_rl.loss import LossSettings, assemble_loss
 from lit_rl.rejection import RS_RULES, divergence, m2po_bound, opsm_mask, rejection_mask, sequence_masks
@@ -194,3 +200,24 @@ def test_m2po_masks_the_largest_squared_log_ratio_until_the_second_moment_is_bel
     # nothing to mask: +inf; every token above the threshold: -1 (all masked)
     assert math.isinf(float(m2po_bound(old, torch.zeros(1, 4), torch.ones(1, 4), 0.04)))
     assert float(m2po_bound(old, torch.full((1, 4), -1.0), torch.ones(1, 4), 0.5)) == -1.0
+
+
+def test_tis_batch_normalisation_divides_the_corrected_loss_by_the_batch_mean_weight():
+    # pi_old / mu = [0.5, 1, 1.5, 3] under cap 10: Z = 1.5, the normalised weights average 1
+    cfg = compose_config("correction=tis", "correction.tis.cap=10", "correction.tis.batch_normalize=true").correction
+    logprobs, mb = one_row([0.0] * 4, [math.log(w) for w in (0.5, 1.0, 1.5, 3.0)], [1.0])
+    mb.advantages = torch.ones(1)
+    mb.old_logprobs = logprobs.detach()
+    mb.weight_scale = batch_weight_scale(cfg, mb)
+    assert mb.weight_scale.tolist() == pytest.approx([1 / 1.5])
+    scores = TokenScores(logprobs=logprobs, entropy=torch.zeros(1, 4))
+    s = LossSettings("token_mean", 8, weight_function(cfg))
+    pg = -mb.advantages * torch.exp(logprobs - logprobs.detach())  # -A r, r = 1
+    loss, metrics = assemble_loss(
+        pg, scores, logprobs.detach(), mb, s, num_tokens=torch.tensor(4), num_seqs=torch.tensor(1)
+    )
+    assert float(loss.detach()) == pytest.approx(-(0.5 + 1 + 1.5 + 3) / 1.5 / 4)  # -mean of w / Z = -1
+    stats = MetricSums()
+    stats.record(metrics)
+    assert stats.means()["train/tis_batch_mean"] == pytest.approx(1.5)
+    assert batch_weight_scale(compose_config("correction=tis").correction, mb) is None

@@ -700,6 +700,24 @@ def weight_function(correction) -> WeightFunction:
     )
 
 
+def batch_weight_scale(correction, rb) -> Optional[Tensor]:
+    """1/Z for the batch normalisation of TIS's weights (``correction.tis.batch_normalize``; verl's
+    ``rollout_is_batch_normalize``), float64 [N] (the same for every row), or None when it is off.
+
+    Z is the mean of the correction's weights f(π_old/μ) (``weight_function``, truncation and masks included) over
+    the valid tokens of the rollout batch ``rb`` (``old_logprobs`` filled): the normalised weights average 1 over the
+    batch. The loss assembly divides the corrected per-token loss by Z, score centering's term included, so the
+    centring stays under the same weights. A statistic of the batch (each data-parallel rank normalises its own
+    share): its expectation is reached by Monte Carlo (``expectation.monte_carlo_gradient``). Z = 0 (every token
+    dropped) leaves the scale at 1."""
+    tis = getattr(correction, "tis", None)
+    if tis is None or not tis.enabled or not getattr(tis, "batch_normalize", False):
+        return None
+    weights = correction_weights(rb.old_logprobs, rb.rollout_logprobs, rb.response_mask, weight_function(correction))[0]
+    z = float(masked_mean(weights.double(), rb.response_mask))
+    return torch.full((len(rb),), 1.0 / z if z > 0 else 1.0, dtype=torch.float64)
+
+
 def correct_policy_loss(
     token_loss: Tensor,
     logprobs: Tensor,

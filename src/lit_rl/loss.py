@@ -173,6 +173,9 @@ def assemble_loss(
         score_coefficients=score_coefficients,
     )
     metrics.add_means({f"train/{k}": v for k, v in correction_metrics.items()}, m)
+    if mb.weight_scale is not None:  # TIS's batch normalisation: both corrected terms divided by the batch's Z
+        token_loss = token_loss * mb.weight_scale.to(token_loss.dtype)[:, None]
+        metrics.add_means({"train/tis_batch_mean": 1.0 / mb.weight_scale[0]}, m)
     token_loss = sequence_masked(token_loss, logprobs, old_logprobs, mb, settings, metrics)
     if extra_loss is not None:
         token_loss = token_loss + extra_loss

@@ -280,9 +280,11 @@ def m2po_bound(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, thr
 
 
 def needs_batch_pass(correction) -> bool:
-    """Whether the ``correction`` group has a batch-level rule (``correction.m2po``): its bound needs π_old of the
-    whole batch before the first optimizer step (a snapshot pass, even with one update per batch)."""
-    return bool(getattr(getattr(correction, "m2po", None), "enabled", False))
+    """Whether the ``correction`` group has a batch-level rule (``correction.m2po``, TIS's ``batch_normalize``): it
+    needs π_old of the whole batch before the first optimizer step (a snapshot pass, even with one update)."""
+    tis = getattr(correction, "tis", None)
+    normalised = bool(tis is not None and tis.enabled and getattr(tis, "batch_normalize", False))
+    return normalised or bool(getattr(getattr(correction, "m2po", None), "enabled", False))
 
 
 def batch_log_ratio_bound(correction, rb) -> Optional[Tensor]:

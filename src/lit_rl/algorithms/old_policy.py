@@ -1,5 +1,6 @@
 """π_old, the denominator of every ratio of the update: the trainer's snapshot pass, or the rollout log-probs μ
-themselves (``correction.bypass``), and the batch-level bounds that read it (M2PO).
+themselves (``correction.bypass``), and the batch-level statistics that read it (M2PO's bound, TIS's batch
+normalisation).
 
 ``OldPolicyMixin`` is part of ``RLModule`` (``algorithms.module``). With one optimizer step per rollout batch the
 training forward itself is π_old and nothing runs here; with several (``algo.ppo_epochs`` × ``num_minibatches``)
@@ -23,6 +24,7 @@ import time
 
 import torch
 
+from .. import corrections as corr
 from .. import rejection
 from ..logprobs import TokenScores
 from ..rollout.types import RolloutBatch
@@ -52,6 +54,7 @@ class OldPolicyMixin:
             self.old_logprob_s = time.perf_counter() - t0
         if batch_level:
             rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb)
+            rb.weight_scale = corr.batch_weight_scale(self.correction, rb)
 
     @torch.no_grad()
     def snapshot(self, rb: RolloutBatch) -> None:

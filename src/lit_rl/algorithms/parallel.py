@@ -189,6 +189,7 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         old_values=one(row.old_values),
         returns=one(row.returns),
         log_ratio_bound=row.log_ratio_bound,
+        weight_scale=row.weight_scale,
     )
 
 

@@ -59,7 +59,9 @@ class RolloutBatch:
     head ids, kept by the snapshot for score centering when a batch gets several optimizer steps;
     old_values / returns [N, T] float32 or None (critic);
     log_ratio_bound [N] float64 or None: a batch-level correction's bound on |log π_old/μ| of a kept token (M2PO's
-    cutoff, ``rejection.m2po_bound``; the same for every row of a batch), None: no such correction.
+    cutoff, ``rejection.m2po_bound``; the same for every row of a batch), None: no such correction;
+    weight_scale [N] float64 or None: 1/Z, the batch normalisation of the correction's weights
+    (``corrections.batch_weight_scale``), None: none.
     """
 
     prompt_ids: Tensor
@@ -80,6 +82,7 @@ class RolloutBatch:
     old_values: Tensor | None = None
     returns: Tensor | None = None
     log_ratio_bound: Tensor | None = None
+    weight_scale: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

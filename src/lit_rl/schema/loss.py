@@ -19,6 +19,9 @@ class TisConfig:
     low: Optional[Number] = None
     #: token | sequence
     level: str = "token"
+    #: divide the weights by their mean over the batch's valid tokens (verl's rollout_is_batch_normalize): a batch
+    #: statistic, computed once per batch from pi_old (``corrections.batch_weight_scale``)
+    batch_normalize: bool = False
 
 
 @dataclass
