@@ -8,7 +8,7 @@ policy (``lit_rl.expectation``), through the trainer's own update path (REINFORC
 but the correction stands between the sampler's mismatch and the gradient; ``bypass`` runs GRPO's clipped ratio
 with μ as π_old, the same advantages and reduction). The sampler μ is the policy's logit table plus Gaussian logit
 noise scaled so that the mean KL(π ‖ μ) per prefix is each of ``--kls``; the engine records the full vocabulary
-as its head (k = V), so score centering is exact. M2PO's bound is a statistic of the whole batch: its rows are
+as its head (k = V), so score centering is exact. M2PO's bound and TIS's batch normalisation are statistics of the whole batch: their rows are
 Monte Carlo over ``--mc-batches`` batches of ``--batch`` sequences, with the standard error printed.
 
 Per correction and KL (defaults of conf/correction: TIS cap 2, MIS band [0.5, 2], OPSM δ = 1e-4, the rejection
@@ -72,12 +72,14 @@ CORRECTIONS = {  # row label -> overrides
     "rs outlier_veto": [RS, "correction.rs.rule=outlier_veto"],
     "tis+rs (seq_mean_k3)": ["correction=tis+rs"],
     "sc+rs (token_k1)": ["correction=sc+rs", "correction.rs.rule=token_k1"],
+    "tis (batch-normalised)": ["correction=tis", "correction.tis.batch_normalize=true"],
+    "sc+tis (batch-normalised)": ["correction=sc+tis", "correction.tis.batch_normalize=true"],
     "m2po": ["correction=m2po"],
     "sc+m2po": ["correction=sc+m2po"],
     "bypass (grpo clip 0.2)": ["algo=grpo", "loss.reduction=seq_mean_token_sum", "correction.bypass=true"],
 }
 #: rows whose rule reads the whole batch: Monte Carlo
-BATCH_LEVEL = ("m2po", "sc+m2po")
+BATCH_LEVEL = ("tis (batch-normalised)", "sc+tis (batch-normalised)", "m2po", "sc+m2po")
 
 
 def module(policy, overrides):
