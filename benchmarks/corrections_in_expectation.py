@@ -3,13 +3,14 @@
     python benchmarks/corrections_in_expectation.py                 # the table in docs/corrections.md (minutes)
     python benchmarks/corrections_in_expectation.py --vocab 4 --length 2 --mc-batches 20
 
-Not a timing benchmark: every number but M2PO's is an exact expectation over all V^L sequences of a tabular
-policy (``lit_rl.expectation``), through the trainer's own update path (REINFORCE without a baseline, so nothing
-but the correction stands between the sampler's mismatch and the gradient; ``bypass`` runs GRPO's clipped ratio
-with μ as π_old, the same advantages and reduction). The sampler μ is the policy's logit table plus Gaussian logit
-noise scaled so that the mean KL(π ‖ μ) per prefix is each of ``--kls``; the engine records the full vocabulary
-as its head (k = V), so score centering is exact. M2PO's bound and TIS's batch normalisation are statistics of the whole batch: their rows are
-Monte Carlo over ``--mc-batches`` batches of ``--batch`` sequences, with the standard error printed.
+Not a timing benchmark: every number but the batch-level rules' is an exact expectation over all V^L
+sequences of a tabular policy (``lit_rl.expectation``), through the trainer's own update path (REINFORCE without
+a baseline, so nothing but the correction stands between the sampler's mismatch and the gradient; ``bypass``
+runs GRPO's clipped ratio with μ as π_old, the same advantages and reduction). The sampler μ is the policy's
+logit table plus Gaussian logit noise scaled so that the mean KL(π ‖ μ) per prefix is each of ``--kls``; the
+engine records the full vocabulary as its head (k = V), so score centering is exact. M2PO's bound and TIS's
+batch normalisation are statistics of the whole batch: their rows are Monte Carlo over ``--mc-batches``
+batches of ``--batch`` sequences, with the standard error printed.
 
 Per correction and KL (defaults of conf/correction: TIS cap 2, MIS band [0.5, 2], OPSM δ = 1e-4, the rejection
 rules' thresholds, M2PO τ = 0.04):
