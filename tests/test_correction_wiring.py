@@ -1,6 +1,8 @@
 """Corrections wired into the algorithms: metrics logged, mismatch injection measurable, score
 centering a no-op on-policy and active under mismatch, TIS/MIS changing the gradient only under mismatch."""
 
+import math
+
 import pytest
 import torch
 from helpers import MOVING, compose_config
@@ -108,3 +110,41 @@ def test_run_with_the_logit_noise_dial_logs_its_gap(tmp_path):
     s = read_scalars(tmp_path / "on" / "tensorboard")
     assert s["train/ref_kl"][1][1] > 0
     assert s["train/ref_kl_is"][1][1] == pytest.approx(s["train/ref_kl"][1][1], rel=1e-3)
+
+
+#: the corrections issue 38 added, and the options that are not a correction of their own
+NEW_CORRECTIONS = [
+    ["correction=opsm"],
+    ["correction=sc+opsm"],
+    ["correction=tis+opsm"],
+    ["correction=rs"],
+    ["correction=rs", "correction.rs.rule=token_k1"],
+    ["correction=rs", "correction.rs.rule=outlier_veto"],
+    ["correction=tis+rs"],
+    ["correction=sc+rs"],
+    ["correction=m2po"],
+    ["correction=sc+m2po"],
+    ["correction.bypass=true"],
+    ["kl.beta=0.01", "kl.is_weighted=true"],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", NEW_CORRECTIONS, ids=["-".join(o) for o in NEW_CORRECTIONS])
+def test_the_main_job_runs_three_steps_with_each_new_correction(tmp_path, overrides):
+    """The default recipe (SmolLM2-135M-Instruct, GRPO on arithmetic; docs/results/main_job) for 3 steps, no eval:
+    every step logs finite losses and the correction's metrics and the weights move."""
+    cfg = compose_config("trainer.max_steps=3", "eval.num_examples=0", "trainer.enable_progress_bar=false", *overrides)
+    run(cfg, tmp_path / "r")
+    s = read_scalars(tmp_path / "r" / "tensorboard")
+    assert [step for step, _ in s["train/loss"]] == [0, 1, 2]
+    assert all(math.isfinite(v) for _, v in s["train/loss"])
+    for tag in ("train/is_ess", "train/is_chi2_seq", "train/is_extreme_frac", "time/old_logprob_s"):
+        assert tag in s, tag
+    name = next((o.split("=")[1] for o in overrides if o.startswith("correction=")), "")
+    metric = {"opsm": "opsm_maskfrac", "rs": "rs_maskfrac", "m2po": "m2po_maskfrac"}
+    for part, tag in metric.items():
+        if part in name.split("+"):
+            assert f"train/{tag}" in s and all(0 <= v <= 1 for _, v in s[f"train/{tag}"]), tag
+    if "correction.bypass=true" in overrides:
+        assert all(v == 0.0 for _, v in s["time/old_logprob_s"])

@@ -30,15 +30,19 @@ from lit_rl.expectation import (
     TabularPolicy,
     all_sequences,
     expected_gradient,
+    monte_carlo_gradient,
     noisy_table,
     prefix_rows,
     sampler_at_kl,
     sequence_logprobs,
 )
 from lit_rl.objectives import reduce_loss
+from lit_rl.rejection import m2po_bound
 from lit_rl.run.train import build_module
 
 ALGOS = tuple(ALGORITHMS)  # every registered algorithm
+#: the corrections that drop whole sequences (``rejection``) and their compositions
+MASKED = tuple(name for name in REGISTERED_CORRECTIONS if REGISTERED_CORRECTIONS[name] & {"opsm", "rs", "m2po"})
 ONES = lambda rb: torch.ones(len(rb))  # noqa: E731  (a constant advantage on every sequence)
 
 # correction name -> extra overrides (mis_mask = mask-only MIS, verl's rejection sampling)
@@ -148,6 +152,8 @@ def test_on_policy_every_correction_equals_none(algo):
     assert reference.abs().max() > 1e-3  # the groups carry a gradient
     scale = float(reference.abs().max())
     for correction in CORRECTIONS:
+        if correction in MASKED and algo not in ("grpo", "ppo"):
+            continue  # masks read only the log-ratios and the advantages' sign: one sequence-, one token-advantage algo
         levels = ("token", "sequence") if correction in ("tis", "mis", "mis_mask", "sc+tis", "sc+mis") else ("token",)
         for level in levels:
             overrides = [f"correction.tis.level={level}", f"correction.mis.level={level}"]
@@ -160,10 +166,12 @@ def test_on_policy_every_correction_equals_none(algo):
 # ----------------------------------------------------------------------------------------------
 
 
-def reference_drift(policy, sampler, rule, centred, reduction_weight):
-    """Independent formula for REINFORCE with A = 1 (no autograd, no trainer): E_μ[ĝ] wrt the table =
-    Σ_s μ(s) Σ_t red · [-w_t(s) (e_{y_t} - π_t) + centred · Σ_v μ_v w_t(s; v) (e_v - π_t)], where w_t(s; v) is
-    the correction's weight with v in place of y_t (token level: f(π_v/μ_v); sequence level: f(W_s r_v / r_{y_t}))."""
+def reference_drift(policy, sampler, rule, centred, reduction_weight, advantage=1.0, keep=None):
+    """Independent formula for REINFORCE with a constant A (1 unless ``advantage``; no autograd, no trainer):
+    E_μ[ĝ] wrt the table = Σ_s μ(s) k(s) Σ_t red · A · [-w_t(s) (e_{y_t} - π_t) + centred · Σ_v μ_v w_t(s; v)
+    (e_v - π_t)], where w_t(s; v) is the correction's weight with v in place of y_t (token level: f(π_v/μ_v);
+    sequence level: f(W_s r_v / r_{y_t})) and k(s) = ``keep[s]`` the sequence mask (1 without one) over
+    ``all_sequences``."""
     vocab = policy.vocab_size
     seqs = all_sequences(vocab, policy.length)
     logpi, logmu = torch.log_softmax(policy.table(), -1), torch.log_softmax(sampler, -1)
@@ -177,7 +185,7 @@ def reference_drift(policy, sampler, rule, centred, reduction_weight):
         return rule.log_weight(log_r_tis, log_r_mis, log_r_token).exp()
 
     for i, s in enumerate(seqs):
-        p_s = math.exp(float(seq_logmu[i]))
+        p_s = math.exp(float(seq_logmu[i])) * advantage * (1.0 if keep is None else float(keep[i]))
         for t in range(policy.length):
             h = int(rows[i, t])
             pi_h, mu_h = logpi[h].exp(), logmu[h].exp()
@@ -238,6 +246,8 @@ def test_constant_reward_reinforce_matches_the_formula(drift_setup, sampler, set
     none = expected(policy, "reinforce", "none", mu, overrides)
     assert none.abs().max() > 1e-2  # the mismatch drifts an uncorrected REINFORCE
     for correction in CORRECTIONS:
+        if REGISTERED_CORRECTIONS.get(correction, frozenset()) & {"rs", "m2po"}:
+            continue  # they mask under any reward: pinned in test_sequence_masks_match_the_formula and below
         grad = expected(policy, "reinforce", correction, mu, overrides)
         rule = rule_for(correction, level, **rule_kw)
         ref = reference_drift(policy, mu, rule, correction.startswith("sc"), reduction_weight=1.0)
@@ -406,6 +416,7 @@ PEER_OPTIONS = [
     ("grpo", ["loss.entropy_coef=0.1"]),
     ("grpo", ["correction.tis.low=0.5", "correction.mis.level=geometric"]),
     ("cispo", ["correction.tis.low=0.5", "correction.mis.level=geometric"]),
+    ("grpo", ["correction.tis.batch_normalize=true"]),  # Z = 1 on-policy
 ]
 
 
@@ -474,3 +485,111 @@ def test_tis_lower_bound_and_geometric_mis_match_the_formula(drift_setup, sample
     if setting == "binding":  # the lower bound binds: TIS with it differs from TIS without
         without = expected(policy, "reinforce", "tis", mu, SETTINGS[setting][0])
         assert not close(expected(policy, "reinforce", "tis", mu, overrides), without, float(none.abs().max()), 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Sequence masks (issue 38): OPSM and the rejection family under a constant reward of either sign
+# ----------------------------------------------------------------------------------------------
+
+
+def sequence_log_ratios(policy, sampler):
+    """float64 [V^L, L]: log π − log μ of every token of every sequence (π = the policy, the first step's π_old)."""
+    seqs = all_sequences(policy.vocab_size, policy.length)
+    return sequence_logprobs(policy.table(), seqs) - sequence_logprobs(sampler, seqs)
+
+
+#: correction -> (overrides, k(s) of the log-ratios d [V^L, L] = log π_old − log μ and the constant advantage A)
+SEQUENCE_MASK_CASES = {
+    "opsm": (["correction.opsm.delta=0.05"], lambda d, a: ~((a < 0) & ((-d).mean(-1) > 0.05))),
+    "rs": (
+        ["correction.rs.rule=seq_mean_k3", "correction.rs.threshold=0.1"],
+        lambda d, a: (d.expm1() - d).mean(-1) <= 0.1,
+    ),
+    "rs-veto": (
+        ["correction.rs.rule=outlier_veto", "correction.rs.veto_band=[0.5,2.0]"],
+        lambda d, a: ((d >= math.log(0.5)) & (d <= math.log(2.0))).all(-1),
+    ),
+}
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_sequence_masks_match_the_formula(drift_setup, advantage):
+    # OPSM never drops a sequence with A > 0: opsm equals none and sc+opsm equals sc (0). With A = -1 it drops the
+    # sequences the current policy has left (mean log mu/pi > delta), a choice that depends on the whole
+    # sequence: the drift of opsm and of sc+opsm is the formula's with k(s), and sc+opsm's is not 0
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    constant = (lambda rb: torch.ones(len(rb))) if advantage > 0 else (lambda rb: -torch.ones(len(rb)))  # noqa: E731
+    d = sequence_log_ratios(policy, mu)
+    none = expected(policy, "reinforce", "none", mu, advantages=constant)
+    scale = float(none.abs().max())
+    for case, (overrides, keep_of) in SEQUENCE_MASK_CASES.items():
+        keep = keep_of(d, advantage)
+        for centred in (False, True):
+            correction = ("sc+" if centred else "") + case.split("-")[0]
+            grad = expected(policy, "reinforce", correction, mu, overrides, advantages=constant)
+            ref = reference_drift(policy, mu, WeightFunction(), centred, 1.0, advantage=advantage, keep=keep)
+            assert close(grad, ref, scale), (case, centred, float((grad - ref).abs().max()))
+            if case == "opsm" and advantage > 0:  # never masks: none's drift, and sc's (0)
+                assert bool(keep.all()) and close(grad, torch.zeros_like(grad) if centred else none, scale)
+            elif centred:  # a mask of the whole sequence: the centring of the kept ones no longer averages to 0
+                assert 0 < float(keep.double().mean()) < 1 and float(grad.abs().max()) > 1e-3 * scale, case
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_token_rules_centred_do_not_drift(drift_setup, advantage):
+    # the rejection family's token rule (token_k1 = mask-only MIS with the band e^{±tau}) is a per-token weight:
+    # sc+rs centres under it and does not drift, alone or with TIS's cap binding (tis+rs has no centring)
+    policy, samplers = drift_setup
+    constant = (lambda rb: torch.ones(len(rb))) if advantage > 0 else (lambda rb: -torch.ones(len(rb)))  # noqa: E731
+    overrides = ["correction.rs.rule=token_k1", "correction.rs.threshold=0.1"]
+    for mu in samplers.values():
+        rs = expected(policy, "reinforce", "rs", mu, overrides, advantages=constant)
+        band = WeightFunction(mis_band=(math.exp(-0.1), math.exp(0.1)), mis_weighted=False)
+        ref = reference_drift(policy, mu, band, False, 1.0, advantage=advantage)
+        assert close(rs, ref, float(rs.abs().max())) and float(rs.abs().max()) > 1e-3
+        grad = expected(policy, "reinforce", "sc+rs", mu, overrides, advantages=constant)
+        assert close(grad, torch.zeros_like(grad), float(rs.abs().max()))
+
+
+def test_m2po_is_a_token_band_sc_centres_under_and_its_batch_bound_by_monte_carlo(drift_setup):
+    # Exact, for the bound of the enumerated batch (every sequence once): m2po is mask-only MIS with the band
+    # e^{±c}, pinned to the formula, and sc+m2po does not drift. Over real batches of N = 64 the bound depends on
+    # the batch: Monte Carlo (100 batches, seeded) with its standard error. sc+m2po stays within 4 SE of 0 while
+    # m2po's drift is many SE away from it
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    seqs = all_sequences(policy.vocab_size, policy.length)
+    d = sequence_log_ratios(policy, mu)
+    threshold = 0.5 * float((d**2).mean())  # binds: about half the second moment must go
+    overrides = [f"correction.m2po.threshold={threshold}"]
+    c = float(m2po_bound(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool), threshold))
+    assert 0 < c < float(d.abs().max())
+    band = WeightFunction(mis_band=(math.exp(-c), math.exp(c)), mis_weighted=False)
+    ones = lambda s: torch.ones(len(s))  # noqa: E731
+    m2po = expected(policy, "reinforce", "m2po", mu, overrides, reward=ones)
+    scale = float(m2po.abs().max())
+    assert close(m2po, reference_drift(policy, mu, band, False, 1.0), scale) and scale > 1e-2
+    assert close(expected(policy, "reinforce", "sc+m2po", mu, overrides, reward=ones), torch.zeros_like(m2po), scale)
+    assert len(seqs) == 16
+    for correction, drifts in (("m2po", True), ("sc+m2po", False)):
+        module = module_for(policy, "reinforce", correction, *overrides)
+        mc = monte_carlo_gradient(module, policy, mu, ones, 64, 100, seed=12, head_size=policy.vocab_size)
+        z = float((mc.mean.abs() / mc.stderr.clamp(min=1e-12)).max())
+        assert (z > 6) if drifts else (z < 4), (correction, z, mc.norm_stderr)  # measured: 29.1 and 2.13
+
+
+def test_tis_batch_normalisation_stays_centred_for_every_batch(drift_setup):
+    # Z divides both corrected terms: sc+tis stays drift-free for the enumerated batch's Z, exactly, and over
+    # batches of 64 (each its own Z) within 4 standard errors of 0 (Monte Carlo, 60 batches)
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    overrides = ["correction.tis.batch_normalize=true", "correction.tis.cap=1.05"]
+    ones = lambda s: torch.ones(len(s))  # noqa: E731
+    tis = expected(policy, "reinforce", "tis", mu, overrides, reward=ones)
+    scale = float(tis.abs().max())
+    assert scale > 1e-2  # the cap binds: normalised TIS still drifts
+    assert close(expected(policy, "reinforce", "sc+tis", mu, overrides, reward=ones), torch.zeros_like(tis), scale)
+    module = module_for(policy, "reinforce", "sc+tis", *overrides)
+    mc = monte_carlo_gradient(module, policy, mu, ones, 64, 60, seed=13, head_size=policy.vocab_size)
+    assert float((mc.mean.abs() / mc.stderr.clamp(min=1e-12)).max()) < 4

@@ -50,7 +50,7 @@ def test_each_registry_matches_its_config_group_file_for_file(group, names):
 @pytest.mark.parametrize("name", list(CORRECTIONS))
 def test_each_correction_file_turns_on_exactly_its_registered_parts(name):
     cfg = compose_config(f"correction={name}").correction
-    assert {part for part in ("tis", "mis", "sc") if cfg[part].enabled} == CORRECTIONS[name]
+    assert {part for part in ("tis", "mis", "sc", "opsm", "rs", "m2po") if cfg[part].enabled} == CORRECTIONS[name]
 
 
 def test_a_registry_names_the_field_and_the_choices_on_a_bad_name_and_refuses_a_second_definition():

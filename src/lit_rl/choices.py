@@ -63,8 +63,9 @@ KL_KINDS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "reward")
 
 # -- corrections (lit_rl.corrections) ----------------------------------------------------------------------------
-#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections; each has its
-#: ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags (checked by the tests)
+#: ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``, ``opsm``, ``rs``, ``m2po``): the one list of
+#: corrections; each has its ``conf/correction/<name>.yaml``, which sets exactly these ``<part>.enabled`` flags
+#: (checked by the tests)
 CORRECTIONS: Registry[frozenset] = Registry(
     "correction",
     {
@@ -74,6 +75,14 @@ CORRECTIONS: Registry[frozenset] = Registry(
         "sc": frozenset({"sc"}),
         "sc+tis": frozenset({"sc", "tis"}),
         "sc+mis": frozenset({"sc", "mis"}),
+        "opsm": frozenset({"opsm"}),
+        "sc+opsm": frozenset({"sc", "opsm"}),
+        "tis+opsm": frozenset({"tis", "opsm"}),
+        "rs": frozenset({"rs"}),
+        "tis+rs": frozenset({"tis", "rs"}),
+        "sc+rs": frozenset({"sc", "rs"}),
+        "m2po": frozenset({"m2po"}),
+        "sc+m2po": frozenset({"sc", "m2po"}),
     },
 )
 
@@ -101,12 +110,15 @@ class RolloutMode:
     ``rollout.sources``'; ``rollout.sources.register_source`` adds both).
 
     description: what the mode samples with; reads: the ``rollout`` fields only this mode reads (a non-default
-    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks.
+    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks; stale: its rows
+    may come from older weights.
     """
 
     description: str
     reads: tuple[str, ...] = ()
     multi_rank: bool = False
+    #: its rows may come from weights older than those trained (``correction.bypass`` is refused)
+    stale: bool = False
 
 
 #: ``rollout.mode`` -> what it samples with and what the config checks ask of it (the one list of rollout modes)
@@ -114,9 +126,10 @@ ROLLOUT_MODES: Registry[RolloutMode] = Registry(
     "rollout.mode",
     {
         "sync": RolloutMode("the weights about to be trained", multi_rank=True),
-        "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",)),
+        "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",), stale=True),
         "async": RolloutMode(
-            "the newest weights a producer (thread or process) has, at most rollout.max_staleness RL steps old"
+            "the newest weights a producer (thread or process) has, at most rollout.max_staleness RL steps old",
+            stale=True,
         ),
     },
 )

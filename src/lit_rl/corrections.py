@@ -53,6 +53,7 @@ from torch import Tensor
 # so that config.validate checks it before torch loads
 from lit_rl.choices import CORRECTIONS  # noqa: F401  (re-exported)
 from lit_rl.objectives import masked_mean
+from lit_rl.rejection import RS_RULES
 
 LEVELS = ("token", "sequence", "geometric")
 #: the levels TIS takes (a geometric-mean weight is MIS's rejection rule, verl's ``geometric``)
@@ -213,6 +214,8 @@ class WeightFunction:
     mis_level: str = "token"
     mis_weighted: bool = True
     tis_low: Optional[float] = None
+    #: the name of the dropped fraction's metric (``rs_maskfrac`` when the band is verl's token_k1 rejection)
+    mask_metric: str = "mis_maskfrac"
 
     def __post_init__(self):
         if self.tis_cap is not None and not self.tis_cap > 0:
@@ -301,7 +304,7 @@ def correction_weights(
             metrics["tis_clipfrac_low"] = masked_mean((w_tis < rule.tis_low).to(w_tis.dtype), mask)
     if rule.mis_band is not None:
         dropped = valid & torch.isneginf(log_w)
-        metrics["mis_maskfrac"] = masked_mean(dropped.to(weights.dtype), valid)
+        metrics[rule.mask_metric] = masked_mean(dropped.to(weights.dtype), valid)
     zero = torch.zeros_like(log_r)
     mis_scale = torch.ones_like(log_r)
     if rule.mis_level == "geometric":
@@ -358,6 +361,76 @@ def mismatch_decomposition(rollout_logprobs: Tensor, old_logprobs: Tensor, logpr
         "train_inference_kl": masked_mean(torch.expm1(log_r_num) - log_r_num, mask),
         "train_inference_kl_reverse": masked_mean(log_r_num.exp() * log_r_num - torch.expm1(log_r_num), mask),
     }
+
+
+#: a token whose ratio π_old/μ lies outside [1/EXTREME_RATIO, EXTREME_RATIO] counts in ``train/is_extreme_frac``
+EXTREME_RATIO = 10.0
+#: a sequence's log-ratio is clamped to ±LOG_W_CLAMP in the moments, so its w² stays finite in float64
+LOG_W_CLAMP = 300.0
+#: the raw moments ``importance_moments`` logs, which ``importance_diagnostics`` turns into ESS and χ²
+MOMENTS = {"": ("is_w:m1", "is_w:m2"), "_seq": ("is_w_seq:m1", "is_w_seq:m2")}
+
+
+def importance_moments(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> tuple[dict, dict]:
+    """The first two moments of the importance weights w = π_old/μ, per token and per sequence, for the step's
+    effective sample size and χ² (``importance_diagnostics``), and the fraction of extreme-ratio tokens.
+
+    Means, not ESS itself, are what a micro-batch returns: the trainer adds means weighted by their counts over
+    micro-batches and ranks (``MetricSums``), so the ESS of the whole step is exact whatever the micro-batch size.
+
+    Args:
+        old_logprobs: float [N, T], log π_old. rollout_logprobs: float [N, T], log μ. mask: bool [N, T].
+
+    Returns:
+        (token means, sequence means), detached float64 0-dim tensors (0 for an empty mask):
+            token (average over valid tokens): ``"is_w:m1"`` mean w_t, ``"is_w:m2"`` mean w_t²,
+            ``"is_extreme_frac"`` fraction with w_t outside [1/``EXTREME_RATIO``, ``EXTREME_RATIO``];
+            sequence (average over sequences with a valid token): ``"is_w_seq:m1"``, ``"is_w_seq:m2"`` of the
+            product ratio W_i = Π_t w_t, its log clamped to ±``LOG_W_CLAMP``.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    log_r = _valid_log_ratio(old_logprobs, rollout_logprobs, mask).double()
+    valid = mask.bool()
+    rows = valid.any(-1)
+    log_w_seq = log_r.sum(-1).clamp(-LOG_W_CLAMP, LOG_W_CLAMP)
+    extreme = log_r.abs() > math.log(EXTREME_RATIO)
+    token = {
+        "is_w:m1": masked_mean(log_r.exp(), valid),
+        "is_w:m2": masked_mean((2 * log_r).exp(), valid),
+        "is_extreme_frac": masked_mean(extreme.double(), valid),
+    }
+    sequence = {
+        "is_w_seq:m1": masked_mean(log_w_seq.exp(), rows),
+        "is_w_seq:m2": masked_mean((2 * log_w_seq).exp(), rows),
+    }
+    return token, sequence
+
+
+def effective_sample_size(weights: Tensor) -> float:
+    """ESS / n = (Σ w)² / (n Σ w²) of importance weights [n] (Kish): 1 when all are equal, 1/n when one carries
+    everything. Weights [0.5, 1, 1.5, 3] give 36 / (4 · 12.5) = 0.72. 1.0 for an empty or all-zero vector."""
+    w = weights.double().flatten()
+    second = float((w**2).sum())
+    return float(w.sum()) ** 2 / (len(w) * second) if second > 0 else 1.0
+
+
+def importance_diagnostics(means: dict[str, float], prefix: str = "train/") -> dict[str, float]:
+    """``means`` with the raw moments of ``importance_moments`` (under ``prefix``) replaced by what they give:
+    ``is_ess`` = m1²/m2 (ESS / n of the token weights, ``effective_sample_size``), ``is_chi2`` = m2/m1² − 1 (the
+    χ² divergence of π_old from μ estimated from the weights, self-normalised: verl's ``chi2 = E[w²] − 1`` when
+    mean w = 1) and ``is_ess_seq`` / ``is_chi2_seq`` of the sequence weights. Without moments, ``means``
+    unchanged; with none counted (m2 = 0), ESS 1 and χ² 0. Returns a new dict."""
+    out = dict(means)
+    for suffix, (first, second) in MOMENTS.items():
+        if prefix + first not in out:
+            continue
+        m1, m2 = out.pop(prefix + first), out.pop(prefix + second)
+        ok = m2 > 0 and m1 > 0 and math.isfinite(m2)
+        out[f"{prefix}is_ess{suffix}"] = m1 * m1 / m2 if ok else (0.0 if m2 > 0 else 1.0)
+        out[f"{prefix}is_chi2{suffix}"] = m2 / (m1 * m1) - 1.0 if ok else (math.inf if m2 > 0 else 0.0)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,17 +677,45 @@ def corrected_policy_loss(
 
 def weight_function(correction) -> WeightFunction:
     """The ``correction`` config group's TIS / MIS settings as the weight function f of the ratio
-    (``WeightFunction``); the identity for ``correction=none|sc``. ``correction``: the group as
+    (``WeightFunction``); the identity for ``correction=none|sc``. The token rule of the rejection family
+    (``rs.rule=token_k1``, |log w| ≤ τ) is mask-only MIS with the band [e^{−τ}, e^τ] and is applied here, so score
+    centering takes it into account; the sequence rules are ``rejection.sequence_masks``. ``correction``: the group as
     ``schema.CorrectionConfig`` (or anything with its ``tis`` and ``mis`` attributes)."""
     tis, mis = correction.tis, correction.mis
-    return WeightFunction(
+    rs = getattr(correction, "rs", None)
+    tis_fields = dict(
         tis_cap=float(tis.cap) if tis.enabled else None,
         tis_low=float(tis.low) if tis.enabled and getattr(tis, "low", None) is not None else None,
         tis_level=tis.level,
+    )
+    if rs is not None and rs.enabled and rs.rule == "token_k1":  # verl's token_k1: mask-only MIS, band e^{±τ}
+        tau = RS_RULES["token_k1"] if rs.threshold is None else float(rs.threshold)
+        band = (math.exp(-tau), math.exp(tau))
+        return WeightFunction(**tis_fields, mis_band=band, mis_weighted=False, mask_metric="rs_maskfrac")
+    return WeightFunction(
+        **tis_fields,
         mis_band=(float(mis.low), float(mis.high)) if mis.enabled else None,
         mis_level=mis.level,
         mis_weighted=bool(mis.weighted),
     )
+
+
+def batch_weight_scale(correction, rb) -> Optional[Tensor]:
+    """1/Z for the batch normalisation of TIS's weights (``correction.tis.batch_normalize``; verl's
+    ``rollout_is_batch_normalize``), float64 [N] (the same for every row), or None when it is off.
+
+    Z is the mean of the correction's weights f(π_old/μ) (``weight_function``, truncation and masks included) over
+    the valid tokens of the rollout batch ``rb`` (``old_logprobs`` filled): the normalised weights average 1 over the
+    batch. The loss assembly divides the corrected per-token loss by Z, score centering's term included, so the
+    centring stays under the same weights. A statistic of the batch (each data-parallel rank normalises its own
+    share): its expectation is reached by Monte Carlo (``expectation.monte_carlo_gradient``). Z = 0 (every token
+    dropped) leaves the scale at 1."""
+    tis = getattr(correction, "tis", None)
+    if tis is None or not tis.enabled or not getattr(tis, "batch_normalize", False):
+        return None
+    weights = correction_weights(rb.old_logprobs, rb.rollout_logprobs, rb.response_mask, weight_function(correction))[0]
+    z = float(masked_mean(weights.double(), rb.response_mask))
+    return torch.full((len(rb),), 1.0 / z if z > 0 else 1.0, dtype=torch.float64)
 
 
 def correct_policy_loss(

@@ -13,6 +13,9 @@ The gradient is the one the trainer computes: ``RLModule.build_batch`` (advantag
 re-implemented; the policy below only replaces the transformer, through the same interface
 (``get_decoder()(...).last_hidden_state`` and ``get_output_embeddings()``).
 
+Rules that read a statistic of the whole batch (M2PO's bound) cannot be enumerated over batches of 64:
+``monte_carlo_gradient`` estimates their E[ĝ] from independent batches, with its standard error.
+
 Used by tests/test_corrections_expectation.py (the identities every correction must satisfy) and by
 benchmarks/corrections_in_expectation.py (drift, bias and variance per correction and mismatch size).
 """
@@ -308,3 +311,60 @@ def sampler_at_kl(table: Tensor, target_kl: float, seed: int = 0) -> tuple[Tenso
         if hi - lo < 1e-9 * hi:
             break
     return noisy_table(table, hi, seed), hi
+
+
+@dataclass
+class MonteCarlo:
+    """A Monte Carlo estimate of E[ĝ] over independent batches, for the rules no enumeration reaches (a statistic
+    of the whole batch, e.g. M2PO's bound): mean float64 [S, V]; stderr float64 [S, V], the standard error of each
+    entry of the mean (sample std / √B); second: the mean of ‖ĝ‖² over the batches; batches: B."""
+
+    mean: Tensor
+    stderr: Tensor
+    second: float
+    batches: int
+
+    @property
+    def variance(self) -> float:
+        """E‖ĝ − E ĝ‖² of one batch, estimated (≥ 0)."""
+        return max(self.second - float((self.mean**2).sum()), 0.0)
+
+    @property
+    def norm_stderr(self) -> float:
+        """The standard error of ‖mean‖ to first order, √(Σ stderr²) (an upper bound on it)."""
+        return float(self.stderr.pow(2).sum().sqrt())
+
+
+def monte_carlo_gradient(
+    module,
+    policy: TabularPolicy,
+    sampler_table: Tensor,
+    reward: Callable[[Tensor], Tensor],
+    batch_size: int,
+    num_batches: int,
+    seed: int = 0,
+    head_size: int = 0,
+    advantages: Optional[Callable[[RolloutBatch], Tensor]] = None,
+) -> MonteCarlo:
+    """E_μ[ĝ] of batches of ``batch_size`` sequences drawn i.i.d. from the sampler ``sampler_table`` [S, V] (one
+    group of ``batch_size``), estimated from ``num_batches`` independent batches (seeded), each through the module's
+    real update path (``batch_gradient``). Raises ValueError for fewer than 2 batches."""
+    if num_batches < 2:
+        raise ValueError(f"num_batches must be >= 2 for a standard error, got {num_batches}")
+    vocab, length = policy.vocab_size, policy.length
+    seqs = all_sequences(vocab, length)
+    probs = sequence_logprobs(sampler_table, seqs).sum(-1).exp()
+    gen = torch.Generator().manual_seed(seed)
+    total = torch.zeros_like(policy.table())
+    total_sq = torch.zeros_like(total)
+    second = 0.0
+    for _ in range(num_batches):
+        batch = seqs[torch.multinomial(probs, batch_size, replacement=True, generator=gen)]
+        rb = module.build_batch(scored_from(rollouts_from(batch, sampler_table, head_size), reward(batch), batch_size))
+        g = batch_gradient(module, policy, rb, advantages)
+        total += g
+        total_sq += g**2
+        second += float((g**2).sum())
+    mean = total / num_batches
+    var = (total_sq / num_batches - mean**2).clamp(min=0) * num_batches / (num_batches - 1)
+    return MonteCarlo(mean, (var / num_batches).sqrt(), second / num_batches, num_batches)

@@ -11,9 +11,14 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
 
 1. corrections (``corrections.correct_policy_loss``): ℓ_t · w_t with w_t = f(π_old/μ) (TIS / MIS), and score
    centering's −E_μ[c w ∇log π] over the head; logs ``train/tis``, ``tis_abs``, ``tis_clipfrac``, ``mis_maskfrac``;
+   then the sequence masks (``rejection``: OPSM, the rejection family's sequence rules) zero the whole corrected
+   loss of the sequences they drop (``train/opsm_maskfrac``, ``rs_maskfrac``); and the importance weights'
+   moments, which the step turns into ``train/is_ess``, ``is_chi2`` (token and ``_seq``) and ``is_extreme_frac``
+   (``corrections.importance_diagnostics``);
 2. ``extra_loss`` (PPO's ``vf_coef`` · value loss), added per token;
 3. the entropy bonus −coef · H(π_θ(·|h_t)) (``loss.entropy_coef``);
-4. the KL to the frozen reference (``kl.estimator``) added with β when ``kl.mode=loss``; logs ``train/ref_kl``,
+4. the KL to the frozen reference (``kl.estimator``) added with β when ``kl.mode=loss`` (``kl.is_weighted``: times
+   sg(π_old/μ), the importance-weighted KL whose value ``ref_kl_is`` logs); logs ``train/ref_kl``,
    ``ref_kl_seq`` (``kl.mode=loss``: the adaptive controller's measurement), ``ref_kl_is`` (the same KL
    importance-weighted by π_old/μ: comparable between samplers);
 5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
@@ -24,6 +29,8 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -32,6 +39,7 @@ from torch import Tensor
 
 from . import corrections as corr
 from . import objectives as obj
+from . import rejection
 from .logprobs import TokenScores
 
 
@@ -83,6 +91,9 @@ class LossSettings:
         entropy_coef: ``loss.entropy_coef`` (0 = no bonus).
         kl_estimator: ``kl.estimator`` (k1 | k2 | k3).
         kl_in_loss: ``kl.mode == "loss"`` (False: the KL went into the rewards, only logged here).
+        sequence_masks: the ``(part, section)`` pairs of the sequence masks on (``rejection.sequence_masks``:
+            ``correction.opsm``, ``correction.rs``'s sequence rules).
+        kl_is_weighted: ``kl.is_weighted``: the KL term weighted by sg(π_old/μ) (the IS-weighted, "unbiased" KL).
     """
 
     reduction: str
@@ -92,6 +103,24 @@ class LossSettings:
     entropy_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_loss: bool = True
+    sequence_masks: tuple = ()
+    kl_is_weighted: bool = False
+
+    @classmethod
+    def from_config(cls, loss, correction, kl, max_response_length: int) -> LossSettings:
+        """The settings of the config groups ``loss``, ``correction`` and ``kl`` (``schema`` dataclasses or
+        anything with their fields) and L_max (``sampling.max_new_tokens``)."""
+        return cls(
+            reduction=loss.reduction,
+            max_response_length=max_response_length,
+            weight_rule=corr.weight_function(correction),
+            score_centering=correction.sc.enabled,
+            entropy_coef=loss.entropy_coef,
+            kl_estimator=kl.estimator,
+            kl_in_loss=kl.mode == "loss",
+            sequence_masks=rejection.sequence_masks(correction),
+            kl_is_weighted=bool(getattr(kl, "is_weighted", False)),
+        )
 
 
 def assemble_loss(
@@ -132,17 +161,22 @@ def assemble_loss(
     m = mb.response_mask
     logprobs = scores.logprobs
     metrics = TokenMetrics()
+    rule = batch_weight_rule(settings.weight_rule, old_logprobs, mb, metrics)
     token_loss, correction_metrics = corr.correct_policy_loss(
         pg_loss,
         logprobs,
         old_logprobs,
         mb,
-        settings.weight_rule,
+        rule,
         score_centering=settings.score_centering,
         logprobs_head=scores.head_logprobs,
         score_coefficients=score_coefficients,
     )
     metrics.add_means({f"train/{k}": v for k, v in correction_metrics.items()}, m)
+    if mb.weight_scale is not None:  # TIS's batch normalisation: both corrected terms divided by the batch's Z
+        token_loss = token_loss * mb.weight_scale.to(token_loss.dtype)[:, None]
+        metrics.add_means({"train/tis_batch_mean": 1.0 / mb.weight_scale[0]}, m)
+    token_loss = sequence_masked(token_loss, logprobs, old_logprobs, mb, settings, metrics)
     if extra_loss is not None:
         token_loss = token_loss + extra_loss
     if settings.entropy_coef:  # the bonus: − coef · H(π_θ(· | h_t)), reduced like the loss below
@@ -165,15 +199,42 @@ def assemble_loss(
     metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
     # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
     # denominators (num_tokens, num_seqs and each sequence's T_i)
-    loss = obj.reduce_loss(
-        token_loss,
-        m,
-        settings.reduction,
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        max_response_length=settings.max_response_length,
-    )
-    return loss, metrics
+    totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=settings.max_response_length)
+    return obj.reduce_loss(token_loss, m, settings.reduction, **totals), metrics
+
+
+def batch_weight_rule(
+    rule: corr.WeightFunction, old_logprobs: Tensor, mb, metrics: TokenMetrics
+) -> corr.WeightFunction:
+    """``rule``, or with a batch-level bound in ``mb.log_ratio_bound`` (M2PO's c on |log π_old/μ|, the same for the
+    whole batch) the token band [e^−c, e^c], mask only (``rejection.m2po_bound``; c < 0: no token kept); records
+    ``train/m2``, the mean (log π_old/μ)² before masking, into ``metrics``."""
+    if mb.log_ratio_bound is None:
+        return rule
+    m = mb.response_mask
+    c = float(mb.log_ratio_bound[0]) if len(mb.log_ratio_bound) else math.inf
+    band = (math.exp(-c), math.exp(c)) if c >= 0 else (1.0, 1.0)  # c < 0: no token has d = 0, none kept
+    d = (old_logprobs.detach() - mb.rollout_logprobs).double()
+    metrics.add_means({"train/m2": obj.masked_mean(torch.where(m.bool(), d, 0.0) ** 2, m)}, m)
+    return dataclasses.replace(rule, mis_band=band, mis_weighted=False, mis_level="token", mask_metric="m2po_maskfrac")
+
+
+def sequence_masked(
+    token_loss: Tensor, logprobs: Tensor, old_logprobs: Tensor, mb, settings: LossSettings, metrics: TokenMetrics
+) -> Tensor:
+    """The corrected per-token loss [n, T] with the sequences the sequence masks drop zeroed (``rejection``: OPSM,
+    the rejection family's sequence rules; their ``*_maskfrac`` recorded), and the importance weights' moments
+    recorded for ``train/is_ess``, ``is_chi2`` (token and ``_seq``) and ``is_extreme_frac``."""
+    m = mb.response_mask
+    if settings.sequence_masks:
+        inputs = rejection.MaskInputs(mb.rollout_logprobs, old_logprobs.detach(), logprobs.detach(), mb.advantages, m)
+        keep, mask_metrics = rejection.apply_sequence_masks(settings.sequence_masks, inputs)
+        token_loss = torch.where(keep, token_loss, torch.zeros_like(token_loss))
+        metrics.add_means({f"train/{k}": v for k, v in mask_metrics.items()}, m)
+    token_moments, sequence_moments = corr.importance_moments(old_logprobs, mb.rollout_logprobs, m)
+    metrics.add_means({f"train/{k}": v for k, v in token_moments.items()}, m)
+    metrics.add_means({f"train/{k}": v for k, v in sequence_moments.items()}, m.any(-1))
+    return token_loss
 
 
 def reference_kl_term(
@@ -207,4 +268,6 @@ def reference_kl_term(
     w = torch.exp((old_logprobs.detach() - mb.rollout_logprobs).clamp(max=20.0))
     metrics.add("train/ref_kl_is", w * measured, m)
     beta = kl_coef if settings.kl_in_loss else 0.0
+    if beta > 0 and settings.kl_is_weighted:  # TRL use_bias_correction_kl, slime --use-unbiased-kl: the same weight
+        kl = w.to(kl.dtype) * kl
     return beta * kl if beta > 0 else None

@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from .. import corrections as corr
 from .. import objectives as obj
 from ..logprobs import TokenScores, resolve_shared_prefix, response_logprobs
 from ..loss import LossSettings, assemble_loss
@@ -70,6 +69,7 @@ from ..schema import (
 from . import parallel
 from .base import Algorithm, sequence_advantages, updates_per_step
 from .evaluation import EvaluationMixin
+from .old_policy import OldPolicyMixin
 from .optimization import OptimizationMixin
 from .parallel import MetricSums
 from .step_logging import StepLoggingMixin
@@ -118,8 +118,9 @@ def upgraded_state_dict(state_dict: dict) -> dict:
     return {f"algorithm.{k}" if k.startswith(ALGORITHM_KEYS_BEFORE) else k: v for k, v in state_dict.items()}
 
 
-class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.LightningModule):
-    """The RL step: rollouts from the source, the algorithm's advantages and objective, the exact update.
+class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMixin, L.LightningModule):
+    """The RL step: rollouts from the source, the algorithm's advantages and objective, the exact micro-batched
+    update.
 
     Args:
         policy: a transformers causal LM (the embedded engine samples with this same object).
@@ -297,6 +298,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         metrics.update(self.flop_rates(metrics))
         metrics.update(train_metrics)
         self.write_step_metrics(metrics, rl_step)
+        self.check_logprob_gap(metrics, rl_step)  # correction.guard: warn or stop on the numerical gap
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rb), logger=False)
         self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=len(rb))
         self.log("tok/s", metrics["perf/rollout_tokens_per_s"], prog_bar=True, logger=False, batch_size=len(rb))
@@ -382,6 +384,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         out["train/grad_norm"] = sum(norms) / len(norms)
         out["train/lr"] = lr  # the rate the step's (last) update used, not the next step's
         out["train/skipped_updates"] = float(self.skipped_updates)
+        out["time/old_logprob_s"] = self.old_logprob_s  # the pi_old pass (0 without one: bypass, one update)
         if self.grad_scaler is not None:  # 16-mixed: the loss scale the next step starts from
             out["train/grad_scale"] = float(self.grad_scaler.get_scale())
         return out
@@ -400,36 +403,6 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
     def updates_per_step(self) -> int:
         """Optimizer steps per RL step; Lightning's ``global_step`` counts these."""
         return updates_per_step(self.algo_cfg)
-
-    def start_update(self, rb: RolloutBatch) -> None:
-        """What the update needs before its first optimizer step: pi_old (``snapshot``) when the batch gets
-        several optimizer steps (with one, the training forward itself is pi_old)."""
-        if self.updates_per_step > 1 and rb.old_logprobs is None:
-            self.snapshot(rb)
-
-    @torch.no_grad()
-    def snapshot(self, rb: RolloutBatch) -> None:
-        """Fill ``rb.old_logprobs`` [N, T]: pi_old, the weights this update cycle starts from, fixed for
-        all its epochs and minibatches. (With a single update the training forward itself is pi_old and
-        this pass is skipped.)"""
-        n, t = rb.response_ids.shape
-        rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
-        for i in range(0, n, self.micro_batch_size):
-            mb = rb.select(slice(i, i + self.micro_batch_size))
-            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
-            rb.old_logprobs[i : i + len(mb), : scores.logprobs.shape[1]] = scores.logprobs
-            self.store_old_head(rb, i, scores)
-
-    def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
-        """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout
-        batch gets several optimizer steps): rows ``start:`` of ``rb.old_head_logprobs`` [N, T, k] from a
-        snapshot micro-batch's ``scores``. A no-op without score centering."""
-        if scores.head_logprobs is None:
-            return
-        if rb.old_head_logprobs is None:
-            rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
-        w = scores.head_logprobs.shape[1]
-        rb.old_head_logprobs[start : start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
 
     def accumulate_gradients(self, rb: RolloutBatch, stats: MetricSums | None = None) -> tuple[MetricSums, float]:
         """Backward of the whole batch's loss into ``.grad``, one micro-batch at a time.
@@ -544,15 +517,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
     def loss_settings(self) -> LossSettings:
         """What ``loss.assemble_loss`` reads from the config groups (``loss``, ``correction``, ``kl``, ``sampling``),
         read at each call."""
-        return LossSettings(
-            reduction=self.loss_cfg.reduction,
-            max_response_length=self.sampling.max_new_tokens,
-            weight_rule=corr.weight_function(self.correction),
-            score_centering=self.correction.sc.enabled,
-            entropy_coef=self.loss_cfg.entropy_coef,
-            kl_estimator=self.kl_cfg.estimator,
-            kl_in_loss=self.kl_cfg.mode == "loss",
-        )
+        return LossSettings.from_config(self.loss_cfg, self.correction, self.kl_cfg, self.sampling.max_new_tokens)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: RolloutBatch) -> Tensor:

@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from torch import Tensor
 
 from .. import objectives as obj
+from ..corrections import importance_diagnostics
 from ..rollout.types import RolloutBatch
 
 #: step metrics that add up over ranks (counts) and those whose maximum over ranks is logged; every other
@@ -84,8 +85,10 @@ class MetricSums:
                 self.add(name, values, mask)
 
     def means(self) -> dict[str, float]:
-        """name -> sum / count (0.0 where the count is 0)."""
-        return {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}
+        """name -> sum / count (0.0 where the count is 0); the importance weights' raw moments replaced by the ESS
+        and χ² they give (``corrections.importance_diagnostics``: exact for the whole step, all ranks summed)."""
+        means = {k: self.sums[k] / self.counts[k] if self.counts[k] else 0.0 for k in self.sums}
+        return importance_diagnostics(means)
 
     def touch(self, other: MetricSums) -> None:
         """Register ``other``'s names here with zero sum and count (so every rank holds the same names)."""
@@ -187,6 +190,8 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         old_values=one(row.old_values),
         returns=one(row.returns),
         token_versions=None if row.token_versions is None else row.token_versions[:, :1],
+        log_ratio_bound=row.log_ratio_bound,
+        weight_scale=row.weight_scale,
     )
 
 

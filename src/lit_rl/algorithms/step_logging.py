@@ -1,5 +1,6 @@
 """The step's metrics: FLOPs and rates, the reduction over data-parallel ranks, the reward functions' failure
-tally (``count_reward_failures``), and the write to the loggers.
+tally (``count_reward_failures``), the write to the loggers and the train–inference gap guard
+(``check_logprob_gap``).
 
 ``StepLoggingMixin`` is part of ``RLModule`` (``algorithms.module``); the bookkeeping of the reductions lives in
 ``parallel``, the FLOP counts in ``lit_rl.run.flops``.
@@ -7,12 +8,33 @@ tally (``count_reward_failures``), and the write to the loggers.
 
 from __future__ import annotations
 
+import warnings
+
 from torch import Tensor
 
 from ..rollout.datamodule import ScoredRollouts
 from ..rollout.types import RolloutBatch
 from ..run.flops import FlopModel
 from . import parallel
+
+
+class LogprobGapExceeded(RuntimeError):
+    """``train/logprob_abs_diff`` of a step exceeded ``correction.guard.logprob_abs_diff_max`` with
+    ``correction.guard.action=stop``."""
+
+
+def logprob_gap_problem(metrics: dict[str, float], threshold: float | None) -> str | None:
+    """The guard's message when the step's ``train/logprob_abs_diff`` (mean |log μ − log π_old| per token, nats)
+    exceeds ``threshold`` (None: off), else None. A NaN gap counts as exceeding (slime's
+    ``--ci-train-rollout-logprob-abs-diff-threshold``, which asserts the same bound in its CI runs)."""
+    gap = metrics.get("train/logprob_abs_diff")
+    if threshold is None or gap is None or gap <= threshold:
+        return None
+    return (
+        f"train/logprob_abs_diff = {gap:.3g} nats per token exceeds correction.guard.logprob_abs_diff_max = "
+        f"{threshold:g}: the rollout engine and the trainer score the same tokens this differently (kernels, "
+        "precision, a weight sync that did not land)"
+    )
 
 
 class StepLoggingMixin:
@@ -129,3 +151,15 @@ class StepLoggingMixin:
                 logger.experiment.flush()
             elif isinstance(logger, CSVLogger):
                 logger.save()
+
+    def check_logprob_gap(self, metrics: dict[str, float], rl_step: int) -> None:
+        """The guard (``correction.guard``): warn, or raise ``LogprobGapExceeded`` with ``action=stop``, when the
+        step's ``train/logprob_abs_diff`` exceeds ``logprob_abs_diff_max``. Called after the step's metrics are
+        written, with metrics already reduced over ranks, so every rank stops alike and the step shows."""
+        guard = self.correction.guard
+        problem = logprob_gap_problem(metrics, guard.logprob_abs_diff_max)
+        if problem is None:
+            return
+        if guard.action == "stop":
+            raise LogprobGapExceeded(f"step {rl_step}: {problem}")
+        warnings.warn(f"step {rl_step}: {problem}", RuntimeWarning, stacklevel=2)

@@ -224,14 +224,17 @@ ROLLOUT_SOURCES: Registry[type[RolloutSource]] = Registry(
 )
 
 
-def register_source(name: str, description: str, reads: tuple[str, ...] = (), multi_rank: bool = False):
+def register_source(
+    name: str, description: str, reads: tuple[str, ...] = (), multi_rank: bool = False, stale: bool = True
+):
     """Class decorator: make ``rollout.mode=<name>`` build the decorated ``RolloutSource`` subclass; the rest is
     what ``config.validate`` knows of the mode (``choices.RolloutMode``: what it samples with, the ``rollout``
-    fields only it reads, whether it runs on several ranks). Raises ValueError for a taken name."""
+    fields only it reads, whether it runs on several ranks, whether its rows may come from older weights: True
+    unless declared otherwise, so ``correction.bypass`` stays refused). Raises ValueError for a taken name."""
 
     def decorate(cls: type[RolloutSource]) -> type[RolloutSource]:
         ROLLOUT_SOURCES.register(name, cls)
-        ROLLOUT_MODES.register(name, RolloutMode(description, tuple(reads), bool(multi_rank)))
+        ROLLOUT_MODES.register(name, RolloutMode(description, tuple(reads), bool(multi_rank), bool(stale)))
         return cls
 
     return decorate

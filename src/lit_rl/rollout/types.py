@@ -75,6 +75,10 @@ class RolloutBatch:
     old_values / returns [N, T] float32 or None (critic);
     reward_parts [N, K] float32 or None: each of the K ``reward.functions``' own reward (NaN: None), for the
     advantages that normalise each reward apart (``advantage.multi_reward=normalize_then_sum``).
+    log_ratio_bound [N] float64 or None: a batch-level correction's bound on |log π_old/μ| of a kept token (M2PO's
+    cutoff, ``rejection.m2po_bound``; the same for every row of a batch), None: no such correction;
+    weight_scale [N] float64 or None: 1/Z, the batch normalisation of the correction's weights
+    (``corrections.batch_weight_scale``), None: none.
     """
 
     prompt_ids: Tensor
@@ -96,6 +100,8 @@ class RolloutBatch:
     returns: Tensor | None = None
     token_versions: Tensor | None = None
     reward_parts: Tensor | None = None
+    log_ratio_bound: Tensor | None = None
+    weight_scale: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from .base import Number, Problems, is_number, rule
 
@@ -19,6 +19,9 @@ class TisConfig:
     low: Optional[Number] = None
     #: token | sequence
     level: str = "token"
+    #: divide the weights by their mean over the batch's valid tokens (verl's rollout_is_batch_normalize): a batch
+    #: statistic, computed once per batch from pi_old (``corrections.batch_weight_scale``)
+    batch_normalize: bool = False
 
 
 @dataclass
@@ -47,6 +50,51 @@ class ScConfig:
 
 
 @dataclass
+class OpsmConfig:
+    """``correction.opsm``: off-policy sequence masking (DeepSeek-V3.2), drop a sequence with A < 0 whose mean
+    log(mu / pi_theta) per token exceeds delta (``rejection.opsm_mask``)."""
+
+    enabled: bool = False
+    #: delta, nats per token (TRL off_policy_mask_threshold, slime --opsm-delta)
+    delta: Number = 1.0e-4
+
+
+@dataclass
+class RsConfig:
+    """``correction.rs``: the rejection family (``rejection.rejection_mask``), mask only."""
+
+    #: the rules (``rejection.RS_RULES`` holds their default thresholds; the tests check the two agree)
+    rules: ClassVar[tuple[str, ...]] = ("token_k1", "seq_sum_k1", "seq_mean_k3", "seq_max_k2", "outlier_veto")
+    enabled: bool = False
+    #: token_k1 | seq_sum_k1 | seq_mean_k3 | seq_max_k2 | outlier_veto (``rejection.RS_RULES``)
+    rule: str = "seq_mean_k3"
+    #: tau > 0; null = the rule's default (``rejection.RS_RULES``)
+    threshold: Optional[Number] = None
+    #: outlier_veto: a sequence with any token ratio pi_old/mu outside [low, high] is dropped (SkyRL)
+    veto_band: list = field(default_factory=lambda: [1.0e-4, 100.0])
+
+
+@dataclass
+class M2poConfig:
+    """``correction.m2po``: M2PO (arXiv 2510.01161), mask the tokens with the largest (log pi_old/mu)^2 until the
+    batch's second moment is <= threshold (``rejection.m2po_bound``)."""
+
+    enabled: bool = False
+    #: tau, nats^2 (the paper's 0.04)
+    threshold: Number = 0.04
+
+
+@dataclass
+class GuardConfig:
+    """``correction.guard``: a check of the step's numerical train-inference gap (slime's CI threshold)."""
+
+    #: warn or stop when train/logprob_abs_diff exceeds this (nats per token); null = off
+    logprob_abs_diff_max: Optional[Number] = None
+    #: warn (a warning, the run goes on) | stop (LogprobGapExceeded after the step's metrics are written)
+    action: str = "warn"
+
+
+@dataclass
 class CorrectionConfig:
     """``correction``: train-inference corrections (``corrections.CORRECTIONS``; docs/corrections.md)."""
 
@@ -55,6 +103,12 @@ class CorrectionConfig:
     tis: TisConfig = field(default_factory=TisConfig)
     mis: MisConfig = field(default_factory=MisConfig)
     sc: ScConfig = field(default_factory=ScConfig)
+    opsm: OpsmConfig = field(default_factory=OpsmConfig)
+    rs: RsConfig = field(default_factory=RsConfig)
+    m2po: M2poConfig = field(default_factory=M2poConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    #: true: the rollout log-probs mu are pi_old, the trainer's pi_old pass is skipped (``algorithms.old_policy``)
+    bypass: bool = False
 
     def problems(self, run) -> Problems:
         """The values of the correction's parts it refuses (``schema.base``: ``config.validate`` raises
@@ -79,6 +133,8 @@ class CorrectionConfig:
             mis.level,
             "choose 'token', 'sequence' or 'geometric' (the geometric mean of the sequence's ratios)",
         )
+        yield from self.mask_problems()
+        yield from self.bypass_problems(run)
         low = tis.low
         yield from rule(
             low is None or (is_number(low) and 0 < low <= min(1.0, tis.cap)),
@@ -86,6 +142,90 @@ class CorrectionConfig:
             low,
             f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={tis.cap})] (an on-policy token, "
             "weight 1, must keep its weight)",
+        )
+
+    def bypass_problems(self, run) -> Problems:
+        """Where ``correction.bypass=true`` cannot be exact or safe (``algorithms.old_policy``): rows sampled by
+        older weights (their proximal policy is not built), a weight correction whose pi_old/mu bypass makes 1, or
+        an objective without a clipped ratio under kernels that leave a numerical gap between mu and pi_old."""
+        if not self.bypass or run is None:
+            return
+        from ..choices import ALGO_CONFIGS, ROLLOUT_MODES  # choices imports this package
+
+        mode = run.rollout.mode
+        yield from rule(
+            not (mode in ROLLOUT_MODES and ROLLOUT_MODES[mode].stale),
+            "correction.bypass",
+            True,
+            f"false with rollout.mode={mode}: its rows come from older weights, so mu is neither pi_old nor the "
+            "proximal policy AReaL's decoupled objective would need (not built); bypass needs rollout.mode=sync",
+        )
+        weights = [part for part in ("tis", "mis", "rs", "m2po") if getattr(self, part).enabled]
+        yield from rule(
+            not weights,
+            "correction.bypass",
+            True,
+            f"false with correction={self.name}: its {'/'.join(weights)} weighs each token by pi_old/mu, which "
+            "bypass makes 1 (the PPO ratio pi_theta/mu is then the importance ratio); use none, sc or opsm",
+        )
+        exact = run.kernels.name == "batch_invariant"
+        algo = run.algo.name
+        yield from rule(
+            exact or (algo in ALGO_CONFIGS and ALGO_CONFIGS[algo].ppo_clip),
+            "correction.bypass",
+            True,
+            f"false with algo={algo} under kernels={run.kernels.name}: mu differs from pi_old by the numerical gap, "
+            "and without a clipped ratio nothing bounds pi_theta/mu; bypass is exact under kernels=batch_invariant, "
+            "and elsewhere needs a PPO-clip objective (its clip is the importance truncation, verl's bypass)",
+        )
+
+    def mask_problems(self) -> Problems:
+        """The sequence masks' and the guard's values ``CorrectionConfig.problems`` refuses."""
+        opsm, rs, guard = self.opsm, self.rs, self.guard
+        yield from rule(is_number(opsm.delta) and opsm.delta >= 0, "correction.opsm.delta", opsm.delta, "must be >= 0")
+        yield from rule(rs.rule in rs.rules, "correction.rs.rule", rs.rule, f"choose one of {list(rs.rules)}")
+        yield from rule(
+            rs.threshold is None or (is_number(rs.threshold) and rs.threshold > 0),
+            "correction.rs.threshold",
+            rs.threshold,
+            "null (the rule's default) or a number > 0",
+        )
+        band = list(rs.veto_band)
+        yield from rule(
+            len(band) == 2 and all(is_number(b) for b in band) and 0 < band[0] < 1 < band[1],
+            "correction.rs.veto_band",
+            band,
+            "[low, high] with 0 < low < 1 < high (SkyRL: [1e-4, 100])",
+        )
+        yield from rule(
+            not (rs.enabled and self.mis.enabled),
+            "correction.rs.enabled",
+            rs.enabled,
+            "the rejection family and MIS both mask by the ratio: choose one (rs.rule=token_k1 is mask-only MIS with "
+            "the band [e^-tau, e^tau])",
+        )
+        m2po = self.m2po
+        yield from rule(
+            is_number(m2po.threshold) and m2po.threshold >= 0,
+            "correction.m2po.threshold",
+            m2po.threshold,
+            "must be >= 0",
+        )
+        yield from rule(
+            not (m2po.enabled and (self.mis.enabled or (rs.enabled and rs.rule == "token_k1"))),
+            "correction.m2po.enabled",
+            m2po.enabled,
+            "M2PO is a token band on the ratio, as MIS and rs.rule=token_k1 are: choose one",
+        )
+        gap = guard.logprob_abs_diff_max
+        yield from rule(
+            gap is None or (is_number(gap) and gap > 0),
+            "correction.guard.logprob_abs_diff_max",
+            gap,
+            "null (off) or a number > 0 (nats per token)",
+        )
+        yield from rule(
+            guard.action in ("warn", "stop"), "correction.guard.action", guard.action, "choose 'warn' or 'stop'"
         )
 
 
@@ -128,6 +268,9 @@ class KlConfig:
     estimator: str = "k3"
     #: log train/ref_kl even with beta = 0 (keeps a reference copy)
     track: bool = False
+    #: kl.mode=loss: weight the term by sg(pi_old/mu), the importance-weighted ("unbiased") KL that
+    #: train/ref_kl_is logs (TRL use_bias_correction_kl, slime --use-unbiased-kl)
+    is_weighted: bool = False
     #: loss (beta * KL per token in the loss, GRPO) | reward (-beta * KL folded into the per-token reward, classic
     #: RLHF PPO and REINFORCE++; ppo and reinforce_pp only) (``objectives.KL_MODES``)
     mode: str = "loss"

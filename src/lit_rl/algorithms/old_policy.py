@@ -1,0 +1,81 @@
+"""π_old, the denominator of every ratio of the update: the trainer's snapshot pass, or the rollout log-probs μ
+themselves (``correction.bypass``), and the batch-level statistics that read it (M2PO's bound, TIS's batch
+normalisation).
+
+``OldPolicyMixin`` is part of ``RLModule`` (``algorithms.module``). With one optimizer step per rollout batch the
+training forward itself is π_old and nothing runs here; with several (``algo.ppo_epochs`` × ``num_minibatches``)
+π_old is fixed for the whole cycle, so the trainer scores the batch once first (``snapshot``), unless
+``correction.bypass=true``: then μ is taken as π_old and the pass is skipped.
+
+Bypass (verl's ``apply_bypass_mode``, prime-rl's default). Under ``kernels=batch_invariant`` in sync mode, μ
+equals the trainer's π_old bit for bit (the same model definition and kernels score the same weights), so bypass
+is exact: every logged value and the final weights equal those of the snapshot (tests/test_bypass.py), and the
+pass's time (``time/old_logprob_s``) is saved. Under other kernels μ ≠ π_old by the numerical gap, and bypass is
+another estimator: the PPO ratio π_θ/μ, clipped, is then both the trust region and the train–inference
+correction (verl's bypass with its PPO-clip loss); ``config.check_bypass`` allows that only for objectives with a
+clipped ratio, and refuses the weight corrections whose π_old/μ bypass would make 1 (tis, mis, rs, m2po) and the
+rollout modes whose rows come from older weights (their proximal policy, AReaL's decoupled objective, is not
+built here).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import corrections as corr
+from .. import rejection
+from ..logprobs import TokenScores
+from ..rollout.types import RolloutBatch
+
+
+class OldPolicyMixin:
+    """π_old of the update cycle, for a LightningModule with ``policy``, ``correction``, ``updates_per_step``,
+    ``micro_batch_size`` and ``logprobs_of``."""
+
+    #: seconds the last update's π_old pass took (``time/old_logprob_s``; 0 when none ran)
+    old_logprob_s: float = 0.0
+
+    def start_update(self, rb: RolloutBatch) -> None:
+        """What the update needs before its first optimizer step: π_old, as μ with ``correction.bypass`` or from
+        the trainer (``snapshot``) when the batch gets several optimizer steps (with one, the training forward
+        itself is π_old) or a batch-level correction reads it (M2PO's bound on the log-ratios,
+        ``rejection.batch_log_ratio_bound``). Records the pass's time in ``old_logprob_s``."""
+        self.old_logprob_s = 0.0
+        if getattr(self.correction, "bypass", False):
+            rb.old_logprobs = rb.rollout_logprobs.clone()
+            if rb.topk_logprobs is not None and self.correction.sc.enabled:
+                rb.old_head_logprobs = rb.topk_logprobs.clone()
+        batch_level = rejection.needs_batch_pass(self.correction)
+        if (self.updates_per_step > 1 or batch_level) and rb.old_logprobs is None:
+            t0 = time.perf_counter()
+            self.snapshot(rb)
+            self.old_logprob_s = time.perf_counter() - t0
+        if batch_level:
+            rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb)
+            rb.weight_scale = corr.batch_weight_scale(self.correction, rb)
+
+    @torch.no_grad()
+    def snapshot(self, rb: RolloutBatch) -> None:
+        """Fill ``rb.old_logprobs`` [N, T]: pi_old, the weights this update cycle starts from, fixed for
+        all its epochs and minibatches. (With a single update the training forward itself is pi_old and
+        this pass is skipped.)"""
+        n, t = rb.response_ids.shape
+        rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
+        for i in range(0, n, self.micro_batch_size):
+            mb = rb.select(slice(i, i + self.micro_batch_size))
+            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
+            rb.old_logprobs[i : i + len(mb), : scores.logprobs.shape[1]] = scores.logprobs
+            self.store_old_head(rb, i, scores)
+
+    def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
+        """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout
+        batch gets several optimizer steps): rows ``start:`` of ``rb.old_head_logprobs`` [N, T, k] from a
+        snapshot micro-batch's ``scores``. A no-op without score centering."""
+        if scores.head_logprobs is None:
+            return
+        if rb.old_head_logprobs is None:
+            rb.old_head_logprobs = torch.full_like(rb.topk_logprobs, float("-inf"))
+        w = scores.head_logprobs.shape[1]
+        rb.old_head_logprobs[start : start + scores.head_logprobs.shape[0], :w] = scores.head_logprobs
