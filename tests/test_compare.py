@@ -422,6 +422,34 @@ def test_cli_test_unknown_setting(seeded, tmp_path):
     res = cli(seeded, "--tags", "train/ref_kl", "--out", tmp_path / "o", "--test", "correction=sc", "correction=mis")
     assert res.returncode == 2 and "--test: no setting 'correction=mis'" in res.stderr
     assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()  # checked before the first PNG: nothing written
+
+
+def test_summary_says_which_runs_are_not_finished(tmp_path):
+    """finished.json is what a run writes last; a run without it is still being written while a process holds its
+    folder's lock (as a live training run does), else it stopped early."""
+    import fcntl
+
+    root = tmp_path / "sweep"
+    for name in ("done", "live", "stopped"):
+        write_run(str(root / name), {"r": {0: 0.1, 1: 0.2}}, finished=name == "done")
+        (root / name / ".lit_rl.lock").write_text("{}")
+    fd = os.open(root / "live" / ".lit_rl.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the claim a live run holds (lit_rl.run.runfolder)
+        res = cli(root, "--tags", "r", "--out", tmp_path / "o")
+    finally:
+        os.close(fd)
+    assert res.returncode == 0, res.stderr
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    lines = [ln for ln in summary.splitlines() if ln.startswith("- **not finished**")]
+    assert len(lines) == 2
+    assert lines[0].endswith("live: still being written (a live process holds it)")
+    assert lines[1].endswith(f"stopped: stopped early (continue it with --resume {root / 'stopped'})")
+    assert "done:" not in summary.split("Runs per setting")[0]
+    assert (
+        compare.run_state(str(root / "live")) == "stopped early (continue it with --resume " + str(root / "live") + ")"
+    )
 
 
 def test_versus_with_seeds_gets_intervals(tmp_path):
