@@ -306,3 +306,49 @@ def test_a_signal_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_st
     assert_stopped_with_checkpoint(
         subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, signal.Signals(signum).name, step
     )
+
+
+@pytest.mark.slow  # ~35 s (a cold start of the recipe); test_staleness.py covers Ctrl-C mid-step in the default suite
+def test_ctrl_c_checkpoints_the_step_exits_130_with_the_continue_hint(tmp_path):
+    """Ctrl-C (SIGINT from outside, to ``python recipes/train.py``) used to exit 1 through Lightning's
+    KeyboardInterrupt with no checkpoint and no hint: it now stops as SIGTERM does. The signal comes once the
+    second step's line is out, so the run stops after a step that no periodic checkpoint covered."""
+    import re
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), *COMMON, RARE_CHECKPOINTS]
+    cmd += ["trainer.max_steps=40", "log.plain_lines=true", f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        # a background job of a non-interactive shell inherits SIGINT ignored: give the run a terminal's default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("lit_rl: step 2/"):
+                proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends
+                break
+        stdout = "".join(lines) + proc.stdout.read()
+        stderr = proc.stderr.read()
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert code == 128 + signal.SIGINT == 130, (code, stderr[-3000:])
+    assert "Detected KeyboardInterrupt" not in stdout + stderr
+    assert "lit_rl: received SIGINT (rank 0); finishing this step, then checkpointing it" in stderr
+    m = re.search(
+        r"lit_rl: stopped by SIGINT after RL step (\d+); its checkpoint is (\S+)\. Continue with: (.*)", stdout
+    )
+    assert m is not None, stdout[-2000:]
+    step = int(m.group(1))
+    assert 2 <= step < 40 and m.group(3) == f"python recipes/train.py --resume {out}"
+    assert m.group(2) == str(out / "checkpoints" / f"epoch=0-step={step}.ckpt")
+    assert torch.load(m.group(2), weights_only=False)["global_step"] == step
+    assert not (out / "finished.json").exists()

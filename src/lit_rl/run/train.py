@@ -327,7 +327,7 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     cannot use."""
     cfg, out, k = prepared.cfg, prepared.out, prepared.updates_per_rl_step
     logger = build_loggers(cfg, out)
-    checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
+    checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1/SIGINT (preemption.py)
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
         save_last="link",
@@ -525,7 +525,7 @@ def build(prepared: Prepared) -> RunParts:
 def fit(parts: RunParts) -> dict[str, float]:
     """Lightning's fit of the built run under its kernel mode, from its checkpoint when it continues one (which
     must fit the module), then the final checkpoint. Returns the last logged metrics (reduced over ranks).
-    Raises a ``preemption`` stop for SIGTERM / SIGUSR1 (checkpointed at a safe point), ConfigError for a
+    Raises a ``preemption`` stop for SIGTERM / SIGUSR1 / SIGINT (checkpointed at a safe point), ConfigError for a
     checkpoint that does not fit."""
     prepared, trainer, module = parts.prepared, parts.trainer, parts.model.module
     k, ckpt_path = prepared.updates_per_rl_step, prepared.ckpt_path
@@ -543,7 +543,7 @@ def fit(parts: RunParts) -> dict[str, float]:
             check_checkpoint_fits(ckpt_path, module)
         try:
             trainer.fit(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path)
-        except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
+        except SIGTERMException as stop:  # SIGTERM, SIGUSR1 or Ctrl-C, checkpointed at a safe point: exit 128 + signal
             raise preempted(trainer, parts.checkpoints, prepared.out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
             module.source.close()  # idempotent; first, so no producer thread still uses the engine
