@@ -97,6 +97,14 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
     if on_stale == "block":
         assert dropped[-1] == 0.0  # blocking drops nothing
     assert not producer_threads()
+    # rates are the producer's own: tokens (8 completions x mean length) and FLOPs over its generate time, not over
+    # the trainer's wait for the buffer (time/rollout_s, near 0 when the batch was ready: rates of millions)
+    tokens = [8 * v for v in values(s, "rollout/response_length_mean")]
+    generate, wait = values(s, "time/generate_s"), values(s, "time/rollout_s")
+    assert values(s, "perf/rollout_tokens_per_s") == pytest.approx([t / g for t, g in zip(tokens, generate)], rel=1e-5)
+    flops = values(s, "perf/rollout_flops")
+    assert values(s, "perf/rollout_tflops") == pytest.approx([f / g / 1e12 for f, g in zip(flops, generate)], rel=1e-5)
+    assert generate != pytest.approx(wait, rel=1e-3)  # two different clocks: the test tells them apart
 
 
 def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):

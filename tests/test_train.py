@@ -30,6 +30,7 @@ TAGS = [
     "time/train_s",
     "time/step_s",
     "time/weight_sync_s",
+    "time/generate_s",
     "perf/rollout_tokens_per_s",
     "perf/update_tflops",
     "perf/rollout_tflops",
@@ -48,6 +49,7 @@ def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):
         assert tag in scalars, tag
     assert len(scalars["train/loss"]) == 4
     assert len(scalars["eval/accuracy"]) == 2  # after steps 2 and 4
+    assert scalars["time/generate_s"] == scalars["time/rollout_s"]  # sync: the trainer's own generation time
     for _, v in scalars["rollout/reward_mean"]:
         assert 0.0 <= v <= 1.0
     # on-policy, one update per batch: pi_old is the trainer's own forward, so the PPO KL is exactly 0

@@ -271,7 +271,8 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         scored, collect_metrics, t_sync = self.source.collect(self, batch)
         self.count_reward_failures(scored, rl_step)  # a reward function failing step after step stops the run here
         t_rollout = time.perf_counter() - t0
-        metrics = {**self.rollout_metrics(scored), **collect_metrics}
+        # a source that generates ahead (async) reports its own generation time; otherwise the trainer generated
+        metrics = {"time/generate_s": t_rollout, **self.rollout_metrics(scored), **collect_metrics}
         weights = self.algorithm.metric_weights(self, batch, scored, metrics)
 
         t1 = time.perf_counter()
@@ -291,8 +292,8 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         metrics["perf/threads"] = float(torch.get_num_threads())  # threads=adaptive changes it per step
         metrics.update(self.step_flops(scored, rb))
         metrics = self.reduce_step_metrics(metrics, weights)
-        tokens, t_rollout = metrics.pop("perf/rollout_tokens"), metrics["time/rollout_s"]
-        metrics["perf/rollout_tokens_per_s"] = tokens / t_rollout if t_rollout > 0 else 0.0
+        tokens, t_generate = metrics.pop("perf/rollout_tokens"), metrics["time/generate_s"]
+        metrics["perf/rollout_tokens_per_s"] = tokens / t_generate if t_generate > 0 else 0.0  # the engine's rate
         metrics.update(self.flop_rates(metrics))
         metrics.update(train_metrics)
         self.write_step_metrics(metrics, rl_step)

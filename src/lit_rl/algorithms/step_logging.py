@@ -46,16 +46,19 @@ class StepLoggingMixin:
     def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
         """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
         ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
-        and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
+        and ``perf/mfu`` = update FLOP rate / peak. The rollout's rate divides by ``time/generate_s``, the engine's
+        own generation (and scoring) time: async's producer's, not the trainer's wait for its buffer (which could
+        be near 0 and gave ~20 TFLOP/s on a 0.95 TFLOP/s CPU); ``time/rollout_s`` where no source reported one.
+        Measures ``peak_flops`` on first use if unset."""
         if self.peak_flops is None:
             from ..run.hardware import peak_flops
 
             accelerator = "cuda" if self.device.type == "cuda" else "cpu"
             precision = self.trainer.precision if self._trainer is not None else "32-true"
             self.peak_flops = peak_flops(precision, accelerator)[0]
-        t_train, t_rollout = metrics["time/train_s"], metrics["time/rollout_s"]
+        t_train, t_generate = metrics["time/train_s"], metrics.get("time/generate_s", metrics["time/rollout_s"])
         update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
-        rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
+        rollout = metrics["perf/rollout_flops"] / t_generate if t_generate > 0 else 0.0
         peak = self.peak_flops * self.world_size
         return {
             "perf/update_tflops": update / 1e12,

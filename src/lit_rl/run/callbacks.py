@@ -87,9 +87,10 @@ class SampleLogger(L.Callback):
 
 
 class PlainLines(L.Callback):
-    """One plain line per RL step (step, reward, response length, s/step, rollout tokens/s): on stdout when
-    ``console`` (what a log file or a cluster job's output shows, where a progress bar never prints), else to the
-    run's ``run_log`` only (``runlog.RunLog.note``: the console shows the progress bar)."""
+    """One plain line per RL step (step, reward, response length, s/step, and tokens/s: the engine's own generation
+    rate, ``perf/rollout_tokens_per_s``, in async mode the producer's, not tokens over the trainer's wait): on
+    stdout when ``console`` (what a log file or a cluster job's output shows, where a progress bar never prints),
+    else to the run's ``run_log`` only (``runlog.RunLog.note``: the console shows the progress bar)."""
 
     def __init__(self, max_steps: int, console: bool = True, run_log=None):
         self.max_steps, self.console, self.run_log = max_steps, console, run_log
