@@ -384,7 +384,7 @@ def run_case(
         if rc:
             tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
             raise RunFailed(f"{case.name} [{side}]: {rc}; the end of {log}:\n{tail}")
-    return read_scalars(run / "tensorboard"), seconds
+    return read_scalars(run), seconds
 
 
 # -- the base side's cache ---------------------------------------------------------------------------------------

@@ -52,7 +52,10 @@ def sweep(tmp_path_factory):
     """A multirun sweep folder with 2 settings x 2 seeds; algo=dapo,seed=1 written as tensor summaries."""
     root = tmp_path_factory.mktemp("multirun") / "10-00-00"
     for name, scalars in RUNS.items():
-        write_run(str(root / name), scalars, tensor_writer=(name == "algo=dapo,seed=1"))
+        # algo=grpo,seed=1 as runs wrote it before their event files moved into the run folder: still read
+        write_run(
+            str(root / name), scalars, tensor_writer=(name == "algo=dapo,seed=1"), old_layout=name == "algo=grpo,seed=1"
+        )
     return root
 
 
@@ -108,7 +111,9 @@ def test_read_scalars_both_writers(sweep):
 def test_single_run_folder_named_after_itself(sweep):
     run = sweep / "algo=grpo,seed=0"
     assert compare.find_runs([str(run)]) == {"algo=grpo,seed=0": str(run)}
-    assert list(compare.find_runs([str(run / "tensorboard")])) == ["algo=grpo,seed=0"]
+    old = sweep / "algo=grpo,seed=1"  # events in tensorboard/, the layout before
+    assert compare.find_runs([str(old)]) == {"algo=grpo,seed=1": str(old)}
+    assert list(compare.find_runs([str(old / "tensorboard")])) == ["algo=grpo,seed=1"]
 
 
 def test_same_names_in_two_folders_are_prefixed(tmp_path):

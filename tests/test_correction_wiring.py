@@ -75,7 +75,7 @@ def test_run_logs_correction_metrics(tmp_path):
         cfg_for("correction=sc+tis", "engine.dtype=bfloat16", "trainer.max_steps=2", "correction.sc.top_k=32"),
         tmp_path / "r",
     )
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     for tag in [
         "train/tis",
         "train/tis_abs",
@@ -96,7 +96,7 @@ def test_run_with_the_logit_noise_dial_logs_its_gap(tmp_path):
     and the KL to the initial policy on mu's tokens (ref_kl) and reweighted to the policy's own (ref_kl_is)."""
     moving = [*MOVING, "kl.track=true", "trainer.max_steps=2", "sampling.max_new_tokens=16"]  # weights move
     run(cfg_for(*moving, "engine.logit_noise=0.5"), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     for tag in ("train/train_inference_kl", "train/train_inference_kl_reverse"):
         assert [step for step, _ in s[tag]] == [0, 1]
         assert all(0.06 < v < 0.25 for _, v in s[tag]), (tag, s[tag])
@@ -105,6 +105,6 @@ def test_run_with_the_logit_noise_dial_logs_its_gap(tmp_path):
     assert s["train/ref_kl"][1][1] > 0 and s["train/ref_kl_is"][1][1] > 0
     # on-policy the importance weights are 1 (up to the engine's float32 rounding): the two KLs agree
     run(cfg_for(*moving), tmp_path / "on")
-    s = read_scalars(tmp_path / "on" / "tensorboard")
+    s = read_scalars(tmp_path / "on")
     assert s["train/ref_kl"][1][1] > 0
     assert s["train/ref_kl_is"][1][1] == pytest.approx(s["train/ref_kl"][1][1], rel=1e-3)

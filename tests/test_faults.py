@@ -48,7 +48,7 @@ def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
     res = launch("none", 0, out)
     assert res.returncode == 0, res.stderr[-3000:]
-    scalars = read_scalars(out / "tensorboard")
+    scalars = read_scalars(out)
     assert all(v > 0 for _, v in scalars["train/grad_norm"])  # the weights move at every step
     return scalars
 
@@ -79,7 +79,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fau
 
     res = launch("none", 0, out, "ckpt_path=last")
     assert res.returncode == 0, res.stderr[-3000:]
-    got = read_scalars(out / "tensorboard")
+    got = read_scalars(out)
     for tag in TAGS:
         assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag  # no lost step
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
@@ -89,7 +89,7 @@ def assert_resumes_exactly(straight, out, *overrides, env=None):
     """Continue the stopped run in ``out``; every logged value equals the uninterrupted run's, step for step."""
     res = launch("none", 0, out, *overrides, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    got = read_scalars(out / "tensorboard")
+    got = read_scalars(out)
     for tag in TAGS:
         assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
@@ -106,7 +106,7 @@ def assert_stopped_with_checkpoint(res, out, signame, step):
     assert not (out / "finished.json").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [ckpt.name, "last.ckpt"]  # no partial file
     assert torch.load(find_last(out / "checkpoints"), weights_only=False)["global_step"] == step
-    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == list(range(step))
+    assert [s for s, _ in read_scalars(out)["train/loss"]] == list(range(step))
 
 
 # checkpoint.every_n_steps=10: the checkpoint a preempted run leaves is the one the signal made it write
@@ -206,7 +206,7 @@ def nan_advantages_at(steps):
 def test_a_non_finite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1}))
     run(cfg_for("trainer.max_steps=3", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     assert [v for _, v in s["train/skipped_updates"]] == [0.0, 1.0, 1.0]
     assert math.isnan(s["train/grad_norm"][1][1]) and math.isfinite(s["train/grad_norm"][2][1])
 
@@ -261,7 +261,7 @@ def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_pa
     2 groups all correct; the random tiny model answers no sum right, so both are all wrong."""
     out = tmp_path / "r"
     run(cfg_for("trainer.max_steps=1", "eval.num_examples=4", "eval.every_n_steps=1", *MOVING), out)
-    s = read_scalars(out / "tensorboard")
+    s = read_scalars(out)
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0]
     assert [v for _, v in s["eval/accuracy"]] == [0.0]  # the random tiny model answers no sum right
     assert [v for _, v in s["eval/reward_mean"]] == [0.0]

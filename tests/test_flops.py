@@ -49,7 +49,7 @@ def test_a_tiny_run_logs_flops_rates_and_mfu_on_every_step(tmp_path):
     times, and perf/mfu is the update's rate over the logged peak."""
     cfg = cfg_for("trainer.max_steps=2", "eval.num_examples=0")  # 2 prompts x G=4, 8 new tokens, float32
     run(cfg, tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     _, tok = load_policy(ModelConfig("tiny"))
     dm = RolloutDataModule(build_task_from_cfg(cfg), tok, 2, 4, seed=cfg.seed, eval_examples=0)
     for step in (0, 1):

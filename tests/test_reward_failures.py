@@ -162,7 +162,7 @@ def test_a_function_that_fails_on_every_call_stops_the_run_before_the_steps_upda
         "reward function 'nan' failed on every call in 2 RL steps in a row (steps 0-1, reward.max_failed_steps=2); "
         "its first error: TypeError: reward nan is not finite. "
     )
-    assert [step for step, _ in read_scalars(tmp_path / "run" / "tensorboard")["train/loss"]] == [0]
+    assert [step for step, _ in read_scalars(tmp_path / "run")["train/loss"]] == [0]
     assert not (tmp_path / "run" / "finished.json").exists()
 
 
@@ -199,14 +199,14 @@ def test_a_function_that_fails_on_every_call_stops_the_recipe_with_its_first_err
     assert res.stdout.count("reward function 'raises' failed: ValueError: no parser for this;") == 1
     assert not (run_dir / "finished.json").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
-    s = read_scalars(run_dir / "tensorboard")
+    s = read_scalars(run_dir)
     assert [step for step, _ in s["train/loss"]] == [0, 1]
     assert [v for _, v in s["rollout/reward_errors"]] == [8.0, 8.0]  # 2 prompts x G = 4, each failed
 
     res = _recipe("--resume", str(run_dir), "reward.max_failed_steps=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run_dir / "finished.json").exists()
-    assert [step for step, _ in read_scalars(run_dir / "tensorboard")["train/loss"]] == [0, 1, 2, 3, 4, 5]
+    assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [0, 1, 2, 3, 4, 5]
 
 
 # -- item 9: what the reward functions print goes to <run>/reward_output.log, not to the console -----------------

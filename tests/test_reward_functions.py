@@ -54,7 +54,7 @@ def test_two_user_functions_from_a_file_weighted_give_the_hand_computed_scalars(
         "reward.weights=[2.0,0.5,1.0]",
     )
     run(cfg, tmp_path / "run")
-    s = {tag: values[0][1] for tag, values in read_scalars(tmp_path / "run" / "tensorboard").items()}
+    s = {tag: values[0][1] for tag, values in read_scalars(tmp_path / "run").items()}
     assert s["rollout/reward/level_reward"] == pytest.approx(0.625)
     assert s["rollout/reward/odd_only"] == pytest.approx(1.0)
     assert s["rollout/reward/fragile"] == 0.0
@@ -183,7 +183,7 @@ def test_eval_pass_at_k_and_mean_at_n_through_a_run(tmp_path, capsys):
         "log.plain_lines=true",
     )
     run(cfg, tmp_path / "run")
-    s = read_scalars(tmp_path / "run" / "tensorboard")
+    s = read_scalars(tmp_path / "run")
     tags = ("eval/pass@2", "eval/mean@4", "eval/accuracy", "eval/reward_mean")
     values = {tag: [v for _, v in s[tag]] for tag in tags}
     assert values == {"eval/pass@2": [0.5], "eval/mean@4": [0.25], "eval/accuracy": [0.25], "eval/reward_mean": [0.25]}
@@ -192,7 +192,7 @@ def test_eval_pass_at_k_and_mean_at_n_through_a_run(tmp_path, capsys):
     assert set(rows[0]) == {"step", "prompt", "completion", "reward", "advantage"} and "What is" in rows[0]["prompt"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"tensors": 0}).Reload()
     texts = events.Tensors("samples/text_summary")
     assert [t.step for t in texts] == [0, 1] and b"| prompt | completion |" in texts[0].tensor_proto.string_val[0]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lit_rl: step ")]
@@ -243,7 +243,7 @@ def test_correct_comes_from_the_verifier_not_from_a_threshold_on_the_weighted_to
         fast_config("trainer.max_steps=2", "eval.num_examples=1", "eval.n=4", "eval.k=2", "eval.temperature=1.0")
     )
     lit_rl.train(cfg, tmp_path / "run", reward_functions=functions, train_dataset=[SUM, SUM], eval_dataset=[SUM])
-    s = {tag: [v for _, v in values] for tag, values in read_scalars(tmp_path / "run" / "tensorboard").items()}
+    s = {tag: [v for _, v in values] for tag, values in read_scalars(tmp_path / "run").items()}
     assert s["eval/accuracy"] == [0.25] and s["eval/mean@4"] == [0.25]
     assert s["eval/pass@2"] == [pytest.approx(0.5)]
     assert s["rollout/groups_all_correct"] == [1.0, 1.0] and s["rollout/groups_all_wrong"] == [1.0, 1.0]

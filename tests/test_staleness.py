@@ -34,7 +34,7 @@ def producer_threads():
 
 def test_lagged_k2_samples_with_the_weights_of_two_steps_ago(tmp_path):
     run(cfg_for("trainer.max_steps=5", "rollout.mode=lagged", "rollout.lag=2", *MOVING), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     # before two older versions exist the oldest one is used: 0, 1, then exactly 2
     assert values(s, "rollout/staleness_mean") == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert values(s, "rollout/staleness_max") == [0.0, 1.0, 2.0, 2.0, 2.0]
@@ -49,7 +49,7 @@ def test_lagged_k2_samples_with_the_weights_of_two_steps_ago(tmp_path):
 def test_lagged_k0_equals_sync_bit_for_bit(tmp_path):
     run(cfg_for("trainer.max_steps=3", *MOVING), tmp_path / "sync")
     run(cfg_for("trainer.max_steps=3", "rollout.mode=lagged", "rollout.lag=0", *MOVING), tmp_path / "lag0")
-    a, b = read_scalars(tmp_path / "sync" / "tensorboard"), read_scalars(tmp_path / "lag0" / "tensorboard")
+    a, b = read_scalars(tmp_path / "sync"), read_scalars(tmp_path / "lag0")
     tags = [t for t in a if not t.startswith(("time/", "perf/"))]
     assert tags and set(tags) <= set(b)
     for tag in tags:
@@ -65,7 +65,7 @@ def test_lagged_resume_continues_exactly(tmp_path):
     run(cfg_for("trainer.max_steps=5", *common), tmp_path / "straight")
     run(cfg_for("trainer.max_steps=3", *common), tmp_path / "resumed")
     run(cfg_for("trainer.max_steps=5", "ckpt_path=last", *common), tmp_path / "resumed")
-    a, b = read_scalars(tmp_path / "straight" / "tensorboard"), read_scalars(tmp_path / "resumed" / "tensorboard")
+    a, b = read_scalars(tmp_path / "straight"), read_scalars(tmp_path / "resumed")
     for tag in [
         "rollout/staleness_mean",
         "rollout/response_length_mean",
@@ -89,7 +89,7 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
         ),
         tmp_path / "a",
     )
-    s = read_scalars(tmp_path / "a" / "tensorboard")
+    s = read_scalars(tmp_path / "a")
     assert len(s["rollout/staleness_max"]) == 6
     assert all(v <= bound for v in values(s, "rollout/staleness_max")), s["rollout/staleness_max"]
     dropped = values(s, "rollout/dropped_samples_total")

@@ -198,7 +198,8 @@ def check_run_folder(out: Path, ckpt_path: str | None) -> None:
             f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one"
         )
     if ckpt_path is None:
-        started = sorted((out / "checkpoints").glob("*.ckpt")) + sorted((out / "tensorboard").glob("events.*"))
+        events = sorted(out.glob("events.out.tfevents*")) + sorted((out / "tensorboard").glob("events.*"))
+        started = sorted((out / "checkpoints").glob("*.ckpt")) + events  # events: in the run folder, or older runs'
         if started and not started[0].name.endswith(".ckpt"):  # logs but no checkpoint: nothing to continue
             raise ConfigError(
                 f"output folder {out} holds a run that stopped before its first checkpoint "

@@ -2,9 +2,9 @@
 
     python recipes/compare.py outputs/multirun/2026-11-29/10-00-00 --tags rollout/reward_mean,eval/accuracy
 
-A *run* is a folder that holds TensorBoard event files, directly or in a ``tensorboard/`` subfolder (what
-``recipes/train.py`` writes). A run's name is its path relative to the folder given on the command line
-(for a Hydra multirun: the override_dirname, e.g. ``algo=dapo,seed=1``). Runs whose names differ only by a
+A *run* is a folder that holds TensorBoard event files, directly (what ``recipes/train.py`` writes) or in a
+``tensorboard/`` subfolder (what it wrote before). A run's name is its path relative to the folder given on the
+command line (for a Hydra multirun: the override_dirname, e.g. ``algo=dapo,seed=1``). Runs whose names differ only by a
 ``seed=N`` item form one *setting* (``algo=dapo``), wherever the item stands (a job's ``.hydra/overrides.yaml``,
 when there is one, says which item is its seed); each tag is shown per setting as the mean over its seeds
 with a min–max band across seeds.
