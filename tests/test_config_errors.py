@@ -344,14 +344,14 @@ def test_finished_run_folder_is_never_overwritten(tmp_path):
 
 def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_path):
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step=6.ckpt").write_bytes(b"x")
     with pytest.raises(
         ConfigError,
-        match=r"holds an unfinished run \(epoch=0-step=6.ckpt\); continue it with "
+        match=r"holds an unfinished run \(step=6.ckpt\); continue it with "
         r"ckpt_path=last",
     ):
         run(cfg_for(), tmp_path)
-    assert (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").read_bytes() == b"x"
+    assert (tmp_path / "checkpoints" / "step=6.ckpt").read_bytes() == b"x"
 
 
 @pytest.mark.parametrize("sub", ["", "tensorboard"])  # event files in the run folder; in tensorboard/ (older runs)

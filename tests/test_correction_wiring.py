@@ -98,7 +98,7 @@ def test_run_with_the_logit_noise_dial_logs_its_gap(tmp_path):
     run(cfg_for(*moving, "engine.logit_noise=0.5"), tmp_path / "r")
     s = read_scalars(tmp_path / "r")
     for tag in ("train/train_inference_kl", "train/train_inference_kl_reverse"):
-        assert [step for step, _ in s[tag]] == [0, 1]
+        assert [step for step, _ in s[tag]] == [1, 2]
         assert all(0.06 < v < 0.25 for _, v in s[tag]), (tag, s[tag])
     # KL to the initial policy: 0 before the first update, then > 0 both on mu's tokens and reweighted to pi's
     assert s["train/ref_kl"][0][1] == 0 and s["train/ref_kl_is"][0][1] == 0

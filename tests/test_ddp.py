@@ -133,7 +133,7 @@ def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
     assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "policy" / "model.safetensors").is_file()
     ddp = read_scalars(out)
-    assert [s for s, _ in ddp["train/loss"]] == [0, 1, 2]
+    assert [s for s, _ in ddp["train/loss"]] == [1, 2, 3]
     assert len(ddp["eval/accuracy"]) == 1  # after step 2, both ranks' shares of the 4 eval prompts
 
     run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
@@ -215,7 +215,7 @@ def test_vllm_engine_per_rank_under_ddp_logs_what_one_device_logs(tmp_path):
     launch_recipe(*vllm, "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
     launch_recipe(*vllm, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     ddp, one = read_scalars(out), read_scalars(tmp_path / "one")
-    assert [s for s, _ in ddp["train/logprob_abs_diff"]] == [0, 1, 2]
+    assert [s for s, _ in ddp["train/logprob_abs_diff"]] == [1, 2, 3]
     assert all(0 <= v < 1e-4 for _, v in ddp["train/logprob_abs_diff"]), ddp["train/logprob_abs_diff"]
     assert all(v > 0 for _, v in ddp["train/grad_norm"])  # the weights moved: each sync pushed new ones
     assert_logs_what_one_device_logs(ddp, one)

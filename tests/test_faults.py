@@ -81,7 +81,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fau
     assert res.returncode == 0, res.stderr[-3000:]
     got = read_scalars(out)
     for tag in TAGS:
-        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag  # no lost step
+        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [1, 2, 3, 4], tag  # no lost step
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
 
 
@@ -91,22 +91,22 @@ def assert_resumes_exactly(straight, out, *overrides, env=None):
     assert res.returncode == 0, res.stderr[-3000:]
     got = read_scalars(out)
     for tag in TAGS:
-        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag
+        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
     return res
 
 
 def assert_stopped_with_checkpoint(res, out, signame, step):
     """Stopped after RL step ``step`` (no later step logged), its checkpoint the only one, named in the message."""
-    ckpt = out / "checkpoints" / f"epoch=0-step={step}.ckpt"
+    ckpt = out / "checkpoints" / f"step={step}.ckpt"
     assert (
         f"lit_rl: stopped by {signame} after RL step {step}; its checkpoint is {ckpt}. "
         f"Continue with: python recipes/train.py --resume {out}"
     ) in res.stdout, res.stdout[-2000:]
     assert not (out / "finished.json").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [ckpt.name, "last.ckpt"]  # no partial file
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", ckpt.name]  # no partial file
     assert torch.load(find_last(out / "checkpoints"), weights_only=False)["global_step"] == step
-    assert [s for s, _ in read_scalars(out)["train/loss"]] == list(range(step))
+    assert [s for s, _ in read_scalars(out)["train/loss"]] == list(range(1, step + 1))  # the last logged is `step`
 
 
 # checkpoint.every_n_steps=10: the checkpoint a preempted run leaves is the one the signal made it write
@@ -215,7 +215,7 @@ def test_too_many_non_finite_updates_in_a_row_stop_the_run_naming_the_step(tmp_p
     monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1, 2, 3, 4, 5}))
     with pytest.raises(
         NonFiniteUpdates,
-        match=r"3 updates in a row .* stopped at RL step 3 .*"
+        match=r"3 updates in a row .* stopped at RL step 4 .*"  # the fourth step (steps are numbered from 1)
         r"optim.max_nonfinite_updates=3",
     ):
         run(cfg_for("trainer.max_steps=6", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
@@ -349,6 +349,6 @@ def test_ctrl_c_checkpoints_the_step_exits_130_with_the_continue_hint(tmp_path):
     assert m is not None, stdout[-2000:]
     step = int(m.group(1))
     assert 2 <= step < 40 and m.group(3) == f"python recipes/train.py --resume {out}"
-    assert m.group(2) == str(out / "checkpoints" / f"epoch=0-step={step}.ckpt")
+    assert m.group(2) == str(out / "checkpoints" / f"step={step}.ckpt")
     assert torch.load(m.group(2), weights_only=False)["global_step"] == step
     assert not (out / "finished.json").exists()

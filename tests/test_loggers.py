@@ -60,7 +60,7 @@ def test_a_continued_run_keeps_one_history_in_every_logger(tmp_path, monkeypatch
     run(fast_config("trainer.max_steps=2", *MOVING, loggers), out)
     run(fast_config("trainer.max_steps=3", *MOVING, loggers, f"resume={out}"), tmp_path / "ignored")
     reference = read_scalars(out)
-    assert [step for step, _ in reference["train/loss"]] == [0, 1, 2]
+    assert [step for step, _ in reference["train/loss"]] == [1, 2, 3]
     wandb_dirs = sorted((out / "wandb").glob("offline-run-*"))  # one folder per process, as wandb writes offline
     assert len(wandb_dirs) == 2 and len({wandb_run_id(d) for d in wandb_dirs}) == 1, wandb_dirs
     wandb = {}

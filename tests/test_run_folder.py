@@ -71,7 +71,7 @@ def test_two_runs_started_together_with_the_default_folder_take_their_own(tmp_pa
     for folder in folders:
         assert os.path.isfile(os.path.join(folder, "finished.json"))
         assert len(glob.glob(os.path.join(folder, "events.*"))) == 1  # one run's events
-        assert [s for s, _ in read_scalars(folder)["train/loss"]] == [0]
+        assert [s for s, _ in read_scalars(folder)["train/loss"]] == [1]
 
 
 def test_two_runs_started_together_in_one_named_folder_never_share_it(tmp_path):
@@ -114,7 +114,7 @@ def test_a_live_claim_refuses_a_second_run_and_resume_and_a_dead_one_is_taken_ov
     with pytest.raises(ConfigError, match="already holds a finished run"):
         run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)
     run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)  # continuing takes it over
-    assert [s for s, _ in read_scalars(out)["train/loss"]] == [0, 1]
+    assert [s for s, _ in read_scalars(out)["train/loss"]] == [1, 2]
 
 
 def test_a_claim_refused_while_the_holder_writes_its_record_names_the_holder(tmp_path):

@@ -144,7 +144,7 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
     out = res.stdout + res.stderr
     # Ctrl-C stops as SIGTERM does: the second step finishes, is checkpointed, exit 130 with the continue hint
     assert res.returncode == 128 + signal.SIGINT == 130, out[-3000:]
-    ckpt = tmp_path / "i" / "checkpoints" / "epoch=0-step=2.ckpt"
+    ckpt = tmp_path / "i" / "checkpoints" / "step=2.ckpt"
     assert (
         f"lit_rl: stopped by SIGINT after RL step 2; its checkpoint is {ckpt}. "
         f"Continue with: python recipes/train.py --resume {tmp_path / 'i'}"

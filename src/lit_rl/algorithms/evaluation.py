@@ -11,6 +11,7 @@ import torch
 
 from ..rollout.datamodule import PromptBatch
 from ..tasks.reward_functions import pass_at_k
+from .step_logging import FIRST_LOGGED_STEP
 
 
 class EvaluationMixin:
@@ -60,11 +61,14 @@ class EvaluationMixin:
         # already the same on every rank; sync_dist=True averages equal values (and keeps Lightning quiet when
         # vLLM has set up a one-process torch.distributed group of its own)
         accuracy = correct / count if count else 0.0
-        self.log("eval/accuracy", accuracy, prog_bar=True, sync_dist=True)
-        self.log("eval/reward_mean", total / count if count else 0.0, sync_dist=True)
+        metrics = {"eval/accuracy": accuracy, "eval/reward_mean": total / count if count else 0.0}
         if int(self.eval_n) > 1:
-            self.log(f"eval/mean@{int(self.eval_n)}", accuracy, sync_dist=True)
-            self.log(f"eval/pass@{int(self.eval_k)}", passed / problems if problems else 0.0, sync_dist=True)
+            metrics[f"eval/mean@{int(self.eval_n)}"] = accuracy
+            metrics[f"eval/pass@{int(self.eval_k)}"] = passed / problems if problems else 0.0
+        for name, value in metrics.items():  # the progress bar and callbacks; the loggers get them below
+            self.log(name, value, prog_bar=name == "eval/accuracy", sync_dist=True, logger=False)
+        # at the number of the step it follows (Lightning's own logging put it one step earlier)
+        self.write_step_metrics(metrics, self.global_step // self.updates_per_step - 1 + FIRST_LOGGED_STEP)
 
     def on_validation_end(self) -> None:
         self.source.resume(self)

@@ -98,8 +98,11 @@ class RunCheckpoint(ModelCheckpoint):
     checkpoints at the next safe point after SIGTERM or SIGUSR1 (module docstring). ``signum``: the first
     such signal received (None before); ``preempted_path``: the checkpoint written for it."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, updates_per_step: int = 1, **kwargs):
+        kwargs.setdefault("filename", "step={rl_step}")  # step=N.ckpt: N RL steps done, the last one logged as N
+        kwargs.setdefault("auto_insert_metric_name", False)
         super().__init__(*args, **kwargs)
+        self.updates_per_step = max(1, int(updates_per_step))
         self.signum: int | None = None
         self.preempted_path: str | None = None
         self._trainer: L.Trainer | None = None
@@ -164,6 +167,13 @@ class RunCheckpoint(ModelCheckpoint):
         return self.signum
 
     # -- checkpoints --------------------------------------------------------------------------------------------
+    def _monitor_candidates(self, trainer) -> dict:
+        """Lightning's values for the file name, with ``rl_step``: RL steps done (``global_step`` counts optimizer
+        steps, ``updates_per_step`` of them per RL step)."""
+        candidates = super()._monitor_candidates(trainer)
+        candidates["rl_step"] = torch.tensor(trainer.global_step // self.updates_per_step)
+        return candidates
+
     def _save_now(self, trainer) -> None:
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)

@@ -248,11 +248,12 @@ def save_final_checkpoint(trainer: L.Trainer, checkpoints: ModelCheckpoint) -> N
     of a finished run continues from its end: written atomically, ``last.ckpt`` re-pointed at it, then the
     previous one removed (``save_top_k=1``). A collective under DDP (every rank calls it)."""
     previous = checkpoints.best_model_path
+    steps = trainer.global_step // max(1, getattr(checkpoints, "updates_per_step", 1))  # RL steps done
     match = re.search(r"step=(\d+)", os.path.basename(previous or ""))
-    if match and int(match.group(1)) == trainer.global_step:
+    if match and int(match.group(1)) == steps:
         return
     folder = Path(checkpoints.dirpath)
-    final = folder / f"step={trainer.global_step}.ckpt"
+    final = folder / f"step={steps}.ckpt"
     trainer.save_checkpoint(final)
     if trainer.is_global_zero:
         link = folder / "last.ckpt"

@@ -51,7 +51,7 @@ from ..rollout.sources import RolloutSourceShutdown
 from ..schema import ModelConfig, TrainConfig, train_config
 from ..tasks import build_task
 from ..tasks.reward_functions import RewardFunctions
-from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on
+from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on, step_progress_bar
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .hardware import peak_flops, precision_dtype, uses_cuda
 from .loggers import build_loggers, finish_loggers
@@ -328,6 +328,7 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     cfg, out, k = prepared.cfg, prepared.out, prepared.updates_per_rl_step
     logger = build_loggers(cfg, out)
     checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1/SIGINT (preemption.py)
+        updates_per_step=k,  # named step=<RL steps done>.ckpt
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
         save_last="link",
@@ -350,6 +351,8 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
         callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1), console, prepared.log))
     if console and cfg.log.plain_lines == "auto":  # not a terminal: a progress bar would never print
         trainer_kwargs["enable_progress_bar"] = False
+    if trainer_kwargs.get("enable_progress_bar", True):
+        callbacks.append(step_progress_bar())  # "RL step n/N", not Lightning's "Epoch 0/-2"
     try:
         trainer = L.Trainer(
             logger=logger,
