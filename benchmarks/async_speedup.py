@@ -53,7 +53,7 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     run(cfg, out)
-    s = read_scalars(out / "tensorboard")
+    s = read_scalars(out)
     after_first = lambda tag: [v for step, v in s.get(tag, []) if step > 0] or [0.0]  # noqa: E731
     return {
         "step": statistics.mean(after_first("time/step_s")),

@@ -15,7 +15,8 @@ in the loss, a lagged run and a run continued across a resume (``CASES``). For e
 ``git worktree add --detach`` of it, its own ``recipes/train.py`` and ``PYTHONPATH=<worktree>/src``; the
 worktree is removed at the end) and with the working tree's code, uncommitted changes included. It then reads
 both runs' event files and compares every scalar tag except the wall-clock ones (``is_wall_clock``): the same
-tags, the same steps in the same order, every value equal bit for bit (NaN equals NaN). It prints one row per
+tags, the same steps in the same order (a base from before steps were numbered from 1 has its steps moved by one
+first, ``step_origin``), every value equal bit for bit (NaN equals NaN). It prints one row per
 case and exits 1 when a case differs or a run fails, 0 when every case is identical.
 
 Everything that could make two runs differ for reasons other than the code is pinned (``PINNED``): float32
@@ -308,6 +309,38 @@ def compare_scalars(base: dict[str, list[tuple[int, float]]], head: dict[str, li
     return result
 
 
+#: where a checkout says which number its first RL step is logged under (absent before: 0)
+STEP_ORIGIN_FILE = "src/lit_rl/algorithms/step_logging.py"
+
+
+def first_logged_step(source: str) -> int:
+    """The ``FIRST_LOGGED_STEP = N`` that ``source`` (the text of ``STEP_ORIGIN_FILE``) declares; 0 when it has none
+    (the code before steps were numbered from 1 logged the first RL step as step 0, and evaluation after step N at
+    N - 1)."""
+    for line in source.splitlines():
+        name, _, value = line.partition("=")
+        if name.strip() == "FIRST_LOGGED_STEP" and value.strip().isdigit():
+            return int(value.strip())
+    return 0
+
+
+def step_origin(sha: str | None) -> int:
+    """``first_logged_step`` of the commit ``sha`` (None: the working tree)."""
+    if sha is None:
+        path = ROOT / STEP_ORIGIN_FILE
+        return first_logged_step(path.read_text() if path.exists() else "")
+    shown = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{sha}:{STEP_ORIGIN_FILE}"], capture_output=True, text=True
+    )
+    return first_logged_step(shown.stdout if shown.returncode == 0 else "")
+
+
+def shift_steps(scalars: dict[str, list[tuple[int, float]]], by: int) -> dict[str, list[tuple[int, float]]]:
+    """``scalars`` with every step moved by ``by``: a base that numbers steps from 0 compared with a head that
+    numbers them from 1 (``step_origin``) is compared step for step, so a value logged one step off still differs."""
+    return {tag: [(step + by, value) for step, value in points] for tag, points in scalars.items()}
+
+
 # -- running a case ----------------------------------------------------------------------------------------------
 class RunFailed(RuntimeError):
     """A training process exited non-zero (or ran past the time limit); the message ends with its log's tail."""
@@ -384,7 +417,7 @@ def run_case(
         if rc:
             tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
             raise RunFailed(f"{case.name} [{side}]: {rc}; the end of {log}:\n{tail}")
-    return read_scalars(run / "tensorboard"), seconds
+    return read_scalars(run), seconds
 
 
 # -- the base side's cache ---------------------------------------------------------------------------------------
@@ -517,7 +550,12 @@ def check_case(case: Case, sha: str, base_src: Callable[[], Path], work: Path, a
         check_imports_own_code(args.python, ROOT, child_env(ROOT, args.threads))
         checked.add(ROOT)
     head, head_s = run_case(case, "head", ROOT, work / "head" / case.name, args.python, args.threads, args.timeout)
-    c = compare_scalars(base, head)
+    shift = step_origin(None) - step_origin(sha)
+    if shift:  # the two sides number steps from different origins: compare step for step all the same
+        print(
+            f"  {case.name}: base steps moved by {shift:+d} (the base logs its first step as step {step_origin(sha)})"
+        )
+    c = compare_scalars(shift_steps(base, shift), head)
     return Row(
         case.name,
         f"{c.tags} (+{len(c.skipped)} wall-clock)",

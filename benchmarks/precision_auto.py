@@ -65,7 +65,7 @@ def measure(precision: str, args, out: Path) -> dict:
     run(cfg, out)
     end = cpu_busy_seconds()
     others = ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
-    s = read_scalars(out / "tensorboard")
+    s = read_scalars(out)
     mean = lambda tag: statistics.mean(v for step, v in s[tag] if step >= 1)  # noqa: E731
     return {
         "used": cfg.trainer.precision,

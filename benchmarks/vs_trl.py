@@ -63,7 +63,7 @@ def lit_rl_step(out: str, prompts: int = PROMPTS, g: int = G, new_tokens: int = 
 
     cfg = recipe_cfg(prompts, g, new_tokens)
     run(cfg, out)
-    s = read_scalars(os.path.join(out, "tensorboard"))
+    s = read_scalars(out)
     last = {
         tag: s[tag][-1][1] for tag in ("time/rollout_s", "time/train_s", "time/step_s", "rollout/response_length_mean")
     }

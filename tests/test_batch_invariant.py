@@ -374,7 +374,7 @@ def test_ten_step_run_logs_a_zero_gap_at_every_step(tmp_path):
     ]  # bf16-mixed (the default precision); updates that move the weights
     cfg = compose_config(*overrides)
     run(cfg, tmp_path / "bi")
-    s = read_scalars(tmp_path / "bi" / "tensorboard")
+    s = read_scalars(tmp_path / "bi")
     gaps = [v for _, v in s["train/logprob_abs_diff"]]
     assert len(gaps) == 10 and all(v == 0.0 for v in gaps), gaps
     assert len({v for _, v in s["train/grad_norm"]}) > 1  # the weights moved between steps
@@ -404,7 +404,7 @@ def test_async_rollouts_keep_a_zero_gap_with_the_producer_at_the_trainer_s_threa
         "rollout.max_staleness=1",
     ]
     run(compose_config(*overrides), tmp_path / "async")
-    s = read_scalars(tmp_path / "async" / "tensorboard")
+    s = read_scalars(tmp_path / "async")
     r_num = [v for _, v in s["train/r_num_abs"]]
     assert len(r_num) == 4 and all(v == 0.0 for v in r_num), r_num
     assert max(v for _, v in s["rollout/staleness_max"]) > 0  # the producer ran ahead of the trainer

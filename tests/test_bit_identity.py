@@ -112,3 +112,18 @@ def test_resumed_run_keeps_every_record_in_write_order(tmp_path):
     write_run(tmp_path / "r", {"train/loss": [0.5, 0.25]}, steps=(0, 1))
     second = write_run(tmp_path / "r", {"train/loss": [0.24, 0.125]}, steps=(1, 2))
     assert second["train/loss"] == [(0, 0.5), (1, 0.25), (1, pytest.approx(0.24)), (2, 0.125)]
+
+
+def test_a_base_that_numbers_steps_from_0_is_compared_step_for_step(tmp_path):
+    """Steps are logged from 1 since ``FIRST_LOGGED_STEP``; a base from before logged from 0. The base's steps are
+    moved by the difference of the two origins, so the check stays step for step: a value one step off differs."""
+    assert bit_identity.first_logged_step("x = 0\nFIRST_LOGGED_STEP = 1\n") == 1
+    assert bit_identity.first_logged_step("def f():\n    return 0\n") == 0  # no declaration: the code before
+    assert bit_identity.step_origin(None) == 1
+    base = write_run(tmp_path / "a", SCALARS)  # steps 0, 1, 2
+    head = write_run(tmp_path / "b", SCALARS, steps=(1, 2, 3))
+    assert not bit_identity.compare_scalars(base, head).identical
+    assert bit_identity.compare_scalars(bit_identity.shift_steps(base, 1), head).identical
+    late = write_run(tmp_path / "c", {**SCALARS, "train/loss": [0.5, 0.25, 0.25]}, steps=(1, 2, 3))
+    c = bit_identity.compare_scalars(bit_identity.shift_steps(base, 1), late)
+    assert [(d.tag, d.step, d.kind) for d in c.differences] == [("train/loss", 3, "value")]

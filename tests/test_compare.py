@@ -52,7 +52,10 @@ def sweep(tmp_path_factory):
     """A multirun sweep folder with 2 settings x 2 seeds; algo=dapo,seed=1 written as tensor summaries."""
     root = tmp_path_factory.mktemp("multirun") / "10-00-00"
     for name, scalars in RUNS.items():
-        write_run(str(root / name), scalars, tensor_writer=(name == "algo=dapo,seed=1"))
+        # algo=grpo,seed=1 as runs wrote it before their event files moved into the run folder: still read
+        write_run(
+            str(root / name), scalars, tensor_writer=(name == "algo=dapo,seed=1"), old_layout=name == "algo=grpo,seed=1"
+        )
     return root
 
 
@@ -108,7 +111,9 @@ def test_read_scalars_both_writers(sweep):
 def test_single_run_folder_named_after_itself(sweep):
     run = sweep / "algo=grpo,seed=0"
     assert compare.find_runs([str(run)]) == {"algo=grpo,seed=0": str(run)}
-    assert list(compare.find_runs([str(run / "tensorboard")])) == ["algo=grpo,seed=0"]
+    old = sweep / "algo=grpo,seed=1"  # events in tensorboard/, the layout before
+    assert compare.find_runs([str(old)]) == {"algo=grpo,seed=1": str(old)}
+    assert list(compare.find_runs([str(old / "tensorboard")])) == ["algo=grpo,seed=1"]
 
 
 def test_same_names_in_two_folders_are_prefixed(tmp_path):
@@ -422,6 +427,34 @@ def test_cli_test_unknown_setting(seeded, tmp_path):
     res = cli(seeded, "--tags", "train/ref_kl", "--out", tmp_path / "o", "--test", "correction=sc", "correction=mis")
     assert res.returncode == 2 and "--test: no setting 'correction=mis'" in res.stderr
     assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()  # checked before the first PNG: nothing written
+
+
+def test_summary_says_which_runs_are_not_finished(tmp_path):
+    """finished.json is what a run writes last; a run without it is still being written while a process holds its
+    folder's lock (as a live training run does), else it stopped early."""
+    import fcntl
+
+    root = tmp_path / "sweep"
+    for name in ("done", "live", "stopped"):
+        write_run(str(root / name), {"r": {0: 0.1, 1: 0.2}}, finished=name == "done")
+        (root / name / ".lit_rl.lock").write_text("{}")
+    fd = os.open(root / "live" / ".lit_rl.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the claim a live run holds (lit_rl.run.runfolder)
+        res = cli(root, "--tags", "r", "--out", tmp_path / "o")
+    finally:
+        os.close(fd)
+    assert res.returncode == 0, res.stderr
+    summary = (tmp_path / "o" / "summary.md").read_text()
+    lines = [ln for ln in summary.splitlines() if ln.startswith("- **not finished**")]
+    assert len(lines) == 2
+    assert lines[0].endswith("live: still being written (a live process holds it)")
+    assert lines[1].endswith(f"stopped: stopped early (continue it with --resume {root / 'stopped'})")
+    assert "done:" not in summary.split("Runs per setting")[0]
+    assert (
+        compare.run_state(str(root / "live")) == "stopped early (continue it with --resume " + str(root / "live") + ")"
+    )
 
 
 def test_versus_with_seeds_gets_intervals(tmp_path):

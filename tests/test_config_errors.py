@@ -344,26 +344,27 @@ def test_finished_run_folder_is_never_overwritten(tmp_path):
 
 def test_a_folder_holding_an_unfinished_run_is_refused_without_ckpt_path(tmp_path):
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step=6.ckpt").write_bytes(b"x")
     with pytest.raises(
         ConfigError,
-        match=r"holds an unfinished run \(epoch=0-step=6.ckpt\); continue it with "
+        match=r"holds an unfinished run \(step=6.ckpt\); continue it with "
         r"ckpt_path=last",
     ):
         run(cfg_for(), tmp_path)
-    assert (tmp_path / "checkpoints" / "epoch=0-step=6.ckpt").read_bytes() == b"x"
+    assert (tmp_path / "checkpoints" / "step=6.ckpt").read_bytes() == b"x"
 
 
-def test_a_folder_whose_run_stopped_before_a_checkpoint_does_not_suggest_resuming(tmp_path):
-    (tmp_path / "tensorboard").mkdir()
-    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+@pytest.mark.parametrize("sub", ["", "tensorboard"])  # event files in the run folder; in tensorboard/ (older runs)
+def test_a_folder_whose_run_stopped_before_a_checkpoint_does_not_suggest_resuming(tmp_path, sub):
+    (tmp_path / sub).mkdir(exist_ok=True)
+    (tmp_path / sub / "events.out.tfevents.1").write_bytes(b"x")
     with pytest.raises(
         ConfigError,
         match=r"holds a run that stopped before its first checkpoint "
         r"\(events.out.tfevents.1\); choose another folder",
     ):
         run(cfg_for(), tmp_path)
-    assert (tmp_path / "tensorboard" / "events.out.tfevents.1").read_bytes() == b"x"
+    assert (tmp_path / sub / "events.out.tfevents.1").read_bytes() == b"x"
 
 
 def test_a_tokenizer_without_chat_template_is_named(tmp_path, tiny):

@@ -77,7 +77,7 @@ def test_run_logs_correction_metrics(tmp_path):
         cfg_for("correction=sc+tis", "engine.dtype=bfloat16", "trainer.max_steps=2", "correction.sc.top_k=32"),
         tmp_path / "r",
     )
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     for tag in [
         "train/tis",
         "train/tis_abs",
@@ -98,16 +98,16 @@ def test_run_with_the_logit_noise_dial_logs_its_gap(tmp_path):
     and the KL to the initial policy on mu's tokens (ref_kl) and reweighted to the policy's own (ref_kl_is)."""
     moving = [*MOVING, "kl.track=true", "trainer.max_steps=2", "sampling.max_new_tokens=16"]  # weights move
     run(cfg_for(*moving, "engine.logit_noise=0.5"), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     for tag in ("train/train_inference_kl", "train/train_inference_kl_reverse"):
-        assert [step for step, _ in s[tag]] == [0, 1]
+        assert [step for step, _ in s[tag]] == [1, 2]
         assert all(0.06 < v < 0.25 for _, v in s[tag]), (tag, s[tag])
     # KL to the initial policy: 0 before the first update, then > 0 both on mu's tokens and reweighted to pi's
     assert s["train/ref_kl"][0][1] == 0 and s["train/ref_kl_is"][0][1] == 0
     assert s["train/ref_kl"][1][1] > 0 and s["train/ref_kl_is"][1][1] > 0
     # on-policy the importance weights are 1 (up to the engine's float32 rounding): the two KLs agree
     run(cfg_for(*moving), tmp_path / "on")
-    s = read_scalars(tmp_path / "on" / "tensorboard")
+    s = read_scalars(tmp_path / "on")
     assert s["train/ref_kl"][1][1] > 0
     assert s["train/ref_kl_is"][1][1] == pytest.approx(s["train/ref_kl"][1][1], rel=1e-3)
 
@@ -136,7 +136,7 @@ def test_the_main_job_runs_three_steps_with_each_new_correction(tmp_path, overri
     every step logs finite losses and the correction's metrics and the weights move."""
     cfg = compose_config("trainer.max_steps=3", "eval.num_examples=0", "trainer.enable_progress_bar=false", *overrides)
     run(cfg, tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     assert [step for step, _ in s["train/loss"]] == [0, 1, 2]
     assert all(math.isfinite(v) for _, v in s["train/loss"])
     for tag in ("train/is_ess", "train/is_chi2_seq", "train/is_extreme_frac", "time/old_logprob_s"):

@@ -41,7 +41,7 @@ def test_a_parquet_and_a_csv_file_with_custom_columns_train_two_steps(tmp_path, 
     data = write(tmp_path / f"train{suffix}")
     cfg = fast_config(*COLUMNS, f"task.path={data}", "trainer.max_steps=2", "eval.num_examples=1")
     run(cfg, tmp_path / "run")
-    scalars = read_scalars(tmp_path / "run" / "tensorboard")
+    scalars = read_scalars(tmp_path / "run")
     assert len(scalars["train/loss"]) == 2 and len(scalars["eval/accuracy"]) == 1
     task = build_task({**dict(cfg.task), "seed": 0})
     assert len(task.train_examples()) == 3 and len(task.eval_examples()) == 1  # 25 % of 4 rows held out
@@ -92,7 +92,7 @@ def test_chat_messages_system_prompt_template_and_a_saved_dataset_folder(tmp_pat
         "trainer.max_steps=1",
     )
     run(cfg, tmp_path / "run")
-    assert len(read_scalars(tmp_path / "run" / "tensorboard")["train/loss"]) == 1
+    assert len(read_scalars(tmp_path / "run")["train/loss"]) == 1
 
 
 def one_line_error(exc_type, fn):

@@ -131,7 +131,7 @@ EVAL = ("eval.n=4", "eval.temperature=1.0", "eval.at_start=true", "reward.correc
 
 
 def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
-    """``trainer=ddp trainer.devices=2``: one TensorBoard run (rank 0 writes), train/loss at steps 0, 1, 2,
+    """``trainer=ddp trainer.devices=2``: one TensorBoard run (rank 0 writes), train/loss at steps 1, 2, 3,
     a checkpoint and finished.json; every logged value equals the one-device run's (seeds do not depend on
     the rank, and each value is reduced over ranks with the weights one device would use), the evaluations'
     pass@k, maj@n, best@n... included (issue 40)."""
@@ -146,19 +146,19 @@ def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
         f"hydra.run.dir={out}",
         cwd=tmp_path,
     )
-    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    events = list(out.rglob("events.out.tfevents.*"))
     assert len(events) == 1, events
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
     assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "policy" / "model.safetensors").is_file()
-    ddp = read_scalars(out / "tensorboard")
-    assert [s for s, _ in ddp["train/loss"]] == [0, 1, 2]
-    # before step 0 (eval.at_start) and after step 2 (x of step 1), both ranks' shares of the 4 eval prompts;
+    ddp = read_scalars(out)
+    assert [s for s, _ in ddp["train/loss"]] == [1, 2, 3]
+    # before step 1 (eval.at_start, x 0) and after step 2 (x 2), both ranks' shares of the 4 eval prompts;
     # every_fourth: 1 correct sample of 4 per problem, pass@2 = 1 - C(3,2)/C(4,2) = 0.5
-    assert [(x, round(v, 6)) for x, v in ddp["eval/pass@2"]] == [(-1, 0.5), (1, 0.5)]
+    assert [(x, round(v, 6)) for x, v in ddp["eval/pass@2"]] == [(0, 0.5), (2, 0.5)]
     assert sorted(p.name for p in (out / "eval_generations").iterdir()) == ["main.jsonl", "main.rank1.jsonl"]
 
     run(cfg_for("trainer.max_steps=3", *EVAL, f"reward.functions=[{tmp_path}/r.py:every_fourth]"), tmp_path / "one")
-    assert_logs_what_one_device_logs(ddp, read_scalars(tmp_path / "one" / "tensorboard"))
+    assert_logs_what_one_device_logs(ddp, read_scalars(tmp_path / "one"))
 
 
 def assert_logs_what_one_device_logs(ddp: dict, one: dict) -> None:
@@ -198,9 +198,9 @@ def test_fsdp_on_two_cpu_processes_logs_what_one_device_logs_and_resumes_exactly
     assert json.loads((out / "finished.json").read_text())["global_step"] == 2
     launch_recipe("--resume", str(out), "trainer.max_steps=3", cwd=tmp_path)
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
-    assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 2  # one per launch: rank 0 writes
+    assert len(list(out.rglob("events.out.tfevents.*"))) == 2  # one per launch: rank 0 writes
     run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
-    assert_logs_what_one_device_logs(read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard"))
+    assert_logs_what_one_device_logs(read_scalars(out), read_scalars(tmp_path / "one"))
     exported = ModelConfig(str(out / "policy"))
     policy, _ = load_policy(exported)
     one, _ = load_policy(ModelConfig(str(tmp_path / "one" / "policy")))
@@ -219,7 +219,7 @@ def test_fsdp_ranks_whose_completions_end_at_different_lengths_do_not_wait_on_ea
     cmd += [str(out), *FAST, "threads=1", "trainer.max_steps=3", "trainer=fsdp", "trainer.devices=2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
     assert res.returncode == 0, res.stderr[-3000:]
-    lengths = [v for _, v in read_scalars(out / "tensorboard")["rollout/response_length_mean"]]
+    lengths = [v for _, v in read_scalars(out)["rollout/response_length_mean"]]
     assert lengths == [5.0, 5.0, 5.0]  # the mean over both ranks' rows: (8 + 2) / 2
 
 
@@ -235,8 +235,8 @@ def test_vllm_engine_per_rank_under_ddp_logs_what_one_device_logs(tmp_path):
     out = tmp_path / "ddp"
     launch_recipe(*vllm, "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
     launch_recipe(*vllm, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
-    ddp, one = read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard")
-    assert [s for s, _ in ddp["train/logprob_abs_diff"]] == [0, 1, 2]
+    ddp, one = read_scalars(out), read_scalars(tmp_path / "one")
+    assert [s for s, _ in ddp["train/logprob_abs_diff"]] == [1, 2, 3]
     assert all(0 <= v < 1e-4 for _, v in ddp["train/logprob_abs_diff"]), ddp["train/logprob_abs_diff"]
     assert all(v > 0 for _, v in ddp["train/grad_norm"])  # the weights moved: each sync pushed new ones
     assert_logs_what_one_device_logs(ddp, one)
@@ -293,10 +293,10 @@ def test_torchrun_two_nodes_of_one_process_log_what_one_device_logs(tmp_path):
                 pass
     assert [node.returncode for node in nodes] == [0, 0], [log[-3000:] for log in logs]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in logs[1]
-    assert len(list((out / "tensorboard").rglob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
+    assert len(list(out.rglob("events.out.tfevents.*"))) == 1  # rank 0 alone writes
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
     run(cfg_for("trainer.max_steps=3"), tmp_path / "one")
-    assert_logs_what_one_device_logs(read_scalars(out / "tensorboard"), read_scalars(tmp_path / "one" / "tensorboard"))
+    assert_logs_what_one_device_logs(read_scalars(out), read_scalars(tmp_path / "one"))
 
 
 def test_trainer_groups_compose_and_the_rank_count_is_checked():

@@ -72,8 +72,8 @@ def test_train_from_python_with_a_list_of_rows_and_a_reward_callable_then_resume
     assert saved.task.name == "dataset" and saved.task.path == str((out / "data").resolve())
     assert (saved.task.split, saved.task.eval_split) == ("train", "test")
     assert list(saved.reward.functions) == ["format", "test_entry:brevity"]
-    scalars = read_scalars(out / "tensorboard")
-    assert [s for s, _ in scalars["rollout/reward/brevity"]] == [0, 1]
+    scalars = read_scalars(out)
+    assert [s for s, _ in scalars["rollout/reward/brevity"]] == [1, 2]
     assert all(-1.0 <= v < 0.0 for _, v in scalars["rollout/reward/brevity"])  # -len / 100 of 8 tokens' text
     assert len(scalars["eval/accuracy"]) == 1
     assert result.metrics["rollout/reward/format"] == scalars["rollout/reward/format"][-1][1]
@@ -81,7 +81,7 @@ def test_train_from_python_with_a_list_of_rows_and_a_reward_callable_then_resume
     longer = train_config(saved)
     longer.trainer["max_steps"] = 3
     lit_rl.train(longer, resume=out)  # no dataset, no callables: the folder has both
-    assert [s for s, _ in read_scalars(out / "tensorboard")["rollout/reward/brevity"]] == [0, 1, 2]
+    assert [s for s, _ in read_scalars(out)["rollout/reward/brevity"]] == [1, 2, 3]
     steps = [line.split(" reward")[0] for line in (out / "train.log").read_text().splitlines() if " step " in line]
     assert steps == ["lit_rl: step 1/2", "lit_rl: step 2/2", "lit_rl: step 3/3"]  # the run folder records both runs
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
@@ -135,7 +135,7 @@ def test_a_reward_function_of_the_running_script(tmp_path, guarded):
         saved = OmegaConf.load(out / "config.yaml")
         assert list(saved.reward.functions) == [f"{script.resolve()}:short"]
         assert saved.task.prompt_field == "question"  # the dataset options of task=dataset are kept
-        assert "rollout/reward/short" in read_scalars(out / "tensorboard")
+        assert "rollout/reward/short" in read_scalars(out)
     else:
         assert proc.returncode != 0
         assert 'if __name__ == "__main__":' in proc.stderr and "reward.functions" in proc.stderr, proc.stderr[-3000:]

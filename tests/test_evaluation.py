@@ -72,7 +72,7 @@ def test_two_eval_sets_log_apart_with_at_start_and_their_generations(tmp_path, m
         f"eval.sets=[{{name: other, task: {{name: dataset, path: '{other}'}}, split: train}}]",
     )
     run(cfg, tmp_path / "run")
-    s = read_scalars(tmp_path / "run" / "tensorboard")
+    s = read_scalars(tmp_path / "run")
     first = s["train/loss"][0][0]
     for prefix, c, pass2, maj in (("eval/", 0.25, 0.5, 0.0), ("eval/other/", 0.5, round(5 / 6, 6), 1.0)):
         got = {k: s[prefix + k] for k in ("accuracy", "mean@4", "pass@1", "pass@2", "pass@4", "maj@4", "best@4")}
@@ -106,7 +106,7 @@ def test_eval_only_evaluates_a_policy_folder_without_training(tmp_path):
     run(fast_config("trainer.max_steps=1", "eval.num_examples=0"), tmp_path / "a")
     policy = tmp_path / "a" / "policy"
     run(fast_config(f"model.name_or_path={policy}", "eval.only=true", "eval.num_examples=2"), tmp_path / "b")
-    s = read_scalars(tmp_path / "b" / "tensorboard")
+    s = read_scalars(tmp_path / "b")
     assert [v for _, v in s["eval/accuracy"]] == [0.0] and "train/loss" not in s
     assert not (tmp_path / "b" / "policy").exists() and (tmp_path / "b" / "eval_generations" / "main.jsonl").exists()
 

@@ -206,7 +206,7 @@ def test_two_step_grpo_run(family_dir, family, tmp_path):
         overrides.append(f"model.attn_implementation={ATTN[family]}")
     out = tmp_path / "run"
     run(fast_config(*overrides), out)
-    scalars = read_scalars(out / "tensorboard")
+    scalars = read_scalars(out)
     assert len(scalars["train/loss"]) == 2
     assert all(0.0 <= v < 1e-4 for _, v in scalars["train/logprob_abs_diff"])
     assert (out / "policy" / "model.safetensors").is_file()

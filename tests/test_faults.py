@@ -48,7 +48,7 @@ def straight(tmp_path_factory):
     out = tmp_path_factory.mktemp("straight") / "run"
     res = launch("none", 0, out)
     assert res.returncode == 0, res.stderr[-3000:]
-    scalars = read_scalars(out / "tensorboard")
+    scalars = read_scalars(out)
     assert all(v > 0 for _, v in scalars["train/grad_norm"])  # the weights move at every step
     return scalars
 
@@ -79,9 +79,9 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fau
 
     res = launch("none", 0, out, "ckpt_path=last")
     assert res.returncode == 0, res.stderr[-3000:]
-    got = read_scalars(out / "tensorboard")
+    got = read_scalars(out)
     for tag in TAGS:
-        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag  # no lost step
+        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [1, 2, 3, 4], tag  # no lost step
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
 
 
@@ -89,24 +89,24 @@ def assert_resumes_exactly(straight, out, *overrides, env=None):
     """Continue the stopped run in ``out``; every logged value equals the uninterrupted run's, step for step."""
     res = launch("none", 0, out, *overrides, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    got = read_scalars(out / "tensorboard")
+    got = read_scalars(out)
     for tag in TAGS:
-        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [0, 1, 2, 3], tag
+        assert [s for s, _ in got[tag]] == [s for s, _ in straight[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in got[tag]] == [v for _, v in straight[tag]], tag  # identical, not close
     return res
 
 
 def assert_stopped_with_checkpoint(res, out, signame, step):
     """Stopped after RL step ``step`` (no later step logged), its checkpoint the only one, named in the message."""
-    ckpt = out / "checkpoints" / f"epoch=0-step={step}.ckpt"
+    ckpt = out / "checkpoints" / f"step={step}.ckpt"
     assert (
         f"lit_rl: stopped by {signame} after RL step {step}; its checkpoint is {ckpt}. "
         f"Continue with: python recipes/train.py --resume {out}"
     ) in res.stdout, res.stdout[-2000:]
     assert not (out / "finished.json").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [ckpt.name, "last.ckpt"]  # no partial file
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", ckpt.name]  # no partial file
     assert torch.load(find_last(out / "checkpoints"), weights_only=False)["global_step"] == step
-    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == list(range(step))
+    assert [s for s, _ in read_scalars(out)["train/loss"]] == list(range(1, step + 1))  # the last logged is `step`
 
 
 # checkpoint.every_n_steps=10: the checkpoint a preempted run leaves is the one the signal made it write
@@ -206,7 +206,7 @@ def nan_advantages_at(steps):
 def test_a_non_finite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1}))
     run(cfg_for("trainer.max_steps=3", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     assert [v for _, v in s["train/skipped_updates"]] == [0.0, 1.0, 1.0]
     assert math.isnan(s["train/grad_norm"][1][1]) and math.isfinite(s["train/grad_norm"][2][1])
 
@@ -215,7 +215,7 @@ def test_too_many_non_finite_updates_in_a_row_stop_the_run_naming_the_step(tmp_p
     monkeypatch.setattr(GRPO, "advantages", nan_advantages_at({1, 2, 3, 4, 5}))
     with pytest.raises(
         NonFiniteUpdates,
-        match=r"3 updates in a row .* stopped at RL step 3 .*"
+        match=r"3 updates in a row .* stopped at RL step 4 .*"  # the fourth step (steps are numbered from 1)
         r"optim.max_nonfinite_updates=3",
     ):
         run(cfg_for("trainer.max_steps=6", "eval.num_examples=0", "checkpoint.every_n_steps=1"), tmp_path / "r")
@@ -261,7 +261,7 @@ def test_constant_reward_is_for_training_only_eval_uses_the_real_verifier(tmp_pa
     2 groups all correct; the random tiny model answers no sum right, so both are all wrong."""
     out = tmp_path / "r"
     run(cfg_for("trainer.max_steps=1", "eval.num_examples=4", "eval.every_n_steps=1", *MOVING), out)
-    s = read_scalars(out / "tensorboard")
+    s = read_scalars(out)
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0]
     assert [v for _, v in s["eval/accuracy"]] == [0.0]  # the random tiny model answers no sum right
     assert [v for _, v in s["eval/reward_mean"]] == [0.0]
@@ -306,3 +306,49 @@ def test_a_signal_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_st
     assert_stopped_with_checkpoint(
         subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, signal.Signals(signum).name, step
     )
+
+
+@pytest.mark.slow  # ~35 s (a cold start of the recipe); test_staleness.py covers Ctrl-C mid-step in the default suite
+def test_ctrl_c_checkpoints_the_step_exits_130_with_the_continue_hint(tmp_path):
+    """Ctrl-C (SIGINT from outside, to ``python recipes/train.py``) used to exit 1 through Lightning's
+    KeyboardInterrupt with no checkpoint and no hint: it now stops as SIGTERM does. The signal comes once the
+    second step's line is out, so the run stops after a step that no periodic checkpoint covered."""
+    import re
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "train.py"), *COMMON, RARE_CHECKPOINTS]
+    cmd += ["trainer.max_steps=40", "log.plain_lines=true", f"hydra.run.dir={out}"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        # a background job of a non-interactive shell inherits SIGINT ignored: give the run a terminal's default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("lit_rl: step 2/"):
+                proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends
+                break
+        stdout = "".join(lines) + proc.stdout.read()
+        stderr = proc.stderr.read()
+        code = proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert code == 128 + signal.SIGINT == 130, (code, stderr[-3000:])
+    assert "Detected KeyboardInterrupt" not in stdout + stderr
+    assert "lit_rl: received SIGINT (rank 0); finishing this step, then checkpointing it" in stderr
+    m = re.search(
+        r"lit_rl: stopped by SIGINT after RL step (\d+); its checkpoint is (\S+)\. Continue with: (.*)", stdout
+    )
+    assert m is not None, stdout[-2000:]
+    step = int(m.group(1))
+    assert 2 <= step < 40 and m.group(3) == f"python recipes/train.py --resume {out}"
+    assert m.group(2) == str(out / "checkpoints" / f"step={step}.ckpt")
+    assert torch.load(m.group(2), weights_only=False)["global_step"] == step
+    assert not (out / "finished.json").exists()

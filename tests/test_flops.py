@@ -49,7 +49,7 @@ def test_a_tiny_run_logs_flops_rates_and_mfu_on_every_step(tmp_path):
     times, and perf/mfu is the update's rate over the logged peak."""
     cfg = cfg_for("trainer.max_steps=2", "eval.num_examples=0")  # 2 prompts x G=4, 8 new tokens, float32
     run(cfg, tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     _, tok = load_policy(ModelConfig("tiny"))
     dm = RolloutDataModule(build_task_from_cfg(cfg), tok, 2, 4, seed=cfg.seed, eval_examples=0)
     for step in (0, 1):
@@ -57,7 +57,7 @@ def test_a_tiny_run_logs_flops_rates_and_mfu_on_every_step(tmp_path):
         prompts = [len(dm.encode(ex)) for ex in dm.prompts_for(step) for _ in range(4)]
         update = sum(6 * TINY_N * (p + 8) + 12 * TINY_ATTENTION_UNIT * (p + 8) ** 2 for p in prompts)
         rollout = sum(2 * TINY_N * 8 + 4 * TINY_ATTENTION_UNIT * sum(range(p + 1, p + 9)) for p in prompts)
-        value = lambda tag: dict(s[tag])[step]  # noqa: E731
+        value = lambda tag: dict(s[tag])[step + 1]  # noqa: E731  (the first step is logged as step 1)
         assert value("perf/update_flops") == pytest.approx(update, rel=1e-6)
         assert value("perf/rollout_flops") == pytest.approx(rollout, rel=1e-6)
         assert value("perf/update_tflops") == pytest.approx(update / value("time/train_s") / 1e12, rel=1e-5)

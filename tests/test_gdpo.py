@@ -83,6 +83,6 @@ def test_a_gdpo_run_logs_each_rewards_own_advantage(tmp_path, monkeypatch):
         "reward.functions=[math,format]",
     )
     run(cfg, tmp_path / "run")
-    s = read_scalars(tmp_path / "run" / "tensorboard")
+    s = read_scalars(tmp_path / "run")
     assert [round(v, 5) for _, v in s["rollout/advantage/format"]] == [1.0, 1.0]
     assert [v for _, v in s["rollout/advantage/math"]] == [0.0, 0.0]

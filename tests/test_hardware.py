@@ -350,5 +350,5 @@ def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
         torch.set_num_threads(previous)
     config = (tmp_path / "r" / "config.yaml").read_text()
     assert "adapted per step to the cores other processes leave free" in config.splitlines()[1]
-    threads = [v for _, v in read_scalars(tmp_path / "r" / "tensorboard")["perf/threads"]]
+    threads = [v for _, v in read_scalars(tmp_path / "r")["perf/threads"]]
     assert len(threads) == 2 and all(1 <= t <= hardware.auto_threads()[0] for t in threads)

@@ -31,7 +31,7 @@ def test_every_logger_writes_the_same_scalars_as_tensorboard(tmp_path, monkeypat
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "algo=grpo,seed=0"  # a sweep job's folder: its name is the sweep's run name
     run(fast_config("trainer.max_steps=2", *MOVING, "logger=[tensorboard,csv,wandb,mlflow]"), out)
-    reference = read_scalars(out / "tensorboard")
+    reference = read_scalars(out)
     assert len(reference["train/loss"]) == 2 and "eval/accuracy" in reference
     (wandb_dir,) = (out / "wandb").glob("offline-run-*")
     mlflow, mlflow_run = read_mlflow_scalars((out / "mlruns").as_uri(), "algo=grpo,seed=0")
@@ -59,8 +59,8 @@ def test_a_continued_run_keeps_one_history_in_every_logger(tmp_path, monkeypatch
     loggers = "logger=[tensorboard,csv,wandb,mlflow]"
     run(fast_config("trainer.max_steps=2", *MOVING, loggers), out)
     run(fast_config("trainer.max_steps=3", *MOVING, loggers, f"resume={out}"), tmp_path / "ignored")
-    reference = read_scalars(out / "tensorboard")
-    assert [step for step, _ in reference["train/loss"]] == [0, 1, 2]
+    reference = read_scalars(out)
+    assert [step for step, _ in reference["train/loss"]] == [1, 2, 3]
     wandb_dirs = sorted((out / "wandb").glob("offline-run-*"))  # one folder per process, as wandb writes offline
     assert len(wandb_dirs) == 2 and len({wandb_run_id(d) for d in wandb_dirs}) == 1, wandb_dirs
     wandb = {}
@@ -94,6 +94,23 @@ def test_a_continued_csv_file_keeps_its_rows_and_drops_the_steps_logged_again(tm
         "eval/accuracy": [(1, 0.5)],
         "train/new": [(2, 7.0)],
     }
+
+
+def test_tensorboard_writes_into_the_run_folder_and_a_continued_old_run_keeps_its_folder(tmp_path):
+    """TensorBoard names a run by the folder of its event files: they go in the run folder (every run showed as
+    ``<run>/tensorboard``). A run continued from the layout before keeps writing into its ``tensorboard/``, so its
+    history stays in one folder; ``logger.tensorboard.name`` still picks a sub-folder."""
+    new, old = tmp_path / "new", tmp_path / "old"
+    (old / "tensorboard").mkdir(parents=True)
+    (old / "tensorboard" / "events.out.tfevents.1.host.0").write_bytes(b"")
+
+    def log_dir(out, *overrides):
+        return build_loggers(compose_config(*overrides), out)[0].log_dir.rstrip("/")
+
+    assert log_dir(new) == log_dir(new, "ckpt_path=last") == str(new)
+    assert log_dir(old) == str(old)  # a new run in that folder: the new layout
+    assert log_dir(old, "ckpt_path=last") == str(old / "tensorboard")
+    assert log_dir(new, "logger.tensorboard.name=tb") == str(new / "tb")
 
 
 def test_the_logger_group_composes_one_several_or_none(tmp_path):

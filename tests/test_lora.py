@@ -93,8 +93,8 @@ def test_lora_run_checkpoints_the_adapter_only_resumes_exactly_and_exports(tmp_p
     run(fast_config("trainer.max_steps=3", "model.lora.merge_on_export=true", *common), tmp_path / "straight")
     run(fast_config("trainer.max_steps=2", *common), tmp_path / "resumed")
     run(fast_config("trainer.max_steps=3", "ckpt_path=last", *common), tmp_path / "resumed")
-    a = read_scalars(tmp_path / "straight" / "tensorboard")
-    b = read_scalars(tmp_path / "resumed" / "tensorboard")
+    a = read_scalars(tmp_path / "straight")
+    b = read_scalars(tmp_path / "resumed")
     tags = [t for t in a if not t.startswith(("time/", "perf/"))]
     assert "train/ref_kl" in tags and "train/loss" in tags
     for tag in tags:
@@ -172,7 +172,7 @@ def test_target_modules_the_model_lacks_are_refused_before_the_weights_load(tmp_
 def test_the_embedded_engine_samples_through_the_adapter(tmp_path, engine, bound):
     """Two moving steps: the engine's log-probs equal the trainer's (the adapted model's) after the update."""
     run(fast_config("trainer.max_steps=2", "eval.num_examples=0", *MOVING, *LORA, *engine), tmp_path / "run")
-    s = read_scalars(tmp_path / "run" / "tensorboard")
+    s = read_scalars(tmp_path / "run")
     gaps = [v for _, v in s["train/logprob_abs_diff"]]
     assert len(gaps) == 2 and all(v <= bound for v in gaps), gaps
     assert s["train/grad_norm"][0][1] > 0
@@ -199,7 +199,7 @@ def test_a_three_step_lora_run_on_smollm2(tmp_path):
         *MOVING,
     )
     run(cfg, out)
-    s = read_scalars(out / "tensorboard")
+    s = read_scalars(out)
     assert all(v < 1e-4 for _, v in s["train/logprob_abs_diff"])
     assert s["train/ref_kl"][-1][1] > 0  # the adapter moved away from the shared base
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

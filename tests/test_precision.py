@@ -104,7 +104,7 @@ def test_sixteen_mixed_recipe_runs_on_cpu(tmp_path):
     """trainer.precision=16-mixed through the recipe: float16 autocast (Lightning would have swapped in bf16),
     the scale logged, and the update moves the weights."""
     run(cfg_for("trainer.precision=16-mixed", "trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     assert [v for _, v in s["train/grad_scale"]] == [65536.0, 65536.0]
     assert all(v > 0 for _, v in s["train/grad_norm"]) and s["train/skipped_updates"][-1][1] == 0.0
     assert "precision: 16-mixed" in (tmp_path / "r" / "config.yaml").read_text()

@@ -75,8 +75,8 @@ def test_continuing_without_overrides_keeps_the_run_s_algorithm_and_learning_rat
     run(cfg_for(*given), dapo_run, overrides=given)
     used = resume_file(dapo_run)
     assert used["algo"]["name"] == "dapo" and used["optim"]["lr"] == 1e-5 and used["trainer"]["max_steps"] == 2
-    scalars = read_scalars(dapo_run / "tensorboard")
-    assert [s for s, _ in scalars["rollout/reward_mean_kept"]] == [0, 1]  # DAPO's own metric at both steps
+    scalars = read_scalars(dapo_run)
+    assert [s for s, _ in scalars["rollout/reward_mean_kept"]] == [1, 2]  # DAPO's own metric at both steps
     # continued again to the step it finished at: refused (it used to run no step and rewrite policy/)
     with pytest.raises(
         ConfigError,
@@ -121,7 +121,7 @@ def test_resume_flag_continues_a_sweep_job_by_its_folder(dapo_run):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "lit_rl: continuing" in res.stdout and "trainer.max_steps=2" in res.stdout
     assert resume_file(dapo_run)["algo"]["name"] == "dapo"
-    assert [s for s, _ in read_scalars(dapo_run / "tensorboard")["train/loss"]] == [0, 1]
+    assert [s for s, _ in read_scalars(dapo_run)["train/loss"]] == [1, 2]
     assert (dapo_run / ".hydra" / "overrides.yaml").read_text() == "- algo=dapo\n"
     assert list((dapo_run / ".hydra").glob("resume-*/overrides.yaml"))
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -158,7 +158,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_at_that_step(tmp_path
     assert "File too large" in res.stderr and "No earlier checkpoint was written" in res.stderr
     assert "Traceback" not in res.stderr
     # stopped at step 1's checkpoint, not at the end of the run: one step logged, no partial file left
-    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == [0]
+    assert [s for s, _ in read_scalars(out)["train/loss"]] == [1]
     assert not [p for p in (out / "checkpoints").iterdir() if ".partial" in p.name]
     assert not (out / "finished.json").exists()
 

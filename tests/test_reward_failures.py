@@ -159,10 +159,10 @@ def test_a_function_that_fails_on_every_call_stops_the_run_before_the_steps_upda
     with pytest.raises(RewardFunctionFailed) as err:
         run(cfg, tmp_path / "run")
     assert str(err.value).startswith(
-        "reward function 'nan' failed on every call in 2 RL steps in a row (steps 0-1, reward.max_failed_steps=2); "
+        "reward function 'nan' failed on every call in 2 RL steps in a row (steps 1-2, reward.max_failed_steps=2); "
         "its first error: TypeError: reward nan is not finite. "
     )
-    assert [step for step, _ in read_scalars(tmp_path / "run" / "tensorboard")["train/loss"]] == [0]
+    assert [step for step, _ in read_scalars(tmp_path / "run")["train/loss"]] == [1]
     assert not (tmp_path / "run" / "finished.json").exists()
 
 
@@ -173,11 +173,11 @@ def _recipe(*args, timeout=600):
 
 @pytest.mark.slow
 def test_a_function_that_fails_on_every_call_stops_the_recipe_with_its_first_error_and_a_run_that_continues(tmp_path):
-    """6 steps, reward.max_failed_steps=3, a function that always raises: steps 0 and 1 train (each printing
-    nothing more than the one line), step 2 stops before its update: exit 1, ``lit_rl: stopped: ...`` naming it and
-    its first error, no traceback, no finished.json; the run folder holds steps 0-1 and the checkpoint after step
-    1 (checkpoint.every_n_steps=2). Continuing it with reward.max_failed_steps=0 trains steps 2-5 and finishes:
-    each step logged once."""
+    """6 steps, reward.max_failed_steps=3, a function that always raises: steps 1 and 2 train (each printing
+    nothing more than the one line), step 3 stops before its update: exit 1, ``lit_rl: stopped: ...`` naming it and
+    its first error, no traceback, no finished.json; the run folder holds steps 1-2 and the checkpoint after step
+    2 (checkpoint.every_n_steps=2). Continuing it with reward.max_failed_steps=0 trains steps 3-6 and finishes:
+    each step logged once (steps numbered from 1)."""
     from lit_rl.tools.compare import read_scalars
 
     (tmp_path / "f.py").write_text(FAILING)
@@ -191,22 +191,22 @@ def test_a_function_that_fails_on_every_call_stops_the_recipe_with_its_first_err
     )
     assert res.returncode == 1, res.stderr[-3000:]
     assert (
-        "lit_rl: stopped: reward function 'raises' failed on every call in 3 RL steps in a row (steps 0-2, "
+        "lit_rl: stopped: reward function 'raises' failed on every call in 3 RL steps in a row (steps 1-3, "
         "reward.max_failed_steps=3); its first error: ValueError: no parser for this. " in res.stderr
     )
-    assert "stopped at RL step 2, before its update" in res.stderr
+    assert "stopped at RL step 3, before its update" in res.stderr  # steps 1 and 2 trained
     assert "Traceback" not in res.stderr + res.stdout
     assert res.stdout.count("reward function 'raises' failed: ValueError: no parser for this;") == 1
     assert not (run_dir / "finished.json").exists()
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
-    s = read_scalars(run_dir / "tensorboard")
-    assert [step for step, _ in s["train/loss"]] == [0, 1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step=2.ckpt"]
+    s = read_scalars(run_dir)
+    assert [step for step, _ in s["train/loss"]] == [1, 2]
     assert [v for _, v in s["rollout/reward_errors"]] == [8.0, 8.0]  # 2 prompts x G = 4, each failed
 
     res = _recipe("--resume", str(run_dir), "reward.max_failed_steps=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert (run_dir / "finished.json").exists()
-    assert [step for step, _ in read_scalars(run_dir / "tensorboard")["train/loss"]] == [0, 1, 2, 3, 4, 5]
+    assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3, 4, 5, 6]
 
 
 # -- item 9: what the reward functions print goes to <run>/reward_output.log, not to the console -----------------

@@ -54,7 +54,7 @@ def test_two_user_functions_from_a_file_weighted_give_the_hand_computed_scalars(
         "reward.weights=[2.0,0.5,1.0]",
     )
     run(cfg, tmp_path / "run")
-    s = {tag: values[0][1] for tag, values in read_scalars(tmp_path / "run" / "tensorboard").items()}
+    s = {tag: values[0][1] for tag, values in read_scalars(tmp_path / "run").items()}
     assert s["rollout/reward/level_reward"] == pytest.approx(0.625)
     assert s["rollout/reward/odd_only"] == pytest.approx(1.0)
     assert s["rollout/reward/fragile"] == 0.0
@@ -167,7 +167,8 @@ def every_fourth(prompts, completions, **columns):
 def test_eval_pass_at_k_and_mean_at_n_through_a_run(tmp_path, capsys):
     """eval.n=4 samples per problem, consecutive in the batched call, and a reward of 1 on the first of every
     four: c = 1 of n = 4 for every problem, so eval/pass@2 = 1 - C(3,2)/C(4,2) = 0.5 and eval/mean@4 = 0.25.
-    Also: samples every step to samples.jsonl and TensorBoard's text tab, one plain line per step."""
+    Also: samples every step to samples.jsonl and TensorBoard's text tab, one plain line per step, the progress bar;
+    all number the steps alike (from 1), evaluation after step 2 at step 2."""
     (tmp_path / "r.py").write_text(EVERY_FOURTH)
     cfg = fast_config(
         "trainer.max_steps=2",
@@ -181,21 +182,26 @@ def test_eval_pass_at_k_and_mean_at_n_through_a_run(tmp_path, capsys):
         "log.samples_every_n_steps=1",
         "log.num_samples=3",
         "log.plain_lines=true",
+        "trainer.enable_progress_bar=true",
     )
     run(cfg, tmp_path / "run")
-    s = read_scalars(tmp_path / "run" / "tensorboard")
+    s = read_scalars(tmp_path / "run")
     tags = ("eval/pass@2", "eval/mean@4", "eval/accuracy", "eval/reward_mean")
+    assert {tag: [step for step, _ in s[tag]] for tag in tags} == {tag: [2] for tag in tags}
+    assert [step for step, _ in s["train/loss"]] == [1, 2]
     values = {tag: [v for _, v in s[tag]] for tag in tags}
     assert values == {"eval/pass@2": [0.5], "eval/mean@4": [0.25], "eval/accuracy": [0.25], "eval/reward_mean": [0.25]}
     rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1]
+    assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
     assert set(rows[0]) == {"step", "prompt", "completion", "reward", "advantage"} and "What is" in rows[0]["prompt"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"tensors": 0}).Reload()
     texts = events.Tensors("samples/text_summary")
-    assert [t.step for t in texts] == [0, 1] and b"| prompt | completion |" in texts[0].tensor_proto.string_val[0]
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lit_rl: step ")]
+    assert [t.step for t in texts] == [1, 2] and b"| prompt | completion |" in texts[0].tensor_proto.string_val[0]
+    printed = capsys.readouterr().out
+    assert "RL step" in printed and "Epoch 0/-2" not in printed  # the progress bar counts steps, not epochs
+    lines = [line for line in printed.splitlines() if line.startswith("lit_rl: step ")]
     assert [line.split()[2] for line in lines] == [
         "1/2",
         "2/2",
@@ -243,7 +249,7 @@ def test_correct_comes_from_the_verifier_not_from_a_threshold_on_the_weighted_to
         fast_config("trainer.max_steps=2", "eval.num_examples=1", "eval.n=4", "eval.k=2", "eval.temperature=1.0")
     )
     lit_rl.train(cfg, tmp_path / "run", reward_functions=functions, train_dataset=[SUM, SUM], eval_dataset=[SUM])
-    s = {tag: [v for _, v in values] for tag, values in read_scalars(tmp_path / "run" / "tensorboard").items()}
+    s = {tag: [v for _, v in values] for tag, values in read_scalars(tmp_path / "run").items()}
     assert s["eval/accuracy"] == [0.25] and s["eval/mean@4"] == [0.25]
     assert s["eval/pass@2"] == [pytest.approx(0.5)]
     assert s["rollout/groups_all_correct"] == [1.0, 1.0] and s["rollout/groups_all_wrong"] == [1.0, 1.0]

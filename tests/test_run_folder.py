@@ -70,8 +70,8 @@ def test_two_runs_started_together_with_the_default_folder_take_their_own(tmp_pa
     assert seeds == [0, 1]
     for folder in folders:
         assert os.path.isfile(os.path.join(folder, "finished.json"))
-        assert len(glob.glob(os.path.join(folder, "tensorboard", "events.*"))) == 1  # one run's events
-        assert [s for s, _ in read_scalars(os.path.join(folder, "tensorboard"))["train/loss"]] == [0]
+        assert len(glob.glob(os.path.join(folder, "events.*"))) == 1  # one run's events
+        assert [s for s, _ in read_scalars(folder)["train/loss"]] == [1]
 
 
 def test_two_runs_started_together_in_one_named_folder_never_share_it(tmp_path):
@@ -89,7 +89,7 @@ def test_two_runs_started_together_in_one_named_folder_never_share_it(tmp_path):
     assert lines[0].startswith(f"lit_rl: error: output folder {out} is in use by a running lit_rl run (pid ")
     winner_seed = 0 if "seed=0" in winner.args else 1
     assert yaml.safe_load((out / "config.yaml").read_text())["seed"] == winner_seed
-    assert len(list((out / "tensorboard").glob("events.*"))) == 1
+    assert len(list(out.glob("events.*"))) == 1
     assert (out / "finished.json").is_file()
 
 
@@ -114,7 +114,7 @@ def test_a_live_claim_refuses_a_second_run_and_resume_and_a_dead_one_is_taken_ov
     with pytest.raises(ConfigError, match="already holds a finished run"):
         run(cfg_for("trainer.max_steps=1", "eval.num_examples=0"), out)
     run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", "ckpt_path=last"), out)  # continuing takes it over
-    assert [s for s, _ in read_scalars(out / "tensorboard")["train/loss"]] == [0, 1]
+    assert [s for s, _ in read_scalars(out)["train/loss"]] == [1, 2]
 
 
 def test_a_claim_refused_while_the_holder_writes_its_record_names_the_holder(tmp_path):

@@ -54,7 +54,7 @@ def test_a_source_registered_from_a_test_file_runs_a_step(tmp_path, counting_sou
     run(cfg_for("trainer.max_steps=2", "rollout.mode=test_counting", "eval.num_examples=0"), tmp_path / "r")
     scalars = read_scalars(str(tmp_path / "r"))
     assert [v for _, v in scalars["rollout/test_collected"]] == [1.0, 2.0]
-    assert [s for s, _ in scalars["rollout/reward_mean"]] == [0, 1]
+    assert [s for s, _ in scalars["rollout/reward_mean"]] == [1, 2]
 
 
 def test_the_built_in_modes_resolve_to_their_sources(counting_source):

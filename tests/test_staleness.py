@@ -5,6 +5,7 @@ bound on staleness, and no producer thread left behind by an exception or Ctrl-C
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -36,7 +37,7 @@ def producer_threads():
 
 def test_lagged_k2_samples_with_the_weights_of_two_steps_ago(tmp_path):
     run(cfg_for("trainer.max_steps=5", "rollout.mode=lagged", "rollout.lag=2", *MOVING), tmp_path / "r")
-    s = read_scalars(tmp_path / "r" / "tensorboard")
+    s = read_scalars(tmp_path / "r")
     # before two older versions exist the oldest one is used: 0, 1, then exactly 2
     assert values(s, "rollout/staleness_mean") == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert values(s, "rollout/staleness_max") == [0.0, 1.0, 2.0, 2.0, 2.0]
@@ -51,7 +52,7 @@ def test_lagged_k2_samples_with_the_weights_of_two_steps_ago(tmp_path):
 def test_lagged_k0_equals_sync_bit_for_bit(tmp_path):
     run(cfg_for("trainer.max_steps=3", *MOVING), tmp_path / "sync")
     run(cfg_for("trainer.max_steps=3", "rollout.mode=lagged", "rollout.lag=0", *MOVING), tmp_path / "lag0")
-    a, b = read_scalars(tmp_path / "sync" / "tensorboard"), read_scalars(tmp_path / "lag0" / "tensorboard")
+    a, b = read_scalars(tmp_path / "sync"), read_scalars(tmp_path / "lag0")
     tags = [t for t in a if not t.startswith(("time/", "perf/"))]
     assert tags and set(tags) <= set(b)
     for tag in tags:
@@ -67,7 +68,7 @@ def test_lagged_resume_continues_exactly(tmp_path):
     run(cfg_for("trainer.max_steps=5", *common), tmp_path / "straight")
     run(cfg_for("trainer.max_steps=3", *common), tmp_path / "resumed")
     run(cfg_for("trainer.max_steps=5", "ckpt_path=last", *common), tmp_path / "resumed")
-    a, b = read_scalars(tmp_path / "straight" / "tensorboard"), read_scalars(tmp_path / "resumed" / "tensorboard")
+    a, b = read_scalars(tmp_path / "straight"), read_scalars(tmp_path / "resumed")
     for tag in [
         "rollout/staleness_mean",
         "rollout/response_length_mean",
@@ -91,7 +92,7 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
         ),
         tmp_path / "a",
     )
-    s = read_scalars(tmp_path / "a" / "tensorboard")
+    s = read_scalars(tmp_path / "a")
     assert len(s["rollout/staleness_max"]) == 6
     assert all(v <= bound for v in values(s, "rollout/staleness_max")), s["rollout/staleness_max"]
     dropped = values(s, "rollout/dropped_samples_total")
@@ -102,6 +103,14 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
         assert len(s[tag]) == 6 and all(0.0 <= v <= 1.0 for v in values(s, tag)), s[tag]
     assert values(s, "rollout/version_span_max") == [1.0] * 6  # weight_update=between_batches
     assert not producer_threads()
+    # rates are the producer's own: tokens (8 completions x mean length) and FLOPs over its generate time, not over
+    # the trainer's wait for the buffer (time/rollout_s, near 0 when the batch was ready: rates of millions)
+    tokens = [8 * v for v in values(s, "rollout/response_length_mean")]
+    generate, wait = values(s, "time/generate_s"), values(s, "time/rollout_s")
+    assert values(s, "perf/rollout_tokens_per_s") == pytest.approx([t / g for t, g in zip(tokens, generate)], rel=1e-5)
+    flops = values(s, "perf/rollout_flops")
+    assert values(s, "perf/rollout_tflops") == pytest.approx([f / g / 1e12 for f, g in zip(flops, generate)], rel=1e-5)
+    assert generate != pytest.approx(wait, rel=1e-3)  # two different clocks: the test tells them apart
 
 
 def test_exception_mid_step_leaves_no_producer_thread(tmp_path, monkeypatch):
@@ -140,8 +149,14 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
         cwd=ROOT,
     )
     out = res.stdout + res.stderr
-    assert res.returncode == 1, out[-3000:]  # Lightning's graceful shutdown after KeyboardInterrupt
-    assert "Detected KeyboardInterrupt" in out
+    # Ctrl-C stops as SIGTERM does: the second step finishes, is checkpointed, exit 130 with the continue hint
+    assert res.returncode == 128 + signal.SIGINT == 130, out[-3000:]
+    ckpt = tmp_path / "i" / "checkpoints" / "step=2.ckpt"
+    assert (
+        f"lit_rl: stopped by SIGINT after RL step 2; its checkpoint is {ckpt}. "
+        f"Continue with: python recipes/train.py --resume {tmp_path / 'i'}"
+    ) in res.stdout, out[-3000:]
+    assert ckpt.exists() and "Detected KeyboardInterrupt" not in out
     assert "rollout producer stopped (joined)" in out, out[-3000:]
     live = next(line for line in out.splitlines() if line.startswith("live threads:"))
     assert PRODUCER not in live, live

@@ -71,7 +71,8 @@ def test_boxed_flexible_and_strict():
 
 def test_boxed_nested_braces_and_last_one():
     assert extract_answer("\\boxed{1} then \\boxed{\\frac{3}{4}}") == "\\frac{3}{4}"
-    assert extract_answer("\\boxed{\\frac{3}{4}") == "4"  # unbalanced: falls back to last number
+    # Unbalanced: falls back to the last number, which is the whole fraction (not its last digit).
+    assert extract_answer("\\boxed{\\frac{3}{4}") == "\\frac{3}{4}"
 
 
 def test_no_number_scores_zero():
@@ -108,6 +109,36 @@ def test_fraction_vs_decimal():
 
 def test_boxed_latex_fraction_vs_decimal():
     assert math_reward("\\boxed{\\frac{3}{4}}", "0.75") == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion, gold",
+    [
+        ("\\frac{3}{4}", "0.75"),  # bare: was read as its last digit, 4
+        ("#### \\frac{24}{2}", "12"),  # after ####: was read as 2
+        ("The answer is \\dfrac{3}{4}", "3/4"),
+        ("so it is \\tfrac{3}{4}.", "0.75"),
+        ("\\frac34", "0.75"),  # TeX's brace-less form: 3 over 4, not 34
+        ("x = -\\frac{3}{4}", "-0.75"),
+        ("#### -\\frac{1}{2}", "-0.5"),
+        ("so the share is $\\frac{3}{4}$.", "0.75"),
+        ("$-\\dfrac{7}{2}$ in all", "-3.5"),
+        ("\\boxed{\\dfrac{24}{2}}", "12"),
+        ("#### \\frac{1,200}{4}", "300"),
+    ],
+)
+def test_latex_fractions_are_one_number(completion, gold):
+    assert math_reward(completion, gold) == 1.0
+    # The same value read exactly: a wrong gold scores 0 (no digit of the fraction matches on its own).
+    wrong = str(float(gold.split("/")[0]) / float(gold.split("/")[1]) + 1) if "/" in gold else str(float(gold) + 1)
+    assert math_reward(completion, wrong) == 0.0
+
+
+def test_latex_fraction_digits_are_not_answers():
+    assert math_reward("\\frac{3}{4}", "4") == 0.0
+    assert math_reward("#### \\frac{24}{2}", "2") == 0.0
+    assert extract_answer("#### \\frac{24}{2}", mode="strict") == "\\frac{24}{2}"
+    assert answers_match("\\frac{24}{0}", "0") is False
     assert math_reward("\\boxed{\\dfrac{3}{4}}", "3/4") == 1.0
     assert math_reward("\\boxed{\\frac{3}{4}}", "0.5") == 0.0
 

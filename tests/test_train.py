@@ -30,6 +30,7 @@ TAGS = [
     "time/train_s",
     "time/step_s",
     "time/weight_sync_s",
+    "time/generate_s",
     "perf/rollout_tokens_per_s",
     "perf/update_tflops",
     "perf/rollout_tflops",
@@ -43,11 +44,16 @@ cfg_for = fast_config
 def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):
     out = tmp_path / "run"
     run(cfg_for("trainer.max_steps=4"), out)
-    scalars = read_scalars(out / "tensorboard")
+    scalars = read_scalars(out)
     for tag in TAGS:
         assert tag in scalars, tag
     assert len(scalars["train/loss"]) == 4
     assert len(scalars["eval/accuracy"]) == 2  # after steps 2 and 4
+    assert scalars["time/generate_s"] == scalars["time/rollout_s"]  # sync: the trainer's own generation time
+    # TensorBoard names a run by the folder of its event files: the run folder's name, not "run/tensorboard"
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    assert list(EventMultiplexer().AddRunsFromDirectory(str(tmp_path)).Runs()) == ["run"]
     for _, v in scalars["rollout/reward_mean"]:
         assert 0.0 <= v <= 1.0
     # on-policy, one update per batch: pi_old is the trainer's own forward, so the PPO KL is exactly 0
@@ -107,7 +113,7 @@ def test_gsm8k_from_jsonl_folder(tmp_path):
         ),
         tmp_path / "g",
     )
-    scalars = read_scalars(tmp_path / "g" / "tensorboard")
+    scalars = read_scalars(tmp_path / "g")
     assert "rollout/reward_mean" in scalars and len(scalars["eval/accuracy"]) == 1
     assert "task:\n  name: gsm8k" in (tmp_path / "g" / "config.yaml").read_text()
 
@@ -160,7 +166,7 @@ def test_multirun_2x2_then_compare(tmp_path):
     assert len(rows) == 4
     # the numbers come from the event files: the final reward of each setting
     for r in runs:
-        final = read_scalars(sweep / r / "tensorboard")["rollout/reward_mean"][-1][1]
+        final = read_scalars(sweep / r)["rollout/reward_mean"][-1][1]
         row = next(line for line in rows if line.startswith(f"| {r} "))
         assert f"{final:.4g}" in row, (row, final)
 
@@ -171,8 +177,8 @@ def test_resume_from_last_checkpoint_continues_exactly(tmp_path):
     run(cfg_for("trainer.max_steps=4", *common), tmp_path / "straight")
     run(cfg_for("trainer.max_steps=2", *common), tmp_path / "resumed")
     run(cfg_for("trainer.max_steps=4", "ckpt_path=last", *common), tmp_path / "resumed")
-    a = read_scalars(tmp_path / "straight" / "tensorboard")
-    b = read_scalars(tmp_path / "resumed" / "tensorboard")
+    a = read_scalars(tmp_path / "straight")
+    b = read_scalars(tmp_path / "resumed")
     for tag in [
         "rollout/reward_mean",
         "rollout/response_length_mean",
@@ -220,7 +226,7 @@ def test_constant_reward_and_tracked_kl_to_the_initial_policy(tmp_path):
         ),
         tmp_path / "c",
     )
-    s = read_scalars(tmp_path / "c" / "tensorboard")
+    s = read_scalars(tmp_path / "c")
     assert [v for _, v in s["rollout/reward_mean"]] == [1.0, 1.0]
     assert s["train/ref_kl"][0][1] == 0.0 and s["train/ref_kl"][1][1] > 0.0
 
@@ -234,7 +240,7 @@ def test_warmup_counts_optimizer_steps_for_every_algorithm(tmp_path, algo, expec
         cfg_for(f"algo={algo}", "optim.lr=1e-4", "optim.warmup_steps=8", "trainer.max_steps=2", "eval.num_examples=0"),
         tmp_path / algo,
     )
-    lrs = [v for _, v in read_scalars(tmp_path / algo / "tensorboard")["train/lr"]]
+    lrs = [v for _, v in read_scalars(tmp_path / algo)["train/lr"]]
     assert lrs == pytest.approx([1e-4 * e for e in expected], rel=1e-6)
 
 

@@ -308,7 +308,7 @@ def test_grpo_run_with_vllm_logs_the_gap_and_tis(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    scalars = read_scalars(out / "tensorboard")
+    scalars = read_scalars(out)
     for tag in (
         "train/logprob_abs_diff",
         "train/tis",
@@ -436,7 +436,7 @@ def test_lagged_rollouts_with_vllm_keep_the_engine_gap_apart_from_staleness(tmp_
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    s = {k: [v for _, v in vals] for k, vals in read_scalars(out / "tensorboard").items()}
+    s = {k: [v for _, v in vals] for k, vals in read_scalars(out).items()}
     assert s["rollout/staleness_max"] == [0.0, 1.0, 2.0, 2.0]
     assert all(v < 0.01 for v in s["train/r_num_abs"]), s["train/r_num_abs"]
     assert s["train/r_stale_abs"][0] == 0.0 and all(v > 0.01 for v in s["train/r_stale_abs"][1:]), s[
@@ -482,7 +482,7 @@ def test_a_lora_policy_syncs_its_merged_weights(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    s = read_scalars(out / "tensorboard")
+    s = read_scalars(out)
     gaps = [v for _, v in s["train/logprob_abs_diff"]]
     assert len(gaps) == 3 and all(v < TOL for v in gaps), gaps
     assert len({v for _, v in s["train/grad_norm"]}) == 3  # the adapter moved between steps

@@ -4,9 +4,11 @@ import json
 import os
 
 
-def write_run(run_dir, scalars, tensor_writer=False):
-    """A run folder as recipes/train.py leaves it: config.yaml, tensorboard/events..., finished.json."""
-    tb = os.path.join(run_dir, "tensorboard")
+def write_run(run_dir, scalars, tensor_writer=False, finished=True, old_layout=False):
+    """A run folder as recipes/train.py leaves it: config.yaml, events... in the folder itself (``old_layout``: in
+    its tensorboard/ subfolder, where runs wrote them before), finished.json (not with ``finished=False``: a run
+    still being written, or stopped early)."""
+    tb = os.path.join(run_dir, "tensorboard") if old_layout else run_dir
     os.makedirs(tb)
     if tensor_writer:  # tensorboard's own writer: tensor summaries of the scalars plugin
         from tensorboard.summary import Writer
@@ -26,5 +28,6 @@ def write_run(run_dir, scalars, tensor_writer=False):
         w.close()
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write("seed: 0\n")
-    with open(os.path.join(run_dir, "finished.json"), "w") as f:
-        json.dump({"global_step": 5}, f)
+    if finished:
+        with open(os.path.join(run_dir, "finished.json"), "w") as f:
+            json.dump({"global_step": 5}, f)

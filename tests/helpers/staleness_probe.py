@@ -3,9 +3,9 @@
     python tests/helpers/staleness_probe.py <call> <out_dir> [hydra overrides...]
 
 SIGINT is sent to this process from inside its ``call``-th optimizer step (1-based), so it lands mid-step
-while an async producer is generating or waiting. Lightning shuts down and exits with code 1; on the way out
-this script prints ``live threads: [...]`` (the names of every thread still alive) and ``exit`` markers the
-test reads.
+while an async producer is generating or waiting. The run finishes that step, checkpoints it and exits 130 (as
+on SIGTERM: ``lit_rl.run.preemption``); on the way out this script prints ``live threads: [...]`` (the names of
+every thread still alive) and ``exit`` markers the test reads.
 """
 
 import os
@@ -28,7 +28,7 @@ def main() -> None:
     def interrupted(self, *args, **kwargs):
         count["n"] += 1
         if count["n"] == call:
-            os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt in this (the main) thread
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, handled in this (the main) thread
         return original(self, *args, **kwargs)
 
     RLModule.optimizer_step = interrupted

@@ -17,6 +17,7 @@ from pathlib import Path
 from ..rollout.datamodule import PromptBatch
 from ..tasks.eval_metrics import pass_ks, problem_scores
 from ..tasks.rewards import extract_answer
+from .step_logging import FIRST_LOGGED_STEP
 
 #: the run folder's sub-folder of eval generations, one JSON-lines file per set (``<set>.jsonl``)
 EVAL_GENERATIONS = "eval_generations"
@@ -59,9 +60,9 @@ class EvaluationMixin:
 
     def eval_step(self) -> int:
         """The x an evaluation is logged at: that of the last RL step trained (``RLModule.training_step`` logs the
-        step after ``rl_steps_done`` steps at x = ``rl_steps_done``), hence the step before the first training
-        step when none has been trained."""
-        return self.rl_steps_done() - 1
+        step after ``rl_steps_done`` steps at x = ``rl_steps_done + FIRST_LOGGED_STEP``), hence the step before the
+        first training step (0) when none has been trained (``eval.at_start``)."""
+        return self.rl_steps_done() - 1 + FIRST_LOGGED_STEP
 
     def on_validation_start(self) -> None:
         self.source.pause(self)  # the engine is evaluation's, synced to the latest update

@@ -98,7 +98,7 @@ class OptimizationMixin:
         if limit and self.nonfinite_in_a_row >= limit:
             raise NonFiniteUpdates(
                 f"{self.nonfinite_in_a_row} updates in a row had a non-finite loss or gradient "
-                f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step}"
+                f"(loss={loss}, grad_norm={norm}); stopped at RL step {self.global_step // self.updates_per_step + 1}"
                 f" (optimizer step {self.global_step}, optim.max_nonfinite_updates={limit}). "
                 f"The last checkpoint holds the weights these updates started from: lower optim.lr (or check "
                 f"the rewards) before continuing from it"

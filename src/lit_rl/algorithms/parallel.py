@@ -51,6 +51,7 @@ MAX_METRICS = (
     "rollout/version_span_max",
     "rollout/generation_rounds",
     "time/rollout_s",
+    "time/generate_s",
     "time/train_s",
     "time/weight_sync_s",
     "time/step_s",

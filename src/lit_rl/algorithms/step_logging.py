@@ -17,6 +17,10 @@ from ..rollout.types import RolloutBatch
 from ..run.flops import FlopModel
 from . import parallel
 
+#: the number the first RL step is logged, shown and checkpointed under: 1, as Lightning's ``global_step`` and TRL
+#: count after the optimizer step (``benchmarks/bit_identity.py`` reads it to compare runs across the change from 0)
+FIRST_LOGGED_STEP = 1
+
 
 class LogprobGapExceeded(RuntimeError):
     """``train/logprob_abs_diff`` of a step exceeded ``correction.guard.logprob_abs_diff_max`` with
@@ -68,16 +72,19 @@ class StepLoggingMixin:
     def flop_rates(self, metrics: dict[str, float]) -> dict[str, float]:
         """From the step's FLOPs and times, reduced over ranks (FLOPs summed, times the slowest rank's):
         ``perf/update_tflops`` and ``perf/rollout_tflops`` (TFLOP/s), ``perf/peak_tflops`` (all ranks' peak)
-        and ``perf/mfu`` = update FLOP rate / peak. Measures ``peak_flops`` on first use if unset."""
+        and ``perf/mfu`` = update FLOP rate / peak. The rollout's rate divides by ``time/generate_s``, the engine's
+        own generation (and scoring) time: async's producer's, not the trainer's wait for its buffer (which could
+        be near 0 and gave ~20 TFLOP/s on a 0.95 TFLOP/s CPU); ``time/rollout_s`` where no source reported one.
+        Measures ``peak_flops`` on first use if unset."""
         if self.peak_flops is None:
             from ..run.hardware import peak_flops
 
             accelerator = "cuda" if self.device.type == "cuda" else "cpu"
             precision = self.trainer.precision if self._trainer is not None else "32-true"
             self.peak_flops = peak_flops(precision, accelerator)[0]
-        t_train, t_rollout = metrics["time/train_s"], metrics["time/rollout_s"]
+        t_train, t_generate = metrics["time/train_s"], metrics.get("time/generate_s", metrics["time/rollout_s"])
         update = metrics["perf/update_flops"] / t_train if t_train > 0 else 0.0
-        rollout = metrics["perf/rollout_flops"] / t_rollout if t_rollout > 0 else 0.0
+        rollout = metrics["perf/rollout_flops"] / t_generate if t_generate > 0 else 0.0
         peak = self.peak_flops * self.world_size
         return {
             "perf/update_tflops": update / 1e12,
@@ -108,7 +115,7 @@ class StepLoggingMixin:
         """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
         return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)
 
-    def count_reward_failures(self, scored: ScoredRollouts, rl_step: int) -> None:
+    def count_reward_failures(self, scored: ScoredRollouts, step: int) -> None:
         """``RewardFunctions.count_failed_step`` of the step's reward calls, summed over the ranks (a collective,
         so every rank stops together): a function that failed on every call of ``reward.max_failed_steps`` steps
         in a row raises ``RewardFunctionFailed`` here, before the step's update and its metrics, so the run folder
@@ -121,7 +128,7 @@ class StepLoggingMixin:
             failed, called = scored.reward_failures.get(name, (0, 0))
             values[f"failed:{name}"], values[f"called:{name}"] = float(failed), float(called)
         values = self.all_reduce_dict(values, "sum")
-        rewards.count_failed_step({n: (values[f"failed:{n}"], values[f"called:{n}"]) for n in rewards.names}, rl_step)
+        rewards.count_failed_step({n: (values[f"failed:{n}"], values[f"called:{n}"]) for n in rewards.names}, step)
 
     def reduce_step_metrics(self, metrics: dict[str, float], weights: dict[str, float]) -> dict[str, float]:
         """This rank's step metrics combined with the other ranks' (``parallel.reduce_step_metrics`` with this
@@ -132,8 +139,13 @@ class StepLoggingMixin:
             metrics, weights, self.all_reduce_dict, summed=self.SUMMED_METRICS, maxima=self.MAX_METRICS
         )
 
-    def write_step_metrics(self, metrics: dict[str, float], rl_step: int) -> None:
-        """Write the step's scalars to the logger at x = ``rl_step`` and flush them, inside the step.
+    def write_step_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Write the step's scalars to the logger at x = ``step`` and flush them, inside the step.
+
+        ``step`` is the step's number counted from 1 (``FIRST_LOGGED_STEP``): the first RL step is logged as step 1,
+        as Lightning's ``global_step`` and TRL count after the optimizer step, so the plain lines, TensorBoard, CSV,
+        W&B, MLflow, ``samples.jsonl``, evaluation (logged after step N at N) and the checkpoints' names
+        (``step=N.ckpt``: N steps done) all name a step by one number.
 
         Lightning hands ``self.log`` values to the logger only after the step's checkpoint is written, and
         TensorBoard buffers them; a kill in between would leave a checkpoint whose step has no metrics, and
@@ -146,7 +158,7 @@ class StepLoggingMixin:
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
         for logger in self.loggers:
-            logger.log_metrics(metrics, step=rl_step)
+            logger.log_metrics(metrics, step=step)
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.flush()
             elif isinstance(logger, CSVLogger):

@@ -8,7 +8,7 @@
 * ``loggers``: TensorBoard, CSV, W&B, MLflow; ``callbacks``: adaptive threads, samples, plain lines;
 * ``runfolder``: the run folder, claimed atomically at start-up so two runs never share one;
 * ``checkpoints``: atomic checkpoint writes and finding the last complete checkpoint;
-* ``preemption``: SIGTERM/SIGUSR1 (SLURM) checkpoint the last finished step, exit and requeue;
+* ``preemption``: SIGTERM/SIGUSR1 (SLURM)/SIGINT (Ctrl-C) checkpoint the last finished step, exit and requeue;
 * ``hardware``: what ``auto`` makes of the machine (precision, threads, OpenMP defaults, peak FLOP/s);
 * ``flops``: the FLOPs of a step's update and rollouts, for ``perf/mfu``;
 * ``sweeps``: the multirun callback that checks every job's config first and lists the jobs that failed.

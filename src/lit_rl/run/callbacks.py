@@ -1,6 +1,6 @@
 """The Lightning callbacks a run adds besides its checkpoints: ``AdaptiveThreads`` (``threads: adaptive``),
-``SampleLogger`` (a step's samples to TensorBoard and ``samples.jsonl``) and ``PlainLines`` (one line per step
-on stdout, for log files).
+``SampleLogger`` (a step's samples to TensorBoard and ``samples.jsonl``), ``PlainLines`` (one line per step
+on stdout, for log files) and the progress bar (``step_progress_bar``: RL steps, not epochs).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class SampleLogger(L.Callback):
             return
         step, scored, advantages = last
         pl_module.last_step = None
-        if self.every <= 0 or step % self.every:
+        if self.every <= 0 or (step - 1) % self.every:  # steps 1, 1 + every, ...: the first step is sampled
             return
         n = len(scored.texts)
         rows = sorted({i * n // self.count for i in range(min(self.count, n))})
@@ -87,9 +87,10 @@ class SampleLogger(L.Callback):
 
 
 class PlainLines(L.Callback):
-    """One plain line per RL step (step, reward, response length, s/step, rollout tokens/s): on stdout when
-    ``console`` (what a log file or a cluster job's output shows, where a progress bar never prints), else to the
-    run's ``run_log`` only (``runlog.RunLog.note``: the console shows the progress bar)."""
+    """One plain line per RL step (step, reward, response length, s/step, and tokens/s: the engine's own generation
+    rate, ``perf/rollout_tokens_per_s``, in async mode the producer's, not tokens over the trainer's wait): on
+    stdout when ``console`` (what a log file or a cluster job's output shows, where a progress bar never prints),
+    else to the run's ``run_log`` only (``runlog.RunLog.note``: the console shows the progress bar)."""
 
     def __init__(self, max_steps: int, console: bool = True, run_log=None):
         self.max_steps, self.console, self.run_log = max_steps, console, run_log
@@ -117,3 +118,22 @@ def plain_lines_on(setting) -> bool:
     if setting == "auto":
         return not sys.stdout.isatty()
     return bool(setting)
+
+
+def step_progress_bar() -> L.Callback:
+    """Lightning's progress bar (rich when installed, else tqdm, as Lightning picks) describing its count as RL
+    steps: a run has one endless epoch and ``max_epochs=-1``, which Lightning showed as ``Epoch 0/-2``. The count
+    is the RL steps done (one batch per RL step) out of ``trainer.max_steps``."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    class StepRichProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            return "RL step"
+
+    class StepTQDMProgressBar(TQDMProgressBar):
+        def on_train_epoch_start(self, trainer, *args) -> None:
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description("RL step")
+
+    return StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()

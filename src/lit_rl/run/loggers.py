@@ -73,6 +73,21 @@ class ContinuedCSVLogger(CSVLogger):
         return self._experiment
 
 
+#: where event files went before they moved into the run folder (``logger.tensorboard.name: tensorboard``)
+OLD_TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_dir(out: Path, name: str, continuing: bool = False) -> Path:
+    """The folder of the run's TensorBoard event files: ``<out>/<name>``, the run folder itself for ``name`` "".
+    TensorBoard names a run by the path of the folder holding its event files, so in the run folder a run shows as
+    ``<date>/<time>-<pid>`` (a sweep job as its overrides), where ``<run>/tensorboard`` showed every run's name
+    ending in ``/tensorboard``. A continued run whose events are in ``<out>/tensorboard`` (the layout before) keeps
+    writing there, so its history stays in one folder."""
+    if not name and continuing and any((out / OLD_TENSORBOARD_DIR).glob("events.out.tfevents*")):
+        return out / OLD_TENSORBOARD_DIR
+    return out / name if name else out
+
+
 def read_run_ids(out: Path) -> dict[str, str]:
     """The W&B and MLflow run ids recorded in ``<out>/loggers.json``; {} when there is none (a run that predates
     it) or it cannot be read (the continued run then starts new W&B and MLflow runs)."""
@@ -124,11 +139,12 @@ def build_loggers(cfg: TrainConfig, out: Path) -> list:
     """Lightning loggers for every ``logger.<name>`` that is set (``schema.LoggerConfig``), in the order
     tensorboard, csv, wandb, mlflow; [] for ``logger=none``. Each logs the same scalars (Lightning's
     ``log_metrics``). The run name (``logger.run_name``, else the run folder's name: a sweep job's folder is the
-    sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard and CSV write into
-    ``<run>/<name>``. A continued run (``cfg.ckpt_path`` set) appends to the CSV file and resumes the W&B and
-    MLflow runs whose ids ``<run>/loggers.json`` holds; the ids of the runs used are written there. Raises
-    ConfigError naming the install command when a logger's package is missing, and for ``logger.wandb.mode``
-    outside online | offline | disabled."""
+    sweep's run name, e.g. ``algo=dapo,seed=1``) names the W&B and MLflow runs; TensorBoard writes into the run
+    folder itself (``tensorboard_dir``: TensorBoard then names the run by its folder), CSV into ``<run>/csv``. A
+    continued run (``cfg.ckpt_path`` set) appends to the CSV file and resumes the W&B and MLflow runs whose ids
+    ``<run>/loggers.json`` holds; the ids of the runs used are written there. Raises ConfigError naming the
+    install command when a logger's package is missing, and for ``logger.wandb.mode`` outside online | offline |
+    disabled."""
     import importlib.util
 
     chosen = cfg.logger
@@ -146,7 +162,12 @@ def build_loggers(cfg: TrainConfig, out: Path) -> list:
                 f"(or {'mlflow-skinny' if key == 'mlflow' else package})"
             )
         if key == "tensorboard":
-            loggers.append(TensorBoardLogger(save_dir=str(out), name=options.name, version="", default_hp_metric=False))
+            sub = tensorboard_dir(out, options.name, continuing).relative_to(out).as_posix()
+            loggers.append(
+                TensorBoardLogger(
+                    save_dir=str(out), name="" if sub == "." else sub, version="", default_hp_metric=False
+                )
+            )
         elif key == "csv":
             kind = ContinuedCSVLogger if continuing else CSVLogger
             loggers.append(kind(save_dir=str(out), name=options.name, version=""))

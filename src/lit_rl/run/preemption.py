@@ -1,5 +1,5 @@
-"""Preemption that loses nothing: SIGTERM or SIGUSR1 checkpoint the run at the next safe point and stop it
-with a non-zero exit status; under SLURM the job requeues itself and continues from that checkpoint.
+"""Preemption that loses nothing: SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) checkpoint the run at the next safe point
+and stop it with a non-zero exit status; under SLURM the job requeues itself and continues from that checkpoint.
 
 What SLURM and Kubernetes send before they stop a job is SIGTERM (SLURM: ``--signal=USR1@<seconds>`` adds an
 early SIGUSR1). Lightning's signal connector already turns SIGTERM into ``trainer.received_sigterm``, which
@@ -22,11 +22,17 @@ a preempted run looked like a success, and the steps since the last checkpoint w
   step starts;
   ``SIGTERMException`` is raised and ``on_exception`` checkpoints the last finished step.
 
+Ctrl-C (SIGINT) takes the same path once training has started: Lightning would turn it into a
+``KeyboardInterrupt``, exit 1 and keep no checkpoint of the steps since the last one. The first Ctrl-C finishes
+the step, checkpoints it and stops as SIGTERM does; a second one, while that step finishes, is Python's
+``KeyboardInterrupt`` again (stop at once; the checkpoints written before stay whole). A process started with
+SIGINT ignored (``nohup``, a background job of a non-interactive shell) keeps ignoring it.
+
 ``lit_rl.run.train.run`` then raises ``Preempted``: a ``SystemExit`` with status 128 + the signal (143 for SIGTERM,
-138 for SIGUSR1), after printing how to continue. Checkpoints are written by ``AtomicCheckpointIO`` (beside the
-target, fsynced, renamed), so a second signal during the write cannot leave a partial file under a
-checkpoint's name: SIGTERM and SIGUSR1 only raise the flag again, and anything that kills the process
-mid-write leaves the previous checkpoint whole.
+138 for SIGUSR1, 130 for SIGINT), after printing how to continue. Checkpoints are written by
+``AtomicCheckpointIO`` (beside the target, fsynced, renamed), so a second signal during the write cannot leave a
+partial file under a checkpoint's name: SIGTERM and SIGUSR1 only raise the flag again, and anything that kills
+the process mid-write leaves the previous checkpoint whole.
 
 Under SLURM with ``SLURMEnvironment(auto_requeue=True)`` (Lightning's default when it detects SLURM), the
 requeue signal also runs ``scontrol requeue <job id>`` (as Lightning's handler would, after the checkpoint
@@ -54,8 +60,8 @@ log = logging.getLogger(__name__)
 
 class Preempted(SystemExit):
     """The run stopped on ``signum`` after checkpointing its last finished step; exit status 128 + signum
-    (143 for SIGTERM, 138 for SIGUSR1), so a scheduler never counts it a success. ``checkpoint``: the file
-    written (None when no step had finished), ``message``: what was printed (how to continue)."""
+    (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT), so a scheduler never counts it a success. ``checkpoint``:
+    the file written (None when no step had finished), ``message``: what was printed (how to continue)."""
 
     def __init__(self, signum: int, checkpoint: str | None, message: str):
         super().__init__(128 + int(signum))
@@ -92,8 +98,11 @@ class RunCheckpoint(ModelCheckpoint):
     checkpoints at the next safe point after SIGTERM or SIGUSR1 (module docstring). ``signum``: the first
     such signal received (None before); ``preempted_path``: the checkpoint written for it."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, updates_per_step: int = 1, **kwargs):
+        kwargs.setdefault("filename", "step={rl_step}")  # step=N.ckpt: N RL steps done, the last one logged as N
+        kwargs.setdefault("auto_insert_metric_name", False)
         super().__init__(*args, **kwargs)
+        self.updates_per_step = max(1, int(updates_per_step))
         self.signum: int | None = None
         self.preempted_path: str | None = None
         self._trainer: L.Trainer | None = None
@@ -108,15 +117,20 @@ class RunCheckpoint(ModelCheckpoint):
         self._trainer = trainer
         self._requeue_signal = requeue_signal(trainer)
         if threading.current_thread() is threading.main_thread():
-            self._previous_handlers = {s: signal.getsignal(s) for s in (self._requeue_signal, signal.SIGTERM)}
+            self._previous_handlers = {
+                s: signal.getsignal(s) for s in (self._requeue_signal, signal.SIGTERM, signal.SIGINT)
+            }
             signal.signal(self._requeue_signal, self._on_signal)
 
     def on_train_start(self, trainer, pl_module) -> None:
         super().on_train_start(trainer, pl_module)
         # Lightning has now registered its SIGTERM handler, which raises the flag on the rank it reaches (and
-        # broadcasts inside the handler): replaced by ours, which under data parallelism defers to ``agree``
+        # broadcasts inside the handler): replaced by ours, which under data parallelism defers to ``agree``.
+        # Ctrl-C too, unless the process was started with SIGINT ignored (a background job): it stays ignored
         if self._previous_handlers and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
+            if self._previous_handlers[signal.SIGINT] is not signal.SIG_IGN:
+                signal.signal(signal.SIGINT, self._on_signal)
 
     def teardown(self, trainer, pl_module, stage) -> None:
         super().teardown(trainer, pl_module, stage)
@@ -126,15 +140,23 @@ class RunCheckpoint(ModelCheckpoint):
             self._previous_handlers = {}
 
     def _on_signal(self, signum, frame) -> None:
-        """SIGTERM or the requeue signal. On one process: Lightning's flag (``trainer.received_sigterm``), so
+        """SIGTERM, SIGINT or the requeue signal (a second SIGINT raises ``KeyboardInterrupt``: stop at once,
+        without this step's checkpoint). On one process: Lightning's flag (``trainer.received_sigterm``), so
         its loops stop at their next safe point. Under data parallelism the signal is only noted here: the
         ranks raise the flag together where they agree (``agree``, at the end of each step). A flag raised
         on one rank at any other moment -- as Lightning's own SIGTERM handler does, which also runs a
         collective inside the handler -- lets that rank leave the loop while the others enter the next
         step's collectives, and the run hangs. Nothing else happens inside the handler."""
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: Lightning's shutdown, exit 1, the earlier checkpoints kept
         self.signum = self.signum or int(signum)
         rank = self._trainer.global_rank if self._trainer is not None else 0
-        os.write(2, f"lit_rl: received {signal.Signals(signum).name} (rank {rank})\n".encode())  # no buffered I/O
+        what = (
+            "; finishing this step, then checkpointing it (Ctrl-C again stops at once)"
+            if signum == signal.SIGINT
+            else ""
+        )
+        os.write(2, f"lit_rl: received {signal.Signals(signum).name} (rank {rank}){what}\n".encode())  # unbuffered
         if self._trainer is not None and self._trainer.world_size == 1:
             self._trainer._signal_connector.received_sigterm = True
 
@@ -145,6 +167,13 @@ class RunCheckpoint(ModelCheckpoint):
         return self.signum
 
     # -- checkpoints --------------------------------------------------------------------------------------------
+    def _monitor_candidates(self, trainer) -> dict:
+        """Lightning's values for the file name, with ``rl_step``: RL steps done (``global_step`` counts optimizer
+        steps, ``updates_per_step`` of them per RL step)."""
+        candidates = super()._monitor_candidates(trainer)
+        candidates["rl_step"] = torch.tensor(trainer.global_step // self.updates_per_step)
+        return candidates
+
     def _save_now(self, trainer) -> None:
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)

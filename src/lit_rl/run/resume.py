@@ -198,7 +198,8 @@ def check_run_folder(out: Path, ckpt_path: str | None) -> None:
             f"(hydra.run.dir=...), or continue it with ckpt_path=last — lit_rl never overwrites one"
         )
     if ckpt_path is None:
-        started = sorted((out / "checkpoints").glob("*.ckpt")) + sorted((out / "tensorboard").glob("events.*"))
+        events = sorted(out.glob("events.out.tfevents*")) + sorted((out / "tensorboard").glob("events.*"))
+        started = sorted((out / "checkpoints").glob("*.ckpt")) + events  # events: in the run folder, or older runs'
         if started and not started[0].name.endswith(".ckpt"):  # logs but no checkpoint: nothing to continue
             raise ConfigError(
                 f"output folder {out} holds a run that stopped before its first checkpoint "
@@ -247,11 +248,12 @@ def save_final_checkpoint(trainer: L.Trainer, checkpoints: ModelCheckpoint) -> N
     of a finished run continues from its end: written atomically, ``last.ckpt`` re-pointed at it, then the
     previous one removed (``save_top_k=1``). A collective under DDP (every rank calls it)."""
     previous = checkpoints.best_model_path
+    steps = trainer.global_step // max(1, getattr(checkpoints, "updates_per_step", 1))  # RL steps done
     match = re.search(r"step=(\d+)", os.path.basename(previous or ""))
-    if match and int(match.group(1)) == trainer.global_step:
+    if match and int(match.group(1)) == steps:
         return
     folder = Path(checkpoints.dirpath)
-    final = folder / f"step={trainer.global_step}.ckpt"
+    final = folder / f"step={steps}.ckpt"
     trainer.save_checkpoint(final)
     if trainer.is_global_zero:
         link = folder / "last.ckpt"

@@ -274,8 +274,9 @@ def discard_refused_run_folder(out: str | os.PathLike) -> bool:
 
 
 def check_output_folders(out: Path) -> None:
-    """ConfigError unless the run folder can be written, and with it the ``checkpoints/``, ``tensorboard/``
-    and ``policy/`` folders the run writes into later: each that exists already must be a writable folder.
+    """ConfigError unless the run folder can be written, and with it the ``checkpoints/``, ``tensorboard/`` (an
+    older run's event files) and ``policy/`` folders the run writes into later: each that exists already must be a
+    writable folder.
     A probe file is written, flushed and removed in each, so a read-only mount, a missing permission or a
     file in a folder's place fails here, before the model loads, and not at the first checkpoint."""
     for folder in (out, out / "checkpoints", out / "tensorboard", out / "policy"):

@@ -52,7 +52,7 @@ from ..rollout.sources import RolloutSourceShutdown
 from ..schema import ModelConfig, TrainConfig, train_config
 from ..tasks import build_task
 from ..tasks.reward_functions import RewardFunctions
-from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on
+from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on, step_progress_bar
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .hardware import peak_flops, precision_dtype, uses_cuda
 from .loggers import build_loggers, finish_loggers
@@ -330,7 +330,8 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     cannot use."""
     cfg, out, k = prepared.cfg, prepared.out, prepared.updates_per_rl_step
     logger = build_loggers(cfg, out)
-    checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1 (preemption.py)
+    checkpoints = RunCheckpoint(  # a ModelCheckpoint that also checkpoints on SIGTERM/SIGUSR1/SIGINT (preemption.py)
+        updates_per_step=k,  # named step=<RL steps done>.ckpt
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.checkpoint.every_n_steps * k,
         save_last="link",
@@ -353,6 +354,8 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
         callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1), console, prepared.log))
     if console and cfg.log.plain_lines == "auto":  # not a terminal: a progress bar would never print
         trainer_kwargs["enable_progress_bar"] = False
+    if trainer_kwargs.get("enable_progress_bar", True):
+        callbacks.append(step_progress_bar())  # "RL step n/N", not Lightning's "Epoch 0/-2"
     try:
         trainer = L.Trainer(
             logger=logger,
@@ -556,7 +559,7 @@ def build(prepared: Prepared) -> RunParts:
 def fit(parts: RunParts) -> dict[str, float]:
     """Lightning's fit of the built run under its kernel mode, from its checkpoint when it continues one (which
     must fit the module), then the final checkpoint. Returns the last logged metrics (reduced over ranks).
-    Raises a ``preemption`` stop for SIGTERM / SIGUSR1 (checkpointed at a safe point), ConfigError for a
+    Raises a ``preemption`` stop for SIGTERM / SIGUSR1 / SIGINT (checkpointed at a safe point), ConfigError for a
     checkpoint that does not fit."""
     prepared, trainer, module = parts.prepared, parts.trainer, parts.model.module
     k, ckpt_path = prepared.updates_per_rl_step, prepared.ckpt_path
@@ -577,7 +580,7 @@ def fit(parts: RunParts) -> dict[str, float]:
                 trainer.validate(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path, verbose=False)
             else:
                 trainer.fit(module, datamodule=parts.model.datamodule, ckpt_path=ckpt_path)
-        except SIGTERMException as stop:  # SIGTERM or SIGUSR1, checkpointed at a safe point: exit 128 + signal
+        except SIGTERMException as stop:  # SIGTERM, SIGUSR1 or Ctrl-C, checkpointed at a safe point: exit 128 + signal
             raise preempted(trainer, parts.checkpoints, prepared.out, k) from stop
         finally:  # a failed or interrupted run stops its producer and engine too (Lightning's hooks do it normally)
             module.source.close()  # idempotent; first, so no producer thread still uses the engine

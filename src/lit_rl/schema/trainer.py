@@ -189,10 +189,12 @@ def _trainer_defaults() -> dict[str, Any]:
 
 @dataclass
 class TensorBoardLoggerConfig:
-    """``logger.tensorboard``: Lightning's TensorBoardLogger, event files in ``<run>/tensorboard``."""
+    """``logger.tensorboard``: Lightning's TensorBoardLogger, event files (and Lightning's ``hparams.yaml``) in the
+    run folder itself, so TensorBoard names the run by its folder (``<run>``, not ``<run>/tensorboard``)."""
 
-    #: sub-folder of the run folder
-    name: str = "tensorboard"
+    #: sub-folder of the run folder; "" = the run folder itself. A run continued from the older layout keeps
+    #: writing into its ``tensorboard/``
+    name: str = ""
 
 
 @dataclass

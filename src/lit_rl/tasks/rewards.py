@@ -7,6 +7,10 @@ Extraction (``extract_answer``), in this order:
 2. ``\\boxed{...}``: the content of the last ``\\boxed{}`` (nested braces are fine).
 3. Only in ``"flexible"`` mode: the last number anywhere in the text.
 
+A LaTeX fraction counts as one number wherever a number is read (after ``####`` and as the last number):
+``\\frac{3}{4}``, ``\\dfrac``, ``\\tfrac``, the brace-less ``\\frac34``, with a sign before it and inside
+``$...$``; without this, ``\\frac{3}{4}`` would be read as its last digit, 4.
+
 ``"strict"`` mode accepts only ``#### N``: a boxed answer or a bare number scores 0.
 
 Numbers are read as people and models write them: ".5", typographic minus signs ("−3"), digit-group
@@ -16,7 +20,7 @@ no European decimal commas), percentages ("50%" == "50") and units after the num
 
 Comparison (``answers_match``): a numeric fast path first (group separators, ``$``, ``%``, units, a
 leading ``+`` and a trailing period are dropped; decimals and fractions are compared exactly as
-rationals, so "2.50" == "2.5" and "3/4" == "0.75"), then ``math_verify`` as a fallback for
+rationals, so "2.50" == "2.5", "3/4" == "0.75" and "\\frac{24}{2}" == "12"), then ``math_verify`` as a fallback for
 LaTeX forms such as ``\\frac{3}{4}``. Model text is never evaluated as code: the only parser
 that sees it is math_verify's, and only the short extracted answer is passed to it.
 """
@@ -53,9 +57,18 @@ _NUMBER = (
     r"(?:" + _INTEGER + r"(?:\.\d+)?|(?<![\w.])\.\d+)"
     r"(?:/\d+(?:\.\d+)?)?"
 )
-_NUMBER_RE = re.compile(_NUMBER)
+# A LaTeX fraction \frac, \dfrac or \tfrac with an optional sign; each part is a braced group (one level of
+# nested braces, "\frac{\sqrt{3}}{2}") or a single digit ("\frac34" is 3/4, as TeX reads it).
+_FRAC_PART = r"(?:\{(?:[^{}]|\{[^{}]*\})*\}|\d)"
+_LATEX_FRAC = r"(?:(?<![\w)\]}])" + _SIGN + r"\s*)?\\[dt]?frac\s*" + _FRAC_PART + r"\s*" + _FRAC_PART
+# One number as read from the text: a LaTeX fraction first, so its digits are not read on their own.
+_NUMBER_RE = re.compile(_LATEX_FRAC + "|" + _NUMBER)
 # What may sit between "####" and the number: spaces, markdown bold, a dollar sign.
-_AFTER_HASHES_RE = re.compile(r"[\s*$]*(?:\\\$)?\s*(" + _NUMBER + r")")
+_AFTER_HASHES_RE = re.compile(r"[\s*$]*(?:\\\$)?\s*(" + _LATEX_FRAC + "|" + _NUMBER + r")")
+# A LaTeX fraction whose parts are plain numbers, for the exact numeric path.
+_NUMERIC_FRAC_RE = re.compile(
+    r"(?P<sign>-)?\\[dt]?frac\s*(?:\{(?P<num>[^{}]*)\}|(?P<num1>\d))\s*(?:\{(?P<den>[^{}]*)\}|(?P<den1>\d))"
+)
 # Shapes the numeric fast path accepts once the answer is cleaned up (group separators become ",").
 _PLAIN_NUMBER_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:/\d+(?:\.\d+)?)?")
 # Units after a number: "\text{ cm}", "\mathrm{kg}", "\,\text{dollars}", degrees, or plain words ("18 apples").
@@ -147,8 +160,8 @@ def extract_answer(text: str, mode: str = "flexible") -> str | None:
 
 def _to_fraction(answer: str) -> Fraction | None:
     """Parse a plain numeric answer exactly, else None: "1,234", "1{,}234", "1\\,234", "$2.50", "−3" (U+2212),
-    ".5", "3/4", "50%", "18 \\text{cm}", "12 apples". Group separators count only before exactly three
-    digits, so "3,5" is None (no European decimal commas)."""
+    ".5", "3/4", "50%", "18 \\text{cm}", "12 apples", "\\frac{24}{2}", "-\\dfrac{3}{4}", "\\frac34".
+    Group separators count only before exactly three digits, so "3,5" is None (no European decimal commas)."""
     s = answer.strip()
     if len(s) > _MAX_ANSWER_CHARS:
         return None
@@ -164,6 +177,13 @@ def _to_fraction(answer: str) -> Fraction | None:
     s = s.rstrip(".")
     if s.startswith("+"):
         s = s[1:]
+    frac = _NUMERIC_FRAC_RE.fullmatch(s)
+    if frac is not None:
+        num = _to_fraction(frac.group("num") or frac.group("num1"))
+        den = _to_fraction(frac.group("den") or frac.group("den1"))
+        if num is None or den is None or den == 0:
+            return None
+        return -num / den if frac.group("sign") else num / den
     if not _PLAIN_NUMBER_RE.fullmatch(s):
         return None
     numerator, _, denominator = s.replace(",", "").partition("/")

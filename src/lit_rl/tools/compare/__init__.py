@@ -2,9 +2,9 @@
 
     python recipes/compare.py outputs/multirun/2026-11-29/10-00-00 --tags rollout/reward_mean,eval/accuracy
 
-A *run* is a folder that holds TensorBoard event files, directly or in a ``tensorboard/`` subfolder (what
-``recipes/train.py`` writes). A run's name is its path relative to the folder given on the command line
-(for a Hydra multirun: the override_dirname, e.g. ``algo=dapo,seed=1``). Runs whose names differ only by a
+A *run* is a folder that holds TensorBoard event files, directly (what ``recipes/train.py`` writes) or in a
+``tensorboard/`` subfolder (what it wrote before). A run's name is its path relative to the folder given on the
+command line (for a Hydra multirun: the override_dirname, e.g. ``algo=dapo,seed=1``). Runs whose names differ only by a
 ``seed=N`` item form one *setting* (``algo=dapo``), wherever the item stands (a job's ``.hydra/overrides.yaml``,
 when there is one, says which item is its seed); each tag is shown per setting as the mean over its seeds
 with a min–max band across seeds.
@@ -39,6 +39,11 @@ difference mean_A − mean_B (Welch 1947; Satterthwaite's degrees of freedom) an
 or "indistinguishable at n_A, n_B seeds" from whether the interval excludes 0. A run that lacks a step
 other seeds of its setting logged is flagged (stderr and ``summary.md``), never averaged in silently.
 
+A run without ``finished.json`` (what a training run writes last) is named at the top of ``summary.md``'s notes:
+"still being written" while a process holds its folder's ``.lit_rl.lock`` (a live run does), else "stopped
+early". Every option (``--test`` settings, ``--final-steps``, ``--window``, ``--shift-by``) is checked before
+the first file is written: a mistake exits 2 and writes nothing.
+
 The package, in the order the tool works: ``runs`` finds runs and reads their event files, ``settings`` turns
 run names into settings (seeds grouped), ``curves`` builds a setting's seed-mean curve of a tag, ``stats`` the
 seed intervals and Welch's test, ``versus`` a tag against a swept value, ``tables`` the markdown of the summaries,
@@ -47,7 +52,7 @@ seed intervals and Welch's test, ``versus`` a tag against a swept value, ``table
 
 from .cli import main, parse_args
 from .curves import Curve, common_step, curves_for, lower_is_better, seed_curve, tb_smooth, value_at
-from .runs import CompareError, find_runs, read_scalars
+from .runs import CompareError, find_runs, read_scalars, run_state
 from .settings import group_runs, recorded_seed, setting_of, split_key
 from .stats import (
     Interval,
@@ -84,6 +89,7 @@ __all__ = [
     "parse_args",
     "read_scalars",
     "run_final",
+    "run_state",
     "seed_curve",
     "seed_finals",
     "recorded_seed",

@@ -11,7 +11,7 @@ import sys
 
 from .curves import curves_for
 from .plots import plot_tag, plot_versus, setting_colors, tag_filename
-from .runs import FINISHED_MARKER, CompareError, find_runs, read_scalars
+from .runs import FINISHED_MARKER, CompareError, find_runs, read_scalars, run_state
 from .settings import group_runs
 from .stats import interval_bands, missing_steps, t_interval
 from .tables import (
@@ -105,13 +105,14 @@ def _main(args: argparse.Namespace) -> int:
     scalars = {name: read_scalars(d) for name, d in runs.items()}
     known = sorted({t for s in scalars.values() for t in s})
     tags, missing = logged_tags(tags, known)
-    note_unfinished(runs)
+    unfinished = note_unfinished(runs)
 
     groups = group_runs(runs, group_by_seed=args.group_by_seed)
+    check_settings(args, groups, known)  # every option checked before anything is written
     out = args.out or os.path.join(args.folders[0], "compare")
     os.makedirs(out, exist_ok=True)
     write_plots(groups, scalars, tags, out, args.smoothing)
-    summary = write_summary(groups, scalars, tags, missing, out, args.smoothing)
+    summary = write_summary(groups, scalars, tags, missing, out, args.smoothing, unfinished)
     if args.x:
         write_versus(args, scalars, tags, known, out)
     write_intervals(args, groups, scalars, tags, summary)
@@ -154,11 +155,29 @@ def logged_tags(tags: list[str], known: list[str]) -> tuple[list[str], list[str]
     return tags, missing
 
 
-def note_unfinished(runs: dict[str, str]) -> None:
-    """A note on stderr for each run without ``finished.json`` (still running, or stopped early)."""
+def note_unfinished(runs: dict[str, str]) -> dict[str, str]:
+    """{run: its state} for each run without ``finished.json`` (``run_state``: still being written, or stopped
+    early), each also a note on stderr."""
+    unfinished = {}
     for name, d in runs.items():
-        if not os.path.exists(os.path.join(d, FINISHED_MARKER)):
-            print(f"compare: note: {name} has no {FINISHED_MARKER} (still running, or stopped early)", file=sys.stderr)
+        state = run_state(d)
+        if state != "finished":
+            unfinished[name] = state
+            print(f"compare: note: {name} has no {FINISHED_MARKER}: {state}", file=sys.stderr)
+    return unfinished
+
+
+def check_settings(args: argparse.Namespace, groups: dict[str, list[str]], known: list[str]) -> None:
+    """Raise CompareError for a ``--test`` setting that is not among ``groups`` or a bad ``--final-steps``,
+    ``--window`` or ``--shift-by``: run before the first PNG, so a mistyped option writes nothing."""
+    if args.final_steps < 1:
+        raise CompareError(f"--final-steps must be >= 1, got {args.final_steps}")
+    for pair in args.test:
+        for name in pair:
+            if name not in groups:
+                raise CompareError(f"--test: no setting {name!r}; settings: {', '.join(groups)}")
+    if args.x:
+        versus_window(args, known)
 
 
 def write_plots(
@@ -185,14 +204,15 @@ def write_summary(
     missing: list[str],
     out: str,
     smoothing: float,
+    unfinished: dict[str, str] | None = None,
 ) -> str:
-    """Write ``out/summary.md`` (the final/best table and its notes), print the table to stdout and the step
-    notes to stderr; returns the file's path."""
+    """Write ``out/summary.md`` (the final/best table and its notes, the runs without ``finished.json`` first),
+    print the table to stdout and the step notes to stderr; returns the file's path."""
     rows = summarize(groups, scalars, tags)
     text = format_table(rows, tags)
     summary = os.path.join(out, "summary.md")
     with open(summary, "w") as f:
-        f.write(text + summary_notes(rows, smoothing, scalars, tags, missing))
+        f.write(text + summary_notes(rows, smoothing, scalars, tags, missing, unfinished))
     sys.stdout.write(text)
     for line in step_notes(scalars, tags):
         print("compare: note: " + line.removeprefix("- ").replace("**", ""), file=sys.stderr)

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 
 EVENT_FILE_PREFIX = "events.out.tfevents"
 TB_SUBDIR = "tensorboard"
+# What a run folder records at its end (written after the final checkpoint and the policy), and the lock file a
+# live run holds while it writes the folder (lit_rl.run.runfolder).
 FINISHED_MARKER = "finished.json"
+LOCK_NAME = ".lit_rl.lock"
 
 
 class CompareError(Exception):
@@ -103,3 +108,25 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
                 if arr.size == 1:
                     series[int(ev.step)] = float(arr.reshape(()))
     return {tag: sorted(series.items()) for tag, series in merged.items() if series}
+
+
+def run_state(run_dir: str) -> str:
+    """``"finished"`` when the run folder holds ``finished.json`` (the training run writes it last, after the
+    final checkpoint and policy); else ``"still being written (a live process holds it)"`` while a process holds
+    the folder's ``.lit_rl.lock`` (a run holds an exclusive ``flock`` on it from start-up to its end, and the
+    kernel drops it when the process dies), else ``"stopped early (continue it with --resume <run>)"``."""
+    if os.path.exists(os.path.join(run_dir, FINISHED_MARKER)):
+        return "finished"
+    stopped = f"stopped early (continue it with --resume {run_dir})"
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY)
+    except OSError:  # no lock file: no live run
+        return stopped
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return "still being written (a live process holds it)"
+    finally:
+        os.close(fd)  # closing the descriptor drops the shared lock just taken
+    return stopped

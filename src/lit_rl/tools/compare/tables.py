@@ -76,11 +76,21 @@ def summary_notes(
     scalars: dict[str, dict] | None = None,
     tags: list[str] = (),
     missing: list[str] = (),
+    unfinished: dict[str, str] | None = None,
 ) -> str:
-    """The lines under summary.md's table: the tags left out, where runs stopped early, the rules of final,
-    best and the plots, and the runs of each setting."""
+    """The lines under summary.md's table: the runs without ``finished.json`` ({run: state}, values so far),
+    the tags left out, where runs stopped early, the rules of final, best and the plots, and the runs of each
+    setting."""
     lines = [
         "",
+        *(
+            [
+                f"- **not finished** (no finished.json; their values are those written so far): {n}: {state}"
+                for n, state in sorted(unfinished.items())
+            ]
+            if unfinished
+            else []
+        ),
         *([f"- **not logged by any run, left out:** {', '.join(missing)}"] if missing else []),
         *(step_notes(scalars, list(tags)) if scalars else []),
         "- final: mean over the setting's runs of each run's value at the last step that every run logged "
