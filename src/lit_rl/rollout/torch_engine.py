@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..logprobs import position_ids_from_mask, process_logits
 from ..models import merged_weights, peft_model
+from .state_cache import hybrid_cache
 from .types import Rollouts, SamplingConfig, left_pad
 
 
@@ -302,7 +303,9 @@ class TorchEngine:
         input_ids, attention_mask = left_pad([list(p) for p in distinct], self.pad_token_id)
         input_ids, attention_mask = input_ids.to(device), attention_mask.long().to(device)
         position_ids = position_ids_from_mask(attention_mask)
-        cache = reserved_cache(input_ids.shape[1] + steps)
+        capacity = input_ids.shape[1] + steps
+        # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
+        cache = hybrid_cache(self.model, functools.partial(ReservedLayer, capacity)) or reserved_cache(capacity)
         active = torch.arange(n)  # original row of each live batch row
         for step in range(steps):
             if self.cancel is not None and self.cancel.is_set():
