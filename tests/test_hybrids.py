@@ -124,3 +124,21 @@ def test_two_step_grpo_run_trains_each_hybrid(hybrid_dir, family, tmp_path):
     assert type(reloaded).__name__ == HYBRIDS[family][0].replace("TextConfig", "ForCausalLM").replace(
         "Config", "ForCausalLM"
     )
+
+
+def test_vllm_is_refused_at_start_up_by_name_on_this_cpu(hybrid_dir, capsys):
+    """The installed CPU build of vLLM cannot load the family (its model module imports torchvision): engine=vllm
+    stops before any weight loads, naming the architecture; engine=auto takes the embedded engine and says why."""
+    from helpers import compose_config
+
+    from lit_rl.config import ConfigError
+    from lit_rl.run.resolve import resolve_engine
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is the CPU build's")
+    cfg = compose_config(f"model.name_or_path={hybrid_dir('qwen3_5')}", "engine=vllm")
+    with pytest.raises(ConfigError, match=r"engine=vllm: vLLM's CPU build does not serve Qwen3_5ForCausalLM"):
+        resolve_engine(cfg)
+    cfg = compose_config(f"model.name_or_path={hybrid_dir('qwen3_5')}", "engine=auto")
+    resolve_engine(cfg)
+    assert cfg.engine.name == "torch" and "Gated DeltaNet" in capsys.readouterr().out
