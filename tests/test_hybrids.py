@@ -10,6 +10,8 @@ from helpers import chat_prompts, fast_config
 from helpers.families import HYBRIDS, build_family
 from test_families import QUESTIONS, own_logprobs
 
+from lit_rl.kernels import batch_invariant as bi
+from lit_rl.kernels import kernel_mode
 from lit_rl.logprobs import resolve_shared_prefix, response_logprobs
 from lit_rl.models import ModelConfig, load_policy
 from lit_rl.rollout.state_cache import StateLayer, hybrid_cache, is_hybrid
@@ -52,7 +54,7 @@ def sample_and_score(model, tok, new_tokens=12):
     return r, pids, pmask, trainer
 
 
-@pytest.mark.parametrize("family", list(HYBRIDS))
+@pytest.mark.parametrize("family", [f if f == "qwen3_5" else pytest.param(f, marks=pytest.mark.slow) for f in HYBRIDS])
 def test_engine_and_trainer_logprobs_on_each_hybrid(hybrid_dir, family):
     model, tok = load(hybrid_dir(family))
     model.eval()
@@ -98,7 +100,7 @@ def hybrid_cache_of(types):
 
 def test_hybrid_cache_refuses_other_layer_types_by_name():
     assert hybrid_cache_of(["full_attention"]) is None  # no linear layer: the engine keeps its own cache
-    with pytest.raises(ValueError, match=r"serves linear_attention and full_attention layers, not \['sliding_attention'\]"):
+    with pytest.raises(ValueError, match=r"and full_attention layers, not \['sliding_attention'\]"):
         hybrid_cache_of(["linear_attention", "sliding_attention"])
 
 
@@ -110,20 +112,30 @@ def test_shared_prefix_is_off_for_hybrids_with_the_reason(hybrid_dir):
         resolve_shared_prefix(True, model, 8)
 
 
-@pytest.mark.parametrize(
-    "family", [f if f == "qwen3_5" else pytest.param(f, marks=pytest.mark.slow) for f in HYBRIDS]
-)
+@pytest.mark.parametrize("family", [f if f == "qwen3_5" else pytest.param(f, marks=pytest.mark.slow) for f in HYBRIDS])
 def test_two_step_grpo_run_trains_each_hybrid(hybrid_dir, family, tmp_path):
     out = tmp_path / "run"
     run(fast_config(f"model.name_or_path={hybrid_dir(family)}", "trainer.max_steps=2", "algo=grpo"), out)
     scalars = read_scalars(out / "tensorboard")
     assert len(scalars["train/loss"]) == 2
     # the stock gap (chunked trainer, recurrent decode) is small in float32 but not zero
-    assert all(0.0 <= v < 1e-5 for _, v in scalars["train/logprob_abs_diff"])
+    assert all(0.0 < v < 1e-5 for _, v in scalars["train/logprob_abs_diff"])
     reloaded, _ = load(out / "policy")
-    assert type(reloaded).__name__ == HYBRIDS[family][0].replace("TextConfig", "ForCausalLM").replace(
-        "Config", "ForCausalLM"
-    )
+    expected = HYBRIDS[family][0].replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")
+    assert type(reloaded).__name__ == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("linear_attention", ["auto", "chunked"])
+def test_two_step_run_under_batch_invariant_kernels(hybrid_dir, linear_attention, tmp_path):
+    """kernels=batch_invariant trains Qwen3.5 with no gap (auto: the recurrent algorithm on both sides); with
+    linear_attention=chunked, the stock split, the gap is back, small and nonzero."""
+    out = tmp_path / "run"
+    overrides = ["trainer.max_steps=2", "kernels=batch_invariant", f"kernels.linear_attention={linear_attention}"]
+    run(fast_config(f"model.name_or_path={hybrid_dir('qwen3_5')}", *overrides, "algo=grpo"), out)
+    gaps = [v for _, v in read_scalars(out / "tensorboard")["train/logprob_abs_diff"]]
+    assert len(gaps) == 2
+    assert all(v == 0.0 for v in gaps) if linear_attention == "auto" else all(0 < v < 1e-5 for v in gaps)
 
 
 def test_vllm_is_refused_at_start_up_by_name_on_this_cpu(hybrid_dir, capsys):
@@ -142,3 +154,76 @@ def test_vllm_is_refused_at_start_up_by_name_on_this_cpu(hybrid_dir, capsys):
     cfg = compose_config(f"model.name_or_path={hybrid_dir('qwen3_5')}", "engine=auto")
     resolve_engine(cfg)
     assert cfg.engine.name == "torch" and "Gated DeltaNet" in capsys.readouterr().out
+
+
+def engine_and_trainer(model, tok, prompts, seeds, new_tokens=12):
+    """The engine's rollouts of ``prompts`` and the trainer's log-probs of them ([N, T] float32)."""
+    engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+    r = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=new_tokens), seeds=seeds)
+    pids, pmask = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        trainer = response_logprobs(model, pids, pmask, r.response_ids, r.response_mask).logprobs
+    return r, trainer
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_stock_gap_and_one_algorithm_bit_for_bit(hybrid_dir, autocast, capsys):
+    """Under kernels=batch_invariant the stock split (chunked trainer, recurrent decode) leaves a gap; with
+    linear_attention=recurrent (auto) the engine equals the trainer bit for bit, and a decode batch of 1 equals
+    the same row decoded among 8 (prompts of mixed lengths, groups of two)."""
+    model, tok = load(hybrid_dir("qwen3_5"))
+    model.eval()
+    prompts, seeds = grouped_prompts(tok), list(range(8))
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with kernel_mode("batch_invariant", model, linear_attention="chunked"), cast:
+        r, trainer = engine_and_trainer(model, tok, prompts, seeds)
+    gap = (trainer - r.rollout_logprobs).abs()[r.response_mask].max().item()
+    with kernel_mode("batch_invariant", model), cast:  # auto -> recurrent
+        r, trainer = engine_and_trainer(model, tok, prompts, seeds)
+        alone, _ = engine_and_trainer(model, tok, prompts[2:3], seeds[2:3])
+    m = r.response_mask
+    with capsys.disabled():
+        print(f"\nstock gap (chunked trainer, recurrent decode), {'bf16' if autocast else 'float32'}: max {gap:.3g}")
+    assert gap > 0
+    assert torch.equal(trainer[m], r.rollout_logprobs[m])
+    n = int(alone.response_mask.sum())
+    assert torch.equal(alone.response_ids[0, :n], r.response_ids[2, :n])
+    assert torch.equal(alone.rollout_logprobs[0, :n], r.rollout_logprobs[2, :n])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_batch_invariant_refuses_mixture_of_experts_by_name(hybrid_dir, family):
+    """No routing replay: the experts' token sets depend on the batch, so the mode refuses the model (a run turns
+    the ValueError into a ConfigError naming model.name_or_path, ``run.train.enter_kernel_mode``)."""
+    model, _ = load(hybrid_dir(family))
+    with pytest.raises(ValueError, match=r"does not cover Qwen3\w*ForCausalLM's mixture-of-experts layers"):
+        kernel_mode("batch_invariant", model).__enter__()
+    assert bi.BatchInvariantMode._active is None  # nothing was installed
+
+
+def test_recurrent_parity_refuses_value_heads_off_the_vector_width(tmp_path):
+    folder = build_family("qwen3_5", tmp_path / "m", linear_num_value_heads=4)
+    model, _ = load(folder)
+    with pytest.raises(ValueError, match="needs linear_num_value_heads to be a multiple of 16 .* has 4"):
+        kernel_mode("batch_invariant", model)
+    kernel_mode("batch_invariant", model, linear_attention="chunked")  # nothing to refuse: the stock split
+
+
+def test_gradient_through_the_recurrent_forward_is_the_chunked_one_with_and_without_checkpointing(hybrid_dir):
+    grads = {}
+    for mode, checkpointing in (("chunked", False), ("recurrent", False), ("recurrent", True)):
+        spec = ModelConfig(str(hybrid_dir("qwen3_5")))
+        spec.gradient_checkpointing = checkpointing
+        model, tok = load_policy(spec)
+        ids, mask = left_pad(grouped_prompts(tok)[::2], tok.pad_token_id)
+        response = ids[:, -6:].clone()
+        with kernel_mode("default", model, linear_attention=mode):
+            scores = response_logprobs(model, ids, mask, response, torch.ones_like(response, dtype=torch.bool))
+            scores.logprobs.sum().backward()
+        grads[mode, checkpointing] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    chunked = grads["chunked", False]
+    for key in (("recurrent", False), ("recurrent", True)):
+        for name, grad in grads[key].items():
+            torch.testing.assert_close(grad, chunked[name], rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
+    A_log = "model.layers.0.linear_attn.A_log"
+    assert chunked[A_log].abs().max() > 0  # the decay parameters are trained through the chunked backward

@@ -282,7 +282,8 @@ def resolve_shared_prefix(setting, model: torch.nn.Module, group_size: int) -> t
     (on, why: empty when on or set false).
 
     auto is on when group_size >= 2, the model's family is in ``SHARED_PREFIX_FAMILIES`` (never a hybrid with
-    linear-attention layers: their prompt state is not handed on) and its layers are not gradient-checkpointed (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
+    linear-attention layers: their prompt state is not handed on) and its layers are not gradient-checkpointed
+    (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
     reason. True raises ValueError naming the family or the checkpointing it cannot serve; group_size 1 is
     allowed (nothing to share: every micro-batch takes the one-forward path). Raises ValueError for another value.
     """

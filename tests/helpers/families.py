@@ -70,12 +70,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 #: Gated DeltaNet hybrids: 4 layers, 3 linear-attention (conv + recurrent state) and 1 full attention (gated
-#: q, partial rope), linear heads of 32 (2 key heads, 4 value heads: the grouped form is exercised)
+#: q, partial rope), linear heads of 32 (4 key heads, 16 value heads: the grouped form is exercised, and 16 value
+#: heads fill whole float32 vectors, as every released model's 16-64: see kernels.linear_attention.check_vector_width)
 LINEAR = dict(
     num_hidden_layers=4,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
+    linear_num_key_heads=4,
+    linear_num_value_heads=16,
     linear_key_head_dim=32,
     linear_value_head_dim=32,
     linear_conv_kernel_dim=4,

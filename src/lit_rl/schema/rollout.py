@@ -86,6 +86,10 @@ class KernelsConfig:
     #: float32 matrix products on the CPU: auto (oneDNN where measured faster than torch's BLAS on the model's
     #: shapes, ``kernels.fp32_gemm.resolve``) | aten (torch's own) | onednn; kernels=batch_invariant: aten
     fp32_gemm: str = "auto"
+    #: Gated DeltaNet layers (Qwen3.5, Qwen3-Next): auto (recurrent under batch_invariant, else chunked) | chunked
+    #: (transformers' split: chunked full forwards, recurrent decode) | recurrent (the recurrent algorithm on every
+    #: forward, the chunked one's backward: ``kernels.linear_attention``)
+    linear_attention: str = "auto"
 
 
 @dataclass
