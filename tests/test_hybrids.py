@@ -227,3 +227,33 @@ def test_gradient_through_the_recurrent_forward_is_the_chunked_one_with_and_with
             torch.testing.assert_close(grad, chunked[name], rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
     A_log = "model.layers.0.linear_attn.A_log"
     assert chunked[A_log].abs().max() > 0  # the decay parameters are trained through the chunked backward
+
+
+def test_keep_float32_keeps_the_decay_parameters_out_of_the_engine_copy_s_rounding(hybrid_dir, capsys):
+    """The A_log trap: a bf16 engine copy that rounds A_log and dt_bias samples from another model than the
+    trainer, which uses them in float32. Here the trainer's weights are bf16 except those two (float32), so an
+    engine copy in bf16 that keeps them (the default) is the same model, bit for bit under batch-invariant
+    kernels; emptying ``keep_float32`` rounds them and the gap appears: everything else equal."""
+    model, tok = load(hybrid_dir("qwen3_5"))
+    model.eval().to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            p.data = p.data.float() + 1e-3  # off the bf16 grid: rounding them would change them
+    prompts, seeds = grouped_prompts(tok), list(range(8))
+    gaps = {}
+    with kernel_mode("batch_invariant", model):
+        for keep in (("A_log", "dt_bias"), ()):
+            engine = TorchEngine(
+                model, tok.pad_token_id, [tok.eos_token_id], weights_dtype=torch.bfloat16, keep_float32=keep
+            )
+            assert engine.model.model.layers[0].linear_attn.A_log.dtype == (torch.float32 if keep else torch.bfloat16)
+            r = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=12), seeds=seeds)
+            pids, pmask = left_pad(r.prompt_ids, tok.pad_token_id)
+            with torch.no_grad():
+                trainer = response_logprobs(model, pids, pmask, r.response_ids, r.response_mask).logprobs
+            gaps[keep] = (trainer - r.rollout_logprobs).abs()[r.response_mask].mean().item()
+    with capsys.disabled():
+        kept, rounded = gaps[("A_log", "dt_bias")], gaps[()]
+        print(f"\nbf16 engine copy, mean |rollout - trainer| log-prob: keep {kept:.3g}, not {rounded:.3g}")
+    assert gaps[("A_log", "dt_bias")] == 0.0
+    assert gaps[()] > 1e-4

@@ -160,6 +160,8 @@ class TorchEngine:
             from softmax((logits + σε) / T'), ε ~ N(0, I) per token (``add_logit_noise``); 0 = off.
         temperature_offset: mismatch dial δ (``engine.temperature_offset``): sampling rollouts draw at
             T' = T + δ while the trainer scores at T; 0 = off. T + δ must stay > 0.
+        keep_float32: parameter names (last part of the dotted name) an own copy keeps in float32 whatever
+            ``weights_dtype`` (``engine.keep_float32``: Gated DeltaNet's ``A_log``, ``dt_bias``).
 
     With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
@@ -179,6 +181,7 @@ class TorchEngine:
         own_copy: bool = False,
         logit_noise: float = 0.0,
         temperature_offset: float = 0.0,
+        keep_float32: tuple[str, ...] = (),
     ):
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
@@ -187,6 +190,7 @@ class TorchEngine:
         self.cancel = None
         self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
         self.int8_roundtrip = int8_roundtrip
+        self.keep_float32 = tuple(keep_float32)
         self.model = model
         self.weights_dtype = weights_dtype
         if self.own_copy:
@@ -205,6 +209,9 @@ class TorchEngine:
             self.model.__dict__.pop("lit_rl_peft", None)
         if self.weights_dtype is not None:
             self.model.to(self.weights_dtype)
+            for name, param in self.model.named_parameters():  # engine.keep_float32
+                if name.rsplit(".", 1)[-1] in self.keep_float32:
+                    param.data = param.data.float()
         if getattr(self.model, "is_activation_checkpointing", False):
             disable = (
                 getattr(self.model, "activation_checkpointing_disable", None)
