@@ -257,3 +257,27 @@ def test_keep_float32_keeps_the_decay_parameters_out_of_the_engine_copy_s_roundi
         print(f"\nbf16 engine copy, mean |rollout - trainer| log-prob: keep {kept:.3g}, not {rounded:.3g}")
     assert gaps[("A_log", "dt_bias")] == 0.0
     assert gaps[()] > 1e-4
+
+
+def test_flops_count_the_linear_attention_layers(hybrid_dir):
+    """perf/mfu's FLOP model: per linear-attention layer its projections and conv (not q/k/v/o), the S² term on the
+    full-attention layer only, and 8 FLOPs per state entry and token for the state (3 linear layers x 16 heads
+    x 32 x 32)."""
+    from lit_rl.run.flops import FlopModel
+
+    model, tok = load(hybrid_dir("qwen3_5"))
+    flops = FlopModel.from_config(model.config)
+    layers = model.model.layers
+    matrices = sum(m.weight.numel() for m in layers.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d)))
+    assert flops.dense_params == matrices + 2 * len(tok) * 64  # every product a token runs, embedding and head
+    assert (flops.layers, flops.linear_unit) == (1, 3 * 16 * 32 * 32)
+    assert flops.update_flops([10]) == 6 * flops.dense_params * 10 + 12 * 64 * 100 + 24 * 3 * 16 * 32 * 32 * 10
+    assert flops.rollout_flops([5], [2]) == (2 * flops.dense_params + 8 * 3 * 16 * 32 * 32) * 2 + 4 * 64 * 13
+
+
+def test_lora_default_targets_cover_the_gated_deltanet_projections(hybrid_dir):
+    spec = ModelConfig(str(hybrid_dir("qwen3_5")))
+    spec.lora.r = 4
+    model, _ = load_policy(spec)
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "gate_proj"} <= adapted
