@@ -15,7 +15,9 @@ settings, side by side, alternating ``--repeats`` times after a warm-up, on the 
 * ``attention``: the attention model, for scale.
 
 Reports the median forward and backward seconds per token and the ratio recurrent / chunked of a whole
-forward + backward. The issue's target: recurrent at most 2x chunked on the ~100M model at ~100-token
+forward + backward. ``--save-model DIR`` instead saves the Qwen3.5-shaped model (with the SmolLM2 tokenizer and
+its vocabulary) as a folder for ``recipes/train.py model.name_or_path=DIR`` (the stock-vs-fixed gap runs of
+docs/kernels.md) and exits. The issue's target: recurrent at most 2x chunked on the ~100M model at ~100-token
 responses. Timings need an otherwise idle machine (``_common.ensure_quiet``).
 """
 
@@ -64,6 +66,19 @@ def models(hidden: int, layers: int, vocab: int):
     return hybrid, attention
 
 
+def save_model(args) -> None:
+    """The Qwen3.5-shaped model of ``models`` with the SmolLM2 tokenizer, saved to ``args.save_model``."""
+    from lit_rl.models import SMOLLM2_ID, load_tokenizer
+
+    tokenizer = load_tokenizer(SMOLLM2_ID)
+    hybrid, _ = models(args.hidden, args.layers, len(tokenizer))
+    hybrid.config.pad_token_id, hybrid.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    hybrid.config.bos_token_id = tokenizer.bos_token_id
+    hybrid.save_pretrained(args.save_model)
+    tokenizer.save_pretrained(args.save_model)
+    print(f"saved {sum(p.numel() for p in hybrid.parameters()) / 1e6:.0f}M parameters to {args.save_model}")
+
+
 def time_pass(model, ids, mask, response) -> tuple[float, float]:
     """Seconds of the forward (log-probs of ``response``) and of the backward of their sum."""
     model.zero_grad(set_to_none=True)
@@ -84,7 +99,11 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    parser.add_argument("--save-model", default=None, help="save the Qwen3.5-shaped model to this folder and exit")
     args = parser.parse_args()
+    if args.save_model:
+        save_model(args)
+        return
     ensure_quiet(args.force)
     hybrid, attention = models(args.hidden, args.layers, args.vocab)
     sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (hybrid, attention)]
