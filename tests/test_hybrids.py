@@ -191,7 +191,7 @@ def test_stock_gap_and_one_algorithm_bit_for_bit(hybrid_dir, autocast, capsys):
     assert torch.equal(alone.rollout_logprobs[0, :n], r.rollout_logprobs[2, :n])
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_batch_invariant_refuses_mixture_of_experts_by_name(hybrid_dir, family):
     """No routing replay: the experts' token sets depend on the batch, so the mode refuses the model (a run turns
     the ValueError into a ConfigError naming model.name_or_path, ``run.train.enter_kernel_mode``)."""
