@@ -140,9 +140,9 @@ def recurrent_rule(
     out = torch.empty_like(value)
     for i in range(t):
         k_i = key[:, :, i, :, None]  # [B, H, K, 1]
-        state = state * decay[:, :, i]
+        state.mul_(decay[:, :, i])  # in place: the same products, one [B, H, K, V] allocation fewer per step
         delta = (value[:, :, i] - (state * k_i).sum(dim=-2)) * beta[:, :, i]
-        state = state + k_i * delta[:, :, None, :]
+        state.add_(k_i * delta[:, :, None, :])
         out[:, :, i] = (state * query[:, :, i, :, None]).sum(dim=-2)
     return out.transpose(1, 2).contiguous().to(dtype), (state if output_final_state else None)
 
