@@ -1,6 +1,6 @@
 """Cost of ``kernels.linear_attention=recurrent`` on the trainer: forward and backward time per token.
 
-    python benchmarks/linear_attention.py                                  # ~100M Qwen3.5-shaped, 8 x 100 + 100 tokens
+    python benchmarks/linear_attention.py [--bf16]                         # ~100M Qwen3.5-shaped, 8 x 100 + 100 tokens
     python benchmarks/linear_attention.py --hidden 64 --layers 4 --rows 2 --prompt 8 --response 8 --repeats 1 --force
 
 A random Qwen3.5-shaped model (3 Gated DeltaNet layers to 1 full-attention layer, as the released models) and
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    parser.add_argument("--bf16", action="store_true", help="under bf16 autocast (trainer.precision=bf16-mixed)")
     parser.add_argument("--save-model", default=None, help="save the Qwen3.5-shaped model to this folder and exit")
     args = parser.parse_args()
     if args.save_model:
@@ -121,7 +122,8 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in settings}
     for repeat in range(args.repeats + 1):  # the first round warms up
         for name, (model, mode) in settings.items():
-            with kernel_mode("default", model, linear_attention=mode):
+            cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+            with kernel_mode("default", model, linear_attention=mode), cast:
                 measured = time_pass(model, ids, mask, response)
             if repeat:
                 times[name].append(measured)
