@@ -97,6 +97,8 @@ KERNELS: Registry[str] = Registry(
 )
 #: ``kernels.fp32_gemm`` values (``kernels.fp32_gemm.resolve``)
 FP32_GEMM_CHOICES = ("auto", "aten", "onednn")
+#: ``kernels.linear_attention`` values (``kernels.linear_attention.resolve_linear_attention``)
+LINEAR_ATTENTION_CHOICES = ("auto", "chunked", "recurrent")
 
 # -- rollout (lit_rl.rollout) ------------------------------------------------------------------------------------
 #: ``engine.name``: the engines of ``rollout.engines.ENGINES``, and ``auto``, a choice made at start-up

@@ -43,6 +43,7 @@ from .choices import (
     KERNELS,
     KL_KINDS,
     KL_MODES,
+    LINEAR_ATTENTION_CHOICES,
     MULTI_REWARD,
     REDUCTION_MODES,
     ROLLOUT_MODES,
@@ -185,6 +186,9 @@ def check_kernels(cfg: DictConfig) -> None:
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     gemm = cfg.kernels.get("fp32_gemm", "auto")
     _check(gemm in FP32_GEMM_CHOICES, "kernels.fp32_gemm", gemm, f"choose one of {list(FP32_GEMM_CHOICES)}")
+    la = cfg.kernels.get("linear_attention", "auto")
+    choices = f"choose one of {list(LINEAR_ATTENTION_CHOICES)}"
+    _check(la in LINEAR_ATTENTION_CHOICES, "kernels.linear_attention", la, choices)
     _check(
         not (kernels == "batch_invariant" and gemm == "onednn"),
         "kernels.fp32_gemm",

@@ -281,8 +281,9 @@ def resolve_shared_prefix(setting, model: torch.nn.Module, group_size: int) -> t
     """``update.shared_prefix`` (auto | True | False) for ``model`` at ``rollout.group_size`` ->
     (on, why: empty when on or set false).
 
-    auto is on when group_size >= 2, the model's family is in ``SHARED_PREFIX_FAMILIES`` and its layers are not
-    gradient-checkpointed (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
+    auto is on when group_size >= 2, the model's family is in ``SHARED_PREFIX_FAMILIES`` (never a hybrid with
+    linear-attention layers: their prompt state is not handed on) and its layers are not gradient-checkpointed
+    (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
     reason. True raises ValueError naming the family or the checkpointing it cannot serve; group_size 1 is
     allowed (nothing to share: every micro-batch takes the one-forward path). Raises ValueError for another value.
     """
@@ -294,7 +295,13 @@ def resolve_shared_prefix(setting, model: torch.nn.Module, group_size: int) -> t
     family = getattr(getattr(config, "text_config", None) or config, "model_type", None)
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     why = ""
-    if family not in SHARED_PREFIX_FAMILIES:
+    if "linear_attention" in (getattr(getattr(config, "text_config", None) or config, "layer_types", None) or ()):
+        why = (
+            f"model family {family!r} ({type(model).__name__}) has linear-attention (Gated DeltaNet) layers: the "
+            "shared-prefix forward hands the completions the prompt's keys and values, not its conv and "
+            "recurrent states"
+        )
+    elif family not in SHARED_PREFIX_FAMILIES:
         why = (
             f"model family {family!r} ({type(model).__name__}) is not one whose shared-prefix forward is tested "
             f"(supported: {', '.join(SHARED_PREFIX_FAMILIES)})"

@@ -69,6 +69,25 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": None}),  # fused qkv_proj and gate_up_proj
 }
 
+#: Gated DeltaNet hybrids: 4 layers, 3 linear-attention (conv + recurrent state) and 1 full attention (gated
+#: q, partial rope), linear heads of 32 (4 key heads, 16 value heads: the grouped form is exercised, and 16 value
+#: heads fill whole float32 vectors, as every released model's 16-64: see kernels.linear_attention.check_vector_width)
+LINEAR = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=4,
+    linear_num_value_heads=16,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+HYBRIDS: dict[str, tuple[str, dict]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", LINEAR),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {**LINEAR, **MOE}),
+    "qwen3_next": ("Qwen3NextConfig", {**LINEAR, **MOE, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+}
+
 #: families whose layers attend through a sliding window
 SLIDING = ("gemma2", "gemma3", "mistral")
 
@@ -77,7 +96,7 @@ def family_config(family: str, vocab_size: int, **overrides):
     """The transformers config of a tiny ``family`` model (``FAMILIES``), ``overrides`` applied last."""
     import transformers
 
-    cls, extra = FAMILIES[family]
+    cls, extra = {**FAMILIES, **HYBRIDS}[family]
     kwargs = {**BASE, **extra, "vocab_size": vocab_size, **overrides}
     if family == "phi3":  # Phi-3 derives head_dim from hidden / heads and has no head_dim argument
         kwargs.pop("head_dim")

@@ -1,7 +1,8 @@
 """Kernel modes (the ``kernels`` config group): ``default`` (torch's and transformers' own kernels, with float32
 products through oneDNN where that is measured faster: ``fp32_gemm``) or ``batch_invariant``
 (``batch_invariant.BatchInvariantMode``: the engine's rollout log-probs equal the trainer's bit for bit before the
-first update)."""
+first update). Gated DeltaNet layers (Qwen3.5, Qwen3-Next) run the algorithm ``kernels.linear_attention`` names on
+every forward (``linear_attention``: recurrent under batch_invariant by default)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,55 @@ from ..choices import KERNELS
 from .batch_invariant import BatchInvariantMode
 from .fp32_gemm import OneDNNGemm
 from .fp32_gemm import resolve as resolve_fp32_gemm
+from .linear_attention import LinearAttentionKernels, resolve_linear_attention
 
 
-def kernel_mode(name: str, *models, fp32_gemm: str = "aten"):
+class Stacked:
+    """Context managers entered in order and left in reverse: the kernel mode and the linear-attention mode."""
+
+    def __init__(self, *modes):
+        self.modes = modes
+
+    def __enter__(self):
+        for i, mode in enumerate(self.modes):
+            try:
+                mode.__enter__()
+            except BaseException:
+                for entered in reversed(self.modes[:i]):
+                    entered.__exit__(None, None, None)
+                raise
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+
+
+def kernel_mode(name: str, *models, fp32_gemm: str = "aten", linear_attention: str = "auto"):
+    """``_base_mode(name, *models, fp32_gemm=...)`` together with ``LinearAttentionKernels`` for the Gated
+    DeltaNet layers of ``models`` in ``resolve_linear_attention(linear_attention, name)`` (printed when the models
+    have such layers). Raises ValueError for a value outside the choices, naming the field."""
+    from .linear_attention import check_vector_width, gated_deltanet_modules
+
+    la = resolve_linear_attention(linear_attention, name)
+    if not gated_deltanet_modules(*models):
+        return _base_mode(name, *models, fp32_gemm=fp32_gemm)
+    if name == "batch_invariant" and la == "recurrent":
+        check_vector_width(*models)
+    base = _base_mode(name, *models, fp32_gemm=fp32_gemm)
+    print(
+        f"lit_rl: kernels.linear_attention={linear_attention} -> {la}: Gated DeltaNet layers run the {la} "
+        + (
+            "algorithm on every forward (engine prefill, decode, trainer), the chunked one in the backward"
+            if la == "recurrent"
+            else "algorithm in full forwards, the recurrent one in the engine's decode (a small gap)"
+        ),
+        flush=True,
+    )
+    return Stacked(base, LinearAttentionKernels(la, *models))
+
+
+def _base_mode(name: str, *models, fp32_gemm: str = "aten"):
     """A context manager that runs its body under kernel mode ``name`` for ``models`` (transformers causal
     LMs): ``default`` changes nothing but the float32 products, through oneDNN (``fp32_gemm.OneDNNGemm``) when
     ``fp32_gemm.resolve(fp32_gemm, models[0])`` says so (it prints which and why); ``batch_invariant`` is
@@ -42,4 +89,4 @@ def kernel_mode(name: str, *models, fp32_gemm: str = "aten"):
     raise ValueError(f"kernels={name!r} is not allowed: choose one of {list(KERNELS)}")
 
 
-__all__ = ["KERNELS", "BatchInvariantMode", "OneDNNGemm", "kernel_mode"]
+__all__ = ["KERNELS", "BatchInvariantMode", "LinearAttentionKernels", "OneDNNGemm", "kernel_mode"]

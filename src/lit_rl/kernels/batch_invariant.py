@@ -284,6 +284,13 @@ def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (h * torch.rsqrt(variance + eps) * (1.0 + weight.float())).to(x.dtype)
 
 
+def gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The gated RMSNorm of Gated DeltaNet layers (transformers' ``Qwen3_5RMSNormGated``, Qwen3-Next's), row by
+    row: ``(rms_norm(x, weight, eps) * silu(gate_f32)).to(x.dtype)``. x, gate: [..., H]; weight: [H]. The
+    reduction is ``rms_norm``'s."""
+    return (rms_norm(x, weight, eps) * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)
+
+
 def _eps(module) -> float | None:
     for name in ("variance_epsilon", "eps", "epsilon"):
         value = getattr(module, name, None)
@@ -300,10 +307,16 @@ def _gemma_rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
     return gemma_rms_norm(hidden_states, self.weight, _eps(self))
 
 
-#: the norm formulas the mode covers: name -> (kernel, the forward installed on a class)
+def _gated_rms_norm_forward(self, hidden_states: Tensor, gate: Tensor) -> Tensor:
+    return gated_rms_norm(hidden_states, gate, self.weight, _eps(self))
+
+
+#: the norm formulas the mode covers: name -> (kernel, the forward installed on a class); "gated" takes the gate
+#: as its second argument
 NORM_FORMULAS = {
     "llama": (rms_norm, _rms_norm_forward),
     "gemma": (gemma_rms_norm, _gemma_rms_norm_forward),
+    "gated": (gated_rms_norm, _gated_rms_norm_forward),
 }
 
 
@@ -322,13 +335,41 @@ def _norm_formula(module: torch.nn.Module) -> str | None:
         x = torch.randn(3, weight.shape[0], generator=g) * 3
         try:
             own = probe(x)
-        except Exception:  # noqa: BLE001 - a forward with another signature: not a formula we know
-            return None
+        except Exception:  # noqa: BLE001 - a forward with another signature: the gated one, or none we know
+            return _gated_formula(probe, x, eps, g)
         for name, (kernel, _) in NORM_FORMULAS.items():
+            if name == "gated":
+                continue
             ours = kernel(x, probe.weight, eps)
             if ours.shape == own.shape and torch.allclose(ours, own, rtol=1e-5, atol=1e-6):
                 return name
     return None
+
+
+def _gated_formula(probe: torch.nn.Module, x: Tensor, eps: float, g: torch.Generator) -> str | None:
+    """ "gated" when ``probe(x, gate)`` computes ``gated_rms_norm`` (within 1e-5), else None."""
+    gate = torch.randn(x.shape, generator=g) * 3
+    try:
+        own = probe(x, gate)
+    except Exception:  # noqa: BLE001 - another signature still: not a formula we know
+        return None
+    ours = gated_rms_norm(x, gate, probe.weight, eps)
+    return "gated" if ours.shape == own.shape and torch.allclose(ours, own, rtol=1e-5, atol=1e-6) else None
+
+
+def check_no_experts(model: torch.nn.Module) -> None:
+    """ValueError naming the class for a mixture-of-experts model (its config's ``num_experts`` or
+    ``num_local_experts`` > 1: Qwen3.5-MoE, Qwen3-Next, ...): which tokens an expert's products gather depends on
+    the batch, and the mode has no routing replay, so the engine's and the trainer's log-probs would differ."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    experts = max(int(getattr(text, "num_experts", 0) or 0), int(getattr(text, "num_local_experts", 0) or 0))
+    if experts > 1:
+        raise ValueError(
+            f"kernels=batch_invariant does not cover {type(model).__name__}'s mixture-of-experts layers ({experts} "
+            "experts): the tokens each expert's products gather depend on the batch and the mode has no routing "
+            "replay; use kernels=default for this model"
+        )
 
 
 def norm_kernels(models) -> dict[type, str]:
@@ -346,8 +387,9 @@ def norm_kernels(models) -> dict[type, str]:
     if unsupported:
         raise ValueError(
             f"kernels=batch_invariant does not cover the norm layer(s) {unsupported}: their forward is neither "
-            f"Llama's RMSNorm (weight * x / rms) nor Gemma's ((1 + weight) * x / rms), the two formulas the "
-            f"batch-invariant kernels implement; use kernels=default for this model"
+            f"Llama's RMSNorm (weight * x / rms), Gemma's ((1 + weight) * x / rms) nor the gated one "
+            f"(weight * x / rms * silu(gate)), the formulas the batch-invariant kernels implement; use "
+            f"kernels=default for this model"
         )
     return {cls: formula for cls, formula in found.items() if formula is not None}
 
@@ -584,6 +626,8 @@ class BatchInvariantMode:
                     "On CUDA use Thinking Machines' batch_invariant_ops (set_batch_invariant_mode) for the trainer "
                     "and vLLM's VLLM_BATCH_INVARIANT=1 for a vLLM sampler; lit_rl does not wire them in this version"
                 )
+        for model in self.models:
+            check_no_experts(model)
         norms = norm_kernels(self.models)  # before anything is installed: a refusal leaves nothing behind
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface

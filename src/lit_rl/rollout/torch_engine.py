@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..logprobs import position_ids_from_mask, process_logits
 from ..models import merged_weights, peft_model
+from .state_cache import hybrid_cache
 from .types import Rollouts, SamplingConfig, left_pad
 
 
@@ -162,6 +163,8 @@ class TorchEngine:
             from softmax((logits + σε) / T'), ε ~ N(0, I) per token (``add_logit_noise``); 0 = off.
         temperature_offset: mismatch dial δ (``engine.temperature_offset``): sampling rollouts draw at
             T' = T + δ while the trainer scores at T; 0 = off. T + δ must stay > 0.
+        keep_float32: parameter names (last part of the dotted name) an own copy keeps in float32 whatever
+            ``weights_dtype`` (``engine.keep_float32``: Gated DeltaNet's ``A_log``, ``dt_bias``).
 
     With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
@@ -189,6 +192,7 @@ class TorchEngine:
         own_copy: bool = False,
         logit_noise: float = 0.0,
         temperature_offset: float = 0.0,
+        keep_float32: tuple[str, ...] = (),
     ):
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
@@ -197,6 +201,7 @@ class TorchEngine:
         self.cancel = None
         self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
         self.int8_roundtrip = int8_roundtrip
+        self.keep_float32 = tuple(keep_float32)
         self.model = model
         self.weights_dtype = weights_dtype
         if self.own_copy:
@@ -217,6 +222,9 @@ class TorchEngine:
             self.model.__dict__.pop("lit_rl_peft", None)
         if self.weights_dtype is not None:
             self.model.to(self.weights_dtype)
+            for name, param in self.model.named_parameters():  # engine.keep_float32
+                if name.rsplit(".", 1)[-1] in self.keep_float32:
+                    param.data = param.data.float()
         if getattr(self.model, "is_activation_checkpointing", False):
             disable = (
                 getattr(self.model, "activation_checkpointing_disable", None)
@@ -301,6 +309,11 @@ class TorchEngine:
         self._swaps[1] += time.perf_counter() - t0
         return True
 
+    def _new_cache(self, capacity: int) -> DynamicCache:
+        """An empty cache for ``capacity`` positions: KV reserved up front, and the conv / recurrent states of
+        Gated DeltaNet layers where the model has them (``state_cache.hybrid_cache``)."""
+        return hybrid_cache(self.model, functools.partial(ReservedLayer, capacity)) or reserved_cache(capacity)
+
     def _reprefill(self, prompts, tokens: Tensor, active: Tensor, step: int, capacity: int, device):
         """``kv_on_update=recompute``: a new cache of every live row's prompt + its ``step`` sampled tokens under
         the engine's current weights. Returns (the forward's output, cache, attention_mask, position_ids)."""
@@ -308,7 +321,7 @@ class TorchEngine:
         ids, mask = left_pad([list(prompts[r]) + tokens[r, :step].tolist() for r in rows], self.pad_token_id)
         ids, mask = ids.to(device), mask.long().to(device)
         position_ids = position_ids_from_mask(mask)
-        cache = reserved_cache(capacity)
+        cache = self._new_cache(capacity)
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
         )
@@ -342,7 +355,9 @@ class TorchEngine:
         input_ids, attention_mask = left_pad([list(p) for p in distinct], self.pad_token_id)
         input_ids, attention_mask = input_ids.to(device), attention_mask.long().to(device)
         position_ids = position_ids_from_mask(attention_mask)
-        cache = reserved_cache(input_ids.shape[1] + steps)
+        capacity = input_ids.shape[1] + steps
+        # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
+        cache = self._new_cache(capacity)
         active = torch.arange(n)  # original row of each live batch row
         versions = torch.full((n, steps), self.version, dtype=torch.long)
         for step in range(steps):

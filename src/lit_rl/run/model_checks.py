@@ -71,7 +71,8 @@ def vllm_refusal(model_cfg: DictConfig, cuda: bool) -> str | None:
     can (or the config cannot be read). Refused: an architecture of ``VLLM_DERIVED_HEAD_DIM`` whose config sets
     a ``head_dim`` other than hidden_size // num_attention_heads (transformers builds the config's, vLLM the
     quotient: the weights do not fit, on any device), and, on CPU, a head_dim below ``VLLM_CPU_MIN_HEAD_DIM``
-    as vLLM builds it (``vllm_head_dim``). ``engine=auto`` then picks torch, ``engine=vllm`` stops."""
+    as vLLM builds it (``vllm_head_dim``) and a model with linear-attention layers (Gated DeltaNet hybrids: the
+    installed CPU build cannot load them). ``engine=auto`` then picks torch, ``engine=vllm`` stops."""
     config = model_config(model_cfg)
     built = vllm_head_dim(config)
     if built is None:
@@ -85,6 +86,12 @@ def vllm_refusal(model_cfg: DictConfig, cuda: bool) -> str | None:
             f"{config.num_attention_heads} = {built} and ignores the head_dim {declared} of {model}'s config "
             f"(transformers builds {declared}), so the weights do not fit; vLLM serves {arch} only with "
             f"head_dim unset or equal to {built}"
+        )
+    if not cuda and "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        return (
+            f"vLLM's CPU build does not serve {arch} ({model}: linear-attention, Gated DeltaNet, layers) here: the "
+            "installed vLLM 0.32 fails to load its model module on this CPU (it imports torchvision) and no parity "
+            "test covers it (the embedded engine's cache holds the conv and recurrent states)"
         )
     if not cuda and built < VLLM_CPU_MIN_HEAD_DIM:
         return f"vLLM's CPU attention needs head_dim >= {VLLM_CPU_MIN_HEAD_DIM} and {model} has {built}"

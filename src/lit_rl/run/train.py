@@ -507,8 +507,8 @@ def enter_kernel_mode(cfg: TrainConfig, policy):
     gemm = cfg.kernels.fp32_gemm
     if gemm == "auto" and (uses_cuda(cfg.trainer.get("accelerator")) or precision_dtype(precision) != torch.float32):
         gemm = "aten"
-    mode = kernel_mode(cfg.kernels.name, policy, fp32_gemm=gemm)
     try:
+        mode = kernel_mode(cfg.kernels.name, policy, fp32_gemm=gemm, linear_attention=cfg.kernels.linear_attention)
         mode.__enter__()
     except ValueError as err:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err

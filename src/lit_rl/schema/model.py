@@ -7,9 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 #: ``model.lora.target_modules`` default: the attention and MLP projections of the families lit_rl is tested on
-#: (Llama, Qwen2/3, Mistral, Gemma: q/k/v/o_proj, gate/up/down_proj; Phi-3: fused qkv_proj and gate_up_proj).
-#: PEFT matches them as name suffixes; the names a model lacks are skipped.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+#: (Llama, Qwen2/3, Mistral, Gemma: q/k/v/o_proj, gate/up/down_proj; Phi-3: fused qkv_proj and gate_up_proj) and
+#: the Gated DeltaNet projections (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj; Qwen3-Next:
+#: in_proj_qkvz, in_proj_ba). PEFT matches them as name suffixes; the names a model lacks are skipped.
+LORA_TARGETS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj"),
+    *("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "in_proj_qkvz", "in_proj_ba", "out_proj"),
+)
 
 
 @dataclass
@@ -23,7 +27,8 @@ class LoraConfig:
     alpha: float = 16.0
     #: dropout on the adapter's input (PEFT's lora_dropout), in [0, 1); acts only with ``model.keep_dropout=true``
     dropout: float = 0.0
-    #: module-name suffixes that get an adapter: the attention and MLP projections (Phi-3's fused ones too)
+    #: module-name suffixes that get an adapter: the attention and MLP projections (Phi-3's fused ones too) and
+    #: the Gated DeltaNet projections
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     #: policy/ at the end holds the adapter (false) or the merged full model (true)
     merge_on_export: bool = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .base import Number, Problems, int_rule, is_int, rule
@@ -20,6 +20,10 @@ class EngineConfig:
     dtype: Optional[str] = None
     #: mismatch injection: matrices through an int8 round trip at each sync
     int8_roundtrip: bool = False
+    #: parameter names (the last part of the dotted name) an engine's own copy keeps in float32 whatever its
+    #: dtype: Gated DeltaNet's decay and gate parameters, which transformers uses in float32; [] rounds them too
+    #: (the A_log trap); embedded engine only
+    keep_float32: list = field(default_factory=lambda: ["A_log", "dt_bias"])
     #: the engine's sampling seed; set to ``seed`` at start-up
     seed: int = 0
     #: mismatch dial sigma >= 0 (0 = off): the embedded engine samples from softmax((logits + sigma*eps)/T'),
@@ -86,6 +90,10 @@ class KernelsConfig:
     #: float32 matrix products on the CPU: auto (oneDNN where measured faster than torch's BLAS on the model's
     #: shapes, ``kernels.fp32_gemm.resolve``) | aten (torch's own) | onednn; kernels=batch_invariant: aten
     fp32_gemm: str = "auto"
+    #: Gated DeltaNet layers (Qwen3.5, Qwen3-Next): auto (recurrent under batch_invariant, else chunked) | chunked
+    #: (transformers' split: chunked full forwards, recurrent decode) | recurrent (the recurrent algorithm on every
+    #: forward, the chunked one's backward: ``kernels.linear_attention``)
+    linear_attention: str = "auto"
 
 
 @dataclass

@@ -1,0 +1,142 @@
+"""Cost of ``kernels.linear_attention=recurrent`` on the trainer: forward and backward time per token.
+
+    python benchmarks/linear_attention.py [--bf16]                         # ~100M Qwen3.5-shaped, 8 x 100 + 100 tokens
+    python benchmarks/linear_attention.py --hidden 64 --layers 4 --rows 2 --prompt 8 --response 8 --repeats 1 --force
+
+A random Qwen3.5-shaped model (3 Gated DeltaNet layers to 1 full-attention layer, as the released models) and
+an attention model of the same width and depth (Qwen3, same vocabulary), built in memory (no download). Three
+settings, side by side, alternating ``--repeats`` times after a warm-up, on the same token batch
+(``--rows`` sequences of ``--prompt`` + ``--response`` tokens, log-probs of the response through
+``logprobs.response_logprobs``, backward of their sum):
+
+* ``chunked``: transformers' chunked algorithm, forward and backward (the stock trainer);
+* ``recurrent``: the recurrent algorithm's forward, the chunked algorithm's backward
+  (``kernels.linear_attention.RecurrentForwardChunkedBackward``): the backward recomputes the chunked forward;
+* ``attention``: the attention model, for scale.
+
+Reports the median forward and backward seconds per token and the ratio recurrent / chunked of a whole
+forward + backward. ``--save-model DIR`` instead saves the Qwen3.5-shaped model (with the SmolLM2 tokenizer and
+its vocabulary) as a folder for ``recipes/train.py model.name_or_path=DIR`` (the stock-vs-fixed gap runs of
+docs/kernels.md) and exits. The issue's target: recurrent at most 2x chunked on the ~100M model at ~100-token
+responses. Timings need an otherwise idle machine (``_common.ensure_quiet``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+from _common import ensure_quiet  # noqa: E402
+
+from lit_rl.kernels import kernel_mode  # noqa: E402
+from lit_rl.logprobs import response_logprobs  # noqa: E402
+
+
+def models(hidden: int, layers: int, vocab: int):
+    """(Qwen3.5-shaped model, attention model) of width ``hidden``, ``layers`` deep, random, float32."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
+
+    heads = max(hidden // 128, 2)
+    head_dim = hidden // heads
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=head_dim,
+        tie_word_embeddings=True,
+    )
+    linear = dict(
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        linear_num_key_heads=max(heads // 2, 1),
+        linear_num_value_heads=max(heads, 16),
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
+    )
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**common, **linear))
+    attention = AutoModelForCausalLM.from_config(Qwen3Config(**common))
+    return hybrid, attention
+
+
+def save_model(args) -> None:
+    """The Qwen3.5-shaped model of ``models`` with the SmolLM2 tokenizer, saved to ``args.save_model``."""
+    from lit_rl.models import SMOLLM2_ID, load_tokenizer
+
+    tokenizer = load_tokenizer(SMOLLM2_ID)
+    hybrid, _ = models(args.hidden, args.layers, len(tokenizer))
+    hybrid.config.pad_token_id, hybrid.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    hybrid.config.bos_token_id = tokenizer.bos_token_id
+    hybrid.save_pretrained(args.save_model)
+    tokenizer.save_pretrained(args.save_model)
+    print(f"saved {sum(p.numel() for p in hybrid.parameters()) / 1e6:.0f}M parameters to {args.save_model}")
+
+
+def time_pass(model, ids, mask, response) -> tuple[float, float]:
+    """Seconds of the forward (log-probs of ``response``) and of the backward of their sum."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    lp = response_logprobs(model, ids, mask, response, torch.ones_like(response, dtype=torch.bool)).logprobs
+    mid = time.perf_counter()
+    lp.sum().backward()
+    return mid - start, time.perf_counter() - mid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=100)
+    parser.add_argument("--response", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    parser.add_argument("--bf16", action="store_true", help="under bf16 autocast (trainer.precision=bf16-mixed)")
+    parser.add_argument("--save-model", default=None, help="save the Qwen3.5-shaped model to this folder and exit")
+    args = parser.parse_args()
+    if args.save_model:
+        save_model(args)
+        return
+    ensure_quiet(args.force)
+    hybrid, attention = models(args.hidden, args.layers, args.vocab)
+    sizes = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (hybrid, attention)]
+    print(f"# Qwen3.5-shaped {sizes[0]:.0f}M parameters, attention model {sizes[1]:.0f}M")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.rows, args.prompt), generator=g)
+    mask = torch.ones_like(ids)
+    response = torch.randint(0, args.vocab, (args.rows, args.response), generator=g)
+    tokens = args.rows * (args.prompt + args.response)
+    settings = {
+        "chunked": (hybrid, "chunked"),
+        "recurrent": (hybrid, "recurrent"),
+        "attention": (attention, "chunked"),
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in settings}
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for name, (model, mode) in settings.items():
+            cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+            with kernel_mode("default", model, linear_attention=mode), cast:
+                measured = time_pass(model, ids, mask, response)
+            if repeat:
+                times[name].append(measured)
+    print(f"{'setting':<10} {'forward us/token':>17} {'backward us/token':>18} {'total s':>8}")
+    totals = {}
+    for name, pairs in times.items():
+        fwd = statistics.median(p[0] for p in pairs)
+        bwd = statistics.median(p[1] for p in pairs)
+        totals[name] = fwd + bwd
+        print(f"{name:<10} {1e6 * fwd / tokens:>17.1f} {1e6 * bwd / tokens:>18.1f} {fwd + bwd:>8.3f}")
+    print(f"recurrent / chunked (forward + backward): {totals['recurrent'] / totals['chunked']:.2f}x (target <= 2x)")
+    print(f"chunked / attention: {totals['chunked'] / totals['attention']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
