@@ -23,6 +23,9 @@ class Rollouts:
     topk_ids / topk_logprobs: [N, T, k] int64 / float32 of that same distribution, or None when k = 0.
     finish_reason: N strings, "stop" (a stop token was sampled) or "length" (hit max_new_tokens).
     policy_version: [N] int64, the weight version that generated each sequence.
+    env_mask: [N, T] bool or None: True on the environment's tokens between the model turns of a multi-turn
+        episode (``rollout.multiturn``), which the sequence holds but the model did not sample (response_mask
+        False there); None: single-turn, every response token is the model's.
     """
 
     prompt_ids: list[list[int]]
@@ -33,6 +36,7 @@ class Rollouts:
     policy_version: Tensor
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
+    env_mask: Tensor | None = None
 
     @property
     def response_length(self) -> Tensor:
@@ -57,7 +61,10 @@ class RolloutBatch:
     None means every row was generated with the weights being trained, so p_o = old_logprobs;
     topk_ids / topk_logprobs [N, T, k] or None; old_head_logprobs [N, T, k] float32 or None: pi_old at the
     head ids, kept by the snapshot for score centering when a batch gets several optimizer steps;
-    old_values / returns [N, T] float32 or None (critic).
+    old_values / returns [N, T] float32 or None (critic);
+    env_mask [N, T] bool or None: environment tokens of multi-turn episodes (``Rollouts.env_mask``), attended to
+    by the trainer's forward (``attention_mask``) but never scored: response_mask is False there, so they are in
+    no ratio, correction weight, KL, entropy, reduction or denominator.
     """
 
     prompt_ids: Tensor
@@ -77,6 +84,7 @@ class RolloutBatch:
     old_head_logprobs: Tensor | None = None
     old_values: Tensor | None = None
     returns: Tensor | None = None
+    env_mask: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -101,6 +109,11 @@ class RolloutBatch:
         part = RolloutBatch(**out)
         return part.trimmed()
 
+    @property
+    def attention_mask(self) -> Tensor:
+        """[N, T] bool: the response tokens the sequence holds, the model's and the environment's."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
+
     def trimmed(self) -> "RolloutBatch":
         """Drop all-padding columns: left columns of the prompt, right columns of the response."""
         keep_p = self.prompt_mask.any(0)
@@ -120,6 +133,7 @@ class RolloutBatch:
             "old_head_logprobs",
             "old_values",
             "returns",
+            "env_mask",
         ):
             value = getattr(self, name)
             if value is not None:
