@@ -351,6 +351,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             policy_version=r.policy_version,
             topk_ids=r.topk_ids,
             topk_logprobs=r.topk_logprobs,
+            env_mask=r.env_mask,
         ).to(self.device)
         rb.advantages = self.algorithm.advantages(self, rb)
         self.algorithm.finish_batch(self, scored, rb)
@@ -537,6 +538,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             chunk_tokens=self.chunk_tokens,
             head_ids=head_ids,
             shared_prefix=self.shared_prefix,
+            env_mask=mb.env_mask,
             **kwargs,
         )
 

@@ -185,6 +185,7 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         old_head_logprobs=one(row.old_head_logprobs, float("-inf")),
         old_values=one(row.old_values),
         returns=one(row.returns),
+        env_mask=None if row.env_mask is None else row.env_mask.new_zeros((1, 1)),
     )
 
 

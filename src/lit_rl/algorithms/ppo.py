@@ -50,7 +50,7 @@ class PPO(Algorithm):
         if self.critic is not None:
             p = mb.prompt_ids.shape[1]
             ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)
-            att = torch.cat([mb.prompt_mask, mb.response_mask], 1).long()
+            att = torch.cat([mb.prompt_mask, mb.attention_mask], 1).long()
             h = self.critic(
                 input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att), use_cache=False
             ).last_hidden_state

@@ -99,6 +99,7 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         policy_version=torch.cat([p.rollouts.policy_version for p in parts]),
         topk_ids=cat("topk_ids"),
         topk_logprobs=cat("topk_logprobs"),
+        env_mask=_cat_env_masks(parts, width),
     )
     return ScoredRollouts(
         rollouts,
@@ -111,6 +112,17 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         correct=torch.cat([p.correct for p in parts]),
         reward_failures=add_failures(*(p.reward_failures for p in parts)),
     )
+
+
+def _cat_env_masks(parts: list[ScoredRollouts], width: int) -> torch.Tensor | None:
+    """The parts' ``env_mask`` stacked (a part without one: no environment token), None when no part has one."""
+    if all(p.rollouts.env_mask is None for p in parts):
+        return None
+    masks = [
+        p.rollouts.env_mask if p.rollouts.env_mask is not None else torch.zeros_like(p.rollouts.response_mask)
+        for p in parts
+    ]
+    return torch.cat([_pad_cols(m, width, False) for m in masks])
 
 
 def add_failures(*tallies: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -137,6 +149,7 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
         policy_version=r.policy_version[rows],
         topk_ids=pick(r.topk_ids),
         topk_logprobs=pick(r.topk_logprobs),
+        env_mask=pick(r.env_mask),
     )
     return ScoredRollouts(
         rollouts,

@@ -252,10 +252,10 @@ def collect_episodes(
             special = last_id in getattr(engine, "stop_token_ids", ()) and last_id in tokenizer.all_special_ids
             stop_text = tokenizer.decode([last_id]) if special else ""  # (a special stop is not in the decoded text)
             env_ids = env_token_ids(tokenizer, ep.messages[:-1], ep.messages[-1]["content"], stop_text, obs)
-            ep.messages += obs
             if ep.length + len(env_ids) >= limits.max_total_tokens:
                 ep.finish = "length"  # the observation does not fit: the episode is cut here, counted
                 continue
+            ep.messages += obs
             ep.response_ids += env_ids
             ep.is_model += [False] * len(env_ids)
             ep.logprobs += [0.0] * len(env_ids)
