@@ -35,3 +35,12 @@ class CountingEnvironment(Environment):
         if state["turn"] + 1 >= self.turns:
             return None, 1.0, {}
         return [{"role": "user", "content": f"turn {state['turn']} seen"}], None, {}
+
+
+class HangingEnvironment(Environment):
+    """Every step of turn 0 sleeps for an hour (cut by the pool's time limit); turn 1 ends the episode."""
+
+    def step(self, state, model_turn):
+        if state["turn"] == 0:
+            time.sleep(3600)
+        return None, 0.5, {}

@@ -50,7 +50,7 @@ from ..models import adapter_disabled, adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
-from ..rollout.types import RolloutBatch, left_pad
+from ..rollout.types import RolloutBatch
 from ..schema import (
     AdvantageConfig,
     AlgoConfig,
@@ -338,21 +338,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         (``shape_rewards``), its advantages (``advantages``) and its last changes (``finish_batch``)."""
         r = scored.rollouts
         rewards = self.algorithm.shape_rewards(self, scored)
-        prompt_ids, prompt_mask = left_pad(r.prompt_ids, self.tokenizer.pad_token_id)
-        rb = RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=r.response_ids,
-            response_mask=r.response_mask,
-            rollout_logprobs=r.rollout_logprobs,
-            rewards=rewards,
-            advantages=None,
-            group_ids=scored.group_ids,
-            policy_version=r.policy_version,
-            topk_ids=r.topk_ids,
-            topk_logprobs=r.topk_logprobs,
-            env_mask=r.env_mask,
-        ).to(self.device)
+        rb = RolloutBatch.of_rollouts(r, rewards, scored.group_ids, self.tokenizer.pad_token_id).to(self.device)
         rb.advantages = self.algorithm.advantages(self, rb)
         self.algorithm.finish_batch(self, scored, rb)
         return rb

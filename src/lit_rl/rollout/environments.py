@@ -3,7 +3,7 @@
 An environment turns an example into a conversation and answers each model turn::
 
     class Environment:
-        def reset(self, example: Example) -> list[dict]            # the prompt's chat messages
+        def reset(self, example: Example) -> list[dict] | None     # the prompt's chat messages (None: the task's)
         def step(self, state: dict, model_turn: str) -> tuple[list[dict] | None, float | None, dict]
 
 ``step`` gets the episode's ``state`` (a dict: ``example`` (``Example.as_dict()``), ``turn`` (0-based index of the
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,11 +67,9 @@ class Environment:
 
     tools: Sequence[Callable] = ()
 
-    def reset(self, example: Example) -> list[dict]:
-        """The prompt's chat messages for ``example``: its own messages, or one user message ``question``."""
-        if example.messages is not None:
-            return [dict(m) for m in example.messages]
-        return [{"role": "user", "content": example.question}]
+    def reset(self, example: Example) -> list[dict] | None:
+        """The prompt's chat messages for ``example``; None (the base): the task's own (``Task.messages``)."""
+        return None
 
     def step(self, state: dict, model_turn: str) -> tuple[list[dict] | None, float | None, dict]:
         """(observation messages or None when the episode is over, the turn's reward or None, info)."""
@@ -168,14 +165,31 @@ class ToolEnvironment(Environment):
             the verifier's when the last turn gives none), 0 = off.
     """
 
-    def __init__(self, tools: Sequence[Callable], max_tool_calls: int = 4, format_reward: float = 0.0):
+    def __init__(self, tools: Sequence[Callable | str], max_tool_calls: int = 4, format_reward: float = 0.0):
         if int(max_tool_calls) < 1:
             raise ValueError(f"rollout.max_tool_calls={max_tool_calls!r} must be >= 1")
-        self.tools = list(tools)
+        if not tools:
+            raise ValueError("task.tools: a tool environment needs at least one tool")
+        # tools named by spec ('module:function', 'path/to/file.py:function') travel to the workers by spec
+        self._specs = [t for t in tools if isinstance(t, str)]
+        self.tools = [_load_tool(t) if isinstance(t, str) else t for t in tools]
         names = [fn.__name__ for fn in self.tools]
         if len(set(names)) != len(names):
             raise ValueError(f"task.tools: two tools share a name: {names}")
+        for fn in self.tools:
+            tool_schema(fn)  # a tool without a usable docstring is refused here, at start-up
         self.max_tool_calls, self.format_reward = int(max_tool_calls), float(format_reward)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self._specs and len(self._specs) == len(self.tools):  # reloaded by spec in the worker
+            state["tools"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.tools is None:
+            self.tools = [_load_tool(spec) for spec in self._specs]
 
     def step(self, state: dict, model_turn: str) -> tuple[list[dict] | None, float | None, dict]:
         calls = parse_tool_calls(model_turn)
@@ -192,6 +206,70 @@ class ToolEnvironment(Environment):
             messages.append({"role": "tool", "name": call.name or "invalid", "content": text})
         reward = self.format_reward if self.format_reward and errors == 0 else None
         return messages, reward, {"tool_calls": len(calls), "tool_errors": errors}
+
+
+def _load_tool(spec: str) -> Callable:
+    """The function ``spec`` names (``module:function`` or ``path/to/file.py:function``); ValueError naming it."""
+    from ..tasks.reward_functions import load_function
+
+    try:
+        return load_function(spec)
+    except (ValueError, ImportError, FileNotFoundError) as err:
+        raise ValueError(f"task.tools: {str(err).removeprefix('reward.functions: ')}") from err
+
+
+def load_environment(spec: str, **kwargs) -> Environment:
+    """``task.environment=<module:Class>``: the class ``spec`` names, built with ``kwargs`` (none when it takes
+    none). Raises ValueError naming ``spec`` when it cannot be loaded or is not an ``Environment``."""
+    from ..tasks.reward_functions import load_function
+
+    try:
+        cls = load_function(spec)
+    except (ValueError, ImportError, FileNotFoundError) as err:
+        raise ValueError(f"task.environment: {str(err).removeprefix('reward.functions: ')}") from err
+    env = cls(**kwargs) if kwargs else cls()
+    if not isinstance(env, Environment):
+        raise ValueError(f"task.environment={spec!r}: {type(env).__name__} is not a lit_rl Environment subclass")
+    return env
+
+
+def task_environment(task, max_tool_calls: int = 4) -> Environment | None:
+    """The run's environment: ``task.environment=<module:Class>`` (the user's class), else ``task.tools=[...]``
+    (a ``ToolEnvironment`` of the user's functions), else the task's own (``task.environment(max_tool_calls)``:
+    ``task=calculator``, ``task=guess_number``); None: a single-turn task. Raises ValueError when both the
+    environment and the tools are given (an environment lists its own tools) or either cannot be loaded."""
+    inner = getattr(task, "task", task)  # ConstantReward wraps the task
+    spec, tools = getattr(inner, "env_spec", None), getattr(inner, "tool_specs", None)
+    if spec and tools:
+        raise ValueError(
+            f"task.environment={spec!r} and task.tools={tools}: give one; an Environment lists its own tools in "
+            "its 'tools' attribute"
+        )
+    if spec:
+        return load_environment(spec)
+    if tools:
+        return ToolEnvironment(tools, max_tool_calls=max_tool_calls)
+    own = getattr(inner, "environment", None)
+    return own(max_tool_calls) if callable(own) else None
+
+
+def chat_tools(tokenizer, env: Environment) -> tuple[str | None, list[dict] | None]:
+    """How the prompt states ``env``'s tools: (None, their schemas) when the chat template renders ``tools=``
+    itself, (the system text of ``tool_system_prompt``, None) when it does not, (None, None) without tools."""
+    if not env.tools:
+        return None, None
+    if template_states_tools(tokenizer, env.tools):
+        return None, [tool_schema(fn) for fn in env.tools]
+    return tool_system_prompt(env.tools), None
+
+
+def with_system_text(messages: list[dict], text: str | None) -> list[dict]:
+    """``messages`` with ``text`` added to their system message (one made first when there is none)."""
+    if not text:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def template_states_tools(tokenizer, tools: Sequence[Callable]) -> bool:
@@ -252,13 +330,7 @@ class GuessNumberEnvironment(Environment):
         self.high = int(high)
 
     def reset(self, example: Example) -> list[dict]:
-        return [
-            {
-                "role": "user",
-                "content": f"I am thinking of an integer between 1 and {self.high}. Guess it: answer with one "
-                "number. I will say 'higher' or 'lower'.",
-            }
-        ]
+        return [{"role": "user", "content": guess_prompt(self.high)}]
 
     def step(self, state: dict, model_turn: str) -> tuple[list[dict] | None, float | None, dict]:
         numbers = re.findall(r"-?\d+", model_turn)
@@ -271,10 +343,12 @@ class GuessNumberEnvironment(Environment):
         return [{"role": "user", "content": f"{guess} is wrong: {hint}."}], None, {}
 
 
-def secret_numbers(count: int, high: int, seed: int) -> list[int]:
-    """``count`` secrets in [1, ``high``], a pure function of ``seed`` (the guess_number task's answers)."""
-    rng = random.Random(seed)
-    return [rng.randint(1, high) for _ in range(count)]
+def guess_prompt(high: int) -> str:
+    """The guess-the-number game's opening message."""
+    return (
+        f"I am thinking of an integer between 1 and {high}. Guess it: answer with one number. "
+        "I will say 'higher' or 'lower'."
+    )
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,27 @@ class Episode:
     tool_errors: int = 0
     pending: list[dict] | None = None  # the last step's observation (None: the episode is over)
 
+    def add_model_turn(self, ids: list[int], logprobs: list[float], head: list, tokenizer, turn: int) -> None:
+        """Append a model turn: its sampled ``ids`` and their ``logprobs`` as the engine gave them, its top-k
+        ``head`` (``(ids, logprobs)`` per token; [] without), its decoded text as an assistant message."""
+        start = len(self.response_ids)
+        self.response_ids += ids
+        self.is_model += [True] * len(ids)
+        self.logprobs += logprobs
+        self.topk += head
+        self.turns.append((start, start + len(ids)))
+        self.messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+        self.state["turn"] = turn
+
+    def add_observation(self, observation: list[dict], env_ids: list[int]) -> None:
+        """Append the environment's messages and their ids (``env_token_ids``): never scored, log-prob 0."""
+        self.messages += observation
+        self.response_ids += env_ids
+        self.is_model += [False] * len(env_ids)
+        self.logprobs += [0.0] * len(env_ids)
+        if self.topk:
+            self.topk += [None] * len(env_ids)
+
     @property
     def length(self) -> int:
         """Prompt plus response tokens so far."""
@@ -91,23 +112,30 @@ class Episode:
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **extra)
 
 
 def env_token_ids(
-    tokenizer, messages: list[dict], model_text: str, stop_text: str, observation: list[dict]
+    tokenizer,
+    messages: list[dict],
+    model_text: str,
+    stop_text: str,
+    observation: list[dict],
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """The environment's token ids after a model turn: what the chat template writes after the model's stop
     (SmolLM2's newline after ``<|im_end|>``), then the observation messages and the next generation prompt,
     rendered as text and tokenised alone (the model's own ids are never re-encoded).
 
     messages: the conversation before the turn; model_text: the turn's decoded text; stop_text: the text of the
-    stop token that ended it ("" when none). Raises ValueError when the template's rendering with the
+    stop token that ended it ("" when none); tools: the tool schemas the template renders itself (``tools=``),
+    None when the system prompt states them. Raises ValueError when the template's rendering with the
     observation does not extend the rendering without it (no prefix property)."""
     turn = messages + [{"role": "assistant", "content": model_text}]
-    before = _render(tokenizer, turn, False)
-    after = _render(tokenizer, turn + observation, True)
+    before = _render(tokenizer, turn, False, tools)
+    after = _render(tokenizer, turn + observation, True, tools)
     if not after.startswith(before):
         raise ValueError(
             "the chat template does not extend a conversation as a prefix when messages are added, so a multi-turn "
@@ -120,7 +148,7 @@ def env_token_ids(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def check_prefix_property(tokenizer, system_prompt: str | None = None) -> None:
+def check_prefix_property(tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None) -> None:
     """Start-up check: render a real two-turn tool conversation with the model's chat template and verify that
     each rendering is a text prefix of the next (what ``env_token_ids`` relies on). Raises ValueError naming
     the turn where the template rewrites what came before."""
@@ -135,7 +163,8 @@ def check_prefix_property(tokenizer, system_prompt: str | None = None) -> None:
     for k in range(2, len(messages)):
         if messages[k - 1]["role"] != "assistant":
             continue
-        before, after = _render(tokenizer, messages[:k], False), _render(tokenizer, messages[: k + 1], True)
+        before = _render(tokenizer, messages[:k], False, tools)
+        after = _render(tokenizer, messages[: k + 1], True, tools)
         if not after.startswith(before):
             raise ValueError(
                 f"multi-turn rollouts need a chat template that extends a conversation as a prefix; this model's "
@@ -184,10 +213,12 @@ def collect_episodes(
     limits: MultiTurnLimits,
     pool,
     pool_key: str,
+    tools: list[dict] | None = None,
 ) -> tuple[Rollouts, list[Episode]]:
     """Run one episode per row: N = len(examples) rows (a group's G rows repeat the example), each starting from
     ``prompt_ids[i]`` (the chat-formatted ``first_messages[i]``, generation prompt included) with seed
-    ``seeds[i]`` (turn t > 0 samples with a seed derived from it and t).
+    ``seeds[i]`` (turn t > 0 samples with a seed derived from it and t); ``tools``: the tool schemas when the
+    chat template renders them itself (``tools=``), None when the system prompt states them.
 
     Returns (``Rollouts`` over the whole episodes: ``response_ids`` [N, T] model and environment ids,
     ``response_mask`` True on model ids only, ``env_mask`` True on environment ids, ``rollout_logprobs`` 0 on
@@ -195,21 +226,9 @@ def collect_episodes(
     ``limits.max_total_tokens``; the episodes, with their turns, rewards and tool counts).
     Raises ValueError for a prompt already at ``max_total_tokens`` or lengths that do not match.
     """
-    n = len(examples)
-    if not (len(prompt_ids) == len(first_messages) == len(seeds) == n):
-        raise ValueError("collect_episodes: examples, prompt_ids, first_messages and seeds must have equal lengths")
-    episodes = [
-        Episode(ex, list(p), [dict(m) for m in msgs], int(s), {"example": ex.as_dict(), "turn": 0, "rewards": []})
-        for ex, p, msgs, s in zip(examples, prompt_ids, first_messages, seeds)
-    ]
-    for ep in episodes:
-        if ep.length >= limits.max_total_tokens:
-            raise ValueError(
-                f"a prompt of {ep.length} tokens leaves no room under "
-                f"rollout.max_total_tokens={limits.max_total_tokens}"
-            )
+    episodes = _start(examples, prompt_ids, first_messages, seeds, limits)
     k = params.logprobs_top_k
-    live = list(range(n))
+    live = list(range(len(episodes)))
     version = getattr(engine, "version", 0)
     for turn in range(limits.max_turns):
         if not live:
@@ -223,17 +242,8 @@ def collect_episodes(
         for j, ep in enumerate(rows):
             m = out.response_mask[j]
             ids = out.response_ids[j][m].tolist()[: room[j]]
-            lps = out.rollout_logprobs[j][m].tolist()[: room[j]]
-            start = len(ep.response_ids)
-            ep.response_ids += ids
-            ep.is_model += [True] * len(ids)
-            ep.logprobs += lps
-            if k:
-                ep.topk += list(zip(out.topk_ids[j][m].tolist(), out.topk_logprobs[j][m].tolist()))[: room[j]]
-            ep.turns.append((start, start + len(ids)))
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            ep.messages.append({"role": "assistant", "content": text})
-            ep.state["turn"] = turn
+            head = list(zip(out.topk_ids[j][m].tolist(), out.topk_logprobs[j][m].tolist()))[: room[j]] if k else []
+            ep.add_model_turn(ids, out.rollout_logprobs[j][m].tolist()[: room[j]], head, tokenizer, turn)
             if out.finish_reason[j] == "length" or len(ids) < int(m.sum()):
                 ep.finish = "length"
         stepping = [ep for ep in rows if not ep.finish]
@@ -244,27 +254,39 @@ def collect_episodes(
             _env_steps(pool, env, pool_key, stepping, limits)
         for ep in stepping:
             ep.state["rewards"] = list(ep.rewards)
-            obs = ep.pending
-            if obs is None or turn == limits.max_turns - 1:
+            if ep.pending is None or turn == limits.max_turns - 1:
                 ep.finish = "stop"
                 continue
             last_id = ep.response_ids[-1] if ep.response_ids else None
             special = last_id in getattr(engine, "stop_token_ids", ()) and last_id in tokenizer.all_special_ids
             stop_text = tokenizer.decode([last_id]) if special else ""  # (a special stop is not in the decoded text)
-            env_ids = env_token_ids(tokenizer, ep.messages[:-1], ep.messages[-1]["content"], stop_text, obs)
+            last = ep.messages[-1]["content"]
+            env_ids = env_token_ids(tokenizer, ep.messages[:-1], last, stop_text, ep.pending, tools)
             if ep.length + len(env_ids) >= limits.max_total_tokens:
                 ep.finish = "length"  # the observation does not fit: the episode is cut here, counted
                 continue
-            ep.messages += obs
-            ep.response_ids += env_ids
-            ep.is_model += [False] * len(env_ids)
-            ep.logprobs += [0.0] * len(env_ids)
-            if k:
-                ep.topk += [None] * len(env_ids)
+            ep.add_observation(ep.pending, env_ids)
         live = [i for i in live if not episodes[i].finish]
     for i in live:  # (max_turns reached with turns still pending cannot happen: the last turn sets finish)
         episodes[i].finish = episodes[i].finish or "stop"
     return _as_rollouts(episodes, k, version, getattr(engine, "pad_token_id", 0)), episodes
+
+
+def _start(examples, prompt_ids, first_messages, seeds, limits: MultiTurnLimits) -> list[Episode]:
+    """The episodes before their first turn (``collect_episodes``' arguments checked)."""
+    if not (len(prompt_ids) == len(first_messages) == len(seeds) == len(examples)):
+        raise ValueError("collect_episodes: examples, prompt_ids, first_messages and seeds must have equal lengths")
+    episodes = [
+        Episode(ex, list(p), [dict(m) for m in msgs], int(s), {"example": ex.as_dict(), "turn": 0, "rewards": []})
+        for ex, p, msgs, s in zip(examples, prompt_ids, first_messages, seeds)
+    ]
+    for ep in episodes:
+        if ep.length >= limits.max_total_tokens:
+            raise ValueError(
+                f"a prompt of {ep.length} tokens leaves no room under "
+                f"rollout.max_total_tokens={limits.max_total_tokens}"
+            )
+    return episodes
 
 
 def _as_rollouts(episodes: list[Episode], k: int, version: int, pad_id: int) -> Rollouts:

@@ -86,6 +86,26 @@ class RolloutBatch:
     returns: Tensor | None = None
     env_mask: Tensor | None = None
 
+    @classmethod
+    def of_rollouts(cls, r: Rollouts, rewards: Tensor, group_ids: Tensor, pad_token_id: int) -> "RolloutBatch":
+        """The batch of an engine's ``Rollouts`` (prompts left-padded with ``pad_token_id``) with their ``rewards``
+        [N] and ``group_ids`` [N]; advantages None (the algorithm's to compute)."""
+        prompt_ids, prompt_mask = left_pad(r.prompt_ids, pad_token_id)
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=r.response_ids,
+            response_mask=r.response_mask,
+            rollout_logprobs=r.rollout_logprobs,
+            rewards=rewards,
+            advantages=None,
+            group_ids=group_ids,
+            policy_version=r.policy_version,
+            topk_ids=r.topk_ids,
+            topk_logprobs=r.topk_logprobs,
+            env_mask=r.env_mask,
+        )
+
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 

@@ -112,6 +112,14 @@ class RolloutConfig:
     behaviour_logprobs: bool = True
     #: lagged: keep the lag's weight history in checkpoints (exact resume)
     save_history: bool = True
+    #: multi-turn tasks: model turns per episode (each at most sampling.max_new_tokens)
+    max_turns: int = 4
+    #: multi-turn tasks: tokens of a whole episode (prompt, model turns, environment); longer ones are cut
+    max_total_tokens: int = 1024
+    #: multi-turn tasks: tool calls served per model turn (the rest get an error observation)
+    max_tool_calls: int = 4
+    #: multi-turn tasks: characters of a tool's output kept (the rest cut and marked)
+    max_tool_output_chars: int = 2000
 
     def problems(self, run) -> Problems:
         """The stale-rollout fields' values it refuses (``schema.base``: ``config.validate`` raises ConfigError
@@ -131,6 +139,8 @@ class RolloutConfig:
             size,
             "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
         )
+        for key in ("max_turns", "max_total_tokens", "max_tool_calls", "max_tool_output_chars"):
+            yield from int_rule(getattr(self, key), f"rollout.{key}", 1, " (multi-turn episodes)")
         for key in ("behaviour_logprobs", "save_history"):
             value = getattr(self, key)
             yield from rule(isinstance(value, bool), f"rollout.{key}", value, "must be true or false")
