@@ -107,3 +107,14 @@ def test_a_two_step_run_logs_the_episode_metrics_and_samples(tmp_path, task):
     assert 1.0 <= metrics["rollout/num_turns_mean"] <= 2.0
     sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
     assert sample["episode"]["turns"] and sample["episode"]["messages"][-1]["role"] == "assistant"
+
+
+def test_an_episodes_model_tokens_count_against_max_total_tokens(tiny_policy):
+    """L_max (loss.reduction=constant's denominator, DAPO's overlong penalty) of a multi-turn run is the episode's
+    budget rollout.max_total_tokens; a single-turn run's stays sampling.max_new_tokens."""
+    from lit_rl.run.train import build_module
+
+    policy, tok = tiny_policy
+    settings = ("model=tiny", "sampling.max_new_tokens=16", "rollout.max_total_tokens=300")
+    assert build_module(compose_config(*settings, "task=calculator"), policy, tok).max_response_length == 300
+    assert build_module(compose_config(*settings, "task=arithmetic"), policy, tok).max_response_length == 16

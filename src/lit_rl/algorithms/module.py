@@ -169,6 +169,9 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         self.sampling = config_of(SamplingConfig, sampling)
         self.eval_sampling = config_of(SamplingConfig, eval_sampling)
         self.group_size, self.micro_batch_size = group_size, micro_batch_size
+        #: L_max of a completion (``loss.reduction=constant``, DAPO's overlong penalty): a multi-turn run sets the
+        #: episode's ``rollout.max_total_tokens`` (``run.train.build_module``)
+        self.max_response_length = int(self.sampling.max_new_tokens)
         self.advantage_cfg, self.loss_cfg = config_of(AdvantageConfig, advantage), config_of(LossConfig, loss)
         algorithm = algorithm_class(algo)
         algo_cfg = config_of(algorithm.algo_config, algo)
@@ -534,7 +537,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
         read at each call."""
         return LossSettings(
             reduction=self.loss_cfg.reduction,
-            max_response_length=self.sampling.max_new_tokens,
+            max_response_length=self.max_response_length,
             weight_rule=corr.weight_function(self.correction),
             score_centering=self.correction.sc.enabled,
             entropy_coef=self.loss_cfg.entropy_coef,

@@ -144,6 +144,8 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer):
         update=cfg.update,
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
+    if cfg.task.multi_turn:  # an episode's model tokens count against its whole budget (docs/environments.md)
+        module.max_response_length = int(cfg.rollout.max_total_tokens)
     return module
 
 
