@@ -4,7 +4,7 @@ environment or tools, the start-up checks, and the data module collecting whole 
 import pickle
 
 import pytest
-from helpers import compose_config
+from helpers import ROOT, compose_config
 from multiturn_tools import HangingEnvironment
 
 from lit_rl.config import ConfigError, validate
@@ -118,3 +118,40 @@ def test_an_episodes_model_tokens_count_against_max_total_tokens(tiny_policy):
     settings = ("model=tiny", "sampling.max_new_tokens=16", "rollout.max_total_tokens=300")
     assert build_module(compose_config(*settings, "task=calculator"), policy, tok).max_response_length == 300
     assert build_module(compose_config(*settings, "task=arithmetic"), policy, tok).max_response_length == 16
+
+
+EXAMPLE = [
+    "task=dataset",
+    f"task.path={ROOT}/docs/examples/capitals.jsonl",
+    "task.eval_fraction=0.25",
+    f"task.environment={ROOT}/docs/examples/capital_env.py:CapitalEnvironment",
+]
+
+
+def test_the_documented_example_environment_runs_in_the_verifier_workers():
+    """docs/environments.md's example, loaded from its file as a run loads it, its steps in worker processes."""
+    from lit_rl.rollout.multiturn import Episode, _env_steps
+    from lit_rl.tasks import Example
+    from lit_rl.tasks.verifier_pool import shared_pool
+
+    cfg = train_config(compose_config("model=tiny", *EXAMPLE))
+    env, limits = build_environment(cfg, build_task_from_cfg(cfg), load_tokenizer(TINY_ID))
+    turns = ['<tool_call>{"name": "lookup", "arguments": {"country": "Kenya"}}</tool_call>', "It is Nairobi."]
+    episodes = []
+    for text in turns:
+        ex = Example(0, "What is the capital of Kenya?", "Nairobi")
+        ep = Episode(ex, [1], [{"role": "assistant", "content": text}], 0, {"example": ex.as_dict(), "turn": 0})
+        episodes.append(ep)
+    _env_steps(shared_pool(2), env, "test-example-env", episodes, limits)
+    assert episodes[0].pending == [{"role": "tool", "name": "lookup", "content": "Nairobi"}]
+    assert episodes[0].tool_calls == 1 and episodes[0].rewards == [None]
+    assert episodes[1].pending is None and episodes[1].rewards == [1.0]
+
+
+@pytest.mark.slow
+def test_the_documented_example_trains_two_steps(tmp_path):
+    from lit_rl.run.train import run
+
+    overrides = ["trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.num_examples=1"]
+    metrics = run(compose_config("model=tiny", *EXAMPLE, "sampling.max_new_tokens=8", *overrides), tmp_path / "run")
+    assert "rollout/num_turns_mean" in metrics

@@ -230,6 +230,7 @@ def load_environment(spec: str, **kwargs) -> Environment:
     env = cls(**kwargs) if kwargs else cls()
     if not isinstance(env, Environment):
         raise ValueError(f"task.environment={spec!r}: {type(env).__name__} is not a lit_rl Environment subclass")
+    env._lit_rl_spec = spec  # a class from a file travels to the verifier workers by its spec (``EnvStep``)
     return env
 
 
@@ -355,14 +356,23 @@ def guess_prompt(high: int) -> str:
 class EnvStep:
     """An environment's ``step`` as it travels to a verifier worker (``load`` gives the function the worker
     calls): ``run(state, model_turn) -> (state, observation, reward, info)``, the state sent back with its
-    changes. ``raw``: the pool returns the value as it is (not a reward to convert)."""
+    changes. ``raw``: the pool returns the value as it is (not a reward to convert). An environment made from
+    ``task.environment=<spec>`` travels as its spec and is built again in the worker (a class defined in a file
+    cannot be unpickled there by reference)."""
 
-    env: Environment
+    env: Environment | None
     batched: bool = False
     raw: bool = True
+    spec: str | None = None
+
+    @classmethod
+    def of(cls, env: Environment) -> "EnvStep":
+        """The step of ``env``: by its spec when it was loaded from one (``load_environment``)."""
+        spec = getattr(env, "_lit_rl_spec", None)
+        return cls(None, spec=spec) if spec else cls(env)
 
     def load(self) -> Callable:
-        env = self.env
+        env = load_environment(self.spec) if self.spec else self.env
 
         def run(state: dict, model_turn: str) -> tuple[dict, Any, Any, dict]:
             obs, reward, info = env.step(state, model_turn)

@@ -186,7 +186,7 @@ def _cap(messages: list[dict], max_chars: int) -> list[dict]:
 def _env_steps(pool, env: Environment, key: str, episodes: list[Episode], limits: MultiTurnLimits) -> None:
     """Run ``env.step`` for each episode's last turn in the verifier pool; append the observation or end it."""
     jobs = [(0, (ep.state, ep.last_turn_text), {}) for ep in episodes]
-    outcomes = pool.run(key, [EnvStep(env)], jobs, limits.step_timeout_s)
+    outcomes = pool.run(key, [EnvStep.of(env)], jobs, limits.step_timeout_s)
     role = "tool" if env.tools else "user"
     for ep, out in zip(episodes, outcomes):
         if out.status == "ok":
