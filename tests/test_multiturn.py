@@ -233,3 +233,10 @@ def test_c_batch_invariant_trainer_logprobs_equal_every_turns_rollout_logprobs(t
                 for a, b in ep.turns:  # train/logprob_abs_diff is exactly 0 on every turn's model tokens
                     assert b > a
                     assert torch.equal(scores[i, a:b], r.rollout_logprobs[i, a:b])
+        # the update's own metrics, the first turn and the later ones apart
+        scored = ScoredRollouts(r, torch.tensor([1.0, 0, 0, 1, 1, 0]), torch.arange(6) // 2, [], [""] * 6)
+        _, stats, _ = module_gradient(policy, tok, scored, "kernels=batch_invariant")
+    for name in ("logprob_abs_diff", "logprob_abs_diff_first_turn", "logprob_abs_diff_later_turns"):
+        assert stats[f"train/{name}"] == 0.0
+    _, stats, _ = module_gradient(policy, tok, scored)  # torch's kernels: a gap on the later turns, measured
+    assert stats["train/logprob_abs_diff_later_turns"] > 0

@@ -17,7 +17,8 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
    ``ref_kl_seq`` (``kl.mode=loss``: the adaptive controller's measurement), ``ref_kl_is`` (the same KL
    importance-weighted by π_old/μ: comparable between samplers);
 5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
-   ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart;
+   ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart; multi-turn
+   episodes: ``train/logprob_abs_diff`` of the first turn and of the later ones apart;
 6. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS drops
    leave the numerator only.
 """
@@ -163,6 +164,11 @@ def assemble_loss(
     )
     decomposition = corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m)
     metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
+    if mb.env_mask is not None:  # multi-turn: the numerical gap on the first turn and on the later ones, apart
+        first = m & (mb.env_mask.long().cumsum(-1) == 0)
+        gap = (p_o - mb.rollout_logprobs).abs()
+        metrics.add("train/logprob_abs_diff_first_turn", gap, first)
+        metrics.add("train/logprob_abs_diff_later_turns", gap, m & ~first)
     # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
     # denominators (num_tokens, num_seqs and each sequence's T_i)
     loss = obj.reduce_loss(
