@@ -240,3 +240,44 @@ def test_c_batch_invariant_trainer_logprobs_equal_every_turns_rollout_logprobs(t
         assert stats[f"train/{name}"] == 0.0
     _, stats, _ = module_gradient(policy, tok, scored)  # torch's kernels: a gap on the later turns, measured
     assert stats["train/logprob_abs_diff_later_turns"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_each_turn_as_a_request_with_the_episodes_whole_ids(tiny_policy):
+    """engine=vllm: every turn one request per live episode with its full token ids; the ids stay the sampled
+    ones and the float32 trainer scores the model tokens of every turn within 1e-4 nats of the engine."""
+    pytest.importorskip("vllm")
+    from lit_rl.rollout.vllm_engine import VLLMEngine
+
+    policy, tok = tiny_policy
+    engine = VLLMEngine(policy, tok.pad_token_id, HALF_VOCAB, dtype="float32", kv_cache_gb=0.25, max_model_len=1024)
+    try:
+        engine.sync_weights(0)
+        recording = Recording(engine)
+        examples = [Example(i // 2, f"question {i // 2}", "1") for i in range(4)]
+        prompts = [first_prompt(tok, ex.question) for ex in examples]
+        r, episodes = collect_episodes(
+            recording,
+            tok,
+            CountingEnvironment(3),
+            examples,
+            [p for p, _ in prompts],
+            [m for _, m in prompts],
+            SamplingConfig(max_new_tokens=6, temperature=1.0),
+            [0, 1, 2, 3],
+            MultiTurnLimits(max_turns=3, max_total_tokens=400),
+            shared_pool(2),
+            "test-multiturn-vllm",
+        )
+    finally:
+        engine.close()
+    assert [len(ep.turns) for ep in episodes] == [3] * 4 and len(recording.calls) == 3
+    for t, (turn_prompts, _) in enumerate(recording.calls):
+        for i, ep in enumerate(episodes):
+            sequence = r.prompt_ids[i] + r.response_ids[i][r.response_mask[i] | r.env_mask[i]].tolist()
+            assert turn_prompts[i] == sequence[: len(r.prompt_ids[i]) + ep.turns[t][0]]
+    prompt, pmask = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        scores = response_logprobs(policy, prompt, pmask, r.response_ids, r.response_mask, env_mask=r.env_mask)
+    assert (scores.logprobs - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-4
