@@ -128,3 +128,21 @@ def test_steps_run_in_the_pool_a_hanging_tool_is_cut_and_errors_are_observations
     again = episodes_after([call("add", a=1, b=1)])
     _env_steps(pool, env, "test-env-steps", again, limits)
     assert again[0].pending[0]["content"] == "2"
+
+
+def test_the_python_tool_runs_code_without_network_time_or_memory_to_spare(monkeypatch):
+    from lit_rl.rollout import python_tool
+    from lit_rl.rollout.python_tool import network_isolation, python
+
+    monkeypatch.setattr(python_tool, "TIME_LIMIT_S", 1.0)  # (5 s by default)
+
+    if network_isolation() is None:
+        assert python("print(1)").startswith("error: this machine cannot run code without network")
+        pytest.skip("no user namespaces here: the tool refuses to run code (checked above)")
+    assert python("print(6 * 7)") == "42\n"
+    assert "ZeroDivisionError" in python("1 / 0")
+    connect = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 53), timeout=2)\nexcept OSError as e:\n"
+    assert python(connect + "    print('no network:', type(e).__name__)").startswith("no network:")
+    assert "MemoryError" in python("x = bytearray(2 * 1024**3)")
+    assert python("while True: pass") == "error: the program ran past 1 s and was stopped"
+    assert tool_schema(python)["function"]["parameters"]["required"] == ["code"]
