@@ -155,3 +155,21 @@ def test_the_documented_example_trains_two_steps(tmp_path):
     overrides = ["trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2", "eval.num_examples=1"]
     metrics = run(compose_config("model=tiny", *EXAMPLE, "sampling.max_new_tokens=8", *overrides), tmp_path / "run")
     assert "rollout/num_turns_mean" in metrics
+
+
+def test_per_turn_rewards_feed_the_episode_reward_with_episode_reward_sum():
+    from lit_rl.rollout.multiturn import Episode
+    from lit_rl.tasks import Example
+
+    def episode(rewards):
+        ep = Episode(Example(0, "q", "1"), [1], [], 0, {})
+        ep.rewards = rewards
+        return ep
+
+    # a format reward on the tool turn, none on the answer: the verifier scores the answer (here 1)
+    assert episode([0.1, 0.1, None]).score(1.0, "last") == 0.1
+    assert episode([0.1, 0.1, None]).score(1.0, "sum") == pytest.approx(1.2)
+    assert episode([None, 1.0]).score(0.0, "sum") == 1.0 == episode([None, 1.0]).score(0.0, "last")
+    assert episode([None, None]).score(0.5, "last") == 0.5 == episode([None, None]).score(0.5, "sum")
+    with pytest.raises(ConfigError, match=r"rollout.episode_reward='mean' is not allowed: choose last or sum"):
+        validate(compose_config("model=tiny", "task=calculator", "rollout.episode_reward=mean"))

@@ -444,7 +444,7 @@ class RolloutDataModule(L.LightningDataModule):
         texts = [ep.last_turn_text for ep in episodes]
         model_ids = [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)]
         scores = self.rewards.score(rows, texts, model_ids, "eval" if split == "eval" else "train")
-        total = [s if ep.reward is None else ep.reward for s, ep in zip(scores.total, episodes)]
+        total = [ep.score(s, self.limits.episode_reward) for s, ep in zip(scores.total, episodes)]
         return ScoredRollouts(
             rollouts,
             torch.tensor(total, dtype=torch.float32),

@@ -29,21 +29,31 @@ from ..tasks.base import Example
 from .environments import Environment, EnvStep
 from .types import Rollouts, SamplingConfig
 
+#: ``rollout.episode_reward``: how an episode's per-turn rewards make its reward (``Episode.score``)
+EPISODE_REWARDS = {
+    "last": "the last reward the environment gave (else the verifier on the last turn)",
+    "sum": "the sum of every reward the environment gave, plus the verifier's when the last turn got none",
+}
+
 __all__ = ["Episode", "MultiTurnLimits", "check_prefix_property", "collect_episodes", "env_token_ids"]
 
 
 @dataclass(frozen=True)
 class MultiTurnLimits:
     """``rollout.max_turns`` (model turns per episode), ``rollout.max_total_tokens`` (prompt + every turn's and
-    observation's tokens), ``rollout.max_tool_output_chars`` (a tool message longer than this is cut and marked)
-    and the environment step's time limit in seconds (``reward.timeout_s``)."""
+    observation's tokens), ``rollout.max_tool_output_chars`` (a tool message longer than this is cut and marked),
+    the environment step's time limit in seconds (``reward_timeout_s``) and ``rollout.episode_reward`` (how the
+    per-turn rewards make the episode's: ``Episode.score``)."""
 
     max_turns: int = 4
     max_total_tokens: int = 1024
     max_tool_output_chars: int = 2000
     step_timeout_s: float = 10.0
+    episode_reward: str = "last"
 
     def __post_init__(self):
+        if self.episode_reward not in EPISODE_REWARDS:
+            raise ValueError(f"rollout.episode_reward={self.episode_reward!r}: choose one of {list(EPISODE_REWARDS)}")
         for name in ("max_turns", "max_total_tokens", "max_tool_output_chars"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"rollout.{name}={getattr(self, name)!r} must be >= 1")
@@ -105,6 +115,15 @@ class Episode:
         """The last reward the environment gave, None when it gave none (the task's verifier decides)."""
         given = [r for r in self.rewards if r is not None]
         return given[-1] if given else None
+
+    def score(self, verifier: float, mode: str = "last") -> float:
+        """The episode's reward, ``verifier`` being the task's score of its last turn: ``rollout.episode_reward``
+        ``last`` (the last reward given, else ``verifier``) or ``sum`` (every reward given, plus ``verifier``
+        when the last turn got none): per-turn rewards then feed the advantage."""
+        given = [r for r in self.rewards if r is not None]
+        if mode == "sum":
+            return sum(given) + (verifier if not self.rewards or self.rewards[-1] is None else 0.0)
+        return given[-1] if given else verifier
 
     @property
     def last_turn_text(self) -> str:

@@ -196,7 +196,9 @@ def build_environment(cfg: TrainConfig, task, tokenizer):
         check_prefix_property(tokenizer, tool_text, schemas)
     except ValueError as err:
         raise ConfigError(f"task={cfg.task.name}: {err}") from err
-    limits = MultiTurnLimits(ro.max_turns, ro.max_total_tokens, ro.max_tool_output_chars, cfg.reward_timeout_s)
+    limits = MultiTurnLimits(
+        ro.max_turns, ro.max_total_tokens, ro.max_tool_output_chars, cfg.reward_timeout_s, ro.episode_reward
+    )
     return environment, limits
 
 

@@ -120,6 +120,9 @@ class RolloutConfig:
     max_tool_calls: int = 4
     #: multi-turn tasks: characters of a tool's output kept (the rest cut and marked)
     max_tool_output_chars: int = 2000
+    #: multi-turn tasks: last (the last reward an environment gave, else the verifier's) | sum (every turn's
+    #: reward feeds the advantage: ``rollout.multiturn.EPISODE_REWARDS``)
+    episode_reward: str = "last"
 
     def problems(self, run) -> Problems:
         """The stale-rollout fields' values it refuses (``schema.base``: ``config.validate`` raises ConfigError
@@ -138,6 +141,9 @@ class RolloutConfig:
             "rollout.buffer_size",
             size,
             "must be null (= max(1, rollout.max_staleness)) or an integer >= 1",
+        )
+        yield from rule(
+            self.episode_reward in ("last", "sum"), "rollout.episode_reward", self.episode_reward, "choose last or sum"
         )
         for key in ("max_turns", "max_total_tokens", "max_tool_calls", "max_tool_output_chars"):
             yield from int_rule(getattr(self, key), f"rollout.{key}", 1, " (multi-turn episodes)")
