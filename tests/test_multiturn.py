@@ -281,3 +281,21 @@ def test_vllm_serves_each_turn_as_a_request_with_the_episodes_whole_ids(tiny_pol
     with torch.no_grad():
         scores = response_logprobs(policy, prompt, pmask, r.response_ids, r.response_mask, env_mask=r.env_mask)
     assert (scores.logprobs - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-4
+
+
+def test_ppo_puts_an_episodes_reward_on_its_last_model_token(tiny_policy):
+    """PPO's token rewards: the episode's reward on its last model token (not at index "model tokens - 1", which
+    lies inside an episode whose environment tokens sit between turns); with γ = λ = 1, a zero critic (its head
+    starts at 0) and no whitening, every model token's advantage is then the episode's reward."""
+    policy, tok = tiny_policy
+    scored = scored_episodes(policy, tok)
+    r = scored.rollouts
+    assert r.env_mask.any()
+    cfg = compose_config(
+        "model=tiny", "algo=ppo", "algo.gae.lam=1.0", "algo.whiten_advantages=false", "rollout.group_size=2"
+    )
+    module = build_module(cfg, policy, tok)
+    rb = module.build_batch(scored)
+    expected = scored.rewards[:, None].expand_as(rb.advantages)
+    torch.testing.assert_close(rb.advantages[rb.response_mask], expected[rb.response_mask])
+    assert (rb.advantages[~rb.response_mask] == 0).all()
