@@ -70,7 +70,7 @@ def test_the_data_module_collects_scored_episodes_and_a_hanging_step_is_cut(tiny
     dm = RolloutDataModule(
         task,
         tok,
-        2,
+        1,
         2,
         eval_examples=0,
         reward_timeout_s=1.0,
@@ -79,7 +79,7 @@ def test_the_data_module_collects_scored_episodes_and_a_hanging_step_is_cut(tiny
     )
     engine = TorchEngine(policy, tok.pad_token_id, HALF_VOCAB)
     scored = dm.collect(engine, dm.prompts_for(0), SamplingConfig(max_new_tokens=12), step=0)
-    assert len(scored.episodes) == 4
+    assert len(scored.episodes) == 2
     for ep, reward in zip(scored.episodes, scored.rewards.tolist()):
         # turn 0's step hung: cut after 1 s, an error observation, counted; turn 1's step ended the episode
         assert len(ep.turns) == 2 and ep.tool_errors == 1
@@ -130,12 +130,13 @@ EXAMPLE = [
 
 def test_the_documented_example_environment_runs_in_the_verifier_workers():
     """docs/environments.md's example, loaded from its file as a run loads it, its steps in worker processes."""
+    from lit_rl.rollout.environments import load_environment
     from lit_rl.rollout.multiturn import Episode, _env_steps
     from lit_rl.tasks import Example
     from lit_rl.tasks.verifier_pool import shared_pool
 
-    cfg = train_config(compose_config("model=tiny", *EXAMPLE))
-    env, limits = build_environment(cfg, build_task_from_cfg(cfg), load_tokenizer(TINY_ID))
+    env = load_environment(f"{ROOT}/docs/examples/capital_env.py:CapitalEnvironment")  # as task.environment= does
+    limits = MultiTurnLimits(step_timeout_s=10.0)
     turns = ['<tool_call>{"name": "lookup", "arguments": {"country": "Kenya"}}</tool_call>', "It is Nairobi."]
     episodes = []
     for text in turns:

@@ -176,8 +176,6 @@ class ToolEnvironment(Environment):
         names = [fn.__name__ for fn in self.tools]
         if len(set(names)) != len(names):
             raise ValueError(f"task.tools: two tools share a name: {names}")
-        for fn in self.tools:
-            tool_schema(fn)  # a tool without a usable docstring is refused here, at start-up
         self.max_tool_calls, self.format_reward = int(max_tool_calls), float(format_reward)
 
     def __getstate__(self) -> dict:
