@@ -52,7 +52,7 @@ def test_the_readme_is_a_front_door():
 
 
 #: the pages whose ``| field | default | ... |`` tables state defaults, checked against the schema's dataclasses
-DEFAULT_PAGES = ["configuration.md", "data.md", "engines.md", "rollout-modes.md", "studies.md"]
+DEFAULT_PAGES = ["configuration.md", "data.md", "engines.md", "environments.md", "rollout-modes.md", "studies.md"]
 
 
 def default_tables(page: Path) -> list[tuple[list[str], str]]:

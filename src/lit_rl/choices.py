@@ -113,7 +113,8 @@ class RolloutMode:
 
     description: what the mode samples with; reads: the ``rollout`` fields only this mode reads (a non-default
     value is refused under the other modes); multi_rank: it runs on several data-parallel ranks; stale: its rows
-    may come from older weights.
+    may come from older weights; multi_turn: it serves multi-turn
+    episodes (a task with an environment: ``rollout.multiturn``).
     """
 
     description: str
@@ -121,13 +122,14 @@ class RolloutMode:
     multi_rank: bool = False
     #: its rows may come from weights older than those trained (``correction.bypass`` is refused)
     stale: bool = False
+    multi_turn: bool = False
 
 
 #: ``rollout.mode`` -> what it samples with and what the config checks ask of it (the one list of rollout modes)
 ROLLOUT_MODES: Registry[RolloutMode] = Registry(
     "rollout.mode",
     {
-        "sync": RolloutMode("the weights about to be trained", multi_rank=True),
+        "sync": RolloutMode("the weights about to be trained", multi_rank=True, multi_turn=True),
         "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",), stale=True),
         "async": RolloutMode(
             "the newest weights a producer (thread or process) has, at most rollout.max_staleness RL steps old",

@@ -438,6 +438,7 @@ def response_logprobs(
     top_p: float = 1.0,
     entropy_grad: bool = False,
     shared_prefix: bool = False,
+    env_mask: Tensor | None = None,
 ) -> TokenScores:
     """Log-probs of each response token under ``model``, at the sampler's temperature.
 
@@ -458,15 +459,18 @@ def response_logprobs(
     (``_shared_prefix_hidden``; the same values and gradients, Prefix Grouper, Liu et al. 2025,
     arXiv 2506.05433); rows whose prompts differ, or a model checkpointing its layers in a backward-taking
     pass (``shared_prefix_applies``), take the one-forward path.
+    ``env_mask``: [N, T] bool, the environment's tokens of multi-turn episodes: attended to like the rest of
+    the sequence, never scored (log-prob, entropy and head 0 there, as on padding); None: there are none.
     """
     n, p = prompt_ids.shape
+    attended = response_mask if env_mask is None else response_mask | env_mask
     t = response_ids.shape[1]
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     if shared_prefix and t > 0 and shared_prefix_applies(model, prompt_ids, prompt_mask):
-        hidden = _shared_prefix_hidden(backbone, prompt_ids, prompt_mask, response_ids, response_mask)
+        hidden = _shared_prefix_hidden(backbone, prompt_ids, prompt_mask, response_ids, attended)
     else:
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+        attention_mask = torch.cat([prompt_mask, attended], dim=1).long()
         position_ids = position_ids_from_mask(attention_mask)
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False

@@ -22,7 +22,8 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
    ``ref_kl_seq`` (``kl.mode=loss``: the adaptive controller's measurement), ``ref_kl_is`` (the same KL
    importance-weighted by π_old/μ: comparable between samplers);
 5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
-   ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart;
+   ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart; multi-turn
+   episodes: ``train/logprob_abs_diff`` of the first turn and of the later ones apart;
 6. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS drops
    leave the numerator only.
 """
@@ -187,16 +188,7 @@ def assemble_loss(
             token_loss = token_loss + kl_term
     metrics.add("train/entropy", scores.entropy, m)
     metrics.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
-    # the ratios of SPEC's decomposition: r_num = p_o/mu (same weights, two engines), r_stale = pi_theta/p_o
-    # (same engine, two weight versions); logged apart, never only the product. p_o = pi_old unless rows are
-    # stale: then the trainer's log-probs under their generating weights
-    p_o = (
-        old_logprobs
-        if mb.behaviour_logprobs is None
-        else torch.where(torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
-    )
-    decomposition = corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m)
-    metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
+    mismatch_metrics(logprobs, old_logprobs, mb, metrics)
     # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
     # denominators (num_tokens, num_seqs and each sequence's T_i)
     totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=settings.max_response_length)
@@ -235,6 +227,27 @@ def sequence_masked(
     metrics.add_means({f"train/{k}": v for k, v in token_moments.items()}, m)
     metrics.add_means({f"train/{k}": v for k, v in sequence_moments.items()}, m.any(-1))
     return token_loss
+
+
+def mismatch_metrics(logprobs: Tensor, old_logprobs: Tensor, mb, metrics: TokenMetrics) -> None:
+    """Record SPEC's decomposition of the train-inference ratio into ``metrics``: r_num = p_o/mu (same weights, two
+    engines), r_stale = pi_theta/p_o (same engine, two weight versions), logged apart, never only the product;
+    p_o = pi_old unless rows are stale (then the trainer's log-probs under their generating weights). A batch of
+    multi-turn episodes (``mb.env_mask``) also gets ``train/logprob_abs_diff`` of its first turn and of its later
+    turns apart."""
+    m = mb.response_mask
+    p_o = (
+        old_logprobs
+        if mb.behaviour_logprobs is None
+        else torch.where(torch.isnan(mb.behaviour_logprobs), old_logprobs, mb.behaviour_logprobs)
+    )
+    decomposition = corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m)
+    metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
+    if mb.env_mask is not None:
+        first = m & (mb.env_mask.long().cumsum(-1) == 0)
+        gap = (p_o - mb.rollout_logprobs).abs()
+        metrics.add("train/logprob_abs_diff_first_turn", gap, first)
+        metrics.add("train/logprob_abs_diff_later_turns", gap, m & ~first)
 
 
 def reference_kl_term(

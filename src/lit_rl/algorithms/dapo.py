@@ -106,9 +106,7 @@ class DAPO(GRPO):
         ol = self.cfg.overlong
         if not ol.enabled:
             return scored.rewards
-        penalty = obj.overlong_penalty(
-            scored.rollouts.response_length, learner.sampling.max_new_tokens, ol.buffer_length
-        )
+        penalty = obj.overlong_penalty(scored.rollouts.response_length, learner.max_response_length, ol.buffer_length)
         return scored.rewards + penalty * ol.penalty_factor
 
     def finish_batch(self, learner, scored: ScoredRollouts, rb) -> None:

@@ -50,7 +50,7 @@ from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
 from ..rollout.staleness import token_staleness
-from ..rollout.types import RolloutBatch, left_pad
+from ..rollout.types import RolloutBatch
 from ..schema import (
     AdvantageConfig,
     AlgoConfig,
@@ -170,6 +170,9 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
         self.sampling = config_of(SamplingConfig, sampling)
         self.eval_sampling = config_of(SamplingConfig, eval_sampling)
         self.group_size, self.micro_batch_size = group_size, micro_batch_size
+        #: L_max of a completion (``loss.reduction=constant``, DAPO's overlong penalty): a multi-turn run sets the
+        #: episode's ``rollout.max_total_tokens`` (``run.train.build_module``)
+        self.max_response_length = int(self.sampling.max_new_tokens)
         self.advantage_cfg, self.loss_cfg = config_of(AdvantageConfig, advantage), config_of(LossConfig, loss)
         algorithm = algorithm_class(algo)
         algo_cfg = config_of(algorithm.algo_config, algo)
@@ -338,21 +341,8 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
         (``shape_rewards``), its advantages (``advantages``) and its last changes (``finish_batch``)."""
         r = scored.rollouts
         rewards = self.algorithm.shape_rewards(self, scored)
-        prompt_ids, prompt_mask = left_pad(r.prompt_ids, self.tokenizer.pad_token_id)
-        rb = RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=r.response_ids,
-            response_mask=r.response_mask,
-            rollout_logprobs=r.rollout_logprobs,
-            rewards=rewards,
-            advantages=None,
-            group_ids=scored.group_ids,
-            policy_version=r.policy_version,
-            topk_ids=r.topk_ids,
-            topk_logprobs=r.topk_logprobs,
-            token_versions=r.token_versions,
-            reward_parts=torch.stack(list(scored.reward_parts.values()), -1) if scored.reward_parts else None,
+        rb = RolloutBatch.of_rollouts(
+            r, rewards, scored.group_ids, self.tokenizer.pad_token_id, scored.reward_parts
         ).to(self.device)
         rb.advantages = self.algorithm.advantages(self, rb)
         self.algorithm.finish_batch(self, scored, rb)
@@ -510,6 +500,7 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
             chunk_tokens=self.chunk_tokens,
             head_ids=head_ids,
             shared_prefix=self.shared_prefix,
+            env_mask=mb.env_mask,
             **kwargs,
         )
 
@@ -517,7 +508,7 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
     def loss_settings(self) -> LossSettings:
         """What ``loss.assemble_loss`` reads from the config groups (``loss``, ``correction``, ``kl``, ``sampling``),
         read at each call."""
-        return LossSettings.from_config(self.loss_cfg, self.correction, self.kl_cfg, self.sampling.max_new_tokens)
+        return LossSettings.from_config(self.loss_cfg, self.correction, self.kl_cfg, self.max_response_length)
 
     @torch.no_grad()
     def reference_logprobs(self, mb: RolloutBatch) -> Tensor:

@@ -193,6 +193,7 @@ def padding_micro_batch(rb: RolloutBatch, pad_token_id: int) -> RolloutBatch:
         token_versions=None if row.token_versions is None else row.token_versions[:, :1],
         log_ratio_bound=row.log_ratio_bound,
         weight_scale=row.weight_scale,
+        env_mask=None if row.env_mask is None else row.env_mask.new_zeros((1, 1)),
     )
 
 

@@ -50,7 +50,7 @@ class PPO(Algorithm):
         if self.critic is not None:
             p = mb.prompt_ids.shape[1]
             ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)
-            att = torch.cat([mb.prompt_mask, mb.response_mask], 1).long()
+            att = torch.cat([mb.prompt_mask, mb.attention_mask], 1).long()
             h = self.critic(
                 input_ids=ids, attention_mask=att, position_ids=position_ids_from_mask(att), use_cache=False
             ).last_hidden_state
@@ -78,7 +78,9 @@ class PPO(Algorithm):
         mask = rb.response_mask
         lengths = mask.sum(-1)
         token_rewards = torch.zeros_like(old_v)
-        token_rewards[torch.arange(n, device=device), (lengths - 1).clamp(min=0)] = rb.rewards * (lengths > 0)
+        # on the last model token (in a multi-turn episode environment tokens lie between the model's turns)
+        last = torch.where(mask, torch.arange(t, device=device).expand(n, t), -1).max(-1).values
+        token_rewards[torch.arange(n, device=device), last.clamp(min=0)] = rb.rewards * (lengths > 0)
         rb.old_logprobs = old_lp
         if learner.kl_cfg.mode == "reward":  # the classic RLHF reward: -beta * KL(pi_old || pi_ref) per token
             token_rewards = token_rewards - learner.kl_coef * learner.reference_kl(rb)

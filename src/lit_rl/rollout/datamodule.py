@@ -79,6 +79,9 @@ class ScoredRollouts:
     #: name -> (completions whose call of it failed, completions it was called on) over every completion scored for
     #: the step (DAPO: every round's), which ``RewardFunctions.count_failed_step`` counts; empty: not tallied
     reward_failures: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: multi-turn tasks: the N episodes (``rollout.multiturn.Episode``: turns, per-turn rewards, tool counts);
+    #: None for single-turn rollouts
+    episodes: list | None = None
 
     def __post_init__(self) -> None:
         if self.correct is None:
@@ -116,6 +119,7 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         policy_version=torch.cat([p.rollouts.policy_version for p in parts]),
         topk_ids=cat("topk_ids"),
         topk_logprobs=cat("topk_logprobs"),
+        env_mask=_cat_env_masks(parts, width),
     )
     # padding holds the row's version (its oldest token's)
     rollouts.token_versions = torch.where(
@@ -131,7 +135,19 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         reward_parts={k: torch.cat([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts},
         correct=torch.cat([p.correct for p in parts]),
         reward_failures=add_failures(*(p.reward_failures for p in parts)),
+        episodes=None if parts[0].episodes is None else [ep for p in parts for ep in p.episodes],
     )
+
+
+def _cat_env_masks(parts: list[ScoredRollouts], width: int) -> torch.Tensor | None:
+    """The parts' ``env_mask`` stacked (a part without one: no environment token), None when no part has one."""
+    if all(p.rollouts.env_mask is None for p in parts):
+        return None
+    masks = [
+        p.rollouts.env_mask if p.rollouts.env_mask is not None else torch.zeros_like(p.rollouts.response_mask)
+        for p in parts
+    ]
+    return torch.cat([_pad_cols(m, width, False) for m in masks])
 
 
 def add_failures(*tallies: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
@@ -159,6 +175,7 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
         topk_ids=pick(r.topk_ids),
         topk_logprobs=pick(r.topk_logprobs),
         token_versions=r.token_versions[rows],
+        env_mask=pick(r.env_mask),
     )
     return ScoredRollouts(
         rollouts,
@@ -168,6 +185,7 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
         [scored.texts[i] for i in idx],
         reward_parts={k: v[rows] for k, v in scored.reward_parts.items()},
         correct=scored.correct[rows],
+        episodes=None if scored.episodes is None else [scored.episodes[i] for i in idx],
     )
 
 
@@ -213,6 +231,8 @@ class RolloutDataModule(L.LightningDataModule):
         reward_timeout_s: the time limit of one reward call (used when ``rewards`` is None).
         rewards: the ``RewardFunctions`` that score completions; None: the task's own verifier in a pool of 2.
         train_examples: the training examples; None: ``task.train_examples()`` (an eval set gives its own).
+        environment: a multi-turn task's ``Environment`` (``rollout.environments.task_environment``; its steps run
+            in the rewards' verifier pool), None for single-turn rollouts; limits: its ``MultiTurnLimits``.
     """
 
     def __init__(
@@ -227,6 +247,8 @@ class RolloutDataModule(L.LightningDataModule):
         reward_timeout_s: float = 10.0,
         rewards: RewardFunctions | None = None,
         train_examples: list[Example] | None = None,
+        environment=None,
+        limits=None,
     ):
         super().__init__()
         self.task, self.tokenizer = task, tokenizer
@@ -234,6 +256,15 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_examples, self.eval_batch_size = eval_examples, eval_batch_size
         self.reward_timeout_s = reward_timeout_s
         self.rewards = rewards if rewards is not None else RewardFunctions(task, timeout_s=reward_timeout_s)
+        self.environment, self.limits = environment, limits
+        self.chat_tools: list[dict] | None = None  # tool schemas the chat template renders itself (``tools=``)
+        self._tool_text: str | None = None  # or the system text that states them
+        if environment is not None:
+            from .environments import chat_tools
+            from .multiturn import MultiTurnLimits
+
+            self.limits = limits if limits is not None else MultiTurnLimits(step_timeout_s=reward_timeout_s)
+            self._tool_text, self.chat_tools = chat_tools(tokenizer, environment)
         self._train = list(task.train_examples() if train_examples is None else train_examples)
         self._eval = list(task.eval_examples())[:eval_examples]
         if not self._train:
@@ -319,13 +350,25 @@ class RolloutDataModule(L.LightningDataModule):
             self._perm_cache = (epoch, order)
         return self._perm_cache[1]
 
+    def messages(self, example: Example) -> list[dict]:
+        """The prompt's chat messages: the task's, or a multi-turn environment's (``reset``), with the system text
+        that states its tools where the chat template does not render them."""
+        if self.environment is None:
+            return self.task.messages(example)
+        from .environments import with_system_text
+
+        own = self.environment.reset(example)
+        return with_system_text(self.task.messages(example) if own is None else own, self._tool_text)
+
+    def _chat(self, messages: list[dict], tokenize: bool):
+        extra = {"tools": self.chat_tools} if self.chat_tools else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **extra)
+
     def encode(self, example: Example, split: str = "train") -> list[int]:
         """Chat-formatted prompt token ids for ``example`` (cached)."""
         key = (split, example.id)
         if key not in self._encoded:
-            ids = self.tokenizer.apply_chat_template(
-                self.task.messages(example), add_generation_prompt=True, tokenize=True
-            )
+            ids = self._chat(self.messages(example), tokenize=True)
             if not isinstance(ids, list):
                 ids = ids["input_ids"]
             self._encoded[key] = list(ids)
@@ -338,10 +381,7 @@ class RolloutDataModule(L.LightningDataModule):
         examples = self._train if split == "train" else self._eval
         if not examples:
             return []
-        texts = [
-            self.tokenizer.apply_chat_template(self.task.messages(ex), add_generation_prompt=True, tokenize=False)
-            for ex in examples
-        ]
+        texts = [self._chat(self.messages(ex), tokenize=False) for ex in examples]
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def drop_overlong(self, max_prompt_tokens: int, split: str = "train") -> int:
@@ -398,6 +438,9 @@ class RolloutDataModule(L.LightningDataModule):
                 prompts.append(ids)
                 seeds.append(sample_seed(self.seed, step, round, first_index + p, j))
                 group_ids.append(group_offset + first_index + p)
+        if self.environment is not None:
+            rows = [examples[gid - group_offset - first_index] for gid in group_ids]
+            return self.collect_episodes(engine, rows, prompts, params, seeds, group_ids, examples, split)
         rollouts = engine.generate(prompts, params, seeds)
         texts = self.tokenizer.batch_decode(
             [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
@@ -419,6 +462,43 @@ class RolloutDataModule(L.LightningDataModule):
             reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
             correct=torch.tensor(scores.correct, dtype=torch.bool),
             reward_failures=scores.failures,
+        )
+
+    def collect_episodes(self, engine, rows, prompts, params, seeds, group_ids, examples, split) -> ScoredRollouts:
+        """``collect`` of a multi-turn task: one episode per row (``rollout.multiturn.collect_episodes``), each
+        scored by its environment's last reward, else by the rewards (the task's verifier) on its last model turn;
+        the verifier's verdict is its correctness either way."""
+        from .multiturn import collect_episodes
+
+        rollouts, episodes = collect_episodes(
+            engine,
+            self.tokenizer,
+            self.environment,
+            rows,
+            prompts,
+            [self.messages(ex) for ex in rows],
+            params,
+            seeds,
+            self.limits,
+            self.rewards.pool,
+            f"environment-{id(self.environment)}",
+            tools=self.chat_tools,
+        )
+        texts = [ep.last_turn_text for ep in episodes]
+        model_ids = [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)]
+        scores = self.rewards.score(rows, texts, model_ids, "eval" if split == "eval" else "train")
+        total = [ep.score(s, self.limits.episode_reward) for s, ep in zip(scores.total, episodes)]
+        return ScoredRollouts(
+            rollouts,
+            torch.tensor(total, dtype=torch.float32),
+            torch.tensor(group_ids, dtype=torch.long),
+            examples,
+            texts,
+            reward_errors=scores.errors,
+            reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
+            correct=torch.tensor(scores.correct, dtype=torch.bool),
+            reward_failures=scores.failures,
+            episodes=episodes,
         )
 
     # -- Lightning hooks -----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback
 from ..choices import ROLLOUT_MODES, RolloutMode
 from ..registry import Registry
 from ..schema import RolloutConfig, config_of
+from .multiturn import episode_metrics
 from .staleness import StaleRollouts
 from .types import RolloutEngine
 
@@ -92,6 +93,8 @@ class RolloutSource:
             t_sync, self._presynced_s = self._presynced_s, None
         scored, metrics = learner.collect(batch)
         self.engine.sleep()  # vLLM with sleep_mode frees its GPU memory for the update; a no-op otherwise
+        if scored.episodes is not None:  # multi-turn: turns, tool calls and errors, environment tokens
+            metrics = {**metrics, **episode_metrics(scored.episodes)}
         return scored, metrics, t_sync
 
     def score_behaviour(self, learner, rb) -> None:

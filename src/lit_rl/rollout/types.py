@@ -26,6 +26,9 @@ class Rollouts:
         they span several: what ``rollout.max_staleness`` bounds).
     token_versions: [N, T] int64, the weight version that sampled each token (padding: the row's
         ``policy_version``); None at construction means every token of a row has its ``policy_version``.
+    env_mask: [N, T] bool or None: True on the environment's tokens between the model turns of a multi-turn
+        episode (``rollout.multiturn``), which the sequence holds but the model did not sample (response_mask
+        False there); None: single-turn, every response token is the model's.
     """
 
     prompt_ids: list[list[int]]
@@ -37,6 +40,7 @@ class Rollouts:
     topk_ids: Tensor | None = None
     topk_logprobs: Tensor | None = None
     token_versions: Tensor | None = None
+    env_mask: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.token_versions is None:
@@ -79,6 +83,9 @@ class RolloutBatch:
     cutoff, ``rejection.m2po_bound``; the same for every row of a batch), None: no such correction;
     weight_scale [N] float64 or None: 1/Z, the batch normalisation of the correction's weights
     (``corrections.batch_weight_scale``), None: none.
+    env_mask [N, T] bool or None: environment tokens of multi-turn episodes (``Rollouts.env_mask``), attended to
+    by the trainer's forward (``attention_mask``) but never scored: response_mask is False there, so they are in
+    no ratio, correction weight, KL, entropy, reduction or denominator.
     """
 
     prompt_ids: Tensor
@@ -102,6 +109,32 @@ class RolloutBatch:
     reward_parts: Tensor | None = None
     log_ratio_bound: Tensor | None = None
     weight_scale: Tensor | None = None
+    env_mask: Tensor | None = None
+
+    @classmethod
+    def of_rollouts(
+        cls, r: Rollouts, rewards: Tensor, group_ids: Tensor, pad_token_id: int, reward_parts: dict | None = None
+    ) -> "RolloutBatch":
+        """The batch of an engine's ``Rollouts`` (prompts left-padded with ``pad_token_id``) with their ``rewards``
+        [N] and ``group_ids`` [N] (and each reward function's own [N] rewards, ``reward_parts``, stacked [N, K]);
+        advantages None (the algorithm's to compute)."""
+        prompt_ids, prompt_mask = left_pad(r.prompt_ids, pad_token_id)
+        return cls(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=r.response_ids,
+            response_mask=r.response_mask,
+            rollout_logprobs=r.rollout_logprobs,
+            rewards=rewards,
+            advantages=None,
+            group_ids=group_ids,
+            policy_version=r.policy_version,
+            topk_ids=r.topk_ids,
+            topk_logprobs=r.topk_logprobs,
+            env_mask=r.env_mask,
+            token_versions=r.token_versions,
+            reward_parts=torch.stack(list(reward_parts.values()), -1) if reward_parts else None,
+        )
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -126,6 +159,11 @@ class RolloutBatch:
         part = RolloutBatch(**out)
         return part.trimmed()
 
+    @property
+    def attention_mask(self) -> Tensor:
+        """[N, T] bool: the response tokens the sequence holds, the model's and the environment's."""
+        return self.response_mask if self.env_mask is None else self.response_mask | self.env_mask
+
     def trimmed(self) -> "RolloutBatch":
         """Drop all-padding columns: left columns of the prompt, right columns of the response."""
         keep_p = self.prompt_mask.any(0)
@@ -146,6 +184,7 @@ class RolloutBatch:
             "old_values",
             "returns",
             "token_versions",
+            "env_mask",
         ):
             value = getattr(self, name)
             if value is not None:

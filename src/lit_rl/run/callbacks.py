@@ -13,6 +13,7 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig
 
+from ..rollout.multiturn import episode_record
 from .hardware import ThreadGovernor
 
 
@@ -70,6 +71,8 @@ class SampleLogger(L.Callback):
                 "completion": scored.texts[i],
                 "reward": float(scored.rewards[i]),
                 "advantage": float(advantages[i]),
+                # multi-turn: the whole episode, its messages with the model turns' token spans and rewards
+                **({"episode": episode_record(scored.episodes[i])} if scored.episodes is not None else {}),
             }
             for i in rows
         ]

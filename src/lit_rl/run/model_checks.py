@@ -153,6 +153,30 @@ def check_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> Non
         )
 
 
+def check_episode_context(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
+    """A multi-turn task's episode limit against the context (ConfigError naming the fields):
+    ``rollout.max_total_tokens`` at most the model's context length (or ``engine.max_model_len``), and more than
+    the longest prompt; a no-op for a single-turn task. Runs at start-up, before the weights load."""
+    if datamodule.environment is None:
+        return
+    total = cfg.rollout.max_total_tokens
+    context = context_length(config) if config is not None else None
+    limit = cfg.engine.max_model_len if cfg.engine.name == "vllm" and cfg.engine.max_model_len else context
+    if limit is not None and total > limit:
+        raise ConfigError(
+            f"rollout.max_total_tokens={total} is more than the context of model.name_or_path="
+            f"{cfg.model.name_or_path!r} ({limit} tokens): an episode would run past positions the model knows; "
+            f"lower it to at most {limit}"
+        )
+    for split in ("train", "eval") if cfg.eval.num_examples > 0 else ("train",):
+        tokens, example = datamodule.longest_prompt(split)
+        if example is not None and tokens >= total:
+            raise ConfigError(
+                f"task={cfg.task.name}: the longest {split} prompt ({split} example {example.id}) has {tokens} "
+                f"tokens, which leaves no room for an episode under rollout.max_total_tokens={total}: raise it"
+            )
+
+
 def check_model_support(cfg: DictConfig, datamodule: RolloutDataModule, config) -> None:
     """ConfigError, before the weights load, for a model the run cannot serve: its class does not implement
     ``model.attn_implementation`` (Gemma-2 has no sdpa path: its attention soft-capping needs eager), or, with

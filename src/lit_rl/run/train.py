@@ -56,7 +56,7 @@ from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .hardware import peak_flops, precision_dtype, uses_cuda
 from .loggers import build_loggers, finish_loggers
-from .model_checks import check_context, check_model_support, model_config
+from .model_checks import check_context, check_episode_context, check_model_support, model_config
 from .preemption import RunCheckpoint, preempted
 from .resolve import resolve_settings
 from .resume import (
@@ -146,6 +146,8 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer):
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
     module.eval_at_start = bool(cfg.eval.at_start)
+    if cfg.task.multi_turn:  # an episode's model tokens count against its whole budget (docs/environments.md)
+        module.max_response_length = int(cfg.rollout.max_total_tokens)
     return module
 
 
@@ -177,6 +179,29 @@ def build_rewards(cfg: TrainConfig, task, output_log: Path | None = None) -> Rew
     if rewards.correct_note:
         print(rewards.correct_note, flush=True)
     return rewards
+
+
+def build_environment(cfg: TrainConfig, task, tokenizer):
+    """(the task's ``Environment``, its ``MultiTurnLimits``) for a multi-turn task, (None, None) for a single-turn
+    one; the chat template's prefix property checked on a real two-turn conversation (``check_prefix_property``).
+    Raises ConfigError naming the field (a tool or environment that cannot be loaded, a template that rewrites
+    earlier turns)."""
+    from ..rollout.environments import chat_tools, task_environment
+    from ..rollout.multiturn import MultiTurnLimits, check_prefix_property
+
+    ro = cfg.rollout
+    try:
+        environment = task_environment(task, ro.max_tool_calls)
+        if environment is None:
+            return None, None
+        tool_text, schemas = chat_tools(tokenizer, environment)
+        check_prefix_property(tokenizer, tool_text, schemas)
+    except ValueError as err:
+        raise ConfigError(f"task={cfg.task.name}: {err}") from err
+    limits = MultiTurnLimits(
+        ro.max_turns, ro.max_total_tokens, ro.max_tool_output_chars, cfg.reward_timeout_s, ro.episode_reward
+    )
+    return environment, limits
 
 
 def build_strategy(name):
@@ -396,6 +421,7 @@ def build_data(cfg: TrainConfig, reward_log: Path | None = None) -> tuple[Rollou
             f"model.name_or_path={cfg.model.name_or_path!r}: the tokenizer has no chat template, "
             f"and task={cfg.task.name} formats prompts with it"
         )
+    environment, limits = build_environment(cfg, task, tokenizer)
     datamodule = RolloutDataModule(
         task,
         tokenizer,
@@ -406,10 +432,13 @@ def build_data(cfg: TrainConfig, reward_log: Path | None = None) -> tuple[Rollou
         eval_batch_size=cfg.eval.batch_size,
         reward_timeout_s=cfg.reward_timeout_s,
         rewards=build_rewards(cfg, task, reward_log),
+        environment=environment,
+        limits=limits,
     )
     add_eval_sets(cfg, datamodule, reward_log)
     config = model_config(cfg.model)
     check_context(cfg, datamodule, config)  # before the weights load
+    check_episode_context(cfg, datamodule, config)
     check_model_support(cfg, datamodule, config)
     try:  # LoRA targets against the model's module names, on the meta device (no weights yet)
         check_lora_targets(config, spec.lora, spec.trust_remote_code)

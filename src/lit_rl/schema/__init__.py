@@ -59,7 +59,15 @@ from .loss import AdvantageConfig, CorrectionConfig, KlConfig, LossConfig, MisCo
 from .model import LoraConfig, ModelConfig
 from .probe import ProbeConfig, ProbeEngineOverrides, ProbeRunConfig, ProbeSetting
 from .rollout import EngineConfig, KernelsConfig, RolloutConfig, SamplingConfig, VLLMEngineConfig
-from .task import ArithmeticConfig, DatasetConfig, Gsm8kConfig, RewardConfig, TaskConfig
+from .task import (
+    ArithmeticConfig,
+    CalculatorConfig,
+    DatasetConfig,
+    Gsm8kConfig,
+    GuessNumberConfig,
+    RewardConfig,
+    TaskConfig,
+)
 from .train import TrainConfig
 from .trainer import (
     CheckpointConfig,
@@ -79,6 +87,8 @@ __all__ = [
     "AdvantageConfig",
     "AlgoConfig",
     "ArithmeticConfig",
+    "CalculatorConfig",
+    "GuessNumberConfig",
     "C",
     "CSVLoggerConfig",
     "CheckpointConfig",
@@ -143,6 +153,8 @@ SCHEMAS: dict[str, tuple[str | None, type]] = {
     "base_arithmetic": ("task", ArithmeticConfig),
     "base_gsm8k": ("task", Gsm8kConfig),
     "base_dataset": ("task", DatasetConfig),
+    "base_calculator": ("task", CalculatorConfig),
+    "base_guess_number": ("task", GuessNumberConfig),
     "base_torch": ("engine", EngineConfig),
     "base_vllm": ("engine", VLLMEngineConfig),
 }

@@ -136,6 +136,17 @@ class RolloutConfig:
     #: async, in_flight: recompute (re-prefill the live sequences with the new weights: exact) | keep (continue
     #: with the cache the older weights wrote)
     kv_on_update: str = "recompute"
+    #: multi-turn tasks: model turns per episode (each at most sampling.max_new_tokens)
+    max_turns: int = 4
+    #: multi-turn tasks: tokens of a whole episode (prompt, model turns, environment); longer ones are cut
+    max_total_tokens: int = 1024
+    #: multi-turn tasks: tool calls served per model turn (the rest get an error observation)
+    max_tool_calls: int = 4
+    #: multi-turn tasks: characters of a tool's output kept (the rest cut and marked)
+    max_tool_output_chars: int = 2000
+    #: multi-turn tasks: last (the last reward an environment gave, else the verifier's) | sum (every turn's
+    #: reward feeds the advantage: ``rollout.multiturn.EPISODE_REWARDS``)
+    episode_reward: str = "last"
 
     def problems(self, run) -> Problems:
         """The stale-rollout fields' values it refuses (``schema.base``: ``config.validate`` raises ConfigError
@@ -157,6 +168,11 @@ class RolloutConfig:
         )
         yield from self.producer_problems(run)
         yield from self.update_problems(run)
+        yield from rule(
+            self.episode_reward in ("last", "sum"), "rollout.episode_reward", self.episode_reward, "choose last or sum"
+        )
+        for key in ("max_turns", "max_total_tokens", "max_tool_calls", "max_tool_output_chars"):
+            yield from int_rule(getattr(self, key), f"rollout.{key}", 1, " (multi-turn episodes)")
         for key in ("behaviour_logprobs", "save_history"):
             value = getattr(self, key)
             yield from rule(isinstance(value, bool), f"rollout.{key}", value, "must be true or false")

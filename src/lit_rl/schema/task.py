@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -23,14 +23,71 @@ class TaskConfig:
     #: a number: every completion gets it (experiment=constant_reward_drift); null = the verifier's reward.
     #: Untyped here so that ``config.validate`` names a bad value
     constant_reward: Any = None
+    #: multi-turn: 'module:Class' of the user's ``rollout.environments.Environment`` (docs/environments.md)
+    environment: Optional[str] = None
+    #: multi-turn: the user's tools, 'module:function' or 'path/to/file.py:function' (a ``ToolEnvironment``)
+    tools: Optional[list[str]] = None
+    #: the option's episodes are multi-turn whatever ``environment`` / ``tools`` say (calculator, guess_number)
+    own_environment: ClassVar[bool] = False
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the task's rollouts are multi-turn episodes (``rollout.multiturn``)."""
+        return self.own_environment or bool(self.environment) or bool(self.tools)
 
     def problems(self, run) -> Problems:
         """The values this task option refuses (``schema.base``: ``config.validate`` raises ConfigError for the
-        first); ``run``: the whole config. The base: ``constant_reward``; each option adds its own fields'."""
+        first); ``run``: the whole config. The base: ``constant_reward``, and for a multi-turn task a rollout mode
+        that serves episodes (``choices.RolloutMode.multi_turn``); each option adds its own fields'."""
         constant = self.constant_reward
         yield from rule(
             constant is None or is_number(constant), "task.constant_reward", constant, "must be null or a number"
         )
+        yield from rule(
+            not (self.environment and self.tools),
+            "task.tools",
+            self.tools,
+            "give task.environment or task.tools, not both (an Environment lists its own tools)",
+        )
+        if self.multi_turn:
+            from ..choices import ROLLOUT_MODES  # here, not at the top: choices imports the schema
+
+            mode = run.rollout.mode
+            serving = ROLLOUT_MODES.names_where(lambda spec: spec.multi_turn)
+            yield from rule(
+                mode not in ROLLOUT_MODES or ROLLOUT_MODES[mode].multi_turn,
+                "rollout.mode",
+                mode,
+                f"task={self.name} runs multi-turn episodes, which rollout.mode={' | '.join(serving)} serves "
+                f"(rollout.mode={mode} does not collect episodes in this version)",
+            )
+
+
+@dataclass
+class CalculatorConfig(TaskConfig):
+    """``task=calculator``: two-step arithmetic with the ``add`` / ``mul`` tools (``tasks.CalculatorTask``)."""
+
+    name: str = "calculator"
+    seed: int = 0
+    #: digits per operand
+    digits: int = 2
+    num_train: int = 10000
+    num_eval: int = 200
+    #: reward of a turn whose tool calls are all well formed (logged per turn; 0 = off)
+    format_reward: Number = 0.0
+    own_environment: ClassVar[bool] = True
+
+
+@dataclass
+class GuessNumberConfig(TaskConfig):
+    """``task=guess_number``: guess an integer in [1, high] from "higher" / "lower" (``tasks.GuessNumberTask``)."""
+
+    name: str = "guess_number"
+    seed: int = 0
+    high: int = 20
+    num_train: int = 10000
+    num_eval: int = 200
+    own_environment: ClassVar[bool] = True
 
 
 @dataclass

@@ -152,6 +152,7 @@ def _worker_main(conn) -> None:
     console = (os.dup(1), os.dup(2))  # the trainer's stdout and stderr, for a setup without a log
     functions: list = []
     batched: list[bool] = []
+    raw: list[bool] = []  # entries whose return is sent back as it is (an environment's step), not a reward
     setup_error = ""
     while True:
         try:
@@ -163,10 +164,11 @@ def _worker_main(conn) -> None:
                 _redirect_output(msg[3] if len(msg) > 3 else None, console)
                 with open(msg[2], "rb") as f:
                     entries = pickle.load(f)
-                functions, batched = [], []
+                functions, batched, raw = [], [], []
                 for entry in entries:
                     functions.append(entry.load() if hasattr(entry, "load") else entry)
                     batched.append(bool(getattr(entry, "batched", False)))
+                    raw.append(bool(getattr(entry, "raw", False)))
                 setup_error = ""
                 if "torch" in sys.modules:  # a user's module brought torch in: one thread
                     sys.modules["torch"].set_num_threads(1)
@@ -179,7 +181,8 @@ def _worker_main(conn) -> None:
             try:
                 if setup_error:
                     raise RuntimeError(f"the reward functions could not be loaded ({setup_error})")
-                value = convert(functions[index](*args, **kwargs), batched[index])
+                value = functions[index](*args, **kwargs)
+                value = value if raw[index] else convert(value, batched[index])
                 reply = ("ok", value)
             except Exception as err:  # noqa: BLE001 - a user's bug scores 0; the parent logs it once
                 reply = ("error", first_line(err))
