@@ -18,8 +18,10 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
    importance-weighted by π_old/μ: comparable between samplers);
 5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
    ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart;
-6. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS drops
-   leave the numerator only.
+6. ``loss.drop_older_tokens``: a token written before its sequence's newest weight update (an in-flight update
+   swapped the weights mid-sequence) leaves the numerator, its whole per-token loss; logs ``train/older_dropfrac``;
+7. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS or
+   ``drop_older_tokens`` drop leave the numerator only.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class LossSettings:
         entropy_coef: ``loss.entropy_coef`` (0 = no bonus).
         kl_estimator: ``kl.estimator`` (k1 | k2 | k3).
         kl_in_loss: ``kl.mode == "loss"`` (False: the KL went into the rewards, only logged here).
+        drop_older_tokens: ``loss.drop_older_tokens`` (``older_token_mask``'s tokens leave the numerator).
     """
 
     reduction: str
@@ -92,6 +95,19 @@ class LossSettings:
     entropy_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_loss: bool = True
+    drop_older_tokens: bool = False
+
+
+def older_token_mask(token_versions: Tensor, mask: Tensor) -> Tensor:
+    """bool [N, T]: the valid tokens (``mask`` [N, T] bool) whose weight version (``token_versions`` [N, T] int64,
+    ``Rollouts.token_versions``) is older than the newest version in their own row: the tokens a sequence got before
+    an in-flight weight update. A row written by one version has none, however stale (``rollout.max_staleness``
+    bounds that). The rule of partial rollouts that train only on the newest policy's tokens (slime's
+    ``--mask-offpolicy-in-partial-rollout``), taken per row."""
+    if token_versions.shape != mask.shape:
+        raise ValueError(f"token_versions {tuple(token_versions.shape)} and mask {tuple(mask.shape)} must match")
+    newest = token_versions.masked_fill(~mask, torch.iinfo(token_versions.dtype).min).amax(-1, keepdim=True)
+    return mask & (token_versions < newest)
 
 
 def assemble_loss(
@@ -163,10 +179,10 @@ def assemble_loss(
     )
     decomposition = corr.mismatch_decomposition(mb.rollout_logprobs, p_o, logprobs.detach(), m)
     metrics.add_means({f"train/{k}": v for k, v in decomposition.items()}, m)
-    # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
-    # denominators (num_tokens, num_seqs and each sequence's T_i)
+    # tokens MIS or drop_older_tokens drop leave the numerator only (their loss is 0): every reduction keeps the
+    # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
     loss = obj.reduce_loss(
-        token_loss,
+        without_older_tokens(token_loss, mb, metrics) if settings.drop_older_tokens else token_loss,
         m,
         settings.reduction,
         num_tokens=num_tokens,
@@ -174,6 +190,16 @@ def assemble_loss(
         max_response_length=settings.max_response_length,
     )
     return loss, metrics
+
+
+def without_older_tokens(token_loss: Tensor, mb, metrics: TokenMetrics) -> Tensor:
+    """``loss.drop_older_tokens``: ``token_loss`` [n, T] with the micro-batch's ``older_token_mask`` tokens set to 0
+    (unchanged when ``mb.token_versions`` is None: one version per row); adds ``train/older_dropfrac``."""
+    if mb.token_versions is None:
+        return token_loss
+    older = older_token_mask(mb.token_versions, mb.response_mask)
+    metrics.add("train/older_dropfrac", older.float(), mb.response_mask)
+    return token_loss.masked_fill(older, 0.0)
 
 
 def reference_kl_term(

@@ -551,6 +551,7 @@ class RLModule(OptimizationMixin, StepLoggingMixin, EvaluationMixin, L.Lightning
             entropy_coef=self.loss_cfg.entropy_coef,
             kl_estimator=self.kl_cfg.estimator,
             kl_in_loss=self.kl_cfg.mode == "loss",
+            drop_older_tokens=bool(self.loss_cfg.drop_older_tokens),
         )
 
     @torch.no_grad()
