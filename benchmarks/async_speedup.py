@@ -24,13 +24,23 @@ after the first (the first has nothing to overlap with; with the process produce
 start). The sampled completions differ between sync and async after step 0 (async samples with one-step-old
 weights), so generated token counts are printed too, with RL steps per minute, trained tokens per second, the
 mean and max staleness and, for async, the trainer's and the producer's idle fractions
-(``time/trainer_wait_frac``, ``time/producer_idle_frac``). Partial rollouts and the skewed batch of issue 35 are
-not here yet.
+(``time/trainer_wait_frac``, ``time/producer_idle_frac``).
+
+``--layout skewed``: the long tail. Every step's batch holds one prompt asking for a long answer (counting to 300)
+and ``--prompts`` - 1 asking for one number (``task=dataset`` over a file of exactly ``--prompts`` rows written here,
+so each step sees each prompt once, in a seeded order): with a model that stops on its own the short groups finish
+in a few tokens and the decode batch runs on with the long group's G rows only, the time partial rollouts (refilling
+the batch with the next step's prompts) exist to use. Partial rollouts (``rollout.partial``) are not built yet, so
+this layout runs the same settings as the uniform one: the in-flight row is in-flight updates alone. The tiny model
+never stops early (random weights), so with ``--model tiny`` the layout only checks that it runs.
+
+    python benchmarks/async_speedup.py --layout skewed --prompts 8 --new-tokens 256
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -69,6 +79,22 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
     }
 
 
+LONG_PROMPT = "Write every whole number from 1 to 300, in order, separated by commas."
+SHORT_PROMPT = "What is {a} + {b}? Reply with the number only."
+
+
+def skewed_task(prompts: int, where: Path) -> list[str]:
+    """Overrides of a ``task=dataset`` run over a file of ``prompts`` rows written to ``where``: one asking for a long
+    answer, ``prompts`` - 1 asking for one number (their sums as answers; the long one's answer is its last number)."""
+    if prompts < 2:
+        raise ValueError(f"--layout skewed needs --prompts >= 2 (one long, the others short), got {prompts}")
+    rows = [{"prompt": LONG_PROMPT, "answer": "300"}]
+    for i in range(prompts - 1):
+        rows.append({"prompt": SHORT_PROMPT.format(a=i + 2, b=2 * i + 3), "answer": str(3 * i + 5)})
+    where.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["task=dataset", f"task.path={where}", "task.prompt_field=prompt", "task.answer_field=answer"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=2)
@@ -76,6 +102,12 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--model", default="smollm2-135m", help="the model group (smollm2-135m, tiny)")
+    ap.add_argument(
+        "--layout",
+        choices=["uniform", "skewed"],
+        default="uniform",
+        help="uniform: the default task's prompts; skewed: one long-answer prompt per step, the others short",
+    )
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     ap.add_argument(
         "--skip-two-threads",
@@ -83,8 +115,13 @@ def main():
         help="leave out 'sync, 2 threads' (under CPU contention two spinning threads can be 10-50x slower)",
     )
     args = ap.parse_args()
+    if args.layout == "skewed" and args.prompts < 2:
+        ap.error("--layout skewed needs --prompts >= 2 (one long-answer prompt, the others short)")
     ensure_quiet(args.force)
+    tmp = Path(tempfile.mkdtemp(prefix="async_speedup-"))
+    task = skewed_task(args.prompts, tmp / "skewed.jsonl") if args.layout == "skewed" else []
     work = [
+        *task,
         f"model={args.model}",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.group_size={args.group_size}",
@@ -112,7 +149,6 @@ def main():
     }
     if args.skip_two_threads:
         del settings["sync, 2 threads"]
-    tmp = Path(tempfile.mkdtemp(prefix="async_speedup-"))
     results = {}
     try:
         for i, (name, extra) in enumerate(settings.items()):
@@ -122,7 +158,8 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n# {machine()}")
     print(
-        f"\n## {args.model}: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} new tokens, "
+        f"\n## {args.model}, {args.layout} layout: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} "
+        "new tokens, "
         f"GRPO, bf16-mixed, mean of steps 2-{args.steps}"
     )
     print(

@@ -304,6 +304,43 @@ def test_in_flight_the_thread_producer_takes_a_version_published_during_a_genera
     assert r.token_versions.eq(1).all() and module.engine.last.swaps == 0
 
 
+def test_no_trained_token_is_older_than_max_staleness_when_a_sequence_spans_versions(tiny):
+    """``rollout.max_staleness`` bounds a batch's oldest token, not its rows' newest: a batch whose first tokens
+    version 0 sampled and the rest version 1 (an in-flight swap) is dropped at version 2 with max_staleness=1 though
+    most of its tokens are 1 step old; the next batch, version 1's alone, is the one trained (staleness 1 on every
+    token); at version 1 the spanning batch itself is taken (its oldest tokens 1 step old)."""
+    from lit_rl.rollout.datamodule import ScoredRollouts
+    from lit_rl.rollout.staleness import RolloutProducer, _Item
+
+    model, tok = tiny
+    rollout = {"mode": "async", "producer": "thread", "weight_update": "in_flight", "kv_on_update": "recompute"}
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, rollout_mode=rollout)
+    producer = RolloutProducer(module, 0, 1, "drop", 4, in_flight=True)  # not started: its hook and buffer only
+    module.engine.sync_weights(0, weights_snapshot(model))
+    producer.publish(1, moved(model, 3))
+    spanning = module.engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5), [1, 2, 3])
+    fresh = module.engine.generate(PROMPTS, SamplingConfig(max_new_tokens=5), [4, 5, 6])
+    assert spanning.token_versions.tolist() == [[0, 1, 1, 1, 1]] * 3 and fresh.token_versions.eq(1).all()
+
+    def item(step, r):
+        scored = ScoredRollouts(r, torch.zeros(3), torch.tensor([0, 0, 1]), [], [""] * 3)
+        return _Item.of(step, scored, {}, 0.0, module.engine.version)
+
+    producer.buffer.extend([item(0, spanning), item(1, fresh)])
+    taken, dropped = producer.take(version_now=2)
+    assert (taken.step, taken.version, dropped) == (1, 1, 3)
+    assert token_staleness(taken.scored.rollouts, 2)["rollout/staleness_max"] == 1.0
+    assert token_staleness(spanning, 2)["rollout/staleness_max"] == 2.0  # what training it would have meant
+    producer.buffer.append(item(2, spanning))
+    taken, dropped = producer.take(version_now=1)
+    assert (taken.step, taken.version, dropped) == (2, 0, 0)
+    assert token_staleness(taken.scored.rollouts, 1) == {
+        "rollout/staleness_mean": 0.2,  # 1 of each row's 5 tokens is 1 step old
+        "rollout/staleness_max": 1.0,
+        "rollout/version_span_max": 2.0,
+    }
+
+
 @pytest.mark.slow
 def test_in_flight_the_rollout_process_takes_a_version_written_to_the_store_during_a_generate(tiny):
     """The rollout process looks at its store between decode steps: a version written while it samples a long

@@ -149,3 +149,54 @@ def test_token_metrics_are_recorded_as_the_step_sums_add_them():
     recorded.record(TokenMetrics().add("a", values, mask).add_means({"b": 0.25}, mask))
     assert recorded.sums == direct.sums and recorded.counts == direct.counts
     assert recorded.means() == {"a": 2.0, "b": 0.25}
+
+
+@pytest.mark.parametrize(
+    "reduction, expected",
+    [
+        ("token_mean", (-2.0 - 2.0) / 5),  # 4 kept tokens of loss -1 over the step's 5
+        ("seq_mean_token_mean", (-2.0 / 3 - 2.0 / 2) / 2),  # each row over its own T_i: 3 and 2
+    ],
+)
+def test_drop_older_tokens_leaves_the_numerator_only(reduction, expected):
+    """Row 0: version 0 wrote its first token, an in-flight update then version 1 the other two: the first leaves the
+    numerator. Row 1, version 0's alone (stale but one version): kept whole. Denominators unchanged."""
+    probs = torch.tensor([[0.5, 0.25, 0.5], [0.5, 0.5, 1.0]])
+    logprobs = probs.log().requires_grad_(True)
+    mb = RolloutBatch(
+        prompt_ids=torch.zeros(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+        response_ids=torch.zeros(2, 3, dtype=torch.long),
+        response_mask=torch.tensor([[True, True, True], [True, True, False]]),
+        rollout_logprobs=logprobs.detach().clone(),
+        rewards=torch.ones(2),
+        advantages=torch.ones(2),
+        group_ids=torch.zeros(2, dtype=torch.long),
+        policy_version=torch.zeros(2, dtype=torch.long),
+        token_versions=torch.tensor([[0, 1, 1], [0, 0, 0]]),
+    )
+    old = logprobs.detach()
+    scores = TokenScores(logprobs=logprobs, entropy=torch.zeros(2, 3))
+    pg = reinforce_ratio_loss(logprobs, old, mb.advantages).masked_fill(~mb.response_mask, 0.0)  # -1 per token
+    kw = dict(num_tokens=torch.tensor(5), num_seqs=torch.tensor(2))
+    s = LossSettings(reduction, 8, WeightFunction(), drop_older_tokens=True)
+    loss, metrics = assemble_loss(pg, scores, old, mb, s, **kw)
+    assert float(loss.detach()) == pytest.approx(expected)
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0.0 and (logprobs.grad[0, 1:] != 0).all() and (logprobs.grad[1, :2] != 0).all()
+    stats = MetricSums()
+    stats.record(metrics)
+    assert stats.means()["train/older_dropfrac"] == pytest.approx(1 / 5)
+    off, metrics = assemble_loss(pg, scores, old, mb, LossSettings(reduction, 8, WeightFunction()), **kw)
+    assert float(off.detach()) == pytest.approx(-1.0) and "train/older_dropfrac" not in metrics.names()
+
+
+def test_older_token_mask_is_taken_per_row_over_valid_tokens():
+    from lit_rl.loss import older_token_mask
+
+    versions = torch.tensor([[3, 3, 4, 5], [2, 2, 2, 9], [7, 7, 7, 7]])  # row 1's 9 is padding
+    mask = torch.tensor([[True] * 4, [True, True, True, False], [True] * 4])
+    expected = [[True, True, True, False], [False] * 4, [False] * 4]
+    assert older_token_mask(versions, mask).tolist() == expected
+    with pytest.raises(ValueError, match=r"token_versions \(3, 4\) and mask \(3, 3\) must match"):
+        older_token_mask(versions, mask[:, :3])

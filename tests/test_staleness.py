@@ -80,14 +80,25 @@ def test_lagged_resume_continues_exactly(tmp_path):
         assert b[tag] == a[tag], tag
 
 
-@pytest.mark.parametrize("on_stale, bound", [("block", 1), ("drop", 0)])
-def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_stale, bound):
+@pytest.mark.parametrize(
+    "on_stale, bound, update",
+    [
+        ("block", 1, "between_batches"),
+        ("drop", 0, "between_batches"),
+        # timing decides the spans here; the exact case is in test_async_process
+        pytest.param("block", 1, "in_flight", marks=pytest.mark.slow),
+    ],
+)
+def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_stale, bound, update):
+    """``rollout/staleness_max`` is taken per token (each token's own version), so it bounds every trained token,
+    also with in-flight updates where one sequence may span versions."""
     run(
         cfg_for(
             "trainer.max_steps=6",
             "rollout.mode=async",
             f"rollout.max_staleness={bound}",
             f"rollout.on_stale={on_stale}",
+            f"rollout.weight_update={update}",
             *MOVING,
         ),
         tmp_path / "a",
@@ -101,7 +112,11 @@ def test_async_never_consumes_a_rollout_older_than_max_staleness(tmp_path, on_st
         assert dropped[-1] == 0.0  # blocking drops nothing
     for tag in ("time/trainer_wait_frac", "time/producer_idle_frac"):
         assert len(s[tag]) == 6 and all(0.0 <= v <= 1.0 for v in values(s, tag)), s[tag]
-    assert values(s, "rollout/version_span_max") == [1.0] * 6  # weight_update=between_batches
+    spans = values(s, "rollout/version_span_max")
+    if update == "between_batches":
+        assert spans == [1.0] * 6
+    else:  # a sequence spans at most the versions inside the bound
+        assert len(spans) == 6 and all(1.0 <= v <= bound + 1 for v in spans), spans
     assert not producer_threads()
     # rates are the producer's own: tokens (8 completions x mean length) and FLOPs over its generate time, not over
     # the trainer's wait for the buffer (time/rollout_s, near 0 when the batch was ready: rates of millions)

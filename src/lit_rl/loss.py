@@ -24,8 +24,10 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
 5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
    ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart; multi-turn
    episodes: ``train/logprob_abs_diff`` of the first turn and of the later ones apart;
-6. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS drops
-   leave the numerator only.
+6. ``loss.drop_older_tokens``: a token written before its sequence's newest weight update (an in-flight update
+   swapped the weights mid-sequence) leaves the numerator, its whole per-token loss; logs ``train/older_dropfrac``;
+7. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS or
+   ``drop_older_tokens`` drop leave the numerator only.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class LossSettings:
         sequence_masks: the ``(part, section)`` pairs of the sequence masks on (``rejection.sequence_masks``:
             ``correction.opsm``, ``correction.rs``'s sequence rules).
         kl_is_weighted: ``kl.is_weighted``: the KL term weighted by sg(π_old/μ) (the IS-weighted, "unbiased" KL).
+        drop_older_tokens: ``loss.drop_older_tokens`` (``older_token_mask``'s tokens leave the numerator).
     """
 
     reduction: str
@@ -106,6 +109,7 @@ class LossSettings:
     kl_in_loss: bool = True
     sequence_masks: tuple = ()
     kl_is_weighted: bool = False
+    drop_older_tokens: bool = False
 
     @classmethod
     def from_config(cls, loss, correction, kl, max_response_length: int) -> LossSettings:
@@ -121,7 +125,20 @@ class LossSettings:
             kl_in_loss=kl.mode == "loss",
             sequence_masks=rejection.sequence_masks(correction),
             kl_is_weighted=bool(getattr(kl, "is_weighted", False)),
+            drop_older_tokens=bool(getattr(loss, "drop_older_tokens", False)),
         )
+
+
+def older_token_mask(token_versions: Tensor, mask: Tensor) -> Tensor:
+    """bool [N, T]: the valid tokens (``mask`` [N, T] bool) whose weight version (``token_versions`` [N, T] int64,
+    ``Rollouts.token_versions``) is older than the newest version in their own row: the tokens a sequence got before
+    an in-flight weight update. A row written by one version has none, however stale (``rollout.max_staleness``
+    bounds that). The rule of partial rollouts that train only on the newest policy's tokens (slime's
+    ``--mask-offpolicy-in-partial-rollout``), taken per row."""
+    if token_versions.shape != mask.shape:
+        raise ValueError(f"token_versions {tuple(token_versions.shape)} and mask {tuple(mask.shape)} must match")
+    newest = token_versions.masked_fill(~mask, torch.iinfo(token_versions.dtype).min).amax(-1, keepdim=True)
+    return mask & (token_versions < newest)
 
 
 def assemble_loss(
@@ -189,8 +206,10 @@ def assemble_loss(
     metrics.add("train/entropy", scores.entropy, m)
     metrics.add("train/ppo_kl", old_logprobs - logprobs.detach(), m)
     mismatch_metrics(logprobs, old_logprobs, mb, metrics)
-    # tokens MIS drops leave the numerator only (their weight is 0): every reduction keeps the step's original
-    # denominators (num_tokens, num_seqs and each sequence's T_i)
+    if settings.drop_older_tokens:
+        token_loss = without_older_tokens(token_loss, mb, metrics)
+    # tokens MIS or drop_older_tokens drop leave the numerator only (their loss is 0): every reduction keeps the
+    # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
     totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=settings.max_response_length)
     return obj.reduce_loss(token_loss, m, settings.reduction, **totals), metrics
 
@@ -248,6 +267,16 @@ def mismatch_metrics(logprobs: Tensor, old_logprobs: Tensor, mb, metrics: TokenM
         gap = (p_o - mb.rollout_logprobs).abs()
         metrics.add("train/logprob_abs_diff_first_turn", gap, first)
         metrics.add("train/logprob_abs_diff_later_turns", gap, m & ~first)
+
+
+def without_older_tokens(token_loss: Tensor, mb, metrics: TokenMetrics) -> Tensor:
+    """``loss.drop_older_tokens``: ``token_loss`` [n, T] with the micro-batch's ``older_token_mask`` tokens set to 0
+    (unchanged when ``mb.token_versions`` is None: one version per row); adds ``train/older_dropfrac``."""
+    if mb.token_versions is None:
+        return token_loss
+    older = older_token_mask(mb.token_versions, mb.response_mask)
+    metrics.add("train/older_dropfrac", older.float(), mb.response_mask)
+    return token_loss.masked_fill(older, 0.0)
 
 
 def reference_kl_term(

@@ -176,6 +176,15 @@ class _Item:
     metrics: dict
     seconds: float = 0.0  # the producer's generation and scoring time of this batch
 
+    @classmethod
+    def of(cls, step: int, scored, metrics: dict, seconds: float, engine_version: int) -> _Item:
+        """The buffer's item for prompt step ``step``: its ``version`` is the batch's oldest token's (the rows'
+        ``policy_version`` is each row's oldest token's), so ``take``'s ``max_staleness`` check bounds every token
+        of the batch, also when in-flight updates let one sequence span versions; ``engine_version`` for an empty
+        batch."""
+        rows = scored.rollouts.policy_version
+        return cls(step, int(rows.min()) if rows.numel() else int(engine_version), scored, metrics, seconds)
+
 
 class RolloutProducer:
     """A daemon thread that generates the step stream ahead of the trainer (``rollout.mode=async``).
@@ -304,12 +313,11 @@ class RolloutProducer:
                         if last is not None:  # the in-flight swaps of the batch's (last) generate call
                             metrics = {**metrics, "rollout/weight_swaps": float(getattr(last, "swaps", 0))}
                             metrics["time/weight_swap_s"] = float(getattr(last, "swap_seconds", 0.0))
-                        rows = scored.rollouts.policy_version
-                        version = int(rows.min()) if rows.numel() else self.engine.version  # the oldest token's
+                        item = _Item.of(step, scored, metrics, seconds, self.engine.version)
                     finally:
                         self.lock.release()
                     with self.cond:
-                        self.buffer.append(_Item(step, version, scored, metrics, seconds))
+                        self.buffer.append(item)
                         self.generated += len(scored.rewards)
                         self.cond.notify_all()
                     self.next_step += 1

@@ -255,6 +255,10 @@ class LossConfig:
     #: entropy bonus: loss_t - entropy_coef * H(pi_theta(. | h_t)) under the sampler's temperature and
     #: truncation, reduced like the loss (``objectives.entropy_bonus_loss``); 0 = off
     entropy_coef: Number = 0.0
+    #: drop from the loss's numerator the tokens written before their sequence's newest weight update (in-flight
+    #: updates: ``loss.older_token_mask``); denominators unchanged (num_tokens, num_seqs, each T_i); a no-op when no
+    #: sequence spans versions
+    drop_older_tokens: bool = False
 
 
 @dataclass
