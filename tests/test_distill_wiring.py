@@ -73,6 +73,38 @@ def test_over_two_steps_the_term_is_zero_then_live(student_copy, tmp_path):
     assert distill["train/loss"][1] != plain["train/loss"][1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setting",
+    [
+        ("algo=ppo", "correction=tis", "task.constant_reward=1"),  # per-token GAE advantages, 2 x 2 updates, TIS
+        (*MOVING, "distill.mode=loss"),  # its own loss term: 0 where the trainer's and the teacher's forwards agree
+    ],
+    ids=["ppo+tis advantage", "reinforce loss"],
+)
+def test_a_teacher_equal_to_the_student_composes_with_other_algorithms_corrections_and_the_loss_form(
+    student_copy, tmp_path, setting
+):
+    """One step with the student's copy as teacher: PPO's per-token advantages (whitened GAE, several optimizer steps
+    against pi_old) with TIS in the advantage form equal the plain run bit for bit, logged values and weights. The
+    loss form (on this CPU, float32: the update's forward and the teacher's agree bit for bit, every d_t is 0) logs
+    the plain run's values bit for bit; its weights agree to float32 rounding only (measured: at most 1e-6 apart):
+    its zero term adds nodes to the backward graph, which changes the order in which the tied embedding's gradient
+    contributions are summed."""
+    plain_setting = [o for o in setting if not o.startswith("distill.")]
+    args = ("trainer.max_steps=1", "eval.num_examples=0", "log.samples_every_n_steps=0")
+    run(fast_config(*args, *plain_setting), tmp_path / "plain")
+    run(fast_config(*args, *setting, f"distill.teacher={student_copy}"), tmp_path / "distill")
+    plain, distill = (untimed(read_scalars(tmp_path / name / "tensorboard")) for name in ("plain", "distill"))
+    assert distill.pop("train/opd_kl") == [(0, 0.0)]
+    assert distill == plain
+    weights = [load_file(tmp_path / name / "policy" / "model.safetensors") for name in ("plain", "distill")]
+    if "distill.mode=loss" in setting:
+        assert all(torch.allclose(weights[0][k], weights[1][k], rtol=0, atol=1e-6) for k in weights[0])
+    else:
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def save_tiny(folder, tokenizer, vocab: int) -> None:
     """A tiny Llama of ``vocab`` output rows and ``tokenizer``, saved to ``folder``."""
     from transformers import LlamaForCausalLM
