@@ -195,3 +195,43 @@ def test_the_loss_form_is_a_term_of_its_own_over_the_step_s_tokens():
     loss.backward()
     want = torch.tensor([[0.5 * 0.5, 0.5 * -1.0, 0.0], [0.5 * 0.5, 0.0, 0.0]]) / 8  # coef * sg(gap) / step tokens
     assert torch.allclose(logp.grad, want), logp.grad
+
+
+def test_the_teacher_scores_under_the_sampler_s_temperature_and_truncation():
+    """module.teacher_logprobs is the teacher's log-probs of the sampled tokens at sampling.temperature=0.7 with
+    top_k=5 (the pass that scores the reference), not its raw distribution; the teacher is frozen and in eval mode,
+    outside the optimizer's parameters and the checkpoint's keys."""
+    from lit_rl.logprobs import response_logprobs
+    from lit_rl.run.train import build_module
+
+    cfg = fast_config("sampling.temperature=0.7", "sampling.top_k=5", "distill.teacher=tiny", "distill.mode=loss")
+    policy, tokenizer = load_policy(ModelConfig(name_or_path="tiny"))
+    teacher, _ = load_policy(ModelConfig(name_or_path="tiny", init_seed=1), tokenizer)
+    module = build_module(cfg, policy, tokenizer, teacher)
+    prompt = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    response = torch.empty(2, 0, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(3):  # the teacher's two most likely tokens: inside its top-5 at every position
+            logits = teacher(input_ids=torch.cat([prompt, response], -1)).logits[:, -1]
+            response = torch.cat([response, logits.topk(2).indices[torch.arange(2), torch.arange(2)][:, None]], -1)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mb = RolloutBatch(
+        prompt_ids=prompt,
+        prompt_mask=torch.ones_like(prompt, dtype=torch.bool),
+        response_ids=response,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(2, 3),
+        rewards=torch.zeros(2),
+        advantages=torch.zeros(2),
+        group_ids=torch.zeros(2, dtype=torch.long),
+        policy_version=torch.zeros(2, dtype=torch.long),
+    )
+    got = module.teacher_logprobs(mb)
+    kwargs = dict(with_entropy=False, shared_prefix=module.teacher_shared_prefix)
+    want = response_logprobs(teacher, prompt, mb.prompt_mask, response, mask, temperature=0.7, top_k=5, **kwargs)
+    raw = response_logprobs(teacher, prompt, mb.prompt_mask, response, mask, **kwargs)
+    assert torch.equal(got, want.logprobs) and torch.isfinite(got).all()
+    assert not torch.allclose(got, raw.logprobs)
+    assert not module.teacher.training and not any(p.requires_grad for p in module.teacher.parameters())
+    assert not any(p is q for p in module.trainable_parameters() for q in module.teacher.parameters())
+    assert not any(k.startswith("teacher.") for k in module.state_dict())
