@@ -56,6 +56,7 @@ from .schema import (
     AlgoConfig,
     CheckpointConfig,
     CorrectionConfig,
+    DistillConfig,
     EngineConfig,
     EvalConfig,
     KlConfig,
@@ -116,7 +117,7 @@ def validate(cfg: DictConfig) -> None:
     check_rollout(cfg)
     check_sampling(cfg)
     check_kl(cfg)
-    for key in ("optim", "checkpoint", "eval", "log"):
+    for key in ("optim", "checkpoint", "eval", "log", "distill"):
         check_section(cfg, key)
     check_hardware(cfg)
     check_lora(cfg)
@@ -153,6 +154,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "eval": EvalConfig,
     "log": LogConfig,
+    "distill": DistillConfig,
 }
 
 

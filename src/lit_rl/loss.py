@@ -21,12 +21,15 @@ Every term and metric, in the order they are applied (SPEC.md, "Objectives" and 
    sg(π_old/μ), the importance-weighted KL whose value ``ref_kl_is`` logs); logs ``train/ref_kl``,
    ``ref_kl_seq`` (``kl.mode=loss``: the adaptive controller's measurement), ``ref_kl_is`` (the same KL
    importance-weighted by π_old/μ: comparable between samplers);
-5. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
+5. on-policy distillation as its own term (``distill.mode=loss``, ``objectives.opd_loss``): coef · sg(log π_θ −
+   log π_teacher) · log π_θ per token over the step's valid tokens, whatever ``loss.reduction``; logs
+   ``train/opd_kl`` (the mean log-ratio; ``distill.mode=advantage`` logs it from the batch instead);
+6. diagnostics: ``train/entropy``, ``train/ppo_kl`` (π_old vs π_θ), and SPEC's mismatch decomposition
    ``r_num`` (same weights, two engines) / ``r_stale`` (same engine, two versions), logged apart; multi-turn
    episodes: ``train/logprob_abs_diff`` of the first turn and of the later ones apart;
-6. ``loss.drop_older_tokens``: a token written before its sequence's newest weight update (an in-flight update
+7. ``loss.drop_older_tokens``: a token written before its sequence's newest weight update (an in-flight update
    swapped the weights mid-sequence) leaves the numerator, its whole per-token loss; logs ``train/older_dropfrac``;
-7. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS or
+8. the reduction (``objectives.reduce_loss``, ``loss.reduction``) with the step's denominators: tokens MIS or
    ``drop_older_tokens`` drop leave the numerator only.
 """
 
@@ -154,6 +157,8 @@ def assemble_loss(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     extra_loss: Tensor | None = None,
+    teacher_logprobs: Tensor | None = None,
+    distill_coef: float = 0.0,
 ) -> tuple[Tensor, TokenMetrics]:
     """The scalar loss of one micro-batch, normalised by the whole step's totals, and its metrics.
 
@@ -171,6 +176,8 @@ def assemble_loss(
         ref_logprobs: float [n, T], the frozen reference's log-probs (no gradient), or None without a reference.
         kl_coef: β, the KL coefficient of this step (used when ``settings.kl_in_loss``).
         extra_loss: float [n, T] added per token before the reduction (PPO's weighted value loss), or None.
+        teacher_logprobs: float [n, T], the frozen teacher's log-probs of the sampled tokens (no gradient) for the
+            distillation term (``distill.mode=loss``), or None; distill_coef: its coefficient.
 
     Returns:
         (loss: 0-dim float, this micro-batch's share of the step's loss; metrics: ``TokenMetrics`` of the
@@ -211,7 +218,20 @@ def assemble_loss(
     # tokens MIS or drop_older_tokens drop leave the numerator only (their loss is 0): every reduction keeps the
     # step's original denominators (num_tokens, num_seqs and each sequence's T_i)
     totals = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_response_length=settings.max_response_length)
-    return obj.reduce_loss(token_loss, m, settings.reduction, **totals), metrics
+    loss = obj.reduce_loss(token_loss, m, settings.reduction, **totals)
+    if teacher_logprobs is not None:  # its own token count: the step's valid tokens, whatever the reduction above
+        loss = loss + distill_loss_term(logprobs, teacher_logprobs, distill_coef, m, num_tokens, metrics)
+    return loss, metrics
+
+
+def distill_loss_term(
+    logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tensor, num_tokens: Tensor, metrics: TokenMetrics
+) -> Tensor:
+    """The distillation loss term of one micro-batch (``objectives.opd_loss`` over the step's ``num_tokens``), 0-dim;
+    records ``train/opd_kl`` (the per-token log π_θ − log π_teacher) into ``metrics``."""
+    term, _ = obj.opd_loss(logprobs, teacher_logprobs, coef, mask, num_tokens=num_tokens)
+    metrics.add("train/opd_kl", logprobs.detach() - teacher_logprobs, mask)
+    return term
 
 
 def batch_weight_rule(

@@ -364,7 +364,9 @@ def opd_advantages(
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
-def opd_loss(logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tensor) -> tuple[Tensor, Tensor]:
+def opd_loss(
+    logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tensor, num_tokens: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """On-policy distillation as its own loss term (``distill.mode=loss``; prime-rl's form): per token
     coef · sg(log π_θ(y_t) − log π_teacher(y_t)) · log π_θ(y_t), reduced over its own token count
     (Σ_valid ℓ_t / #valid tokens, not the objective's reduction). Its expected gradient under μ = π is
@@ -377,6 +379,8 @@ def opd_loss(logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tens
     Args:
         logprobs: float [N, T] log π_θ of the sampled tokens (with gradient).
         teacher_logprobs: float [N, T] (no gradient); coef: ``distill.coef``; mask: bool [N, T].
+        num_tokens: the denominator, 0-dim: the whole step's valid tokens when ``mask`` is one micro-batch of it
+            (``loss.assemble_loss``: the micro-batches' losses then sum to the step's); None: ``mask``'s own count.
 
     Returns:
         (the scalar loss, the mean per-token log-ratio over valid tokens: ``train/opd_kl``).
@@ -392,7 +396,8 @@ def opd_loss(logprobs: Tensor, teacher_logprobs: Tensor, coef: float, mask: Tens
     mask = mask.bool()
     gap = (logprobs.detach() - teacher_logprobs).float()
     count = mask.sum().clamp(min=1)
-    loss = masked_sum(coef * gap * logprobs, mask) / count
+    denominator = count if num_tokens is None else torch.as_tensor(num_tokens).clamp(min=1)
+    loss = masked_sum(coef * gap * logprobs, mask) / denominator
     return loss, masked_sum(gap, mask) / count
 
 

@@ -70,6 +70,7 @@ from .resume import (
 )
 from .runfolder import RunFolderClaim, check_output_folders, claim_run_folder, lightning_rank
 from .runlog import RUN_LOG, RunLog
+from .teacher import check_teacher, load_teacher
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,12 @@ def precision_plugins(trainer_kwargs: dict) -> list:
     return []
 
 
-def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer):
+def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer, teacher=None):
     """The ``RLModule`` of ``cfg`` (its algorithm: ``algo.name``; its rollout source: ``rollout.mode``) around an
     already loaded policy. ``cfg``: the run's typed config (``schema.train_config``; a ``DictConfig`` is typed
-    here). Raises ConfigError for a score-centering head larger than the vocabulary."""
+    here). ``teacher``: the ``distill.teacher`` model already loaded (``teacher.load_teacher``), or None: loaded
+    here when ``distill.teacher`` is set. Raises ConfigError for a score-centering head larger than the
+    vocabulary, or a teacher that does not fit the student (``teacher.check_teacher``)."""
     cfg = train_config(cfg)
     sampling = cfg.sampling
     sc = cfg.correction.sc
@@ -143,12 +146,20 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer):
         engine=cfg.engine,
         rollout_mode=cfg.rollout,
         update=cfg.update,
+        distill=cfg.distill,
+        teacher=teacher if teacher is not None or cfg.distill.teacher is None else checked_teacher(cfg, tokenizer),
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
     module.eval_at_start = bool(cfg.eval.at_start)
     if cfg.task.multi_turn:  # an episode's model tokens count against its whole budget (docs/environments.md)
         module.max_response_length = int(cfg.rollout.max_total_tokens)
     return module
+
+
+def checked_teacher(cfg: TrainConfig, tokenizer):
+    """The ``distill.teacher`` model, checked against the student's tokenizer and vocabulary, then loaded."""
+    check_teacher(cfg, tokenizer)
+    return load_teacher(cfg, tokenizer)
 
 
 def build_task_from_cfg(cfg: TrainConfig | DictConfig):
@@ -551,19 +562,21 @@ def assemble(
 ) -> ModelParts:
     """The data, the model and the ``RLModule`` of a validated config whose auto settings are filled in
     (``resolve_settings``; a ``DictConfig`` is typed here, ``schema.train_config``), without a Trainer, in the order
-    that keeps failures cheap: the data and the tokenizer (checked: ``build_data``), then ``before_weights()`` when
-    given, the policy (checked), the kernel mode (entered), the module (its algorithm, rollout source and engine).
+    that keeps failures cheap: the data and the tokenizer (checked: ``build_data``; ``distill.teacher``'s tokenizer
+    and vocabulary against it), then ``before_weights()`` when given, the policy (checked), the kernel mode
+    (entered), the module (its algorithm, rollout source and engine; the teacher loaded).
     What ``build`` trains with, and what the gradient probe and the benchmarks measure. The caller leaves the kernel
     mode (``parts.kernels``) when done. ``reward_log``: the file the reward functions' output goes to (a run's
     ``REWARD_OUTPUT``), None: the console. Raises ConfigError."""
     cfg = train_config(cfg)
     datamodule, spec, tokenizer = build_data(cfg, reward_log)
+    check_teacher(cfg, tokenizer)  # distill.teacher: the student's tokenizer and vocabulary, before any weight
     if before_weights is not None:
         before_weights()
     policy, tokenizer = load_checked_policy(cfg, spec, tokenizer)
     mode = enter_kernel_mode(cfg, policy)
     try:  # the module's copies of the policy (engine.dtype, the KL reference) are made under the mode
-        module = build_module(cfg, policy, tokenizer)
+        module = build_module(cfg, policy, tokenizer, load_teacher(cfg, tokenizer))
     except BaseException:
         mode.__exit__(None, None, None)
         raise

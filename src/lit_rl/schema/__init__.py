@@ -55,7 +55,16 @@ from .algo import (
     ValueConfig,
 )
 from .base import C, Number, config_of, plain_data
-from .loss import AdvantageConfig, CorrectionConfig, KlConfig, LossConfig, MisConfig, ScConfig, TisConfig
+from .loss import (
+    AdvantageConfig,
+    CorrectionConfig,
+    DistillConfig,
+    KlConfig,
+    LossConfig,
+    MisConfig,
+    ScConfig,
+    TisConfig,
+)
 from .model import LoraConfig, ModelConfig
 from .probe import ProbeConfig, ProbeEngineOverrides, ProbeRunConfig, ProbeSetting
 from .rollout import EngineConfig, KernelsConfig, RolloutConfig, SamplingConfig, VLLMEngineConfig
@@ -97,6 +106,7 @@ __all__ = [
     "CorrectionConfig",
     "DapoConfig",
     "DatasetConfig",
+    "DistillConfig",
     "DrGrpoConfig",
     "DynamicSamplingConfig",
     "EngineConfig",

@@ -118,6 +118,8 @@ class AlgoConfig:
     group_normalised: ClassVar[bool] = True
     #: per-token returns that ``kl.mode=reward`` folds the KL into; False: kl.mode=reward is refused
     kl_in_reward: ClassVar[bool] = False
+    #: the objective takes per-token advantages [N, T]; False (one per sequence): distill.mode=advantage is refused
+    token_advantages: ClassVar[bool] = True
 
     #: the objective's ratio clip has a lower bound 1 - eps_low, so eps_low < 1 (CISPO: eps_low >= 1 turns it off)
     clip_has_lower_bound: ClassVar[bool] = True
@@ -149,6 +151,14 @@ class AlgoConfig:
             f"normalize_then_sum (GDPO) normalises each reward in its group, and algo={self.name} is not "
             "group-normalised (it has its own advantage estimator): leave it at sum, or choose an algorithm of GRPO's "
             "family",
+        )
+        distill = run.get("distill", {}) if hasattr(run, "get") else {}
+        yield from rule(
+            self.token_advantages or not distill.get("teacher") or distill.get("mode") != "advantage",
+            "distill.mode",
+            "advantage",
+            f"algo={self.name}'s objective takes one advantage per sequence, and the teacher's log-ratio is per "
+            "token: choose distill.mode=loss (its own loss term) or another algorithm",
         )
         if self.clip_has_lower_bound:
             yield from rule(
@@ -288,6 +298,7 @@ class DrGrpoConfig(AlgoConfig):
 @dataclass
 class GspoConfig(AlgoConfig):
     name: str = "gspo"
+    token_advantages = False  # the sequence-level ratio takes one advantage per sequence
     clip: ClipConfig = field(default_factory=lambda: ClipConfig(eps_low=3.0e-4, eps_high=4.0e-4))
 
     ppo_clip = False  # a sequence-level ratio clip

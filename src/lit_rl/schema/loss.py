@@ -1,4 +1,5 @@
-"""The loss assembly's sections (``loss.assemble_loss``): ``correction``, ``advantage``, ``loss`` and ``kl``."""
+"""The loss assembly's sections (``loss.assemble_loss``): ``correction``, ``advantage``, ``loss``, ``kl`` and
+``distill``."""
 
 from __future__ import annotations
 
@@ -296,4 +297,35 @@ class KlConfig:
             "the reference (0 in expectation on-policy): it cannot pull toward it. Use k2 (its gradient descends "
             "KL(pi || pi_ref)) or k3 (KL(pi_ref || pi)), kl.mode=reward (ppo, reinforce_pp), or kl.beta=0 "
             "kl.track=true to only log k1",
+        )
+
+
+#: distill.mode's values: the reverse KL to the teacher in the advantages, or as a loss term of its own
+DISTILL_MODES = ("advantage", "loss")
+
+
+@dataclass
+class DistillConfig:
+    """``distill``: on-policy distillation from a frozen teacher that scores the student's own sampled tokens
+    (docs/configuration.md, "On-policy distillation"; ``objectives.opd_advantages`` / ``opd_loss``)."""
+
+    #: the teacher's model folder or hub id, loaded like model.name_or_path (same tokenizer and vocabulary as the
+    #: student, refused at start-up otherwise); null = off
+    teacher: Optional[str] = None
+    #: the coefficient of the per-token reverse KL log pi_student - log pi_teacher (>= 0)
+    coef: Number = 1.0
+    #: advantage (A_t = A - coef * the log-ratio, slime's --use-opd) | loss (its own term over its own token
+    #: count, prime-rl's form) (``DISTILL_MODES``)
+    mode: str = "advantage"
+
+    def problems(self, run) -> Problems:
+        """``distill.mode`` one of ``DISTILL_MODES``, ``distill.coef`` a number >= 0, ``distill.teacher`` null or a
+        non-empty string."""
+        yield from rule(self.mode in DISTILL_MODES, "distill.mode", self.mode, f"choose one of {DISTILL_MODES}")
+        yield from rule(is_number(self.coef) and self.coef >= 0, "distill.coef", self.coef, "must be a number >= 0")
+        yield from rule(
+            self.teacher is None or (isinstance(self.teacher, str) and self.teacher.strip() != ""),
+            "distill.teacher",
+            self.teacher,
+            "null (off) or a model folder or hub id, like model.name_or_path",
         )

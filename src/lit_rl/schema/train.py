@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from .algo import AlgoConfig
 from .base import Number
-from .loss import AdvantageConfig, CorrectionConfig, KlConfig, LossConfig
+from .loss import AdvantageConfig, CorrectionConfig, DistillConfig, KlConfig, LossConfig
 from .model import ModelConfig
 from .rollout import KernelsConfig, RolloutConfig, SamplingConfig
 from .task import RewardConfig
@@ -55,6 +55,7 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     kl: KlConfig = field(default_factory=KlConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
