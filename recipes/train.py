@@ -99,11 +99,12 @@ def main(cfg: DictConfig):
         if not continues_run(cfg):
             validate(cfg)  # torch-free: a bad value fails here, in a fraction of a second
         from lit_rl.algorithms import NonFiniteUpdates  # torch and Lightning load from here on
+        from lit_rl.algorithms.step_logging import LogprobGapExceeded
         from lit_rl.run.checkpoints import OutputWriteError
         from lit_rl.run.train import run
         from lit_rl.tasks.reward_functions import RewardFunctionFailed
 
-        stops = (NonFiniteUpdates, OutputWriteError, RewardFunctionFailed)
+        stops = (NonFiniteUpdates, OutputWriteError, RewardFunctionFailed, LogprobGapExceeded)
         run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
     except (ConfigError, *stops) as err:
         kind, code = ("error", 2) if isinstance(err, ConfigError) else ("stopped", 1)

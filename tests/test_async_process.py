@@ -186,6 +186,8 @@ def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
         (["rollout.kv_on_update=drop"], "rollout.kv_on_update='drop' is not allowed: choose one of ['recompute'"),
         (["rollout.weight_update=in_flight", "engine=vllm"], "needs the embedded engine (engine=torch)"),
         (["rollout.weight_update=in_flight", "rollout.mode=lagged"], "is read by rollout.mode=async only"),
+        (["rollout.producer=process", "rollout.mode=sync"], "rollout.producer='process' is not allowed: is read by"),
+        (["rollout.producer=thread", "rollout.mode=lagged"], "async only (rollout.mode=lagged)"),
     ],
 )
 def test_bad_producer_fields_are_named(overrides, message):

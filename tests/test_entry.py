@@ -82,7 +82,11 @@ def test_train_from_python_with_a_list_of_rows_and_a_reward_callable_then_resume
     longer.trainer["max_steps"] = 3
     lit_rl.train(longer, resume=out)  # no dataset, no callables: the folder has both
     assert [s for s, _ in read_scalars(out)["rollout/reward/brevity"]] == [1, 2, 3]
-    steps = [line.split(" reward")[0] for line in (out / "train.log").read_text().splitlines() if " step " in line]
+    steps = [
+        line.split(" reward")[0]
+        for line in (out / "train.log").read_text().splitlines()
+        if line.startswith("lit_rl: step ")
+    ]
     assert steps == ["lit_rl: step 1/2", "lit_rl: step 2/2", "lit_rl: step 3/3"]  # the run folder records both runs
     assert json.loads((out / "finished.json").read_text())["global_step"] == 3
 

@@ -101,13 +101,20 @@ def test_two_eval_sets_log_apart_with_at_start_and_their_generations(tmp_path, m
     assert {r["gold"] for r in rows} == {"3"} and rows[0]["set"] == "other"
 
 
-def test_eval_only_evaluates_a_policy_folder_without_training(tmp_path):
-    """eval.only=true on the policy/ a run exported: one evaluation, no training step, no policy/ written."""
-    run(fast_config("trainer.max_steps=1", "eval.num_examples=0"), tmp_path / "a")
+def test_eval_only_evaluates_a_policy_folder_without_training(tmp_path, capsys):
+    """eval.only=true on the policy/ a run exported: one evaluation, no training step, no policy/ written; its
+    scores printed as one plain line (the only place besides the event files a user sees them)."""
+    run(fast_config("trainer.max_steps=1", "eval.num_examples=0", "log.plain_lines=true"), tmp_path / "a")
     policy = tmp_path / "a" / "policy"
-    run(fast_config(f"model.name_or_path={policy}", "eval.only=true", "eval.num_examples=2"), tmp_path / "b")
+    capsys.readouterr()
+    config = fast_config(
+        f"model.name_or_path={policy}", "eval.only=true", "eval.num_examples=2", "log.plain_lines=true"
+    )
+    run(config, tmp_path / "b")
     s = read_scalars(tmp_path / "b")
     assert [v for _, v in s["eval/accuracy"]] == [0.0] and "train/loss" not in s
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("lit_rl: eval ")]
+    assert lines == ["lit_rl: eval step 0 eval/accuracy 0.0000 eval/reward_mean 0.0000"]
     assert not (tmp_path / "b" / "policy").exists() and (tmp_path / "b" / "eval_generations" / "main.jsonl").exists()
 
 

@@ -149,6 +149,26 @@ def test_the_documented_example_environment_runs_in_the_verifier_workers():
     assert episodes[1].pending is None and episodes[1].rewards == [1.0]
 
 
+def test_an_environment_that_cannot_be_built_is_refused_with_its_name_and_error(tmp_path):
+    """task.environment= naming a missing class says "class"; a constructor that raises is a ValueError quoting
+    the class and its error (the recipe prints it as ``lit_rl: error: ...``), not a traceback from the trainer."""
+    from lit_rl.rollout.environments import load_environment
+
+    (tmp_path / "envs.py").write_text(
+        "from lit_rl.rollout.environments import Environment\n\n"
+        "class Broken(Environment):\n"
+        "    def __init__(self):\n"
+        "        raise RuntimeError('cannot reach the game server')\n\n"
+        "    def step(self, state, model_turn):\n"
+        "        return None, 1.0, {}\n"
+    )
+    with pytest.raises(ValueError, match=r"envs\.py has no class 'Brokn'"):
+        load_environment(f"{tmp_path}/envs.py:Brokn")
+    message = r"task\.environment='.*envs\.py:Broken': Broken\(\) raised RuntimeError: cannot reach the game server"
+    with pytest.raises(ValueError, match=message):
+        load_environment(f"{tmp_path}/envs.py:Broken")
+
+
 @pytest.mark.slow
 def test_the_documented_example_trains_two_steps(tmp_path):
     from lit_rl.run.train import run

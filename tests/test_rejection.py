@@ -221,3 +221,29 @@ def test_tis_batch_normalisation_divides_the_corrected_loss_by_the_batch_mean_we
     stats.record(metrics)
     assert stats.means()["train/tis_batch_mean"] == pytest.approx(1.5)
     assert batch_weight_scale(compose_config("correction=tis").correction, mb) is None
+
+
+@pytest.mark.slow
+def test_the_gap_guard_stops_the_recipe_with_its_message_and_no_traceback(tmp_path):
+    """correction.guard.action=stop on the tiny model with a bound no real gap meets (1e-12 nats; bf16-mixed
+    training against the engine's float32 gives ~1e-7): the recipe ends as its other stops do, exit 1 and
+    ``lit_rl: stopped: step 1: train/logprob_abs_diff = ...``, no traceback; step 1's metrics are written."""
+    import os
+    import subprocess
+    import sys
+
+    from lit_rl.tools.compare import read_scalars
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run_dir = tmp_path / "run"
+    args = ["model=tiny", "threads=1", "trainer.max_steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2"]
+    args += ["sampling.max_new_tokens=4", "eval.num_examples=0", f"hydra.run.dir={run_dir}"]
+    args += ["correction.guard.action=stop", "correction.guard.logprob_abs_diff_max=1e-12"]
+    cmd = [sys.executable, os.path.join(root, "recipes", "train.py"), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "lit_rl: stopped: step 1: train/logprob_abs_diff = " in res.stderr
+    assert "exceeds correction.guard.logprob_abs_diff_max = 1e-12" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert not (run_dir / "finished.json").exists()
+    assert [step for step, _ in read_scalars(run_dir)["train/logprob_abs_diff"]] == [1]

@@ -218,14 +218,20 @@ def _load_tool(spec: str) -> Callable:
 
 def load_environment(spec: str, **kwargs) -> Environment:
     """``task.environment=<module:Class>``: the class ``spec`` names, built with ``kwargs`` (none when it takes
-    none). Raises ValueError naming ``spec`` when it cannot be loaded or is not an ``Environment``."""
+    none). Raises ValueError naming ``spec`` when it cannot be loaded, its constructor raises (the error's type
+    and message quoted) or it is not an ``Environment``."""
     from ..tasks.reward_functions import load_function
 
     try:
         cls = load_function(spec)
     except (ValueError, ImportError, FileNotFoundError) as err:
-        raise ValueError(f"task.environment: {str(err).removeprefix('reward.functions: ')}") from err
-    env = cls(**kwargs) if kwargs else cls()
+        message = str(err).removeprefix("reward.functions: ").replace(" has no function ", " has no class ")
+        raise ValueError(f"task.environment: {message}") from err
+    try:
+        env = cls(**kwargs) if kwargs else cls()
+    except Exception as err:  # the user's constructor: a start-up error naming it, not a traceback
+        name = getattr(cls, "__name__", spec)
+        raise ValueError(f"task.environment={spec!r}: {name}() raised {type(err).__name__}: {err}") from err
     if not isinstance(env, Environment):
         raise ValueError(f"task.environment={spec!r}: {type(env).__name__} is not a lit_rl Environment subclass")
     env._lit_rl_spec = spec  # a class from a file travels to the verifier workers by its spec (``EnvStep``)

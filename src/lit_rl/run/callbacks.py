@@ -110,6 +110,19 @@ class PlainLines(L.Callback):
             f"s/step {m.get('time/step_s', float('nan')):.2f} "
             f"tokens/s {m.get('perf/rollout_tokens_per_s', float('nan')):.1f}"
         )
+        self._emit(line)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """One plain line per evaluation with its ``eval/`` values (``eval.only`` printed none before: its scores
+        were only in the event files): ``lit_rl: eval step 0 eval/accuracy 0.2500 eval/pass@1 0.2500 ...``."""
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
+        if m:
+            values = " ".join(f"{k} {v:.4f}" for k, v in sorted(m.items()))
+            self._emit(f"lit_rl: eval step {trainer.global_step // pl_module.updates_per_step} {values}")
+
+    def _emit(self, line: str) -> None:
         if self.console:
             print(line, flush=True)  # the run's log takes it from stdout
         elif self.run_log is not None:

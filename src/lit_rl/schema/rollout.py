@@ -186,13 +186,20 @@ class RolloutConfig:
         )
 
     def producer_problems(self, run) -> Problems:
-        """``producer`` among ``choices.PRODUCERS``, and ``process`` where it can run: the embedded engine
+        """``producer`` among ``choices.PRODUCERS``, other than ``auto`` only with ``mode=async`` (the one mode
+        that reads it), and ``process`` where it can run: the embedded engine
         (``engine=vllm`` samples in its own engine core) and no LoRA adapter (the rollout process loads plain
         weights); the thread counts integers >= 1 or null; ``producer_timeout_s`` a number of seconds > 0."""
         from ..choices import PRODUCERS
 
         yield from rule(
             self.producer in PRODUCERS, "rollout.producer", self.producer, f"choose one of {list(PRODUCERS)}"
+        )
+        yield from rule(  # as weight_update=in_flight: a sync or lagged run would drop it silently
+            self.producer == "auto" or self.mode == "async",
+            "rollout.producer",
+            self.producer,
+            f"is read by rollout.mode=async only (rollout.mode={self.mode}); add rollout.mode=async",
         )
         if self.producer == "process":
             engine = run.engine.name
