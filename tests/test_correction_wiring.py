@@ -137,7 +137,7 @@ def test_the_main_job_runs_three_steps_with_each_new_correction(tmp_path, overri
     cfg = compose_config("trainer.max_steps=3", "eval.num_examples=0", "trainer.enable_progress_bar=false", *overrides)
     run(cfg, tmp_path / "r")
     s = read_scalars(tmp_path / "r")
-    assert [step for step, _ in s["train/loss"]] == [0, 1, 2]
+    assert [step for step, _ in s["train/loss"]] == [1, 2, 3]
     assert all(math.isfinite(v) for _, v in s["train/loss"])
     for tag in ("train/is_ess", "train/is_chi2_seq", "train/is_extreme_frac", "time/old_logprob_s"):
         assert tag in s, tag
