@@ -218,6 +218,23 @@ class _StepStream(IterableDataset):
             step += 1
 
 
+def scored_rollouts(rollouts, scores, total, group_ids, examples, texts, episodes=None) -> ScoredRollouts:
+    """``ScoredRollouts`` of an engine's ``rollouts`` and the reward functions' ``scores`` (errors, parts, the
+    verifier's verdicts, failures), with ``total`` [N] the rewards trained on (the scores' total, or an episode's)."""
+    return ScoredRollouts(
+        rollouts,
+        torch.tensor(total, dtype=torch.float32),
+        torch.tensor(group_ids, dtype=torch.long),
+        examples,
+        texts,
+        reward_errors=scores.errors,
+        reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
+        correct=torch.tensor(scores.correct, dtype=torch.bool),
+        reward_failures=scores.failures,
+        episodes=episodes,
+    )
+
+
 class RolloutDataModule(L.LightningDataModule):
     """Owns the task, the tokenizer and the prompt schedule.
 
@@ -442,27 +459,15 @@ class RolloutDataModule(L.LightningDataModule):
             rows = [examples[gid - group_offset - first_index] for gid in group_ids]
             return self.collect_episodes(engine, rows, prompts, params, seeds, group_ids, examples, split)
         rollouts = engine.generate(prompts, params, seeds)
-        texts = self.tokenizer.batch_decode(
-            [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
-            skip_special_tokens=True,
-        )
+        response_ids = [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)]
+        texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         scores = self.rewards.score(
             [examples[gid - group_offset - first_index] for gid in group_ids],
             texts,
-            [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)],
+            response_ids,
             "eval" if split == "eval" else "train",
         )
-        return ScoredRollouts(
-            rollouts,
-            torch.tensor(scores.total, dtype=torch.float32),
-            torch.tensor(group_ids, dtype=torch.long),
-            examples,
-            texts,
-            reward_errors=scores.errors,
-            reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
-            correct=torch.tensor(scores.correct, dtype=torch.bool),
-            reward_failures=scores.failures,
-        )
+        return scored_rollouts(rollouts, scores, scores.total, group_ids, examples, texts)
 
     def collect_episodes(self, engine, rows, prompts, params, seeds, group_ids, examples, split) -> ScoredRollouts:
         """``collect`` of a multi-turn task: one episode per row (``rollout.multiturn.collect_episodes``), each
@@ -488,18 +493,7 @@ class RolloutDataModule(L.LightningDataModule):
         model_ids = [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)]
         scores = self.rewards.score(rows, texts, model_ids, "eval" if split == "eval" else "train")
         total = [ep.score(s, self.limits.episode_reward) for s, ep in zip(scores.total, episodes)]
-        return ScoredRollouts(
-            rollouts,
-            torch.tensor(total, dtype=torch.float32),
-            torch.tensor(group_ids, dtype=torch.long),
-            examples,
-            texts,
-            reward_errors=scores.errors,
-            reward_parts={k: torch.tensor(v, dtype=torch.float32) for k, v in scores.parts.items()},
-            correct=torch.tensor(scores.correct, dtype=torch.bool),
-            reward_failures=scores.failures,
-            episodes=episodes,
-        )
+        return scored_rollouts(rollouts, scores, total, group_ids, examples, texts, episodes=episodes)
 
     # -- Lightning hooks -----------------------------------------------------------------------------
     def set_start_step(self, fn: Callable[[], int]) -> None:
