@@ -39,6 +39,10 @@ def test_calculator_problems_take_two_steps_and_their_answers_are_right():
         (["task=arithmetic", "task.tools=[a:b]", "task.environment=c:D"], r"task.tools=\['a:b'\] is not allowed"),
         (["task=calculator", "rollout.max_turns=0"], r"rollout.max_turns=0 is not allowed: must be an integer >= 1"),
         (["task=calculator", "rollout.max_total_tokens=0"], r"rollout.max_total_tokens=0 is not allowed"),
+        # the user's code loads in the config check, before the trainer and the model (it took ~10 s more)
+        (["task.environment=no_such_module:Env"], r"task.environment: 'no_such_module:Env': cannot import"),
+        (["task.environment=multiturn_tools:Nope"], r"task.environment: .*has no class 'Nope'"),
+        (["task.tools=[multiturn_tools:explode,multiturn_tools:explod]"], r"task.tools: .*has no function 'explod'"),
     ],
 )
 def test_multi_turn_settings_are_refused_by_name_at_start_up(overrides, message):

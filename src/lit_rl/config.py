@@ -572,6 +572,7 @@ def check_environment(cfg: DictConfig) -> None:
     from .tasks import reward_checks
 
     reward_checks.check_reward(cfg)
+    reward_checks.check_task_code(cfg)
 
 
 def check_vllm() -> None:

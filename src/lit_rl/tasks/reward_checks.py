@@ -89,3 +89,23 @@ def check_reward(cfg: DictConfig) -> None:
         correct_from,
         f"choose one of reward.functions {names}, or null for the task's verifier",
     )
+
+
+def check_task_code(cfg: DictConfig) -> None:
+    """``task.environment`` (``module:Class``) and ``task.tools`` (``module:function`` or ``path/to/file.py:function``)
+    load, so a misspelt module, file or name fails here, naming the field, before the trainer and the model are
+    built (``rollout.environments.load_environment`` builds the class later and checks what it is)."""
+    from .reward_functions import load_function
+
+    task = cfg.task
+    specs = [("task.environment", task.get("environment"), "class")]
+    specs += [("task.tools", spec, "function") for spec in (task.get("tools") or [])]
+    for field, spec, kind in specs:
+        if not spec:
+            continue
+        try:
+            load_function(str(spec))
+        except Exception as err:  # noqa: BLE001 - the user's file or module: its error, on one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first.removeprefix("reward.functions: ").replace(" has no function ", f" has no {kind} ")
+            raise ConfigError(f"{field}: {first}" if str(spec) in first else f"{field}: {spec!r}: {first}") from err
