@@ -103,12 +103,17 @@ def test_two_eval_sets_log_apart_with_at_start_and_their_generations(tmp_path, m
 
 def test_eval_only_evaluates_a_policy_folder_without_training(tmp_path, capsys):
     """eval.only=true on the policy/ a run exported: one evaluation, no training step, no policy/ written; its
-    scores printed as one plain line (the only place besides the event files a user sees them)."""
+    scores printed as one plain line (the only place besides the event files a user sees them). A distill.teacher
+    in the config is not loaded (nothing is trained): a folder that does not exist is no error here."""
     run(fast_config("trainer.max_steps=1", "eval.num_examples=0", "log.plain_lines=true"), tmp_path / "a")
     policy = tmp_path / "a" / "policy"
     capsys.readouterr()
     config = fast_config(
-        f"model.name_or_path={policy}", "eval.only=true", "eval.num_examples=2", "log.plain_lines=true"
+        f"model.name_or_path={policy}",
+        "eval.only=true",
+        "eval.num_examples=2",
+        "log.plain_lines=true",
+        f"distill.teacher={tmp_path / 'no_teacher_here'}",
     )
     run(config, tmp_path / "b")
     s = read_scalars(tmp_path / "b")

@@ -23,14 +23,14 @@ def vocabulary_rows(name_or_path: str, tokenizer, trust_remote_code: bool = Fals
 def check_teacher(cfg: TrainConfig, tokenizer) -> None:
     """Refuse a ``distill.teacher`` whose tokenizer or vocabulary is not the student's (``model.name_or_path``,
     whose ``tokenizer`` is loaded): the teacher must score the student's token ids. Reads tokenizers and configs
-    only, no weights. A no-op with ``distill.teacher=null``.
+    only, no weights. A no-op with ``distill.teacher=null`` and under ``eval.only`` (no update: no teacher).
 
     Raises:
         ConfigError naming ``distill.teacher`` with both sizes: tokenizers of different lengths, the same length
         with other token ids, or output layers with different rows; or a teacher that cannot be found.
     """
     name = cfg.distill.teacher
-    if name is None:
+    if name is None or cfg.eval.only:
         return
     spec = cfg.model
     where = f"distill.teacher={name!r}"
@@ -61,8 +61,9 @@ def check_teacher(cfg: TrainConfig, tokenizer) -> None:
 def load_teacher(cfg: TrainConfig, tokenizer):
     """The teacher model of ``distill.teacher`` (None when null), loaded by ``models.load_policy`` with the
     student's ``model`` settings (dtype, attention, remote code) but no LoRA, no gradient checkpointing and its
-    dropout off. Call ``check_teacher`` first. Raises ConfigError when its weights cannot be found."""
-    if cfg.distill.teacher is None:
+    dropout off; None under ``eval.only`` too (nothing is trained, so nothing is distilled). Call ``check_teacher``
+    first. Raises ConfigError when its weights cannot be found."""
+    if cfg.distill.teacher is None or cfg.eval.only:
         return None
     spec = dataclasses.replace(
         cfg.model,

@@ -110,9 +110,13 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer, teacher=None)
     """The ``RLModule`` of ``cfg`` (its algorithm: ``algo.name``; its rollout source: ``rollout.mode``) around an
     already loaded policy. ``cfg``: the run's typed config (``schema.train_config``; a ``DictConfig`` is typed
     here). ``teacher``: the ``distill.teacher`` model already loaded (``teacher.load_teacher``), or None: loaded
-    here when ``distill.teacher`` is set. Raises ConfigError for a score-centering head larger than the
-    vocabulary, or a teacher that does not fit the student (``teacher.check_teacher``)."""
+    here when ``distill.teacher`` is set, except under ``eval.only`` (no update scores a token: the teacher is
+    neither loaded nor kept). Raises ConfigError for a score-centering head larger than the vocabulary, or a
+    teacher that does not fit the student (``teacher.check_teacher``)."""
     cfg = train_config(cfg)
+    distill = cfg.distill
+    if cfg.eval.only:
+        distill, teacher = dataclasses.replace(distill, teacher=None), None
     sampling = cfg.sampling
     sc = cfg.correction.sc
     if sc.enabled:  # the engine must record the head H that score centering sums over
@@ -146,8 +150,8 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer, teacher=None)
         engine=cfg.engine,
         rollout_mode=cfg.rollout,
         update=cfg.update,
-        distill=cfg.distill,
-        teacher=teacher if teacher is not None or cfg.distill.teacher is None else checked_teacher(cfg, tokenizer),
+        distill=distill,
+        teacher=teacher if teacher is not None or distill.teacher is None else checked_teacher(cfg, tokenizer),
     )
     module.eval_n, module.eval_k = int(cfg.eval.n), int(cfg.eval.k)
     module.eval_at_start = bool(cfg.eval.at_start)
