@@ -255,12 +255,14 @@ class PartialRollouts:
     A call adds its groups (G rows of one prompt each) to a queue and decodes until ``want`` groups are complete,
     every one of their rows finished: a group is trained whole (GRPO's baseline needs all G rows), so it enters a
     batch only once its last row is done. Between decode steps, decode slots freed by finished rows take the next
-    queued group whole as soon as G slots are free, so the decode batch stays at the call's row count while a
-    long sequence runs on. The rows still decoding when the batch is due, and complete groups beyond ``want``,
-    stay for the next call: their tokens keep the versions and log-probs that sampled them, their generators
-    their state, and they rejoin the next call's batch through a prefill of their context with the weights the
-    engine then holds. A held group with a token older than ``min_version`` is restarted from its first token
-    (same seeds), so no trained token is older than the caller's bound (``restarts`` counts them).
+    queued group whole as soon as G slots are free, so the decode batch stays at a batch's row count (``slots``:
+    the most rows one call has brought, P x G in a run) while a long sequence runs on.
+
+    The rows still decoding when the batch is due, and complete groups beyond ``want``, stay for the next call:
+    their tokens keep the versions and log-probs that sampled them, their generators their state, and they rejoin
+    the next call's batch through a prefill of their context with the weights the engine then holds. A held group
+    with a token older than ``min_version`` is restarted from its first token (same seeds), so no trained token is
+    older than the caller's bound (``restarts`` counts them).
 
     ``decode_rows``: the live rows of each decode step of the last call (the refill is visible there).
     """
@@ -272,6 +274,7 @@ class PartialRollouts:
         self.complete: list[_Group] = []  # every row finished, in completion order
         self.calls = 0
         self.restarts = 0
+        self.slots = 0  # the decode batch's rows: the most rows one call has brought
         self.decode_rows: list[int] = []
 
     def generate(self, engine, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None):
@@ -293,7 +296,8 @@ class PartialRollouts:
             self.queue.append(_Group(key, prompts[i * size : (i + 1) * size], seeds[i * size : (i + 1) * size]))
         if want > len(self.held) + len(self.queue):
             raise ValueError(f"want {want} groups but only {len(self.held) + len(self.queue)} are held")
-        loop, slots = self.loop, len(prompts)
+        self.slots = max(self.slots, len(prompts))
+        loop, slots = self.loop, self.slots
         loop.rejoin = loop.rejoin or loop.active.numel() > 0  # carried rows rejoin with today's weights
         self.decode_rows = []
         step = 0
@@ -328,6 +332,7 @@ class PartialRollouts:
         rows = torch.tensor([r for g in groups for r in g.rows], dtype=torch.long)
         out = self.loop.rollouts(rows)
         carried = torch.tensor([g.born < self.calls for g in groups for _ in g.rows], dtype=torch.bool)
+        out.carried = carried
         self._forget(groups)
         self.calls += 1
         return out, [g.key for g in groups], carried

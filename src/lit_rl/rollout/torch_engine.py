@@ -173,6 +173,9 @@ class TorchEngine:
     ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
 
+    Partial rollouts (``rollout.partial``): ``generate_partial`` keeps unfinished rows for the next call and
+    refills freed decode slots with queued groups (``decode_loop.PartialRollouts``).
+
     In-flight weight updates (``rollout.weight_update=in_flight``): ``between_steps``, None or a callable
     ``between_steps(step) -> bool`` called before each decode step after the first, which returns True when it
     loaded newer weights (``sync_weights``) into the engine; tokens sampled from then on record the new version
@@ -210,9 +213,11 @@ class TorchEngine:
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.version = 0
         self.last = GenerationStats()
+        self.swap_totals = [0, 0.0]  # in-flight swaps and their seconds over every generate call so far
         self.between_steps = None
         self.kv_on_update = "keep"
-        self.partial: PartialRollouts | None = None  # rollout.partial: the rows carried between calls
+        self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
+        self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
         self.sync_weights(0)
 
     def _copy_model(self) -> None:
@@ -295,11 +300,13 @@ class TorchEngine:
         """``rollout.partial``: add the groups of ``prompts`` (``keys``: one per group; a group's rows next to each
         other) to the engine's partial rollouts (``decode_loop.PartialRollouts``, kept across calls) and decode until
         ``want`` groups are complete; rows still decoding carry over to the next call. ``min_version``: held groups
-        with an older token restart. Returns (``Rollouts`` of the ``want`` groups' rows, their keys, carried [N]
-        bool). Raises ValueError (see ``PartialRollouts.generate``)."""
-        if self.partial is None:
-            self.partial = PartialRollouts()
-        return self._timed(self.partial.generate, self, prompts, params, seeds, keys, want, min_version)
+        with an older token restart (None: ``partial_min_version``, which the async producer sets to the oldest
+        version its next batch may train on). Returns (``Rollouts`` of the ``want`` groups' rows, ``carried`` set,
+        their keys, carried [N] bool). Raises ValueError (see ``PartialRollouts.generate``)."""
+        if self.partial_state is None:
+            self.partial_state = PartialRollouts()
+        min_version = self.partial_min_version if min_version is None else min_version
+        return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version)
 
     def _timed(self, run, *args):
         """``run(*args)`` in eval mode, its time, tokens and in-flight swaps in ``last``."""
@@ -315,6 +322,8 @@ class TorchEngine:
         out = result[0] if isinstance(result, tuple) else result
         seconds = time.perf_counter() - start
         self.last = GenerationStats(seconds, int(out.response_mask.sum()), self._swaps[0], self._swaps[1])
+        self.swap_totals[0] += self._swaps[0]
+        self.swap_totals[1] += self._swaps[1]
         return result
 
     # -- in-flight weight updates: between two decode steps ------------------------------------------------
