@@ -237,7 +237,7 @@ class DecodeLoop:
         )
 
 
-@dataclass
+@dataclass(eq=False)  # a group is itself: compared by identity
 class _Group:
     """A group of ``PartialRollouts``: the rows of one prompt's G samples, their caller's key, and the call that
     started them (``born``; -1 while waiting for decode slots)."""
