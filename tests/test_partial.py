@@ -156,6 +156,25 @@ def test_partial_fraction_is_the_share_of_carried_rows(tiny, versions):
     assert "rollout/partial_fraction" not in module.rollout_metrics(scored)
 
 
+def test_weight_swaps_count_every_generate_call_of_a_batch(tiny):
+    """``rollout/weight_swaps`` of a batch made of two generate calls (DAPO's rounds, partial rollouts' calls), each
+    with one in-flight swap, is 2, not the last call's 1."""
+    from lit_rl.rollout.staleness import RolloutProducer
+
+    model, tok = tiny
+    rollout = {"mode": "async", "producer": "thread", "weight_update": "in_flight", "kv_on_update": "recompute"}
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, rollout_mode=rollout)
+    producer = RolloutProducer(module, 0, 1, "block", 1, in_flight=True)  # not started: its hooks only
+    module.engine.sync_weights(0, weights_snapshot(model))
+    before = list(module.engine.swap_totals)
+    for version in (1, 2):
+        producer.publish(version, moved(model, version))
+        module.engine.generate([SHORT, LONG], SamplingConfig(max_new_tokens=3), [1, 2])
+        assert module.engine.last.swaps == 1
+    metrics = producer._swap_metrics(before)
+    assert metrics["rollout/weight_swaps"] == 2.0 and metrics["time/weight_swap_s"] > 0
+
+
 def test_bad_partial_calls_are_named(tiny, versions):
     model, tok = tiny
     engine = engine_at(model, tok, versions[0], 0)

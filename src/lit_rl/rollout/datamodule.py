@@ -452,7 +452,8 @@ class RolloutDataModule(L.LightningDataModule):
 
         An engine with ``partial`` set (``rollout.partial``) is handed these groups with ``generate_partial`` and
         returns as many complete groups, possibly started by earlier calls (each with its own example and seeds);
-        ``examples[p]`` is then the p-th group returned. Multi-turn episodes are not carried (refused).
+        ``examples[p]`` is then the p-th group returned. Multi-turn episodes never get here: ``rollout.mode=async``,
+        the one mode partial rollouts run in, does not collect them (refused at start-up).
         """
         g = self.group_size if group_size is None else group_size
         prompts, seeds, group_ids = [], [], []
@@ -463,9 +464,6 @@ class RolloutDataModule(L.LightningDataModule):
                 seeds.append(sample_seed(self.seed, step, round, first_index + p, j))
                 group_ids.append(group_offset + first_index + p)
         if self.environment is not None:
-            if getattr(engine, "partial", False):
-                raise ValueError("rollout.partial=true does not carry multi-turn episodes in this version; set "
-                                 "rollout.partial=false for a multi-turn task")  # fmt: skip
             rows = [examples[gid - group_offset - first_index] for gid in group_ids]
             return self.collect_episodes(engine, rows, prompts, params, seeds, group_ids, examples, split)
         if getattr(engine, "partial", False) and split == "train":  # rollout.partial: groups may come from earlier
