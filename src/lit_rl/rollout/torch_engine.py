@@ -302,7 +302,10 @@ class TorchEngine:
         ``want`` groups are complete; rows still decoding carry over to the next call. ``min_version``: held groups
         with an older token restart (None: ``partial_min_version``, which the async producer sets to the oldest
         version its next batch may train on). Returns (``Rollouts`` of the ``want`` groups' rows, ``carried`` set,
-        their keys, carried [N] bool). Raises ValueError (see ``PartialRollouts.generate``)."""
+        their keys, carried [N] bool); ``last.tokens`` counts the returned rows' tokens, carried ones included.
+        Raises ValueError for max_new_tokens <= 0 and as ``PartialRollouts.generate``."""
+        if params.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
         if self.partial_state is None:
             self.partial_state = PartialRollouts()
         min_version = self.partial_min_version if min_version is None else min_version
