@@ -49,7 +49,7 @@ from ..models import adapter_key, has_lora
 from ..rollout.datamodule import PromptBatch, RolloutDataModule, ScoredRollouts
 from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
-from ..rollout.staleness import token_staleness
+from ..rollout.staleness import partial_fraction, token_staleness
 from ..rollout.types import RolloutBatch
 from ..schema import (
     AdvantageConfig,
@@ -337,6 +337,7 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
             "rollout/groups_all_correct": float(all_correct),
             "rollout/groups_all_wrong": float(all_wrong),
             **token_staleness(r, self.global_step, self.updates_per_step),
+            **partial_fraction(r),
         }
 
     # -- 2. the batch: rewards -> RolloutBatch -> advantages ------------------------------------------------------

@@ -120,6 +120,7 @@ def concat_scored(parts: list[ScoredRollouts], pad_token_id: int) -> ScoredRollo
         topk_ids=cat("topk_ids"),
         topk_logprobs=cat("topk_logprobs"),
         env_mask=_cat_env_masks(parts, width),
+        carried=None if parts[0].rollouts.carried is None else torch.cat([p.rollouts.carried for p in parts]),
     )
     # padding holds the row's version (its oldest token's)
     rollouts.token_versions = torch.where(
@@ -176,6 +177,7 @@ def select_rows(scored: ScoredRollouts, rows: torch.Tensor) -> ScoredRollouts:
         topk_logprobs=pick(r.topk_logprobs),
         token_versions=r.token_versions[rows],
         env_mask=pick(r.env_mask),
+        carried=pick(r.carried),
     )
     return ScoredRollouts(
         rollouts,
@@ -274,6 +276,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_timeout_s = reward_timeout_s
         self.rewards = rewards if rewards is not None else RewardFunctions(task, timeout_s=reward_timeout_s)
         self.environment, self.limits = environment, limits
+        self._partial_examples: dict[tuple, Example] = {}  # rollout.partial: groups the engine still holds
         self.chat_tools: list[dict] | None = None  # tool schemas the chat template renders itself (``tools=``)
         self._tool_text: str | None = None  # or the system text that states them
         if environment is not None:
@@ -446,6 +449,11 @@ class RolloutDataModule(L.LightningDataModule):
         same step of the same run produces the same completions whatever else is in the batch. The prompt
         index is ``first_index + p`` for ``examples[p]``: its position in the step's full prompt list, so
         a prompt's seeds do not depend on which rank holds it. Group ids are ``group_offset + first_index + p``.
+
+        An engine with ``partial`` set (``rollout.partial``) is handed these groups with ``generate_partial`` and
+        returns as many complete groups, possibly started by earlier calls (each with its own example and seeds);
+        ``examples[p]`` is then the p-th group returned. Multi-turn episodes never get here: ``rollout.mode=async``,
+        the one mode partial rollouts run in, does not collect them (refused at start-up).
         """
         g = self.group_size if group_size is None else group_size
         prompts, seeds, group_ids = [], [], []
@@ -458,7 +466,14 @@ class RolloutDataModule(L.LightningDataModule):
         if self.environment is not None:
             rows = [examples[gid - group_offset - first_index] for gid in group_ids]
             return self.collect_episodes(engine, rows, prompts, params, seeds, group_ids, examples, split)
-        rollouts = engine.generate(prompts, params, seeds)
+        if getattr(engine, "partial", False) and split == "train":  # rollout.partial: groups may come from earlier
+            keys = [(step, round, first_index + p) for p in range(len(examples))]
+            self._partial_examples.update(zip(keys, examples))
+            rollouts, keys, _ = engine.generate_partial(prompts, params, seeds, keys, len(examples))
+            examples = [self._partial_examples.pop(key) for key in keys]
+            group_ids = [group_offset + first_index + p for p in range(len(examples)) for _ in range(g)]
+        else:
+            rollouts = engine.generate(prompts, params, seeds)
         response_ids = [ids[m].tolist() for ids, m in zip(rollouts.response_ids, rollouts.response_mask)]
         texts = self.tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         scores = self.rewards.score(

@@ -95,7 +95,7 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
                 continue
             if request is None:
                 return
-            rid, version, prompts, params, seeds, autocast = request
+            rid, version, prompts, params, seeds, autocast, partial = request
             try:
                 if version != engine.version:
                     held = version if version in store else store.newest()  # pruned meanwhile: the newest
@@ -103,7 +103,10 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
                         raise RuntimeError(f"weight version {version} is not in the weight store")
                 enabled, dtype = autocast
                 with torch.autocast("cpu", dtype=dtype, enabled=enabled):
-                    out = engine.generate(prompts, params, seeds)
+                    if partial is None:
+                        out = engine.generate(prompts, params, seeds)
+                    else:  # rollout.partial: (group keys, groups wanted, oldest version allowed)
+                        out = engine.generate_partial(prompts, params, seeds, *partial)
                 replies.put((rid, "ok", out, engine.last))
             except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
                 replies.put((rid, "error", traceback.format_exc(), None))
@@ -134,9 +137,11 @@ class ProcessEngine:
         self.local, self.threads, self.timeout_s = engine, int(threads), float(timeout_s)
         self.in_flight, self.kv_on_update = bool(in_flight), kv_on_update
         self.version, self.own_copy, self.cancel = engine.version, True, None
+        self.partial, self.partial_min_version = False, None  # rollout.partial: served by the process's engine
         self.store: WeightStore | None = None
         self.process = None
         self.last = GenerationStats()
+        self.swap_totals = [0, 0.0]  # in-flight swaps and their seconds over every generate call so far
         self._ids = itertools.count()
 
     @property
@@ -195,10 +200,20 @@ class ProcessEngine:
         """``TorchEngine.generate`` in the rollout process, with the version of the last ``sync_weights``.
         Raises ProducerDied, TimeoutError (``rollout.producer_timeout_s``), GenerationCancelled, or RuntimeError
         carrying the process's traceback."""
+        return self._request(prompts, params, seeds, None)
+
+    def generate_partial(self, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None):
+        """``TorchEngine.generate_partial`` in the rollout process (the carried rows stay there between calls);
+        ``min_version`` None: ``partial_min_version``. Raises as ``generate``."""
+        min_version = self.partial_min_version if min_version is None else min_version
+        return self._request(prompts, params, seeds, (list(keys), int(want), min_version))
+
+    def _request(self, prompts, params: SamplingConfig, seeds, partial):
         self.start()
         rid = next(self._ids)
         autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-        self.requests.put((rid, self.version, [list(p) for p in prompts], params, list(seeds), autocast))
+        request = (rid, self.version, [list(p) for p in prompts], params, list(seeds), autocast, partial)
+        self.requests.put(request)
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -218,6 +233,8 @@ class ProcessEngine:
             if status != "ok":
                 raise RuntimeError(f"the rollout process (pid {self.pid}) failed:\n{payload}")
             self.last = stats
+            self.swap_totals[0] += stats.swaps
+            self.swap_totals[1] += stats.swap_seconds
             return payload
 
     def _check_alive(self) -> None:

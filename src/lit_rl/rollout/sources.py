@@ -146,6 +146,8 @@ class StaleSource(RolloutSource):
             )
         elif hasattr(engine, "kv_on_update"):
             engine.kv_on_update = ro.kv_on_update
+        if ro.partial and hasattr(self.engine, "partial"):  # unfinished groups carried between batches
+            self.engine.partial = True
         self.stale = StaleRollouts(
             ro.mode,
             lag=ro.lag,

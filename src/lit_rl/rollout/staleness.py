@@ -139,6 +139,16 @@ def token_staleness(rollouts, version_now: int, updates_per_step: int = 1) -> di
     }
 
 
+def partial_fraction(rollouts) -> dict[str, float]:
+    """``rollout/partial_fraction``: the share of ``rollouts``' rows (``Rollouts``, N rows) that an earlier batch
+    started and this one finished (``carried``, ``rollout.partial``); {} when partial rollouts are off (no
+    ``carried``). 0 for an empty batch."""
+    carried = getattr(rollouts, "carried", None)
+    if carried is None:
+        return {}
+    return {"rollout/partial_fraction": float(carried.float().mean()) if carried.numel() else 0.0}
+
+
 class WeightHistory:
     """version -> weights snapshot of the versions stale rollouts may still need."""
 
@@ -284,6 +294,16 @@ class RolloutProducer:
             return self.published[0] >= (step - self.max_staleness) * self.updates_per_step
         return True
 
+    def _swap_metrics(self, before) -> dict[str, float]:
+        """``rollout/weight_swaps`` and ``time/weight_swap_s`` of every generate call of the batch just collected
+        (DAPO's rounds, partial rollouts' calls), from the engine's running totals (``swap_totals``) since ``before``;
+        empty for an engine without them."""
+        totals = getattr(self.engine, "swap_totals", None)
+        if totals is None:
+            return {}
+        swaps, seconds = totals[0] - before[0], totals[1] - before[1]
+        return {"rollout/weight_swaps": float(swaps), "time/weight_swap_s": float(seconds)}
+
     def _run(self) -> None:
         from .torch_engine import GenerationCancelled
 
@@ -306,13 +326,13 @@ class RolloutProducer:
                     try:
                         if version > self.engine.version or self.engine.version < 0:
                             self.engine.sync_weights(version, weights)
+                        if getattr(self.engine, "partial", False):  # the oldest version step ``step`` may train
+                            self.engine.partial_min_version = (step - self.max_staleness) * self.updates_per_step
+                        swaps_before = list(getattr(self.engine, "swap_totals", (0, 0.0)))
                         start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.prompt_batch(step))
                         seconds = time.perf_counter() - start
-                        last = getattr(self.engine, "last", None)
-                        if last is not None:  # the in-flight swaps of the batch's (last) generate call
-                            metrics = {**metrics, "rollout/weight_swaps": float(getattr(last, "swaps", 0))}
-                            metrics["time/weight_swap_s"] = float(getattr(last, "swap_seconds", 0.0))
+                        metrics = {**metrics, **self._swap_metrics(swaps_before)}
                         item = _Item.of(step, scored, metrics, seconds, self.engine.version)
                     finally:
                         self.lock.release()
@@ -488,8 +508,7 @@ class StaleRollouts:
             f"{producer.generated} samples generated, {self.dropped_total} dropped as too stale, "
             f"{unused} left unused in the buffer"
         )
-        log.info(msg)
-        print(msg, flush=True)
+        print(msg, flush=True)  # printed, not logged too: the console handler showed the line twice
 
     def state_dict(self) -> dict:
         state = {"dropped_total": self.dropped_total}

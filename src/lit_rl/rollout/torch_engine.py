@@ -22,10 +22,10 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..logprobs import position_ids_from_mask, process_logits
 from ..models import merged_weights, peft_model
+from .decode_loop import DecodeLoop, PartialRollouts
 from .state_cache import hybrid_cache
-from .types import Rollouts, SamplingConfig, left_pad
+from .types import Rollouts, SamplingConfig
 
 
 @dataclass
@@ -173,6 +173,9 @@ class TorchEngine:
     ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
 
+    Partial rollouts (``rollout.partial``): ``generate_partial`` keeps unfinished rows for the next call and
+    refills freed decode slots with queued groups (``decode_loop.PartialRollouts``).
+
     In-flight weight updates (``rollout.weight_update=in_flight``): ``between_steps``, None or a callable
     ``between_steps(step) -> bool`` called before each decode step after the first, which returns True when it
     loaded newer weights (``sync_weights``) into the engine; tokens sampled from then on record the new version
@@ -210,8 +213,11 @@ class TorchEngine:
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.version = 0
         self.last = GenerationStats()
+        self.swap_totals = [0, 0.0]  # in-flight swaps and their seconds over every generate call so far
         self.between_steps = None
         self.kv_on_update = "keep"
+        self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
+        self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
         self.sync_weights(0)
 
     def _copy_model(self) -> None:
@@ -284,18 +290,44 @@ class TorchEngine:
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
         if params.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
+        return self._timed(self._generate, prompts, params, seeds)
+
+    @torch.no_grad()
+    def generate_partial(
+        self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int], keys: list, want: int,
+        min_version: int | None = None,
+    ) -> tuple[Rollouts, list, Tensor]:  # fmt: skip
+        """``rollout.partial``: add the groups of ``prompts`` (``keys``: one per group; a group's rows next to each
+        other) to the engine's partial rollouts (``decode_loop.PartialRollouts``, kept across calls) and decode until
+        ``want`` groups are complete; rows still decoding carry over to the next call. ``min_version``: held groups
+        with an older token restart (None: ``partial_min_version``, which the async producer sets to the oldest
+        version its next batch may train on). Returns (``Rollouts`` of the ``want`` groups' rows, ``carried`` set,
+        their keys, carried [N] bool); ``last.tokens`` counts the returned rows' tokens, carried ones included.
+        Raises ValueError for max_new_tokens <= 0 and as ``PartialRollouts.generate``."""
+        if params.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
+        if self.partial_state is None:
+            self.partial_state = PartialRollouts()
+        min_version = self.partial_min_version if min_version is None else min_version
+        return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version)
+
+    def _timed(self, run, *args):
+        """``run(*args)`` in eval mode, its time, tokens and in-flight swaps in ``last``."""
         start = time.perf_counter()
         model = self.model
         was_training = model.training
         model.eval()
         self._swaps = [0, 0.0]
         try:
-            out = self._generate(prompts, params, seeds)
+            result = run(*args)
         finally:
             model.train(was_training)
+        out = result[0] if isinstance(result, tuple) else result
         seconds = time.perf_counter() - start
         self.last = GenerationStats(seconds, int(out.response_mask.sum()), self._swaps[0], self._swaps[1])
-        return out
+        self.swap_totals[0] += self._swaps[0]
+        self.swap_totals[1] += self._swaps[1]
+        return result
 
     # -- in-flight weight updates: between two decode steps ------------------------------------------------
     def _swapped(self, step: int) -> bool:
@@ -314,114 +346,13 @@ class TorchEngine:
         Gated DeltaNet layers where the model has them (``state_cache.hybrid_cache``)."""
         return hybrid_cache(self.model, functools.partial(ReservedLayer, capacity)) or reserved_cache(capacity)
 
-    def _reprefill(self, prompts, tokens: Tensor, active: Tensor, step: int, capacity: int, device):
-        """``kv_on_update=recompute``: a new cache of every live row's prompt + its ``step`` sampled tokens under
-        the engine's current weights. Returns (the forward's output, cache, attention_mask, position_ids)."""
-        rows = active.tolist()
-        ids, mask = left_pad([list(prompts[r]) + tokens[r, :step].tolist() for r in rows], self.pad_token_id)
-        ids, mask = ids.to(device), mask.long().to(device)
-        position_ids = position_ids_from_mask(mask)
-        cache = self._new_cache(capacity)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
-        )
-        return out, cache, mask, position_ids
+    def _check_cancel(self) -> None:
+        """Raise ``GenerationCancelled`` once ``cancel`` is set (looked at before every decode step)."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise GenerationCancelled("generation cancelled")
 
     def _generate(self, prompts, params: SamplingConfig, seeds) -> Rollouts:
-        n, steps, k = len(prompts), params.max_new_tokens, params.logprobs_top_k
-        device = next(self.model.parameters()).device
-        generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
-        sampling = params.temperature > 0
-        noisy = sampling and self.logit_noise > 0
-        noise_gens = [torch.Generator(device=device).manual_seed(noise_seed(s)) for s in seeds] if noisy else None
-        temperature = params.temperature + self.temperature_offset if sampling else 0.0
-        if sampling and not temperature > 0:
-            raise ValueError(
-                f"temperature {params.temperature} + temperature_offset {self.temperature_offset} must be > 0"
-            )
-        stop = torch.tensor(self.stop_token_ids, device=device)
-
-        tokens = torch.full((n, steps), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((n, steps), dtype=torch.float32)
-        mask = torch.zeros((n, steps), dtype=torch.bool)
-        topk_ids = torch.zeros((n, steps, k), dtype=torch.long) if k else None
-        topk_lp = torch.zeros((n, steps, k), dtype=torch.float32) if k else None
-        finished_by_stop = torch.zeros(n, dtype=torch.bool)
-
-        # Prefill each distinct prompt once (RL repeats every prompt G times), then copy its KV cache to
-        # the rows that share it.
-        distinct: dict[tuple[int, ...], int] = {}
-        row_of = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts])
-        input_ids, attention_mask = left_pad([list(p) for p in distinct], self.pad_token_id)
-        input_ids, attention_mask = input_ids.to(device), attention_mask.long().to(device)
-        position_ids = position_ids_from_mask(attention_mask)
-        capacity = input_ids.shape[1] + steps
-        # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
-        cache = self._new_cache(capacity)
-        active = torch.arange(n)  # original row of each live batch row
-        versions = torch.full((n, steps), self.version, dtype=torch.long)
-        for step in range(steps):
-            if self.cancel is not None and self.cancel.is_set():
-                raise GenerationCancelled("generation cancelled")
-            if self._swapped(step) and self.kv_on_update == "recompute":
-                out, cache, attention_mask, position_ids = self._reprefill(
-                    prompts, tokens, active, step, max(map(len, prompts)) + steps, device
-                )
-            else:
-                out = self.model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )  # fills ``cache`` in place
-            versions[active, step] = self.version
-            logits = out.logits[:, -1]
-            if step == 0 and len(distinct) < n:
-                cache.batch_select_indices(row_of.to(device))
-                logits, attention_mask, position_ids = logits[row_of], attention_mask[row_of], position_ids[row_of]
-            if sampling:
-                if noisy:
-                    logits = add_logit_noise(logits, self.logit_noise, [noise_gens[int(row)] for row in active])
-                logp = process_logits(logits, temperature, params.top_k, params.top_p)
-                next_tok = sample_rows(logp, [generators[int(row)] for row in active])
-            else:
-                logp = process_logits(logits, 1.0)
-                next_tok = logp.argmax(-1)
-            tokens[active, step] = next_tok.cpu()
-            logprobs[active, step] = logp.gather(-1, next_tok[:, None]).squeeze(-1).cpu()
-            mask[active, step] = True
-            if k:
-                top = torch.topk(logp, k, dim=-1)
-                topk_ids[active, step] = top.indices.cpu()
-                topk_lp[active, step] = top.values.cpu()
-            done = torch.isin(next_tok, stop)
-            finished_by_stop[active[done.cpu()]] = True
-            if step == steps - 1:
-                break
-            keep = (~done).nonzero().squeeze(-1)
-            if keep.numel() == 0:
-                break
-            if keep.numel() < active.numel():  # drop finished rows from the batch and the KV cache
-                cache.batch_select_indices(keep)
-                attention_mask = attention_mask[keep]
-                position_ids = position_ids[keep]
-                next_tok = next_tok[keep]
-                active = active[keep.cpu()]
-            input_ids = next_tok[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], 1)
-            position_ids = position_ids[:, -1:] + 1
-
-        width = int(mask.sum(-1).max()) if n else 0
-        return Rollouts(
-            prompt_ids=[list(p) for p in prompts],
-            response_ids=tokens[:, :width],
-            response_mask=mask[:, :width],
-            rollout_logprobs=logprobs[:, :width],
-            finish_reason=["stop" if s else "length" for s in finished_by_stop.tolist()],
-            policy_version=versions[:, 0].clone(),  # the oldest token's: versions only grow
-            topk_ids=topk_ids[:, :width] if k else None,
-            topk_logprobs=topk_lp[:, :width] if k else None,
-            token_versions=torch.where(mask[:, :width], versions[:, :width], versions[:, :1]),
-        )
+        loop = DecodeLoop(self, params)
+        loop.add(prompts, seeds)
+        loop.run()
+        return loop.rollouts()

@@ -29,6 +29,8 @@ class Rollouts:
     env_mask: [N, T] bool or None: True on the environment's tokens between the model turns of a multi-turn
         episode (``rollout.multiturn``), which the sequence holds but the model did not sample (response_mask
         False there); None: single-turn, every response token is the model's.
+    carried: [N] bool or None: ``rollout.partial``, True on the rows an earlier batch started (carried over,
+        their first tokens sampled then); None: partial rollouts off.
     """
 
     prompt_ids: list[list[int]]
@@ -41,6 +43,7 @@ class Rollouts:
     topk_logprobs: Tensor | None = None
     token_versions: Tensor | None = None
     env_mask: Tensor | None = None
+    carried: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.token_versions is None:

@@ -136,6 +136,9 @@ class RolloutConfig:
     #: async, in_flight: recompute (re-prefill the live sequences with the new weights: exact) | keep (continue
     #: with the cache the older weights wrote)
     kv_on_update: str = "recompute"
+    #: async, in_flight: sequences unfinished when a step's batch is due continue in the next batch, and the freed
+    #: decode slots take new prompts' groups (a group enters a batch once all its G rows are done)
+    partial: bool = False
     #: multi-turn tasks: model turns per episode (each at most sampling.max_new_tokens)
     max_turns: int = 4
     #: multi-turn tasks: tokens of a whole episode (prompt, model turns, environment); longer ones are cut
@@ -244,7 +247,9 @@ class RolloutConfig:
 
     def update_problems(self, run) -> Problems:
         """``weight_update`` and ``kv_on_update`` among their choices; ``in_flight`` read by ``async`` only and
-        refused with ``engine=vllm`` (its pause / update / resume is not wired)."""
+        refused with ``engine=vllm`` (its pause / update / resume is not wired); ``partial`` a bool, true only with
+        ``async`` and ``in_flight`` (the carried tokens keep their versions: only an engine that records versions per
+        token can carry them)."""
         from ..choices import KV_ON_UPDATE, WEIGHT_UPDATES
 
         update = self.weight_update
@@ -267,6 +272,15 @@ class RolloutConfig:
                 "needs the embedded engine (engine=torch): vLLM's pause / update / resume is not wired in this "
                 "version; use rollout.weight_update=between_batches with engine=vllm",
             )
+        yield from rule(isinstance(self.partial, bool), "rollout.partial", self.partial, "must be true or false")
+        yield from rule(
+            self.partial is not True or (self.mode == "async" and update == "in_flight"),
+            "rollout.partial",
+            self.partial,
+            "carries unfinished sequences into the next batch of rollout.mode=async with "
+            f"rollout.weight_update=in_flight only (rollout.mode={self.mode}, rollout.weight_update={update}); add "
+            "rollout.mode=async rollout.weight_update=in_flight",
+        )
 
 
 @dataclass

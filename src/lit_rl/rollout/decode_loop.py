@@ -1,0 +1,366 @@
+"""The embedded engine's decode loop (``TorchEngine.generate``), as an object: the rows, their KV cache and outputs.
+
+``DecodeLoop`` holds one batched decode: every row's prompt, seeded generator(s) and outputs so far (tokens,
+log-probs, the top-k head, the version that sampled each token), the rows live in the decode batch (``active``),
+and the cache of those live rows. One decode step is ``forward`` (a prefill of the live rows' contexts when they
+(re)join, else one cached step) → ``sample`` → ``advance`` (finished rows leave the batch and the cache). A
+``generate`` call runs it once over its prompts; ``PartialRollouts`` keeps one alive across calls
+(``rollout.partial``): unfinished rows carry over to the next call and freed decode slots take new groups.
+
+Every position a row writes is its own (``pos``: tokens sampled so far), so rows that joined at different decode
+steps (a refill, a carry-over) share one batch. A row (re)joins through a prefill of its context (prompt + its
+tokens so far) with the engine's current weights, the same prefill a ``kv_on_update=recompute`` swap does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..logprobs import position_ids_from_mask, process_logits
+from .types import Rollouts, SamplingConfig, left_pad
+
+
+class DecodeLoop:
+    """One batched decode with ``engine`` (a ``TorchEngine``) under sampling settings ``params``.
+
+    Raises ValueError when temperature + the engine's temperature offset is not > 0 for a sampling run.
+    """
+
+    def __init__(self, engine, params: SamplingConfig):
+        self.engine, self.params = engine, params
+        self.steps, self.k = params.max_new_tokens, params.logprobs_top_k
+        self.device = next(engine.model.parameters()).device
+        self.sampling = params.temperature > 0
+        self.noisy = self.sampling and engine.logit_noise > 0
+        self.temperature = params.temperature + engine.temperature_offset if self.sampling else 0.0
+        if self.sampling and not self.temperature > 0:
+            raise ValueError(
+                f"temperature {params.temperature} + temperature_offset {engine.temperature_offset} must be > 0"
+            )
+        self.stop = torch.tensor(engine.stop_token_ids, device=self.device)
+        # per row (N rows, S = max_new_tokens columns)
+        self.prompts: list[list[int]] = []
+        self.seeds: list[int] = []
+        self.generators: list[torch.Generator] = []
+        self.noise_gens: list[torch.Generator] = []
+        self.tokens = torch.zeros((0, self.steps), dtype=torch.long)
+        self.logprobs = torch.zeros((0, self.steps), dtype=torch.float32)
+        self.mask = torch.zeros((0, self.steps), dtype=torch.bool)
+        self.versions = torch.zeros((0, self.steps), dtype=torch.long)
+        self.topk_ids = torch.zeros((0, self.steps, self.k), dtype=torch.long) if self.k else None
+        self.topk_lp = torch.zeros((0, self.steps, self.k), dtype=torch.float32) if self.k else None
+        self.stopped = torch.zeros(0, dtype=torch.bool)
+        self.pos = torch.zeros(0, dtype=torch.long)  # tokens sampled so far
+        # the decode batch: live rows (indices into the rows), their cache and inputs
+        self.active = torch.zeros(0, dtype=torch.long)
+        self.cache = self.input_ids = self.attention_mask = self.position_ids = None
+        self.rejoin = True  # the next forward prefills the live rows' contexts (new rows, a carry-over)
+
+    # -- rows ----------------------------------------------------------------------------------------------
+    def add(self, prompts: list[list[int]], seeds: list[int]) -> Tensor:
+        """Add rows (one per prompt, its generators seeded from ``seeds``) and make them live from the next
+        ``forward``, which prefills every live row's context. Returns the new rows' indices [len(prompts)]."""
+        from .torch_engine import noise_seed
+
+        n0, n = len(self.prompts), len(prompts)
+        self.prompts += [list(p) for p in prompts]
+        self.seeds += [int(s) for s in seeds]
+        self.generators += [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        if self.noisy:
+            self.noise_gens += [torch.Generator(device=self.device).manual_seed(noise_seed(s)) for s in seeds]
+        pad = self.engine.pad_token_id
+        self.tokens = torch.cat([self.tokens, torch.full((n, self.steps), pad, dtype=torch.long)])
+        self.logprobs = torch.cat([self.logprobs, torch.zeros((n, self.steps), dtype=torch.float32)])
+        self.mask = torch.cat([self.mask, torch.zeros((n, self.steps), dtype=torch.bool)])
+        self.versions = torch.cat([self.versions, torch.full((n, self.steps), self.engine.version, dtype=torch.long)])
+        if self.k:
+            self.topk_ids = torch.cat([self.topk_ids, torch.zeros((n, self.steps, self.k), dtype=torch.long)])
+            self.topk_lp = torch.cat([self.topk_lp, torch.zeros((n, self.steps, self.k), dtype=torch.float32)])
+        self.stopped = torch.cat([self.stopped, torch.zeros(n, dtype=torch.bool)])
+        self.pos = torch.cat([self.pos, torch.zeros(n, dtype=torch.long)])
+        rows = torch.arange(n0, n0 + n)
+        self.active = torch.cat([self.active, rows])
+        self.rejoin = True
+        return rows
+
+    def keep_rows(self, keep: Tensor) -> None:
+        """Keep only rows ``keep`` (sorted indices [M]); the others are forgotten. Live rows among the forgotten
+        ones leave the batch, and then the live rows rejoin (prefill) at the next ``forward``."""
+        n = len(self.prompts)
+        new_index = torch.full((n,), -1, dtype=torch.long)
+        new_index[keep] = torch.arange(keep.numel())
+        live = new_index[self.active]
+        if bool((live < 0).any()):
+            self.rejoin = True
+        self.active = live[live >= 0]
+        rows = keep.tolist()
+        self.prompts = [self.prompts[r] for r in rows]
+        self.seeds = [self.seeds[r] for r in rows]
+        self.generators = [self.generators[r] for r in rows]
+        if self.noisy:
+            self.noise_gens = [self.noise_gens[r] for r in rows]
+        for name in ("tokens", "logprobs", "mask", "versions", "topk_ids", "topk_lp", "stopped", "pos"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[keep])
+
+    # -- one decode step -------------------------------------------------------------------------------------
+    def forward(self, step: int) -> Tensor:
+        """The live rows' next-token logits [B, V] at call-local decode step ``step``: a prefill of their contexts
+        when they (re)join or after an in-flight swap with ``kv_on_update=recompute``, else one cached step."""
+        engine = self.engine
+        swapped = engine._swapped(step)
+        if self.rejoin:
+            logits = self._prefill(dedupe=True)
+            self.rejoin = False
+        elif swapped and engine.kv_on_update == "recompute":
+            logits = self._prefill(dedupe=False)
+        else:
+            out = engine.model(
+                input_ids=self.input_ids,
+                attention_mask=self.attention_mask,
+                position_ids=self.position_ids,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )  # fills ``cache`` in place
+            logits = out.logits[:, -1]
+        self.versions[self.active, self.pos[self.active]] = engine.version
+        return logits
+
+    def _prefill(self, dedupe: bool) -> Tensor:
+        """A new cache of every live row's context (prompt + tokens so far) under the engine's current weights;
+        with ``dedupe`` each distinct context is prefilled once and its cache copied to the rows that share it (RL
+        repeats every prompt G times). Returns the last position's logits [B, V]."""
+        rows = self.active.tolist()
+        contexts = [tuple(self.prompts[r]) + tuple(self.tokens[r, : int(self.pos[r])].tolist()) for r in rows]
+        distinct: dict[tuple[int, ...], int] = {}
+        if dedupe:
+            row_of = torch.tensor([distinct.setdefault(c, len(distinct)) for c in contexts], dtype=torch.long)
+            contexts = list(distinct)
+        ids, mask = left_pad([list(c) for c in contexts], self.engine.pad_token_id)
+        ids, mask = ids.to(self.device), mask.long().to(self.device)
+        position_ids = position_ids_from_mask(mask)
+        # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
+        self.cache = self.engine._new_cache(max(len(self.prompts[r]) for r in rows) + self.steps)
+        out = self.engine.model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        logits = out.logits[:, -1]
+        if dedupe and len(distinct) < len(rows):
+            self.cache.batch_select_indices(row_of.to(self.device))
+            logits, mask, position_ids = logits[row_of], mask[row_of], position_ids[row_of]
+        self.attention_mask, self.position_ids = mask, position_ids
+        return logits
+
+    def sample(self, logits: Tensor) -> Tensor:
+        """Sample each live row's next token from ``logits`` [B, V] (its own generator; greedy at temperature 0)
+        and record it, its log-prob and the top-k head at the row's position. Returns the tokens [B] int64."""
+        active, params = self.active, self.params
+        if self.sampling:
+            if self.noisy:
+                from .torch_engine import add_logit_noise
+
+                noise = [self.noise_gens[int(row)] for row in active]
+                logits = add_logit_noise(logits, self.engine.logit_noise, noise)
+            logp = process_logits(logits, self.temperature, params.top_k, params.top_p)
+            from .torch_engine import sample_rows
+
+            next_tok = sample_rows(logp, [self.generators[int(row)] for row in active])
+        else:
+            logp = process_logits(logits, 1.0)
+            next_tok = logp.argmax(-1)
+        cols = self.pos[active]
+        self.tokens[active, cols] = next_tok.cpu()
+        self.logprobs[active, cols] = logp.gather(-1, next_tok[:, None]).squeeze(-1).cpu()
+        self.mask[active, cols] = True
+        if self.k:
+            top = torch.topk(logp, self.k, dim=-1)
+            self.topk_ids[active, cols] = top.indices.cpu()
+            self.topk_lp[active, cols] = top.values.cpu()
+        return next_tok
+
+    def advance(self, next_tok: Tensor) -> Tensor:
+        """After ``sample``: rows that sampled a stop token or hit ``max_new_tokens`` leave the batch and the
+        cache; the others take ``next_tok`` as their next input. Returns the rows that finished [F] int64."""
+        active = self.active
+        done = torch.isin(next_tok, self.stop)
+        self.stopped[active[done.cpu()]] = True
+        self.pos[active] += 1
+        finished = done.cpu() | (self.pos[active] >= self.steps)
+        if bool(finished.all()):
+            self.active, self.cache = active[:0], None
+            return active[finished]
+        keep = (~finished).nonzero().squeeze(-1)
+        if keep.numel() < active.numel():  # drop finished rows from the batch and the KV cache
+            keep_dev = keep.to(next_tok.device)
+            self.cache.batch_select_indices(keep_dev)
+            self.attention_mask = self.attention_mask[keep_dev]
+            self.position_ids = self.position_ids[keep_dev]
+            next_tok = next_tok[keep_dev]
+            self.active = active[keep]
+        self.input_ids = next_tok[:, None]
+        ones = self.attention_mask.new_ones(self.attention_mask.shape[0], 1)
+        self.attention_mask = torch.cat([self.attention_mask, ones], 1)
+        self.position_ids = self.position_ids[:, -1:] + 1
+        return active[finished]
+
+    def run(self) -> None:
+        """Decode until every live row has finished (``TorchEngine.cancel`` is looked at before each step)."""
+        for step in range(self.steps if self.active.numel() else 0):
+            self.engine._check_cancel()
+            self.advance(self.sample(self.forward(step)))
+            if self.active.numel() == 0:
+                break
+
+    # -- the output ----------------------------------------------------------------------------------------
+    def rollouts(self, rows: Tensor | None = None) -> Rollouts:
+        """``Rollouts`` of rows ``rows`` (all, in order, when None), T = their longest response."""
+        rows = torch.arange(len(self.prompts)) if rows is None else rows
+        mask = self.mask[rows]
+        width = int(mask.sum(-1).max()) if rows.numel() else 0
+        versions = self.versions[rows]
+        return Rollouts(
+            prompt_ids=[list(self.prompts[r]) for r in rows.tolist()],
+            response_ids=self.tokens[rows, :width],
+            response_mask=mask[:, :width],
+            rollout_logprobs=self.logprobs[rows, :width],
+            finish_reason=["stop" if s else "length" for s in self.stopped[rows].tolist()],
+            policy_version=versions[:, 0].clone(),  # the oldest token's: versions only grow
+            topk_ids=self.topk_ids[rows, :width] if self.k else None,
+            topk_logprobs=self.topk_lp[rows, :width] if self.k else None,
+            token_versions=torch.where(mask[:, :width], versions[:, :width], versions[:, :1]),
+        )
+
+
+@dataclass(eq=False)  # a group is itself: compared by identity
+class _Group:
+    """A group of ``PartialRollouts``: the rows of one prompt's G samples, their caller's key, and the call that
+    started them (``born``; -1 while waiting for decode slots)."""
+
+    key: object
+    prompts: list[list[int]]
+    seeds: list[int]
+    rows: list[int] = field(default_factory=list)  # indices into the loop's rows once admitted
+    born: int = -1
+
+
+class PartialRollouts:
+    """``rollout.partial``: one ``DecodeLoop`` kept alive across ``generate`` calls, filled group by group.
+
+    A call adds its groups (G rows of one prompt each) to a queue and decodes until ``want`` groups are complete,
+    every one of their rows finished: a group is trained whole (GRPO's baseline needs all G rows), so it enters a
+    batch only once its last row is done. Between decode steps, decode slots freed by finished rows take the next
+    queued group whole as soon as G slots are free, so the decode batch stays at a batch's row count (``slots``:
+    the most rows one call has brought, P x G in a run) while a long sequence runs on.
+
+    The rows still decoding when the batch is due, and complete groups beyond ``want``, stay for the next call:
+    their tokens keep the versions and log-probs that sampled them, their generators their state, and they rejoin
+    the next call's batch through a prefill of their context with the weights the engine then holds. A held group
+    with a token older than ``min_version`` is restarted from its first token (same seeds), so no trained token is
+    older than the caller's bound (``restarts`` counts them).
+
+    ``decode_rows``: the live rows of each decode step of the last call (the refill is visible there).
+    """
+
+    def __init__(self):
+        self.loop: DecodeLoop | None = None
+        self.queue: list[_Group] = []  # waiting for decode slots, in arrival order
+        self.held: list[_Group] = []  # admitted, in admission order
+        self.complete: list[_Group] = []  # every row finished, in completion order
+        self.calls = 0
+        self.restarts = 0
+        self.slots = 0  # the decode batch's rows: the most rows one call has brought
+        self.decode_rows: list[int] = []
+
+    def generate(self, engine, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None):
+        """Add the groups of ``prompts`` (len(keys) groups of equal size, each group's rows next to each other,
+        ``seeds`` one per row, ``keys`` one opaque key per group) and decode until ``want`` held groups are
+        complete. Returns (``Rollouts`` of those groups' rows, group after group, their keys [want], carried [N]
+        bool: the row was started by an earlier call). Raises ValueError for sizes that do not add up, a ``want``
+        larger than the groups held, or sampling settings other than the first call's."""
+        if not keys or len(prompts) % len(keys) or len(seeds) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts, {len(seeds)} seeds and {len(keys)} group keys: need "
+                             "one seed per prompt and the same number of prompts in every group")  # fmt: skip
+        if self.loop is None:
+            self.loop = DecodeLoop(engine, params)
+        elif params != self.loop.params:
+            raise ValueError("rollout.partial: the sampling settings must stay those of the first batch")
+        size = len(prompts) // len(keys)
+        self._restart_older_than(min_version)
+        for i, key in enumerate(keys):
+            self.queue.append(_Group(key, prompts[i * size : (i + 1) * size], seeds[i * size : (i + 1) * size]))
+        if want > len(self.held) + len(self.queue):
+            raise ValueError(f"want {want} groups but only {len(self.held) + len(self.queue)} are held")
+        self.slots = max(self.slots, len(prompts))
+        loop, slots = self.loop, self.slots
+        loop.rejoin = loop.rejoin or loop.active.numel() > 0  # carried rows rejoin with today's weights
+        self.decode_rows = []
+        step = 0
+        while len(self.complete) < want:
+            engine._check_cancel()
+            self._admit(slots)
+            self.decode_rows.append(int(loop.active.numel()))
+            loop.advance(loop.sample(loop.forward(step)))
+            self._mark_complete()
+            step += 1
+        return self._take(want)
+
+    def _admit(self, slots: int) -> None:
+        """Move queued groups into the decode batch, whole, while it has room for them."""
+        loop = self.loop
+        while self.queue and loop.active.numel() + len(self.queue[0].prompts) <= slots:
+            group = self.queue.pop(0)
+            group.rows, group.born = loop.add(group.prompts, group.seeds).tolist(), self.calls
+            self.held.append(group)
+
+    def _finished(self, group: _Group) -> bool:
+        rows = torch.tensor(group.rows, dtype=torch.long)
+        return bool((self.loop.stopped[rows] | (self.loop.pos[rows] >= self.loop.steps)).all())
+
+    def _mark_complete(self) -> None:
+        for group in self.held:
+            if group not in self.complete and self._finished(group):
+                self.complete.append(group)
+
+    def _take(self, want: int):
+        groups, self.complete = self.complete[:want], self.complete[want:]
+        rows = torch.tensor([r for g in groups for r in g.rows], dtype=torch.long)
+        out = self.loop.rollouts(rows)
+        carried = torch.tensor([g.born < self.calls for g in groups for _ in g.rows], dtype=torch.bool)
+        out.carried = carried
+        self._forget(groups)
+        self.calls += 1
+        return out, [g.key for g in groups], carried
+
+    def _forget(self, groups: list[_Group]) -> None:
+        """Drop ``groups``' rows from the loop (their indices shift: every held group's are renumbered)."""
+        gone = {r for g in groups for r in g.rows}
+        self.held = [g for g in self.held if g not in groups]
+        self.complete = [g for g in self.complete if g not in groups]
+        keep = torch.tensor([r for r in range(len(self.loop.prompts)) if r not in gone], dtype=torch.long)
+        new_index = {int(r): i for i, r in enumerate(keep.tolist())}
+        self.loop.keep_rows(keep)
+        for g in self.held:
+            g.rows = [new_index[r] for r in g.rows]
+
+    def _restart_older_than(self, min_version) -> None:
+        """Held groups with a token sampled before ``min_version`` go back to the queue's front, unstarted."""
+        if min_version is None or self.loop is None:
+            return
+        loop, stale = self.loop, []
+        for g in self.held:
+            rows = torch.tensor(g.rows, dtype=torch.long)
+            written = loop.versions[rows][loop.mask[rows]]
+            if written.numel() and int(written.min()) < min_version:
+                stale.append(g)
+        if stale:
+            self._forget(stale)
+            for g in stale:
+                g.rows, g.born = [], -1
+            self.queue = stale + self.queue
+            self.restarts += len(stale)

@@ -1,0 +1,224 @@
+"""Partial rollouts (``rollout.partial``, ``decode_loop.PartialRollouts``): sequences unfinished when a batch is due
+carry over to the next one with their tokens, versions and log-probs, the freed decode slots take new groups, a group
+enters a batch only whole, and no held token is older than the bound the producer sets.
+
+The forced case: the tiny random model decodes greedily by repeating its prompt's last token, so with stop token 11 a
+prompt ending in 11 finishes at its first token (a short group) and one ending in 3 runs to ``max_new_tokens`` (6)."""
+
+import pytest
+import torch
+from helpers import fast_config as cfg_for
+
+from lit_rl.algorithms import RLModule
+from lit_rl.config import ConfigError, validate
+from lit_rl.rollout.datamodule import ScoredRollouts
+from lit_rl.rollout.staleness import weights_snapshot
+from lit_rl.rollout.torch_engine import TorchEngine
+from lit_rl.schema.rollout import SamplingConfig
+
+LONG, SHORT, SHORT2, OTHER = [5, 9, 14, 3], [7, 2, 11], [8, 11], [10, 3]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=6, logprobs_top_k=2)
+G = 2
+
+
+def moved(model, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 1e-2 * torch.randn(v.shape, generator=g) for k, v in weights_snapshot(model).items()}
+
+
+def groups(*prompts):
+    """Rows of the groups of ``prompts`` (G each, next to each other) and their seeds."""
+    rows = [list(p) for p in prompts for _ in range(G)]
+    return rows, list(range(len(rows)))
+
+
+def call(engine, keys, prompts, want, min_version=None):
+    rows, seeds = groups(*prompts)
+    return engine.generate_partial(rows, GREEDY, seeds, keys, want, min_version)
+
+
+@pytest.fixture
+def versions(tiny):
+    model, _ = tiny
+    return {0: weights_snapshot(model), 1: moved(model, 1), 2: moved(model, 2)}
+
+
+def engine_at(model, tok, weights, version, stop=(11,)):
+    engine = TorchEngine(model, tok.pad_token_id, list(stop), own_copy=True)
+    engine.kv_on_update = "recompute"
+    engine.sync_weights(version, weights)
+    return engine
+
+
+def test_carried_rows_keep_their_tokens_and_the_freed_slots_are_refilled(tiny, versions):
+    """Call 1 (version 0, 4 decode slots): the short group is done at step 0 and due; the long one is carried with
+    one token. Call 2 (version 1): the carried group and the new short one fill the 4 slots, the short one finishes
+    at step 0 and the queued group takes its slots at step 1 (4 rows at every step, not 4, 2, 2, 2, 2); the long
+    group is due after its 5 remaining tokens, its first token still version 0's with its log-prob and top-k head
+    as call 1 left them. Under ``kernels=batch_invariant`` the carried tokens' log-probs are a fresh engine's: version
+    0's for the first token, version 1's (given the same context) for the rest."""
+    from lit_rl.kernels import BatchInvariantMode
+
+    model, tok = tiny
+    with BatchInvariantMode(model):
+        engine = engine_at(model, tok, versions[0], 0)
+        r1, keys1, carried1 = call(engine, ["short", "long"], [SHORT, LONG], want=1)
+        state = engine.partial_state
+        held = torch.tensor(state.held[0].rows)
+        before = {
+            "tokens": state.loop.tokens[held, :1].clone(), "logprobs": state.loop.logprobs[held, :1].clone(),
+            "versions": state.loop.versions[held, :1].clone(), "topk": state.loop.topk_lp[held, :1].clone(),
+        }  # fmt: skip
+        assert state.decode_rows == [4]
+        engine.sync_weights(1, versions[1])
+        r2, keys2, carried2 = call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
+        decode_rows2 = list(state.decode_rows)
+        fresh0 = engine_at(model, tok, versions[0], 0).generate([LONG] * G, GREEDY, [0, 1])
+        rest = SamplingConfig(temperature=0.0, max_new_tokens=5, logprobs_top_k=2)
+        context = LONG + r2.response_ids[2, :1].tolist()
+        fresh1 = engine_at(model, tok, versions[1], 1).generate([context] * G, rest, [0, 1])
+        held2 = [(g.key, state.loop.pos[g.rows].tolist()) for g in state.held]
+        r3, keys3, carried3 = call(engine, ["short3"], [SHORT], want=2)
+    assert keys1 == ["short"] and r1.response_mask.sum(-1).tolist() == [1, 1] and carried1.tolist() == [False] * 2
+    assert r1.finish_reason == ["stop", "stop"]
+    assert keys2 == ["short2", "long"] and carried2.tolist() == [False, False, True, True]
+    assert r2.carried.tolist() == carried2.tolist()
+    assert decode_rows2 == [4, 4, 4, 4, 4]  # the queued group refilled the short one's slots at step 1
+    long = slice(2, 4)
+    assert r2.response_mask[long].sum(-1).tolist() == [6, 6] and r2.finish_reason[2:] == ["length"] * 2
+    assert torch.equal(r2.response_ids[long, :1], before["tokens"])
+    assert torch.equal(r2.rollout_logprobs[long, :1], before["logprobs"])
+    assert torch.equal(r2.topk_logprobs[long, :1], before["topk"])
+    assert r2.token_versions[long].tolist() == [[0, 1, 1, 1, 1, 1]] * 2 and r2.policy_version[long].tolist() == [0, 0]
+    # bit for bit a fresh engine's, each token under the version that sampled it
+    assert torch.equal(r2.rollout_logprobs[long, :1], fresh0.rollout_logprobs[:, :1])
+    assert torch.equal(r2.response_ids[long, 1:], fresh1.response_ids)
+    assert torch.equal(r2.rollout_logprobs[long, 1:], fresh1.rollout_logprobs)
+    # the queued group is held with the 4 tokens of steps 1-4; it is due with one more step's, carried
+    assert held2 == [("other", [4, 4])]
+    assert keys3 == ["short3", "other"] and carried3.tolist() == [False, False, True, True]
+    assert state.decode_rows == [4, 2] and r3.response_mask[2:].sum(-1).tolist() == [6, 6]
+
+
+def test_sampled_partial_rollouts_equal_a_plain_generate_for_one_version(tiny):
+    """Carry-over and refills change which rows share a decode batch, never what a row samples: with one version and
+    batch-invariant kernels every group partial rollouts return equals the plain engine's for its seeds, bit for
+    bit (tokens, log-probs, top-k), over three calls with stop tokens that end rows at different steps."""
+    from lit_rl.kernels import BatchInvariantMode
+
+    model, tok = tiny
+    params = SamplingConfig(temperature=1.0, max_new_tokens=7, logprobs_top_k=2)
+    stop = list(range(0, 49152, 5))  # a fifth of the vocabulary ends a row
+    prompts = {f"p{i}": [3 + i, 9, 14 + i] for i in range(6)}
+    seeds = {key: [100 * i + j for j in range(G)] for i, key in enumerate(prompts)}
+    with BatchInvariantMode(model):
+        engine = TorchEngine(model, tok.pad_token_id, stop)
+        plain = {key: engine.generate([p] * G, params, seeds[key]) for key, p in prompts.items()}
+        out, carried = {}, 0
+        for keys in (["p0", "p1"], ["p2", "p3"], ["p4", "p5"]):
+            rows = [prompts[k] for k in keys for _ in range(G)]
+            r, got, c = engine.generate_partial(rows, params, [s for k in keys for s in seeds[k]], keys, want=2)
+            carried += int(c.sum())
+            for i, key in enumerate(got):
+                out[key] = (r.response_ids[i * G : (i + 1) * G], r.rollout_logprobs[i * G : (i + 1) * G], r)
+    assert len(out) == 6
+    for key, (ids, logprobs, _) in out.items():
+        width = plain[key].response_ids.shape[1]
+        assert torch.equal(ids[:, :width], plain[key].response_ids), key
+        assert torch.equal(logprobs[:, :width], plain[key].rollout_logprobs), key
+
+
+def test_a_held_group_with_a_token_older_than_the_bound_restarts(tiny, versions):
+    """No trained token is older than the bound: the group carried with a version-0 token is restarted from its first
+    token (same seeds) when the next call allows version 1 at the oldest, and returns with version-1 tokens only."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    call(engine, ["short", "long"], [SHORT, LONG], want=1)
+    engine.sync_weights(1, versions[1])
+    engine.partial_min_version = 1  # what the async producer sets: (step - max_staleness) * updates_per_step
+    r, keys, carried = call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
+    assert engine.partial_state.restarts == 1
+    assert keys == ["short2", "long"] and carried.tolist() == [False] * 4  # restarted: started by this call
+    assert r.token_versions[r.response_mask].min() == 1 and r.response_mask[2:].sum(-1).tolist() == [6, 6]
+
+
+def test_partial_fraction_is_the_share_of_carried_rows(tiny, versions):
+    """``rollout/partial_fraction`` by hand: call 2 of the forced case trains the new short group (2 rows) and the
+    carried long one (2 rows): 2 / 4 = 0.5; a batch without partial rollouts logs none."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    call(engine, ["short", "long"], [SHORT, LONG], want=1)
+    r, _, _ = call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=G, micro_batch_size=4)
+    scored = ScoredRollouts(r, torch.zeros(4), torch.tensor([0, 0, 1, 1]), [], [""] * 4)
+    assert module.rollout_metrics(scored)["rollout/partial_fraction"] == 0.5
+    r.carried = None
+    assert "rollout/partial_fraction" not in module.rollout_metrics(scored)
+
+
+def test_weight_swaps_count_every_generate_call_of_a_batch(tiny):
+    """``rollout/weight_swaps`` of a batch made of two generate calls (DAPO's rounds, partial rollouts' calls), each
+    with one in-flight swap, is 2, not the last call's 1."""
+    from lit_rl.rollout.staleness import RolloutProducer
+
+    model, tok = tiny
+    rollout = {"mode": "async", "producer": "thread", "weight_update": "in_flight", "kv_on_update": "recompute"}
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=2, micro_batch_size=2, rollout_mode=rollout)
+    producer = RolloutProducer(module, 0, 1, "block", 1, in_flight=True)  # not started: its hooks only
+    module.engine.sync_weights(0, weights_snapshot(model))
+    before = list(module.engine.swap_totals)
+    for version in (1, 2):
+        producer.publish(version, moved(model, version))
+        module.engine.generate([SHORT, LONG], SamplingConfig(max_new_tokens=3), [1, 2])
+        assert module.engine.last.swaps == 1
+    metrics = producer._swap_metrics(before)
+    assert metrics["rollout/weight_swaps"] == 2.0 and metrics["time/weight_swap_s"] > 0
+
+
+def test_bad_partial_calls_are_named(tiny, versions):
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    with pytest.raises(ValueError, match="same number of prompts in every group"):
+        engine.generate_partial([SHORT] * 3, GREEDY, [0, 1, 2], ["a", "b"], want=1)
+    with pytest.raises(ValueError, match="want 3 groups but only 2 are held"):
+        call(engine, ["a", "b"], [SHORT, LONG], want=3)
+    call(engine, ["a", "b"], [SHORT, LONG], want=1)
+    with pytest.raises(ValueError, match="sampling settings must stay"):
+        engine.generate_partial([SHORT] * G, SamplingConfig(max_new_tokens=3), [0, 1], ["c"], want=1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.partial=true"], "rollout.partial=True is not allowed: carries unfinished sequences"),
+        (["rollout.mode=async", "rollout.partial=true"], "rollout.weight_update=between_batches"),
+    ],
+)
+def test_partial_outside_async_in_flight_is_refused_by_name(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_for(*overrides))
+    assert message in str(err.value), str(err.value)
+
+
+def test_async_in_flight_with_partial_rollouts_validates():
+    validate(cfg_for("rollout.mode=async", "rollout.weight_update=in_flight", "rollout.partial=true"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("producer", ["thread", "process"])
+def test_the_recipe_trains_with_partial_rollouts_within_max_staleness(tmp_path, producer):
+    """async in flight with partial rollouts through the recipe, with either producer: every step logs
+    ``rollout/partial_fraction`` in [0, 1] and no trained token older than ``max_staleness`` (timing decides
+    which rows carry over: the tiny model rarely stops before its 8 tokens, so the fraction is often 0)."""
+    from helpers import MOVING
+
+    from lit_rl.run.train import run
+    from lit_rl.tools.compare import read_scalars
+
+    overrides = ["trainer.max_steps=4", "rollout.mode=async", "rollout.max_staleness=1"]
+    overrides += ["rollout.weight_update=in_flight", "rollout.partial=true", f"rollout.producer={producer}"]
+    run(cfg_for(*overrides, *MOVING), tmp_path / "a")
+    s = read_scalars(tmp_path / "a")
+    fractions = [v for _, v in s["rollout/partial_fraction"]]
+    assert len(fractions) == 4 and all(0.0 <= v <= 1.0 for v in fractions), fractions
+    assert all(v <= 1 for _, v in s["rollout/staleness_max"]), s["rollout/staleness_max"]
