@@ -19,7 +19,14 @@ from test_bypass import BITWISE, TEXT_REWARD, bit_identity
 
 from lit_rl import objectives as obj
 from lit_rl.config import ConfigError, validate
-from lit_rl.corrections import PROXIMAL_METHODS, corrected_policy_loss, loglinear_proximal_logprobs, weight_function
+from lit_rl.corrections import (
+    PROXIMAL_METHODS,
+    corrected_policy_loss,
+    loglinear_alpha,
+    loglinear_proximal_head,
+    loglinear_proximal_logprobs,
+    weight_function,
+)
 from lit_rl.expectation import TabularPolicy, expected_gradient, sampler_at_kl
 from lit_rl.run.train import build_module, run
 from lit_rl.schema import CorrectionConfig
@@ -55,6 +62,18 @@ def test_loglinear_proximal_is_exact_at_both_ends():
     assert torch.equal(fresh, mu)
     padded = loglinear_proximal_logprobs(mu, current, versions, 4, 6, torch.tensor([[True, True, False]]))
     assert padded[0, 2] == current[0, 2]  # padding: the current value, never an interpolation
+
+
+def test_loglinear_proximal_at_the_head_ids():
+    """Score centering's π_prox at the engine's head: (1 − α) log μ_v + α log π_θ,v with the position's α; μ_v = 0
+    (log −inf) stays −inf while α < 1."""
+    mu = torch.tensor([[[-1.0, -2.0, -math.inf]]])
+    current = torch.tensor([[[-1.5, -2.5, -3.0]]])
+    half = loglinear_proximal_head(mu, current, torch.tensor([[0.5]]))
+    torch.testing.assert_close(half, torch.tensor([[[-1.25, -2.25, -math.inf]]]))
+    assert torch.equal(loglinear_proximal_head(mu, current, torch.tensor([[1.0]])), current)
+    assert torch.equal(loglinear_proximal_head(mu, current, torch.tensor([[0.0]])), mu)
+    assert torch.equal(loglinear_alpha(torch.tensor([[3, 4, 5]]), 5, 5), torch.ones(1, 3, dtype=torch.float64))
 
 
 def test_loglinear_proximal_refuses_bad_input():
@@ -109,7 +128,6 @@ def test_proximal_methods_agree_and_loglinear_is_allowed_with_stale_modes():
         (["correction.proximal=loglinear", "correction.bypass=true"], "correction.bypass=true"),
         (["correction.proximal=loglinear", "correction=m2po"], "m2po (its bound reads pi_old of the whole batch)"),
         (["correction.proximal=loglinear", "correction=tis", "correction.tis.batch_normalize=true"], "tis.batch_norm"),
-        (["correction.proximal=loglinear", "correction=sc"], "sc (its weights read pi_old at the head ids)"),
     ],
 )
 def test_loglinear_is_refused_where_the_skipped_pass_is_needed(overrides, reason):
@@ -134,6 +152,7 @@ def module_for(policy, algo, *overrides):
         "rollout.micro_batch_size=4096",
         "logprob_chunk_tokens=4096",
         f"algo={algo}",
+        f"correction.sc.top_k={policy.vocab_size}",
     ]
     if algo == "reinforce":
         base.append("algo.baseline=none")
@@ -145,12 +164,16 @@ def reward_of(seqs):
     return REWARD[seqs[:, 0]].float()
 
 
-def gradient(policy, algo, sampler, *overrides, before=None):
-    """E_μ[ĝ] of one-token responses, the real reward as the advantage (REINFORCE's own; GRPO's group of one would
-    centre it to 0)."""
+def gradient(policy, algo, sampler, *overrides, before=None, advantages=None):
+    """E_μ[ĝ] of one-token responses (the engine's head: the whole vocabulary), the real reward as the advantage
+    (REINFORCE's own; GRPO's group of one would centre it to 0) unless ``advantages``."""
     module = module_for(policy, algo, *overrides)
-    as_reward = (lambda rb: rb.rewards.clone()) if algo != "reinforce" else None
-    return expected_gradient(module, policy, sampler, reward_of, advantages=as_reward, before=before).mean
+    if advantages is None and algo != "reinforce":
+        advantages = lambda rb: rb.rewards.clone()  # noqa: E731
+    head = policy.vocab_size
+    return expected_gradient(
+        module, policy, sampler, reward_of, head_size=head, advantages=advantages, before=before
+    ).mean
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +238,43 @@ def test_loglinear_proximal_equals_the_exact_pi_old_at_both_ends_of_the_interpol
     as_reward = lambda rb: rb.rewards.clone()  # noqa: E731
     pi = policy.table()
     on_policy = gradient(policy, "grpo", pi, *overrides)
-    interpolated = expected_gradient(module, policy, pi, reward_of, advantages=as_reward, before=proximal_sampled_them)
+    interpolated = expected_gradient(
+        module, policy, pi, reward_of, head_size=policy.vocab_size, advantages=as_reward, before=proximal_sampled_them
+    )
     scale = float(on_policy.abs().max())
     torch.testing.assert_close(interpolated.mean, on_policy, atol=1e-6 * scale, rtol=0)
+
+
+def test_score_centering_under_the_loglinear_proximal_policy(one_token):
+    """``correction=sc`` with ``correction.proximal=loglinear``: on the cycle's first update (stale rows, α = 1) the
+    trainer's gradient; at the α = 0 end (rows the proximal version sampled, π_prox = μ at the sampled token and at
+    the head ids alike) a constant advantage does not drift under the noisy sampler, GRPO's clip included, while
+    the uncentred update does."""
+    policy, mu, _ = one_token
+    extra = ("algo.ppo_epochs=2",)
+
+    def stale(rb):
+        rb.token_versions = torch.full_like(rb.token_versions, -3)
+
+    exact = gradient(policy, "grpo", mu, "correction=sc", *extra, before=stale)
+    first = gradient(policy, "grpo", mu, "correction=sc", "correction.proximal=loglinear", *extra, before=stale)
+    torch.testing.assert_close(first, exact, atol=1e-6 * float(exact.abs().max()), rtol=0)
+
+    ones = lambda rb: torch.ones(len(rb))  # noqa: E731
+    drifts = {}
+    for correction in ("none", "sc"):
+        module = module_for(policy, "grpo", f"correction={correction}", "correction.proximal=loglinear", *extra)
+
+        def proximal_sampled_them(rb, module=module):
+            module.proximal_version = -1
+            rb.token_versions = torch.full_like(rb.token_versions, -1)
+
+        drifts[correction] = expected_gradient(
+            module, policy, mu, reward_of, head_size=policy.vocab_size, advantages=ones, before=proximal_sampled_them
+        ).mean
+    scale = float(drifts["none"].abs().max())
+    assert scale > 1e-2
+    torch.testing.assert_close(drifts["sc"], torch.zeros_like(drifts["sc"]), atol=1e-6 * scale, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------

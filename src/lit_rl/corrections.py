@@ -732,11 +732,33 @@ def loglinear_proximal_logprobs(
     current = logprobs.detach()
     if current_version == proximal_version:
         return current
-    v_b = token_versions.to(torch.float64)
-    alpha = ((proximal_version - v_b) / (current_version - v_b)).clamp(0.0, 1.0)  # v_θ > v_prox ≥ v_b: finite
+    alpha = loglinear_alpha(token_versions, proximal_version, current_version).to(current.dtype)
     mu = rollout_logprobs.detach().to(current.dtype)
-    approx = mu + alpha.to(current.dtype) * (current - mu)
+    approx = mu + alpha * (current - mu)
     return torch.where(mask.bool(), approx, current)
+
+
+def loglinear_alpha(token_versions: Tensor, proximal_version: int, current_version: int) -> Tensor:
+    """float64 [N, T]: the log-linear proximal policy's α = (v_prox − v_b) / (v_θ − v_b) clamped to [0, 1] per
+    token (``loglinear_proximal_logprobs``), 1 on every token when v_θ = v_prox. ``token_versions``: int [N, T]."""
+    v_b = token_versions.to(torch.float64)
+    if current_version == proximal_version:
+        return torch.ones_like(v_b)
+    return ((proximal_version - v_b) / (current_version - v_b)).clamp(0.0, 1.0)  # v_θ > v_prox ≥ v_b: finite
+
+
+def loglinear_proximal_head(rollout_head_logprobs: Tensor, head_logprobs: Tensor, alpha: Tensor) -> Tensor:
+    """float [N, T, k]: the log-linear π_prox at the engine's head ids, for score centering's weights and ratios:
+    (1 − α_t) log μ_v + α_t log π_θ,v with the position's α_t (``loglinear_alpha``, [N, T]), exactly log μ_v where
+    α = 0 and log π_θ,v where α = 1; −inf where μ_v = 0 and α < 1. ``rollout_head_logprobs``: the engine's top-k
+    log-probs [N, T, k]; ``head_logprobs``: π_θ's at the same ids [N, T, k] (detached here). Raises ValueError on
+    shape mismatch."""
+    _check_same_shape(rollout_head_logprobs, head_logprobs, "rollout_head_logprobs", "head_logprobs")
+    current = head_logprobs.detach()
+    mu = rollout_head_logprobs.detach().to(current.dtype)
+    a = alpha.to(current.dtype)[..., None].expand_as(current)
+    mixed = (1 - a) * mu + a * current
+    return torch.where(a == 0, mu, torch.where(a == 1, current, mixed))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class Algorithm(nn.Module):
         (``learner.proximal_logprobs``: the snapshot π_old; with one update per rollout batch the trainer's own
         forward *is* π_old; ``correction.proximal=loglinear``: interpolated)."""
         scores = learner.logprobs_of(learner.policy, mb)
-        old_logprobs = learner.proximal_logprobs(mb, scores.logprobs)
+        old_logprobs = learner.proximal_logprobs(mb, scores)
         pg_loss, metrics = self.policy_loss(scores.logprobs, old_logprobs, mb)
         return PolicyTerms(scores, old_logprobs, pg_loss, metrics)
 

@@ -73,28 +73,30 @@ class OldPolicyMixin:
         """True with ``correction.proximal=loglinear``: π_prox is interpolated per micro-batch, no π_old pass."""
         return getattr(self.correction, "proximal", "trainer") == "loglinear"
 
-    def proximal_logprobs(self, mb: RolloutBatch, logprobs: Tensor) -> Tensor:
+    def proximal_logprobs(self, mb: RolloutBatch, scores: TokenScores) -> Tensor:
         """float [n, T]: log π_prox of micro-batch ``mb``'s sampled tokens, the denominator of the update's ratios,
         without gradient: ``mb.old_logprobs`` where a pass filled it (the snapshot, bypass's μ, PPO's GAE), else
-        with ``correction.proximal=loglinear`` the interpolation between μ and the current ``logprobs`` [n, T] by
-        weight version (``corrections.loglinear_proximal_logprobs``: the cycle started at ``proximal_version``,
-        the weights are now at ``policy_version``), else the current forward itself (one update per batch: it
-        is π_old)."""
+        with ``correction.proximal=loglinear`` the interpolation between μ and the current log-probs
+        (``scores.logprobs`` [n, T]) by weight version (``corrections.loglinear_proximal_logprobs``: the cycle
+        started at ``proximal_version``, the weights are now at ``policy_version``), else the current forward itself
+        (one update per batch: it is π_old). With score centering, the loglinear case also fills
+        ``mb.old_head_logprobs``, π_prox at the head ids, interpolated with each position's α."""
         if mb.old_logprobs is not None:
             return mb.old_logprobs
-        if self.interpolates_proximal:
-            versions = mb.token_versions  # None: each row's policy_version on every token
-            if versions is None:
-                versions = row_versions(mb.policy_version, mb.response_mask.shape[1])
-            return corr.loglinear_proximal_logprobs(
-                mb.rollout_logprobs,
-                logprobs,
-                versions.to(logprobs.device),
-                self.proximal_version,
-                self.policy_version,
-                mb.response_mask,
-            )
-        return logprobs.detach()
+        logprobs = scores.logprobs
+        if not self.interpolates_proximal:
+            return logprobs.detach()
+        versions = mb.token_versions  # None: each row's policy_version on every token
+        if versions is None:
+            versions = row_versions(mb.policy_version, mb.response_mask.shape[1])
+        versions = versions.to(logprobs.device)
+        v_prox, v_now = self.proximal_version, self.policy_version
+        if scores.head_logprobs is not None and mb.topk_logprobs is not None:
+            alpha = corr.loglinear_alpha(versions, v_prox, v_now)
+            mb.old_head_logprobs = corr.loglinear_proximal_head(mb.topk_logprobs, scores.head_logprobs, alpha)
+        return corr.loglinear_proximal_logprobs(
+            mb.rollout_logprobs, logprobs, versions, v_prox, v_now, mb.response_mask
+        )
 
     @torch.no_grad()
     def snapshot(self, rb: RolloutBatch) -> None:

@@ -192,8 +192,8 @@ class CorrectionConfig:
     def proximal_problems(self) -> Problems:
         """``correction.proximal`` one of ``proximal_methods``; ``loglinear`` (the pi_old pass skipped) refused with
         what needs that pass or chooses the denominator otherwise: bypass (mu as the denominator), M2PO's bound and
-        TIS's batch normalisation (pi_old of the whole batch before the first update), score centering (its weights
-        read pi_old at the engine's head ids, which the interpolation does not cover)."""
+        TIS's batch normalisation (pi_old of the whole batch before the first update). Score centering takes
+        pi_prox at the head ids interpolated the same way (``corrections.loglinear_proximal_head``)."""
         yield from rule(
             self.proximal in self.proximal_methods,
             "correction.proximal",
@@ -209,7 +209,6 @@ class CorrectionConfig:
                 ("correction.bypass=true (mu is then the denominator)", self.bypass),
                 ("m2po (its bound reads pi_old of the whole batch)", self.m2po.enabled),
                 ("tis.batch_normalize (its Z reads pi_old of the whole batch)", self.tis.enabled and tis_normalised),
-                ("sc (its weights read pi_old at the head ids)", self.sc.enabled),
             )
             if on
         ]
