@@ -13,7 +13,7 @@ batch normalisation are statistics of the whole batch: their rows are Monte Carl
 batches of ``--batch`` sequences, with the standard error printed.
 
 Per correction and KL (defaults of conf/correction: TIS cap 2, MIS band [0.5, 2], OPSM δ = 1e-4, the rejection
-rules' thresholds, M2PO τ = 0.04):
+rules' thresholds, M2PO τ = 0.04, the decoupled objective's cap 5):
 - drift+ / drift−: ‖E_μ[ĝ]‖ under a constant advantage A = +1 / A = −1 on every sequence, where the true gradient
   is 0; relative to ‖g‖, the norm of the on-policy gradient under the real reward below;
 - bias: ‖E_μ[ĝ] − g‖ / ‖g‖ under a real reward (uniform in [−0.5, 0.5) per sequence, fixed; both signs, so OPSM
@@ -78,6 +78,9 @@ CORRECTIONS = {  # row label -> overrides
     "m2po": ["correction=m2po"],
     "sc+m2po": ["correction=sc+m2po"],
     "bypass (grpo clip 0.2)": ["algo=grpo", "loss.reduction=seq_mean_token_sum", "correction.bypass=true"],
+    # AReaL's decoupled objective: weight π_prox/μ masked above 5 (at the first update π_prox = π_old = π, so
+    # correction.proximal=loglinear gives the same numbers: it differs only on later optimizer steps)
+    "decoupled (cap 5)": ["correction=decoupled"],
 }
 #: rows whose rule reads the whole batch: Monte Carlo
 BATCH_LEVEL = ("tis (batch-normalised)", "sc+tis (batch-normalised)", "m2po", "sc+m2po")

@@ -126,6 +126,7 @@ NEW_CORRECTIONS = [
     ["correction=sc+m2po"],
     ["correction.bypass=true"],
     ["kl.beta=0.01", "kl.is_weighted=true"],
+    ["correction=decoupled", "correction.proximal=loglinear", "rollout.mode=lagged", "algo.num_minibatches=2"],
 ]
 
 
@@ -146,5 +147,5 @@ def test_the_main_job_runs_three_steps_with_each_new_correction(tmp_path, overri
     for part, tag in metric.items():
         if part in name.split("+"):
             assert f"train/{tag}" in s and all(0 <= v <= 1 for _, v in s[f"train/{tag}"]), tag
-    if "correction.bypass=true" in overrides:
-        assert all(v == 0.0 for _, v in s["time/old_logprob_s"])
+    if "correction.bypass=true" in overrides or "correction.proximal=loglinear" in overrides:
+        assert all(v == 0.0 for _, v in s["time/old_logprob_s"])  # no pi_old pass

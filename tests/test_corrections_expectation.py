@@ -202,11 +202,12 @@ def reference_drift(policy, sampler, rule, centred, reduction_weight, advantage=
 
 
 def rule_for(correction, level="token", cap=2.0, band=(0.5, 2.0), tis_low=None, mis_level=None):
+    parts = REGISTERED_CORRECTIONS[correction.removesuffix("_mask")]  # ``decoupled`` is MIS by another name
     return WeightFunction(
-        tis_cap=cap if "tis" in correction else None,
-        tis_low=tis_low if "tis" in correction else None,
+        tis_cap=cap if "tis" in parts else None,
+        tis_low=tis_low if "tis" in parts else None,
         tis_level=level,
-        mis_band=band if "mis" in correction else None,
+        mis_band=band if "mis" in parts else None,
         mis_level=mis_level or level,
         mis_weighted=not correction.endswith("_mask"),
     )

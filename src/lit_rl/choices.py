@@ -83,6 +83,7 @@ CORRECTIONS: Registry[frozenset] = Registry(
         "sc+rs": frozenset({"sc", "rs"}),
         "m2po": frozenset({"m2po"}),
         "sc+m2po": frozenset({"sc", "m2po"}),
+        "decoupled": frozenset({"mis"}),
     },
 )
 

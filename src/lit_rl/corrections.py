@@ -671,6 +671,97 @@ def corrected_policy_loss(
 
 
 # ----------------------------------------------------------------------------------------------
+# The proximal policy of the decoupled objective (AReaL)
+# ----------------------------------------------------------------------------------------------
+
+#: ``correction.proximal``: how π_prox, the PPO ratio's denominator, is obtained (``schema.CorrectionConfig``)
+PROXIMAL_METHODS = ("trainer", "loglinear")
+
+
+def loglinear_proximal_logprobs(
+    rollout_logprobs: Tensor,
+    logprobs: Tensor,
+    token_versions: Tensor,
+    proximal_version: int,
+    current_version: int,
+    mask: Tensor,
+) -> Tensor:
+    """The log-linear proximal policy (Fu et al. 2025, "AReaL", arXiv 2505.24298; AReaL's
+    ``prox_logp_method=loglinear``): log π_prox of the sampled tokens interpolated in log space, by weight version,
+    between the behaviour policy μ that sampled each token and the current policy π_θ, so that the trainer's π_prox
+    (π_old) pass is skipped:
+
+        α_t = (v_prox − v_b,t) / (v_θ − v_b,t) clamped to [0, 1],
+        log π_prox,t ≈ log μ_t + α_t · (log π_θ,t − log μ_t),
+
+    v_b,t the version that sampled token t, v_prox the version the update cycle started from (π_old, whose
+    log-probs the ratio π_θ/π_prox wants), v_θ the version of the weights now being trained. Versions count
+    optimizer steps (lit_rl's ``policy_version``), so v_θ − v_prox is the number of updates the cycle has taken.
+    The two ends are exact: when v_θ = v_prox (the cycle's first update; every update with one optimizer step
+    per batch) the current policy IS π_prox and its log-probs are returned as they are (α = 1 on every token,
+    a fresh row's too); a token sampled by the proximal version itself (v_b = v_prox < v_θ) gets α = 0, log μ,
+    which is π_old up to the numerical gap (bit for bit under ``kernels=batch_invariant``).
+
+    AReaL's convention differs in its version count: one version per training step, v_prox = v_θ − 1 for every
+    minibatch of the step (α = (v_θ − 1 − v_b)/(v_θ − v_b)), and α = 0 (log μ) for a token with v_b = v_θ. μ is
+    the sampler's log-prob (``rollout_logprobs``, AReaL's ``old_logp``), not the trainer's scores under the
+    behaviour weights (``behaviour_logprobs``, which need the very forward this skips).
+
+    Args:
+        rollout_logprobs: float [N, T], log μ of the sampled tokens.
+        logprobs: float [N, T], log π_θ of the sampled tokens now (detached here).
+        token_versions: int [N, T], v_b per token (``RolloutBatch.token_versions``).
+        proximal_version: v_prox, the version the update cycle started from.
+        current_version: v_θ ≥ v_prox, the version of the weights being trained.
+        mask: bool or 0/1 float [N, T] of valid tokens.
+
+    Returns:
+        float [N, T] (``logprobs``' dtype), no gradient; ``logprobs`` itself (detached) on padding.
+
+    Raises:
+        ValueError: on shape mismatch, or ``current_version`` < ``proximal_version``.
+    """
+    _check_same_shape(rollout_logprobs, logprobs, "rollout_logprobs", "logprobs")
+    _check_same_shape(token_versions, mask, "token_versions", "mask")
+    _check_same_shape(logprobs, mask, "logprobs", "mask")
+    if current_version < proximal_version:
+        raise ValueError(
+            f"current_version={current_version} is older than proximal_version={proximal_version}: the weights "
+            "being trained cannot precede the update cycle's start"
+        )
+    current = logprobs.detach()
+    if current_version == proximal_version:
+        return current
+    alpha = loglinear_alpha(token_versions, proximal_version, current_version).to(current.dtype)
+    mu = rollout_logprobs.detach().to(current.dtype)
+    approx = mu + alpha * (current - mu)
+    return torch.where(mask.bool(), approx, current)
+
+
+def loglinear_alpha(token_versions: Tensor, proximal_version: int, current_version: int) -> Tensor:
+    """float64 [N, T]: the log-linear proximal policy's α = (v_prox − v_b) / (v_θ − v_b) clamped to [0, 1] per
+    token (``loglinear_proximal_logprobs``), 1 on every token when v_θ = v_prox. ``token_versions``: int [N, T]."""
+    v_b = token_versions.to(torch.float64)
+    if current_version == proximal_version:
+        return torch.ones_like(v_b)
+    return ((proximal_version - v_b) / (current_version - v_b)).clamp(0.0, 1.0)  # v_θ > v_prox ≥ v_b: finite
+
+
+def loglinear_proximal_head(rollout_head_logprobs: Tensor, head_logprobs: Tensor, alpha: Tensor) -> Tensor:
+    """float [N, T, k]: the log-linear π_prox at the engine's head ids, for score centering's weights and ratios:
+    (1 − α_t) log μ_v + α_t log π_θ,v with the position's α_t (``loglinear_alpha``, [N, T]), exactly log μ_v where
+    α = 0 and log π_θ,v where α = 1; −inf where μ_v = 0 and α < 1. ``rollout_head_logprobs``: the engine's top-k
+    log-probs [N, T, k]; ``head_logprobs``: π_θ's at the same ids [N, T, k] (detached here). Raises ValueError on
+    shape mismatch."""
+    _check_same_shape(rollout_head_logprobs, head_logprobs, "rollout_head_logprobs", "head_logprobs")
+    current = head_logprobs.detach()
+    mu = rollout_head_logprobs.detach().to(current.dtype)
+    a = alpha.to(current.dtype)[..., None].expand_as(current)
+    mixed = (1 - a) * mu + a * current
+    return torch.where(a == 0, mu, torch.where(a == 1, current, mixed))
+
+
+# ----------------------------------------------------------------------------------------------
 # The ``correction`` config group: names and wiring
 # ----------------------------------------------------------------------------------------------
 

@@ -126,10 +126,11 @@ class Algorithm(nn.Module):
 
     # -- 3. the loss ---------------------------------------------------------------------------------------------
     def policy_terms(self, learner, mb: RolloutBatch) -> PolicyTerms:
-        """Score micro-batch ``mb`` with the policy and take the objective's per-token loss. With one update per
-        rollout batch the trainer's own forward *is* the snapshot π_old."""
+        """Score micro-batch ``mb`` with the policy and take the objective's per-token loss against π_prox
+        (``learner.proximal_logprobs``: the snapshot π_old; with one update per rollout batch the trainer's own
+        forward *is* π_old; ``correction.proximal=loglinear``: interpolated)."""
         scores = learner.logprobs_of(learner.policy, mb)
-        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else scores.logprobs.detach()
+        old_logprobs = learner.proximal_logprobs(mb, scores)
         pg_loss, metrics = self.policy_loss(scores.logprobs, old_logprobs, mb)
         return PolicyTerms(scores, old_logprobs, pg_loss, metrics)
 

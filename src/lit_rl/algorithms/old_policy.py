@@ -14,8 +14,15 @@ pass's time (``time/old_logprob_s``) is saved. Under other kernels μ ≠ π_old
 another estimator: the PPO ratio π_θ/μ, clipped, is then both the trust region and the train–inference
 correction (verl's bypass with its PPO-clip loss); ``config.check_bypass`` allows that only for objectives with a
 clipped ratio, and refuses the weight corrections whose π_old/μ bypass would make 1 (tis, mis, rs, m2po) and the
-rollout modes whose rows come from older weights (their proximal policy, AReaL's decoupled objective, is not
-built here).
+rollout modes whose rows come from older weights.
+
+The proximal policy (``correction.proximal``; Fu et al. 2025, AReaL's decoupled objective). The ratio's denominator
+is π_prox = π_old, the trainer at the version the update cycle started from, in every rollout mode; the sampler μ
+enters only through the correction's weight (``correction=decoupled``: π_prox/μ, masked above 5). With
+``correction.proximal=loglinear`` π_prox is not scored by the snapshot pass but interpolated per micro-batch
+(``proximal_logprobs``, ``corrections.loglinear_proximal_logprobs``): exact on the cycle's first update, log μ for
+tokens the proximal version sampled itself, between the two by weight version for stale tokens. Allowed with every
+rollout mode, unlike bypass.
 """
 
 from __future__ import annotations
@@ -23,19 +30,22 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import Tensor
 
 from .. import corrections as corr
 from .. import rejection
 from ..logprobs import TokenScores
-from ..rollout.types import RolloutBatch
+from ..rollout.types import RolloutBatch, row_versions
 
 
 class OldPolicyMixin:
     """π_old of the update cycle, for a LightningModule with ``policy``, ``correction``, ``updates_per_step``,
-    ``micro_batch_size`` and ``logprobs_of``."""
+    ``micro_batch_size``, ``logprobs_of`` and ``policy_version``."""
 
     #: seconds the last update's π_old pass took (``time/old_logprob_s``; 0 when none ran)
     old_logprob_s: float = 0.0
+    #: v_prox, the weight version the current update cycle started from (``start_update``)
+    proximal_version: int = 0
 
     def start_update(self, rb: RolloutBatch) -> None:
         """What the update needs before its first optimizer step: π_old, as μ with ``correction.bypass`` or from
@@ -43,18 +53,50 @@ class OldPolicyMixin:
         itself is π_old) or a batch-level correction reads it (M2PO's bound on the log-ratios,
         ``rejection.batch_log_ratio_bound``). Records the pass's time in ``old_logprob_s``."""
         self.old_logprob_s = 0.0
+        self.proximal_version = self.policy_version
         if getattr(self.correction, "bypass", False):
             rb.old_logprobs = rb.rollout_logprobs.clone()
             if rb.topk_logprobs is not None and self.correction.sc.enabled:
                 rb.old_head_logprobs = rb.topk_logprobs.clone()
         batch_level = rejection.needs_batch_pass(self.correction)
-        if (self.updates_per_step > 1 or batch_level) and rb.old_logprobs is None:
+        several = self.updates_per_step > 1 and not self.interpolates_proximal
+        if (several or batch_level) and rb.old_logprobs is None:
             t0 = time.perf_counter()
             self.snapshot(rb)
             self.old_logprob_s = time.perf_counter() - t0
         if batch_level:
             rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb)
             rb.weight_scale = corr.batch_weight_scale(self.correction, rb)
+
+    @property
+    def interpolates_proximal(self) -> bool:
+        """True with ``correction.proximal=loglinear``: π_prox is interpolated per micro-batch, no π_old pass."""
+        return getattr(self.correction, "proximal", "trainer") == "loglinear"
+
+    def proximal_logprobs(self, mb: RolloutBatch, scores: TokenScores) -> Tensor:
+        """float [n, T]: log π_prox of micro-batch ``mb``'s sampled tokens, the denominator of the update's ratios,
+        without gradient: ``mb.old_logprobs`` where a pass filled it (the snapshot, bypass's μ, PPO's GAE), else
+        with ``correction.proximal=loglinear`` the interpolation between μ and the current log-probs
+        (``scores.logprobs`` [n, T]) by weight version (``corrections.loglinear_proximal_logprobs``: the cycle
+        started at ``proximal_version``, the weights are now at ``policy_version``), else the current forward itself
+        (one update per batch: it is π_old). With score centering, the loglinear case also fills
+        ``mb.old_head_logprobs``, π_prox at the head ids, interpolated with each position's α."""
+        if mb.old_logprobs is not None:
+            return mb.old_logprobs
+        logprobs = scores.logprobs
+        if not self.interpolates_proximal:
+            return logprobs.detach()
+        versions = mb.token_versions  # None: each row's policy_version on every token
+        if versions is None:
+            versions = row_versions(mb.policy_version, mb.response_mask.shape[1])
+        versions = versions.to(logprobs.device)
+        v_prox, v_now = self.proximal_version, self.policy_version
+        if scores.head_logprobs is not None and mb.topk_logprobs is not None:
+            alpha = corr.loglinear_alpha(versions, v_prox, v_now)
+            mb.old_head_logprobs = corr.loglinear_proximal_head(mb.topk_logprobs, scores.head_logprobs, alpha)
+        return corr.loglinear_proximal_logprobs(
+            mb.rollout_logprobs, logprobs, versions, v_prox, v_now, mb.response_mask
+        )
 
     @torch.no_grad()
     def snapshot(self, rb: RolloutBatch) -> None:

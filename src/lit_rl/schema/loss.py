@@ -110,6 +110,12 @@ class CorrectionConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     #: true: the rollout log-probs mu are pi_old, the trainer's pi_old pass is skipped (``algorithms.old_policy``)
     bypass: bool = False
+    #: the PPO ratio's denominator pi_prox (``corrections.PROXIMAL_METHODS``): trainer (pi_old, the trainer's own
+    #: log-probs at the update cycle's start) | loglinear (AReaL's log-linear interpolation between mu and pi_theta
+    #: by weight version, the pi_old pass skipped: ``corrections.loglinear_proximal_logprobs``)
+    proximal: str = "trainer"
+    #: ``correction.proximal``'s values (``corrections.PROXIMAL_METHODS``; the tests check the two agree)
+    proximal_methods: ClassVar[tuple[str, ...]] = ("trainer", "loglinear")
 
     def problems(self, run) -> Problems:
         """The values of the correction's parts it refuses (``schema.base``: ``config.validate`` raises
@@ -136,6 +142,7 @@ class CorrectionConfig:
         )
         yield from self.mask_problems()
         yield from self.bypass_problems(run)
+        yield from self.proximal_problems()
         low = tis.low
         yield from rule(
             low is None or (is_number(low) and 0 < low <= min(1.0, tis.cap)),
@@ -147,8 +154,9 @@ class CorrectionConfig:
 
     def bypass_problems(self, run) -> Problems:
         """Where ``correction.bypass=true`` cannot be exact or safe (``algorithms.old_policy``): rows sampled by
-        older weights (their proximal policy is not built), a weight correction whose pi_old/mu bypass makes 1, or
-        an objective without a clipped ratio under kernels that leave a numerical gap between mu and pi_old."""
+        older weights (``correction.proximal=loglinear`` serves them), a weight correction whose pi_old/mu bypass
+        makes 1, or an objective without a clipped ratio under kernels that leave a numerical gap between mu and
+        pi_old."""
         if not self.bypass or run is None:
             return
         from ..choices import ALGO_CONFIGS, ROLLOUT_MODES  # choices imports this package
@@ -158,8 +166,9 @@ class CorrectionConfig:
             not (mode in ROLLOUT_MODES and ROLLOUT_MODES[mode].stale),
             "correction.bypass",
             True,
-            f"false with rollout.mode={mode}: its rows come from older weights, so mu is neither pi_old nor the "
-            "proximal policy AReaL's decoupled objective would need (not built); bypass needs rollout.mode=sync",
+            f"false with rollout.mode={mode}: its rows come from older weights, so mu is not pi_old; bypass needs "
+            "rollout.mode=sync. To skip the pi_old pass with stale rows use correction.proximal=loglinear (AReaL's "
+            "log-linear proximal policy; correction=decoupled weighs each token by pi_prox/mu)",
         )
         weights = [part for part in ("tis", "mis", "rs", "m2po") if getattr(self, part).enabled]
         yield from rule(
@@ -178,6 +187,36 @@ class CorrectionConfig:
             f"false with algo={algo} under kernels={run.kernels.name}: mu differs from pi_old by the numerical gap, "
             "and without a clipped ratio nothing bounds pi_theta/mu; bypass is exact under kernels=batch_invariant, "
             "and elsewhere needs a PPO-clip objective (its clip is the importance truncation, verl's bypass)",
+        )
+
+    def proximal_problems(self) -> Problems:
+        """``correction.proximal`` one of ``proximal_methods``; ``loglinear`` (the pi_old pass skipped) refused with
+        what needs that pass or chooses the denominator otherwise: bypass (mu as the denominator), M2PO's bound and
+        TIS's batch normalisation (pi_old of the whole batch before the first update). Score centering takes
+        pi_prox at the head ids interpolated the same way (``corrections.loglinear_proximal_head``)."""
+        yield from rule(
+            self.proximal in self.proximal_methods,
+            "correction.proximal",
+            self.proximal,
+            f"choose one of {list(self.proximal_methods)}",
+        )
+        if self.proximal != "loglinear":
+            return
+        tis_normalised = bool(self.tis.batch_normalize)
+        needs_pass = [
+            name
+            for name, on in (
+                ("correction.bypass=true (mu is then the denominator)", self.bypass),
+                ("m2po (its bound reads pi_old of the whole batch)", self.m2po.enabled),
+                ("tis.batch_normalize (its Z reads pi_old of the whole batch)", self.tis.enabled and tis_normalised),
+            )
+            if on
+        ]
+        yield from rule(
+            not needs_pass,
+            "correction.proximal",
+            self.proximal,
+            f"'trainer' with {', '.join(needs_pass)}: loglinear skips the trainer's pi_old pass, which these need",
         )
 
     def mask_problems(self) -> Problems:
