@@ -93,6 +93,51 @@ def test_two_rank_gradient_equals_the_one_process_gradient(two_ranks, one_proces
     assert m["train/grad_norm"] == pytest.approx(float(g_ref.norm()), rel=1e-4)
 
 
+def test_batch_level_corrections_are_the_whole_step_s_on_every_rank(two_ranks):
+    """Issue 38: M2PO's cutoff (an order statistic: the ranks gather the valid tokens' squared log-ratios) and TIS's
+    batch normalisation Z (an all-reduce of the weights' sum and the token count) are the one-device values of the
+    whole batch on both ranks, not each rank's own (rank 1's log-ratios are 5x as spread as rank 0's, so each
+    rank's own values differ); the update then equals the one-device update."""
+    from helpers.ddp_probe import BATCH_RULES, batch_rules_batch
+
+    from lit_rl import corrections, rejection
+    from lit_rl.schema import CorrectionConfig, config_of
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank (see ``one_process``)
+    try:
+        torch.manual_seed(0)
+        policy, tok = load_policy(ModelConfig("tiny"))
+        module = make_module(policy, tok, correction=BATCH_RULES)
+        rb = batch_rules_batch()
+        module.start_update(rb)  # one device: the whole batch's pi_old, bound and scale
+        policy.zero_grad()
+        stats, loss = module.accumulate_gradients(rb)
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    finally:
+        torch.set_num_threads(previous)
+    bound, scale = float(rb.log_ratio_bound[0]), float(rb.weight_scale[0])
+    assert 0 < bound < float((rb.old_logprobs - rb.rollout_logprobs)[rb.response_mask].abs().max())  # masks some
+    rank0 = rb.select(torch.arange(6))
+    correction = config_of(CorrectionConfig, BATCH_RULES)
+    assert float(rejection.batch_log_ratio_bound(correction, rank0)[0]) != bound  # a rank's own: another cutoff
+    assert float(corrections.batch_weight_scale(correction, rank0)[0]) != pytest.approx(scale, rel=1e-6)
+    for r in two_ranks:
+        got = r["batch_rules"]
+        assert got["bound"].tolist() == [bound] * 6  # the same bits: the one-device cutoff of the union
+        assert got["scale"].tolist() == pytest.approx([scale] * 6, rel=1e-12)  # float64 sums, another order
+    r0, r1 = two_ranks[0]["batch_rules"], two_ranks[1]["batch_rules"]
+    untimed = [{k: v for k, v in r["metrics"].items() if not k.startswith("time/")} for r in (r0, r1)]
+    assert untimed[0] == untimed[1]
+    ulp, g_ref = torch.finfo(torch.float32).eps, flat(grads)
+    torch.testing.assert_close(flat(r0["grads"]), g_ref, rtol=0.0, atol=8 * ulp * float(g_ref.abs().max()))
+    means = stats.means()
+    assert 0 < means["train/m2po_maskfrac"] < 1
+    for tag in ("train/m2po_maskfrac", "train/m2", "train/tis_batch_mean", "train/entropy"):
+        assert r0["metrics"][tag] == pytest.approx(means[tag], rel=1e-5), tag
+    assert r0["metrics"]["train/loss"] == pytest.approx(loss, rel=1e-5)
+
+
 def test_step_metrics_are_weighted_means_sums_and_maxima(two_ranks):
     (m0, w0), (m1, w1) = STEP_METRICS
     expected = {"rollout/reward_mean": (0.5 * 4 + 1.0 * 12) / 16, "rollout/reward_errors": 3.0, "time/step_s": 3.0}
