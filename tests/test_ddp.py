@@ -217,6 +217,54 @@ def assert_logs_what_one_device_logs(ddp: dict, one: dict) -> None:
         assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
 
 
+#: the values a stale run under DDP logs as one device does: samples, staleness, the update (``time/*`` and
+#: ``perf/*`` are wall clock; ``train/r_num_abs``, ``logprob_abs_diff``, the KLs and ``is_chi2*`` are float32
+#: rounding-level gaps, ~1e-7, that another batch split changes)
+STALE_TAGS = [
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "rollout/staleness_mean",
+    "rollout/staleness_max",
+    "rollout/version_span_max",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/r_stale_abs",
+    "train/lr",
+]
+
+
+@pytest.mark.slow  # ~2 min each on 2 busy cores: a cold start of 2 ranks, then the one-device run
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["rollout.mode=lagged", "rollout.lag=1"],
+        # on_stale=block, max_staleness=1, a buffer of one batch: step s samples with version s - 1 (s >= 1),
+        # whatever the timing (rollout.staleness); the default producer, a rollout process per rank
+        ["rollout.mode=async"],
+    ],
+    ids=["lagged", "async"],
+)
+def test_stale_modes_under_ddp_log_what_one_device_logs(tmp_path, mode):
+    """``trainer=ddp trainer.devices=2`` with ``rollout.mode=lagged|async``: each rank's source (its lagged
+    history, or its own rollout process and weight store) samples its share of the step's prompts with the
+    version one device would use, so every tag of ``STALE_TAGS`` equals the one-device run's (rtol 1e-5) and
+    the staleness is 0 at step 1, then 1."""
+    overrides = [*MOVING, "eval.num_examples=0", "trainer.max_steps=3", *mode]
+    out = tmp_path / "ddp"
+    res = launch_recipe(*overrides, "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    if mode == ["rollout.mode=async"]:
+        assert res.stdout.count("rollout producer in process") == 2, res.stdout[-3000:]  # one per rank
+    run(cfg_for(*overrides, "threads=1"), tmp_path / "one")
+    ddp, one = read_scalars(out), read_scalars(tmp_path / "one")
+    assert sorted(ddp) == sorted(one)
+    assert [v for _, v in ddp["rollout/staleness_max"]] == [0.0, 1.0, 1.0]
+    assert all(v > 0 for _, v in ddp["train/r_stale_abs"][1:])  # the weights moved: stale tokens score apart
+    for tag in STALE_TAGS:
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in one[tag]] == [1, 2, 3], tag
+        assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
+
+
 def launch_recipe(*overrides, cwd):
     """``recipes/train.py`` with the tests' fast settings and ``overrides`` in a subprocess (one thread)."""
     res = subprocess.run(
