@@ -395,6 +395,8 @@ def test_torchrun_two_nodes_of_one_process_log_what_one_device_logs(tmp_path):
 def test_trainer_groups_compose_and_the_rank_count_is_checked():
     for name in ("cpu", "gpu", "ddp", "fsdp"):
         validate(cfg_for(f"trainer={name}"))
+    for mode in ("lagged", "async"):  # served under DDP (refused with fsdp: tests/test_staleness.py)
+        validate(cfg_for("trainer=ddp", f"rollout.mode={mode}"))
     cfg = cfg_for("trainer=fsdp")
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.accelerator == "auto"
     strategy = build_strategy(cfg.trainer.strategy)

@@ -3,6 +3,7 @@ non-finite updates skipped, counted, and a stop after too many in a row."""
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,6 +307,75 @@ def test_a_signal_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_st
     assert_stopped_with_checkpoint(
         subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, signal.Signals(signum).name, step
     )
+
+
+def test_a_helper_started_shielded_outlives_the_stop_signals():
+    """``producer_process.shielded_start``: a process started inside it (the rollout process, multiprocessing's
+    resource tracker) has SIGINT, SIGTERM and SIGUSR1 blocked, so a signal to the process group is the trainer's
+    alone; the trainer's own mask is restored afterwards."""
+    import time
+
+    from lit_rl.rollout.producer_process import STOP_SIGNALS, shielded_start
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with shielded_start():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+        for signum in STOP_SIGNALS:
+            os.kill(child.pid, signum)
+        time.sleep(0.5)
+        assert child.poll() is None  # SIGUSR1's default action would have ended it
+        blocked = int(re.search(r"SigBlk:\s*([0-9a-f]+)", open(f"/proc/{child.pid}/status").read()).group(1), 16)
+        assert all(blocked >> (int(s) - 1) & 1 for s in STOP_SIGNALS)
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.slow  # ~70 s each: a recipe launch stopped by the signal, then the continued run
+@pytest.mark.parametrize(
+    "fault, stop_step, staleness",
+    [
+        # as the first batch is requested from the rollout process (the trainer waits for it): step 1 finishes
+        ("sigusr1_group_rollout", 1, [0.0, 0.0, 1.0, 1.0]),
+        # between steps 2 and 3 (after step 2's checkpoint hook)
+        ("sigterm_group_between", 2, [0.0, 1.0, 0.0, 1.0]),
+    ],
+)
+def test_a_signal_to_an_async_run_s_process_group_checkpoints_stops_both_and_resume_regenerates(
+    tmp_path, fault, stop_step, staleness
+):
+    """``rollout.mode=async`` with its rollout process, the signal sent to the whole process group (as SLURM
+    signals every process of a job step): the rollout process, the resource tracker and the verifier workers
+    leave it to the trainer, which finishes the step, checkpoints it, stops the rollout process and exits
+    128 + signal. (Before, SIGUSR1 killed the verifier workers and the tracker: the run failed with
+    BrokenPipeError and no checkpoint.) The continued run regenerates the buffer from the checkpoint's weights:
+    its first batch has staleness 0 (the uninterrupted run's would have had 1), then 1 again, and the logged
+    staleness and ``train/r_stale_abs`` are those of the versions that sampled each token."""
+    out = tmp_path / "run"
+    overrides = [*COMMON, RARE_CHECKPOINTS, "rollout.mode=async", "rollout.producer=process"]
+    res = subprocess.run(
+        [sys.executable, SCRIPT, fault, str(stop_step), str(out), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        start_new_session=True,  # the group signalled is the run's alone
+    )
+    signame = "SIGUSR1" if "sigusr1" in fault else "SIGTERM"
+    assert res.returncode == 128 + signal.Signals[signame], (res.returncode, res.stderr[-3000:])
+    assert_stopped_with_checkpoint(res, out, signame, stop_step)
+    pid = int(re.search(r"rollout producer in process (\d+)", res.stdout).group(1))
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert "BrokenPipeError" not in res.stderr
+    res = launch("none", 0, out, RARE_CHECKPOINTS, "rollout.mode=async", "rollout.producer=process", "ckpt_path=last")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = read_scalars(out)
+    assert [s for s, _ in got["rollout/staleness_max"]] == [1, 2, 3, 4]
+    assert [v for _, v in got["rollout/staleness_max"]] == [v for _, v in got["rollout/staleness_mean"]] == staleness
+    r_stale = [v for _, v in got["train/r_stale_abs"]]
+    assert [v > 0 for v in r_stale] == [v > 0 for v in staleness]  # exactly 0 where no token is stale
 
 
 @pytest.mark.slow  # ~35 s (a cold start of the recipe); test_staleness.py covers Ctrl-C mid-step in the default suite
