@@ -378,6 +378,45 @@ def test_a_signal_to_an_async_run_s_process_group_checkpoints_stops_both_and_res
     assert [v > 0 for v in r_stale] == [v > 0 for v in staleness]  # exactly 0 where no token is stale
 
 
+@pytest.mark.slow  # ~3 min: two launches of 2 ranks
+def test_a_sigusr1_to_an_async_ddp_run_s_group_stops_both_ranks_and_rollout_processes_at_one_step(tmp_path):
+    """``trainer=ddp trainer.devices=2 rollout.mode=async``: SIGUSR1 to the whole group (both ranks, their rollout
+    processes, the trackers) right after the ranks agreed at the end of step 2 is acted on at the end of step 3 by
+    both ranks together; the checkpoint is step 3's, both rollout processes are stopped, exit 138. The continued
+    run's producers regenerate their buffers: staleness 0 at step 4, then 1."""
+    out = tmp_path / "run"
+    ddp = ["trainer=ddp", "trainer.devices=2", "threads=1", "rollout.mode=async", "rollout.producer=process"]
+    overrides = [*COMMON, RARE_CHECKPOINTS, "trainer.max_steps=6", *ddp]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "sigusr1_group_between", "2", str(out), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left of the group, should a rank hang
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 138, (proc.returncode, stderr[-3000:])
+    res = subprocess.CompletedProcess([], proc.returncode, stdout, stderr)
+    assert_stopped_with_checkpoint(res, out, "SIGUSR1", 3)
+    pids = [int(p) for p in re.findall(r"rollout producer in process (\d+)", stdout)]
+    assert len(pids) == 2  # one per rank
+    assert all(not os.path.exists(f"/proc/{p}") or "zombie" in open(f"/proc/{p}/status").read().lower() for p in pids)
+    res = launch("none", 0, out, RARE_CHECKPOINTS, "trainer.max_steps=6", *ddp, "ckpt_path=last", env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    staleness = read_scalars(out)["rollout/staleness_max"]
+    assert staleness == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 0.0), (5, 1.0), (6, 1.0)]
+
+
 @pytest.mark.slow  # ~35 s (a cold start of the recipe); test_staleness.py covers Ctrl-C mid-step in the default suite
 def test_ctrl_c_checkpoints_the_step_exits_130_with_the_continue_hint(tmp_path):
     """Ctrl-C (SIGINT from outside, to ``python recipes/train.py``) used to exit 1 through Lightning's
