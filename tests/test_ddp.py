@@ -93,6 +93,51 @@ def test_two_rank_gradient_equals_the_one_process_gradient(two_ranks, one_proces
     assert m["train/grad_norm"] == pytest.approx(float(g_ref.norm()), rel=1e-4)
 
 
+def test_batch_level_corrections_are_the_whole_step_s_on_every_rank(two_ranks):
+    """Issue 38: M2PO's cutoff (an order statistic: the ranks gather the valid tokens' squared log-ratios) and TIS's
+    batch normalisation Z (an all-reduce of the weights' sum and the token count) are the one-device values of the
+    whole batch on both ranks, not each rank's own (rank 1's log-ratios are 5x as spread as rank 0's, so each
+    rank's own values differ); the update then equals the one-device update."""
+    from helpers.ddp_probe import BATCH_RULES, batch_rules_batch
+
+    from lit_rl import corrections, rejection
+    from lit_rl.schema import CorrectionConfig, config_of
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank (see ``one_process``)
+    try:
+        torch.manual_seed(0)
+        policy, tok = load_policy(ModelConfig("tiny"))
+        module = make_module(policy, tok, correction=BATCH_RULES)
+        rb = batch_rules_batch()
+        module.start_update(rb)  # one device: the whole batch's pi_old, bound and scale
+        policy.zero_grad()
+        stats, loss = module.accumulate_gradients(rb)
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    finally:
+        torch.set_num_threads(previous)
+    bound, scale = float(rb.log_ratio_bound[0]), float(rb.weight_scale[0])
+    assert 0 < bound < float((rb.old_logprobs - rb.rollout_logprobs)[rb.response_mask].abs().max())  # masks some
+    rank0 = rb.select(torch.arange(6))
+    correction = config_of(CorrectionConfig, BATCH_RULES)
+    assert float(rejection.batch_log_ratio_bound(correction, rank0)[0]) != bound  # a rank's own: another cutoff
+    assert float(corrections.batch_weight_scale(correction, rank0)[0]) != pytest.approx(scale, rel=1e-6)
+    for r in two_ranks:
+        got = r["batch_rules"]
+        assert got["bound"].tolist() == [bound] * 6  # the same bits: the one-device cutoff of the union
+        assert got["scale"].tolist() == pytest.approx([scale] * 6, rel=1e-12)  # float64 sums, another order
+    r0, r1 = two_ranks[0]["batch_rules"], two_ranks[1]["batch_rules"]
+    untimed = [{k: v for k, v in r["metrics"].items() if not k.startswith("time/")} for r in (r0, r1)]
+    assert untimed[0] == untimed[1]
+    ulp, g_ref = torch.finfo(torch.float32).eps, flat(grads)
+    torch.testing.assert_close(flat(r0["grads"]), g_ref, rtol=0.0, atol=8 * ulp * float(g_ref.abs().max()))
+    means = stats.means()
+    assert 0 < means["train/m2po_maskfrac"] < 1
+    for tag in ("train/m2po_maskfrac", "train/m2", "train/tis_batch_mean", "train/entropy"):
+        assert r0["metrics"][tag] == pytest.approx(means[tag], rel=1e-5), tag
+    assert r0["metrics"]["train/loss"] == pytest.approx(loss, rel=1e-5)
+
+
 def test_step_metrics_are_weighted_means_sums_and_maxima(two_ranks):
     (m0, w0), (m1, w1) = STEP_METRICS
     expected = {"rollout/reward_mean": (0.5 * 4 + 1.0 * 12) / 16, "rollout/reward_errors": 3.0, "time/step_s": 3.0}
@@ -169,6 +214,54 @@ def assert_logs_what_one_device_logs(ddp: dict, one: dict) -> None:
         if tag.startswith(("time/", "perf/")):
             continue
         assert [s for s, _ in ddp[tag]] == [s for s, _ in one[tag]], tag
+        assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
+
+
+#: the values a stale run under DDP logs as one device does: samples, staleness, the update (``time/*`` and
+#: ``perf/*`` are wall clock; ``train/r_num_abs``, ``logprob_abs_diff``, the KLs and ``is_chi2*`` are float32
+#: rounding-level gaps, ~1e-7, that another batch split changes)
+STALE_TAGS = [
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "rollout/staleness_mean",
+    "rollout/staleness_max",
+    "rollout/version_span_max",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/r_stale_abs",
+    "train/lr",
+]
+
+
+@pytest.mark.slow  # ~2 min each on 2 busy cores: a cold start of 2 ranks, then the one-device run
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["rollout.mode=lagged", "rollout.lag=1"],
+        # on_stale=block, max_staleness=1, a buffer of one batch: step s samples with version s - 1 (s >= 1),
+        # whatever the timing (rollout.staleness); the default producer, a rollout process per rank
+        ["rollout.mode=async"],
+    ],
+    ids=["lagged", "async"],
+)
+def test_stale_modes_under_ddp_log_what_one_device_logs(tmp_path, mode):
+    """``trainer=ddp trainer.devices=2`` with ``rollout.mode=lagged|async``: each rank's source (its lagged
+    history, or its own rollout process and weight store) samples its share of the step's prompts with the
+    version one device would use, so every tag of ``STALE_TAGS`` equals the one-device run's (rtol 1e-5) and
+    the staleness is 0 at step 1, then 1."""
+    overrides = [*MOVING, "eval.num_examples=0", "trainer.max_steps=3", *mode]
+    out = tmp_path / "ddp"
+    res = launch_recipe(*overrides, "trainer=ddp", "trainer.devices=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    if mode == ["rollout.mode=async"]:
+        assert res.stdout.count("rollout producer in process") == 2, res.stdout[-3000:]  # one per rank
+    run(cfg_for(*overrides, "threads=1"), tmp_path / "one")
+    ddp, one = read_scalars(out), read_scalars(tmp_path / "one")
+    assert sorted(ddp) == sorted(one)
+    assert [v for _, v in ddp["rollout/staleness_max"]] == [0.0, 1.0, 1.0]
+    assert all(v > 0 for _, v in ddp["train/r_stale_abs"][1:])  # the weights moved: stale tokens score apart
+    for tag in STALE_TAGS:
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in one[tag]] == [1, 2, 3], tag
         assert [v for _, v in ddp[tag]] == pytest.approx([v for _, v in one[tag]], rel=1e-5, abs=1e-7), tag
 
 
@@ -302,6 +395,8 @@ def test_torchrun_two_nodes_of_one_process_log_what_one_device_logs(tmp_path):
 def test_trainer_groups_compose_and_the_rank_count_is_checked():
     for name in ("cpu", "gpu", "ddp", "fsdp"):
         validate(cfg_for(f"trainer={name}"))
+    for mode in ("lagged", "async"):  # served under DDP (refused with fsdp: tests/test_staleness.py)
+        validate(cfg_for("trainer=ddp", f"rollout.mode={mode}"))
     cfg = cfg_for("trainer=fsdp")
     assert cfg.trainer.strategy == "fsdp" and cfg.trainer.accelerator == "auto"
     strategy = build_strategy(cfg.trainer.strategy)

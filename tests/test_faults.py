@@ -3,6 +3,7 @@ non-finite updates skipped, counted, and a stop after too many in a row."""
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,6 +307,114 @@ def test_a_signal_to_rank_0_of_a_ddp_run_stops_both_ranks_at_one_checkpointed_st
     assert_stopped_with_checkpoint(
         subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out, signal.Signals(signum).name, step
     )
+
+
+def test_a_helper_started_shielded_outlives_the_stop_signals():
+    """``producer_process.shielded_start``: a process started inside it (the rollout process, multiprocessing's
+    resource tracker) has SIGINT, SIGTERM and SIGUSR1 blocked, so a signal to the process group is the trainer's
+    alone; the trainer's own mask is restored afterwards."""
+    import time
+
+    from lit_rl.rollout.producer_process import STOP_SIGNALS, shielded_start
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with shielded_start():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+        for signum in STOP_SIGNALS:
+            os.kill(child.pid, signum)
+        time.sleep(0.5)
+        assert child.poll() is None  # SIGUSR1's default action would have ended it
+        blocked = int(re.search(r"SigBlk:\s*([0-9a-f]+)", open(f"/proc/{child.pid}/status").read()).group(1), 16)
+        assert all(blocked >> (int(s) - 1) & 1 for s in STOP_SIGNALS)
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.slow  # ~70 s each: a recipe launch stopped by the signal, then the continued run
+@pytest.mark.parametrize(
+    "fault, stop_step, staleness",
+    [
+        # as the first batch is requested from the rollout process (the trainer waits for it): step 1 finishes
+        ("sigusr1_group_rollout", 1, [0.0, 0.0, 1.0, 1.0]),
+        # between steps 2 and 3 (after step 2's checkpoint hook)
+        ("sigterm_group_between", 2, [0.0, 1.0, 0.0, 1.0]),
+    ],
+)
+def test_a_signal_to_an_async_run_s_process_group_checkpoints_stops_both_and_resume_regenerates(
+    tmp_path, fault, stop_step, staleness
+):
+    """``rollout.mode=async`` with its rollout process, the signal sent to the whole process group (as SLURM
+    signals every process of a job step): the rollout process, the resource tracker and the verifier workers
+    leave it to the trainer, which finishes the step, checkpoints it, stops the rollout process and exits
+    128 + signal. (Before, SIGUSR1 killed the verifier workers and the tracker: the run failed with
+    BrokenPipeError and no checkpoint.) The continued run regenerates the buffer from the checkpoint's weights:
+    its first batch has staleness 0 (the uninterrupted run's would have had 1), then 1 again, and the logged
+    staleness and ``train/r_stale_abs`` are those of the versions that sampled each token."""
+    out = tmp_path / "run"
+    overrides = [*COMMON, RARE_CHECKPOINTS, "rollout.mode=async", "rollout.producer=process"]
+    res = subprocess.run(
+        [sys.executable, SCRIPT, fault, str(stop_step), str(out), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        start_new_session=True,  # the group signalled is the run's alone
+    )
+    signame = "SIGUSR1" if "sigusr1" in fault else "SIGTERM"
+    assert res.returncode == 128 + signal.Signals[signame], (res.returncode, res.stderr[-3000:])
+    assert_stopped_with_checkpoint(res, out, signame, stop_step)
+    pid = int(re.search(r"rollout producer in process (\d+)", res.stdout).group(1))
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert "BrokenPipeError" not in res.stderr
+    res = launch("none", 0, out, RARE_CHECKPOINTS, "rollout.mode=async", "rollout.producer=process", "ckpt_path=last")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = read_scalars(out)
+    assert [s for s, _ in got["rollout/staleness_max"]] == [1, 2, 3, 4]
+    assert [v for _, v in got["rollout/staleness_max"]] == [v for _, v in got["rollout/staleness_mean"]] == staleness
+    r_stale = [v for _, v in got["train/r_stale_abs"]]
+    assert [v > 0 for v in r_stale] == [v > 0 for v in staleness]  # exactly 0 where no token is stale
+
+
+@pytest.mark.slow  # ~3 min: two launches of 2 ranks
+def test_a_sigusr1_to_an_async_ddp_run_s_group_stops_both_ranks_and_rollout_processes_at_one_step(tmp_path):
+    """``trainer=ddp trainer.devices=2 rollout.mode=async``: SIGUSR1 to the whole group (both ranks, their rollout
+    processes, the trackers) right after the ranks agreed at the end of step 2 is acted on at the end of step 3 by
+    both ranks together; the checkpoint is step 3's, both rollout processes are stopped, exit 138. The continued
+    run's producers regenerate their buffers: staleness 0 at step 4, then 1."""
+    out = tmp_path / "run"
+    ddp = ["trainer=ddp", "trainer.devices=2", "threads=1", "rollout.mode=async", "rollout.producer=process"]
+    overrides = [*COMMON, RARE_CHECKPOINTS, "trainer.max_steps=6", *ddp]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "sigusr1_group_between", "2", str(out), *overrides],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left of the group, should a rank hang
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 138, (proc.returncode, stderr[-3000:])
+    res = subprocess.CompletedProcess([], proc.returncode, stdout, stderr)
+    assert_stopped_with_checkpoint(res, out, "SIGUSR1", 3)
+    pids = [int(p) for p in re.findall(r"rollout producer in process (\d+)", stdout)]
+    assert len(pids) == 2  # one per rank
+    assert all(not os.path.exists(f"/proc/{p}") or "zombie" in open(f"/proc/{p}/status").read().lower() for p in pids)
+    res = launch("none", 0, out, RARE_CHECKPOINTS, "trainer.max_steps=6", *ddp, "ckpt_path=last", env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    staleness = read_scalars(out)["rollout/staleness_max"]
+    assert staleness == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 0.0), (5, 1.0), (6, 1.0)]
 
 
 @pytest.mark.slow  # ~35 s (a cold start of the recipe); test_staleness.py covers Ctrl-C mid-step in the default suite

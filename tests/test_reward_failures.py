@@ -325,9 +325,10 @@ def test_functions_that_cannot_load_in_the_workers_leave_no_empty_log(tmp_path, 
 
 
 def test_workers_outlive_a_signal_to_the_process_group_so_the_step_can_finish():
-    """Ctrl-C, ``timeout`` and SLURM's scancel signal the whole process group: the verifier workers must leave the
-    signal to the trainer (which finishes its step, scoring with them, then checkpoints). A SIGTERM that killed
-    them broke the step's scoring with BrokenPipeError (seen with ``timeout -s TERM`` on the main job)."""
+    """Ctrl-C, ``timeout``, SLURM's scancel and its ``--signal=USR1@<s>`` warning signal the whole process group:
+    the verifier workers must leave the signal to the trainer (which finishes its step, scoring with them, then
+    checkpoints). A SIGTERM that killed them broke the step's scoring with BrokenPipeError (seen with
+    ``timeout -s TERM`` on the main job), and so did a SIGUSR1 (tests/test_faults.py, to an async run's group)."""
     import signal
     import time
 
@@ -339,7 +340,7 @@ def test_workers_outlive_a_signal_to_the_process_group_so_the_step_can_finish():
         refs = [FunctionRef("format", batched=False)]
         pool.prepare("k", refs)
         (worker,) = pool._workers
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             os.kill(worker.process.pid, sig)
         time.sleep(0.5)
         assert worker.process.poll() is None  # still running

@@ -189,9 +189,13 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
         (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1 is not allowed"),
         (["rollout.mode=async", "rollout.on_stale=wait"], "rollout.on_stale='wait' is not allowed: choose one of"),
         (["rollout.mode=async", "rollout.buffer_size=0"], "rollout.buffer_size=0 is not allowed"),
-        (
-            ["rollout.mode=async", "trainer=ddp", "trainer.devices=2"],
-            "rollout.mode='async' is not allowed: runs on one device",
+        (  # each rank's stale weights are swapped into, or copied from, its whole module
+            ["rollout.mode=lagged", "trainer=fsdp"],
+            "rollout.mode='lagged' is not allowed: does not run with trainer.strategy=fsdp",
+        ),
+        (  # a producer beside the trainer would enter vLLM's collectives out of step with the update's
+            ["rollout.mode=async", "trainer=ddp", "engine=vllm"],
+            "rollout.mode='async' is not allowed: does not run with engine=vllm on trainer.devices=2",
         ),
     ],
 )

@@ -113,27 +113,74 @@ class RolloutMode:
     ``rollout.sources``'; ``rollout.sources.register_source`` adds both).
 
     description: what the mode samples with; reads: the ``rollout`` fields only this mode reads (a non-default
-    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks; stale: its rows
-    may come from older weights; multi_turn: it serves multi-turn
-    episodes (a task with an environment: ``rollout.multiturn``).
+    value is refused under the other modes); multi_rank: it runs on several data-parallel ranks (``trainer=ddp``);
+    sharded: it also runs with the weights sharded over the ranks (``trainer=fsdp``); background: its engine may
+    sample beside the trainer (a producer thread or process), so an engine whose ``generate`` joins the training
+    world's collectives (vLLM under data parallelism) cannot serve it on several ranks; stale: its rows may come
+    from older weights; multi_turn: it serves multi-turn episodes (a task with an environment:
+    ``rollout.multiturn``).
     """
 
     description: str
     reads: tuple[str, ...] = ()
     multi_rank: bool = False
+    sharded: bool = False
+    background: bool = False
     #: its rows may come from weights older than those trained (``correction.bypass`` is refused)
     stale: bool = False
     multi_turn: bool = False
+
+    def refusal_on_ranks(self, ranks: int, strategy: str, engine: str, named: str) -> str | None:
+        """Why this mode cannot run on ``ranks`` data-parallel ranks (``named``: as the config names them) under
+        ``trainer.strategy`` with ``engine.name`` (``config.check_world_size`` reports it), or None when it can."""
+        if ranks == 1:
+            return None
+        if not self.multi_rank:
+            modes = " or ".join(f"rollout.mode={m}" for m in ROLLOUT_MODES.names_where(lambda m: m.multi_rank))
+            return f"runs on one device in this version, not on {named}: use {modes} there"
+        if strategy == "fsdp" and not self.sharded:
+            modes = " or ".join(f"rollout.mode={m}" for m in ROLLOUT_MODES.names_where(lambda m: m.sharded))
+            return (
+                f"does not run with trainer.strategy=fsdp on {named} (its older weights are swapped into, or copied "
+                f"from, an unsharded module): use trainer=ddp, or {modes} with fsdp"
+            )
+        if self.background and engine == "vllm":
+            return (
+                f"does not run with engine=vllm on {named}: each rank's vLLM engine joins the training world's "
+                "collectives, which a producer beside the trainer would enter out of step with the update "
+                "(rollout.mode=lagged samples in the trainer's thread); use engine=torch"
+            )
+        return None
+        if not self.multi_rank:
+            modes = " or ".join(f"rollout.mode={m}" for m in ROLLOUT_MODES.names_where(lambda m: m.multi_rank))
+            return f"runs on one device in this version: use {modes}"
+        if strategy == "fsdp" and not self.sharded:
+            modes = " or ".join(f"rollout.mode={m}" for m in ROLLOUT_MODES.names_where(lambda m: m.sharded))
+            return (
+                "does not run with trainer.strategy=fsdp (its older weights are swapped into, or copied from, an "
+                f"unsharded module): use trainer=ddp, or {modes} with fsdp,"
+            )
+        if self.background and engine == "vllm":
+            return (
+                "does not run with engine=vllm (each rank's vLLM engine joins the training world's collectives, "
+                "which a producer beside the trainer would enter out of step with the update; rollout.mode=lagged "
+                "samples in the trainer's thread): use engine=torch"
+            )
+        return None
 
 
 #: ``rollout.mode`` -> what it samples with and what the config checks ask of it (the one list of rollout modes)
 ROLLOUT_MODES: Registry[RolloutMode] = Registry(
     "rollout.mode",
     {
-        "sync": RolloutMode("the weights about to be trained", multi_rank=True, multi_turn=True),
-        "lagged": RolloutMode("the weights of exactly rollout.lag RL steps ago", reads=("lag",), stale=True),
+        "sync": RolloutMode("the weights about to be trained", multi_rank=True, sharded=True, multi_turn=True),
+        "lagged": RolloutMode(
+            "the weights of exactly rollout.lag RL steps ago", reads=("lag",), multi_rank=True, stale=True
+        ),
         "async": RolloutMode(
             "the newest weights a producer (thread or process) has, at most rollout.max_staleness RL steps old",
+            multi_rank=True,
+            background=True,
             stale=True,
         ),
     },

@@ -500,14 +500,9 @@ def check_world_size(cfg: DictConfig, ranks: int) -> None:
         ro.prompts_per_step,
         f"must be divisible by {named}",
     )
-    several = ROLLOUT_MODES.names_where(lambda spec: spec.multi_rank)
-    _check(
-        ranks == 1 or ro.mode in several,
-        "rollout.mode",
-        ro.mode,
-        f"runs on one device in this version (the weight history is swapped into the trainer's module), "
-        f"not on {named}: use {' or '.join(f'rollout.mode={m}' for m in several)} there",
-    )
+    strategy = str(cfg.trainer.get("strategy", "auto"))
+    why = ROLLOUT_MODES[ro.mode].refusal_on_ranks(ranks, strategy, cfg.engine.name, named)
+    _check(why is None, "rollout.mode", ro.mode, str(why))
     rows = ro.prompts_per_step * ro.group_size // ranks
     per_rank = "" if ranks == 1 else f" / {ranks} ranks"
     _check(

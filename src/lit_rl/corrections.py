@@ -52,7 +52,7 @@ from torch import Tensor
 # ``correction`` -> the parts it turns on (``tis``, ``mis``, ``sc``): the one list of corrections, torch-free there
 # so that config.validate checks it before torch loads
 from lit_rl.choices import CORRECTIONS  # noqa: F401  (re-exported)
-from lit_rl.objectives import masked_mean
+from lit_rl.objectives import masked_mean, masked_sum
 from lit_rl.rejection import RS_RULES
 
 LEVELS = ("token", "sequence", "geometric")
@@ -791,21 +791,30 @@ def weight_function(correction) -> WeightFunction:
     )
 
 
-def batch_weight_scale(correction, rb) -> Optional[Tensor]:
+def batch_weight_scale(correction, rb, reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Optional[Tensor]:
     """1/Z for the batch normalisation of TIS's weights (``correction.tis.batch_normalize``; verl's
     ``rollout_is_batch_normalize``), float64 [N] (the same for every row), or None when it is off.
 
     Z is the mean of the correction's weights f(π_old/μ) (``weight_function``, truncation and masks included) over
     the valid tokens of the rollout batch ``rb`` (``old_logprobs`` filled): the normalised weights average 1 over the
     batch. The loss assembly divides the corrected per-token loss by Z, score centering's term included, so the
-    centring stays under the same weights. A statistic of the batch (each data-parallel rank normalises its own
-    share): its expectation is reached by Monte Carlo (``expectation.monte_carlo_gradient``). Z = 0 (every token
-    dropped) leaves the scale at 1."""
+    centring stays under the same weights. A statistic of the batch: its expectation is reached by Monte Carlo
+    (``expectation.monte_carlo_gradient``). Z = 0 (every token dropped) leaves the scale at 1.
+
+    Under data parallelism ``rb`` is this rank's share and ``reduce`` sums a float64 tensor over the ranks
+    (``RLModule.all_reduce``, a collective): Z is then the whole step's, Σ weights / Σ valid tokens over every
+    rank, as one device on the whole batch (to float64 summation order), not each rank's own (verl normalises
+    each worker's share). None: ``rb`` is the whole batch."""
     tis = getattr(correction, "tis", None)
     if tis is None or not tis.enabled or not getattr(tis, "batch_normalize", False):
         return None
     weights = correction_weights(rb.old_logprobs, rb.rollout_logprobs, rb.response_mask, weight_function(correction))[0]
-    z = float(masked_mean(weights.double(), rb.response_mask))
+    mask = rb.response_mask
+    totals = torch.stack([masked_sum(weights.double(), mask), mask.double().sum()]).cpu()
+    if reduce is not None:
+        totals = reduce(totals)
+    total, count = (float(x) for x in totals)
+    z = total / count if count > 0 else 0.0
     return torch.full((len(rb),), 1.0 / z if z > 0 else 1.0, dtype=torch.float64)
 
 

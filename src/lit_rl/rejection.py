@@ -247,7 +247,13 @@ def apply_sequence_masks(masks, inputs: MaskInputs) -> tuple[Tensor, dict]:
     return keep, metrics
 
 
-def m2po_bound(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, threshold: float) -> Tensor:
+def m2po_bound(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    threshold: float,
+    gather: Optional[Callable[[Tensor], Tensor]] = None,
+) -> Tensor:
     """M2PO's cutoff c of one batch: the tokens with |d| ≤ c are kept, d = log π_old − log μ.
 
     Sort the valid tokens' d² in increasing order s_1 ≤ ... ≤ s_n and keep the longest prefix whose mean is at most
@@ -259,6 +265,11 @@ def m2po_bound(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, thr
     Args:
         old_logprobs: float [N, T], log π_old. rollout_logprobs: float [N, T], log μ. mask: bool [N, T].
         threshold: τ ≥ 0, in nats² (the paper's default 0.04).
+        gather: under data parallelism, where each rank holds a share of the batch: a collective mapping this
+            rank's float64 1-D tensor to every rank's, concatenated in rank order (``RLModule.all_gather_cat``).
+            The cutoff is an order statistic of the whole batch, not a sum, so the ranks gather the valid tokens'
+            d² (float64, at most N·T values) and each computes the one-device cutoff of the union: the same bits
+            as one device on the whole batch, on every rank. None: this batch is the whole batch.
 
     Returns:
         float64 0-dim tensor c.
@@ -271,6 +282,8 @@ def m2po_bound(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, thr
     if old_logprobs.shape != mask.shape or rollout_logprobs.shape != mask.shape:
         raise ValueError("old_logprobs, rollout_logprobs and mask must have the same shape")
     d2 = (old_logprobs.detach().double() - rollout_logprobs.detach().double())[mask.bool()] ** 2
+    if gather is not None:
+        d2 = gather(d2)
     d2 = torch.where(torch.isnan(d2), torch.full_like(d2, math.inf), d2).sort().values
     prefix_means = d2.cumsum(0) / torch.arange(1, len(d2) + 1, dtype=d2.dtype, device=d2.device)
     kept = int((prefix_means <= threshold).sum())  # prefix means are non-decreasing
@@ -287,12 +300,14 @@ def needs_batch_pass(correction) -> bool:
     return normalised or bool(getattr(getattr(correction, "m2po", None), "enabled", False))
 
 
-def batch_log_ratio_bound(correction, rb) -> Optional[Tensor]:
+def batch_log_ratio_bound(correction, rb, gather: Optional[Callable[[Tensor], Tensor]] = None) -> Optional[Tensor]:
     """The batch-level bound of the ``correction`` group (``correction.m2po``) for the rollout batch ``rb`` (with
     ``old_logprobs`` filled), float64 [N], or None when no batch-level rule is on. What ``RLModule.start_update``
-    stores in ``rb.log_ratio_bound``. Each data-parallel rank bounds its own share."""
+    stores in ``rb.log_ratio_bound``. Under data parallelism ``rb`` is this rank's share and ``gather`` the
+    collective of ``m2po_bound``: the bound is the whole step's, the one device's on the whole batch (the
+    paper's batch is the step's; a per-rank bound would mask more or less as the ranks' shares differ)."""
     m2po = getattr(correction, "m2po", None)
     if m2po is None or not m2po.enabled:
         return None
-    bound = m2po_bound(rb.old_logprobs, rb.rollout_logprobs, rb.response_mask, float(m2po.threshold))
+    bound = m2po_bound(rb.old_logprobs, rb.rollout_logprobs, rb.response_mask, float(m2po.threshold), gather)
     return bound.expand(len(rb)).clone()

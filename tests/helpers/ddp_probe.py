@@ -5,8 +5,9 @@
 Rank r takes the r-th contiguous half of every batch in ``CASES`` and runs the module's own ``update``
 (``accumulate_gradients``, the strategy's gradient sync, the reductions over ranks, the optimizer step);
 the gradient is captured just before the optimizer step. Each rank writes ``<out_dir>/rank<r>.pt``:
-{case: {"grads": {parameter name: tensor}, "metrics": update()'s train/* dict}}, and under "step_metrics"
-``reduce_step_metrics`` of the rank's ``STEP_METRICS``. Weights are restored between cases, so every case
+{case: {"grads": {parameter name: tensor}, "metrics": update()'s train/* dict}}; under "batch_rules" the same
+for ``batch_rules_batch`` with ``correction=BATCH_RULES`` plus the share's M2PO bound and TIS scale; under
+"step_metrics" ``reduce_step_metrics`` of the rank's ``STEP_METRICS``. Weights are restored between cases, so every case
 starts from the same tiny model.
 """
 
@@ -26,6 +27,7 @@ torch.set_num_threads(1)
 from lit_rl.algorithms import RLModule  # noqa: E402
 from lit_rl.rollout.datamodule import shard  # noqa: E402
 from lit_rl.rollout.types import RolloutBatch  # noqa: E402
+from lit_rl.schema import CorrectionConfig, config_of  # noqa: E402
 
 # the two halves of each batch have different completion lengths: rank 0 short, rank 1 long with two empty
 # rows (so with micro-batches of 2 rank 1 has one pass fewer and pads); "rank1_empty" masks all of rank 1's
@@ -38,6 +40,8 @@ CASES = {  # name: (loss.reduction, rows of rank 1 masked out)
     "token_mean_rank1_empty": ("token_mean", True),
 }
 MICRO_BATCH = 2
+#: the batch-level rules (issue 38): M2PO's cutoff and TIS's batch normalisation, each the whole step's over ranks
+BATCH_RULES = {"name": "tis+m2po", "tis": {"enabled": True, "batch_normalize": True}, "m2po": {"enabled": True}}
 # (metrics, weights) per rank for reduce_step_metrics: a weighted mean, a sum, a maximum
 STEP_METRICS = [
     ({"rollout/reward_mean": 0.5, "rollout/reward_errors": 1.0, "time/step_s": 2.0}, {"rollout/reward_mean": 4.0}),
@@ -69,6 +73,19 @@ def make_batch(rank1_empty: bool = False, vocab: int = 49152) -> RolloutBatch:
         group_ids=torch.arange(n) // 4,
         policy_version=torch.zeros(n, dtype=torch.long),
     )
+
+
+def batch_rules_batch() -> RolloutBatch:
+    """``make_batch`` (no empty row) with sampler log-probs μ near the tiny model's (log 1/V ≈ −10.8), the log-ratios
+    log π_old − log μ 5x as spread on rank 1's rows as on rank 0's: each rank's own M2PO cutoff and Z differ
+    from the whole step's."""
+    rb = make_batch()
+    rb.response_mask[:, 0] = True  # every row one token at least (the pi_old pass of a micro-batch of empty rows fails)
+    g = torch.Generator().manual_seed(77)
+    spread = torch.where(torch.arange(len(rb)) < len(rb) // 2, 0.1, 0.5)[:, None]
+    noise = torch.randn(rb.rollout_logprobs.shape, generator=g) * spread
+    rb.rollout_logprobs = (-10.8 + noise) * rb.response_mask
+    return rb
 
 
 def make_module(policy, tok, module_cls=RLModule, **kwargs):
@@ -117,6 +134,19 @@ class Probe(RLModule):
             rows = shard(len(rb), self.global_rank, self.world_size)
             metrics = self.update(rb.select(torch.arange(len(rb))[rows]))
             results[name] = {"grads": self.captured, "metrics": metrics}
+        self.policy.load_state_dict(start)
+        self.loss_cfg.reduction, correction = "token_mean", self.correction
+        self.correction = config_of(CorrectionConfig, BATCH_RULES)
+        rb = batch_rules_batch()
+        share = rb.select(torch.arange(len(rb))[shard(len(rb), self.global_rank, self.world_size)])
+        metrics = self.update(share)  # start_update fills the share's bound and scale: the step's
+        results["batch_rules"] = {
+            "grads": self.captured,
+            "metrics": metrics,
+            "bound": share.log_ratio_bound,
+            "scale": share.weight_scale,
+        }
+        self.correction = correction
         results["step_metrics"] = self.reduce_step_metrics(*STEP_METRICS[self.global_rank])
         torch.save(results, os.path.join(self.out_dir, f"rank{self.global_rank}.pt"))
 

@@ -8,7 +8,10 @@ removed, last.ckpt not yet pointed at the new one). ``call`` is which call of th
 
 Preemption (the process signals itself and goes on; the run must checkpoint and stop): sigterm_rollout /
 sigusr1_rollout (inside the ``call``-th generate: mid-step) | sigterm_between / sigusr1_between (in the
-module's ``on_train_batch_end`` of step ``call``, after the callbacks' checkpoint hook: between two steps).
+module's ``on_train_batch_end`` of step ``call``, after the callbacks' checkpoint hook: between two steps);
+sigterm_group_between / sigusr1_group_between: the same sent to the whole process group (launch the script in a
+session of its own), as SLURM signals every process of a job step; sigterm_group_rollout / sigusr1_group_rollout:
+to the group as the ``call``-th request goes to the rollout process (``rollout.producer=process``).
 Every checkpoint write after the signal gets the same signal again while it writes (a second signal). Under
 ``trainer=ddp`` (Lightning starts the other ranks with this same command) only rank 0 signals itself.
 
@@ -64,16 +67,24 @@ def half_write_then_die(original, obj, f, *args, **kwargs):
     die()
 
 
-def signal_on_call(owner, name: str, call: int, signum: int) -> None:
-    """``owner.name`` sends ``signum`` to this process on its ``call``-th call, then runs as usual; from then on
+def signal_on_call(owner, name: str, call: int, signum: int, group: bool = False) -> None:
+    """``owner.name`` sends ``signum`` to this process (``group``: to its whole process group, as a scheduler
+    does: the rollout process and any other child too) on its ``call``-th call, then runs as usual; from then on
     every ``torch.save`` (a checkpoint being written) receives the signal again first."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return  # under DDP: rank 0 alone gets the signal
+
+    def send() -> None:
+        if group:
+            os.killpg(os.getpgid(0), signum)
+        else:
+            os.kill(os.getpid(), signum)
+
     sent = {"n": 0}
 
     def send_then_run(original, *args, **kwargs):
         sent["n"] += 1
-        os.kill(os.getpid(), signum)
+        send()
         return original(*args, **kwargs)
 
     kill_on_call(owner, name, call, before=send_then_run)
@@ -81,7 +92,7 @@ def signal_on_call(owner, name: str, call: int, signum: int) -> None:
 
     def save(*args, **kwargs):
         if sent["n"]:
-            os.kill(os.getpid(), signum)  # a second signal while the checkpoint is written
+            send()  # a second signal while the checkpoint is written
         return original_save(*args, **kwargs)
 
     torch.save = save
@@ -111,6 +122,14 @@ def main() -> None:
         signal_on_call(RLModule, "on_train_batch_end", call, signal.SIGTERM)
     elif fault == "sigusr1_between":
         signal_on_call(RLModule, "on_train_batch_end", call, signal.SIGUSR1)
+    elif fault in ("sigterm_group_between", "sigusr1_group_between"):
+        signum = signal.SIGTERM if fault.startswith("sigterm") else signal.SIGUSR1
+        signal_on_call(RLModule, "on_train_batch_end", call, signum, group=True)
+    elif fault in ("sigterm_group_rollout", "sigusr1_group_rollout"):
+        from lit_rl.rollout.producer_process import ProcessEngine
+
+        signum = signal.SIGTERM if fault.startswith("sigterm") else signal.SIGUSR1
+        signal_on_call(ProcessEngine, "generate", call, signum, group=True)
     elif fault == "short_rank1":
         short_completions_on_rank_1(call)
     elif fault == "rollout":

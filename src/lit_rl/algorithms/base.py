@@ -98,10 +98,12 @@ class Algorithm(nn.Module):
         self, learner, batch: PromptBatch, scored: ScoredRollouts, metrics: dict[str, float]
     ) -> dict[str, float]:
         """The weight of each rank's mean when the step's metrics are averaged over ranks. Default: the rank's
-        completions (rollout/* means are per completion); a reward function's mean counts its applicable ones."""
+        completions (rollout/* means are per completion); a reward function's mean counts its applicable ones;
+        ``rollout/staleness_mean``, a mean over tokens, counts the rank's valid tokens."""
         weights = {name: float(len(scored.rewards)) for name in metrics}
         for name, values in scored.reward_parts.items():
             weights[f"rollout/reward/{name}"] = float((~values.isnan()).sum())
+        weights["rollout/staleness_mean"] = float(scored.rollouts.response_mask.sum())
         return weights
 
     # -- 2. the batch --------------------------------------------------------------------------------------------

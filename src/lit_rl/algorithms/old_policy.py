@@ -1,6 +1,6 @@
 """π_old, the denominator of every ratio of the update: the trainer's snapshot pass, or the rollout log-probs μ
 themselves (``correction.bypass``), and the batch-level statistics that read it (M2PO's bound, TIS's batch
-normalisation).
+normalisation), each the whole step's over the data-parallel ranks.
 
 ``OldPolicyMixin`` is part of ``RLModule`` (``algorithms.module``). With one optimizer step per rollout batch the
 training forward itself is π_old and nothing runs here; with several (``algo.ppo_epochs`` × ``num_minibatches``)
@@ -40,7 +40,8 @@ from ..rollout.types import RolloutBatch, row_versions
 
 class OldPolicyMixin:
     """π_old of the update cycle, for a LightningModule with ``policy``, ``correction``, ``updates_per_step``,
-    ``micro_batch_size``, ``logprobs_of`` and ``policy_version``."""
+    ``micro_batch_size``, ``logprobs_of``, ``policy_version``, and the collectives ``all_reduce`` and
+    ``all_gather_cat`` (identities on one rank)."""
 
     #: seconds the last update's π_old pass took (``time/old_logprob_s``; 0 when none ran)
     old_logprob_s: float = 0.0
@@ -64,9 +65,9 @@ class OldPolicyMixin:
             t0 = time.perf_counter()
             self.snapshot(rb)
             self.old_logprob_s = time.perf_counter() - t0
-        if batch_level:
-            rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb)
-            rb.weight_scale = corr.batch_weight_scale(self.correction, rb)
+        if batch_level:  # the whole step's statistics: every data-parallel rank's share (collectives)
+            rb.log_ratio_bound = rejection.batch_log_ratio_bound(self.correction, rb, self.all_gather_cat)
+            rb.weight_scale = corr.batch_weight_scale(self.correction, rb, self.all_reduce)
 
     @property
     def interpolates_proximal(self) -> bool:

@@ -7,6 +7,7 @@ the single-process one lives here:
 - ``reduce_step_metrics``: the step's rollout/time/perf scalars, summed (``SUMMED_METRICS``), maximised
   (``MAX_METRICS``) or averaged with per-rank weights;
 - ``all_reduce_dict``: a name -> float dict reduced over ranks, with a check that every rank holds the same names;
+- ``all_gather_cat``: every rank's 1-D values in rank order (M2PO's batch cutoff, an order statistic of the step);
 - ``padding_micro_batch``: the zero-loss pass a rank with fewer micro-batches runs so the collectives line up;
 - ``FSDPStrategy``: Lightning's FSDP strategy, also on CPU processes (gloo); ``full_policy_weights``: the
   full weights gathered from its shards, for the engine's own copy; ``run_as_forward``: the trainer's scoring
@@ -128,6 +129,24 @@ def all_reduce_dict(
         raise RuntimeError(f"rank {rank} reduces metrics {names}, another rank different ones")
     total = reduce(torch.tensor([float(values[n]) for n in names], dtype=torch.float64), op)
     return dict(zip(names, total.tolist()))
+
+
+def all_gather_cat(values: Tensor, all_gather: Callable[[Tensor], Tensor], *, world_size: int) -> Tensor:
+    """Every rank's 1-D ``values`` concatenated in rank order; the ranks may hold different lengths (0 included).
+    ``all_gather(t)`` stacks an equal-shaped tensor of every rank into [W, ...] (Lightning's
+    ``strategy.all_gather``, a collective): the lengths are gathered first, then each rank's values padded to the
+    longest, and the padding dropped. With ``world_size`` 1: ``values``. Two collectives, every rank at the same
+    point. Raises ValueError for ``values`` that are not 1-D."""
+    if values.dim() != 1:
+        raise ValueError(f"all_gather_cat takes a 1-D tensor, got shape {tuple(values.shape)}")
+    if world_size == 1:
+        return values
+    lengths = all_gather(torch.tensor([values.numel()], dtype=torch.long, device=values.device)).reshape(-1)
+    longest = int(lengths.max())
+    padded = values.new_zeros(longest)
+    padded[: values.numel()] = values
+    rows = all_gather(padded).reshape(world_size, longest).to(values.device)
+    return torch.cat([rows[r, : int(n)] for r, n in enumerate(lengths.tolist())])
 
 
 def reduce_step_metrics(

@@ -111,6 +111,17 @@ class StepLoggingMixin:
             return values
         return self.trainer.strategy.reduce(values.detach().to(self.device).clone(), reduce_op=op).to(values.device)
 
+    def all_gather_cat(self, values: Tensor) -> Tensor:
+        """Every data-parallel rank's 1-D ``values`` concatenated in rank order (``parallel.all_gather_cat`` over
+        Lightning's ``strategy.all_gather``; lengths may differ); on one rank ``values`` itself. A collective."""
+        if self.world_size == 1:
+            return values
+
+        def gather(t: Tensor) -> Tensor:
+            return self.trainer.strategy.all_gather(t.to(self.device)).to(values.device)
+
+        return parallel.all_gather_cat(values, gather, world_size=self.world_size)
+
     def all_reduce_dict(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
         """``values`` reduced name by name over the ranks (``parallel.all_reduce_dict``)."""
         return parallel.all_reduce_dict(values, self.all_reduce, op, world_size=self.world_size, rank=self.global_rank)

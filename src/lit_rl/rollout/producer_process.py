@@ -13,8 +13,12 @@ seeds, same thread count (``rollout.producer_threads``).
 
 Faults: a process that dies is an error at the caller's next look (twice a second), naming the exit code; one that
 does not answer within ``rollout.producer_timeout_s`` is a TimeoutError naming the option; neither ever hangs the
-trainer. The process ignores SIGINT and SIGTERM (a signal to the process group must not kill it before the trainer
-has checkpointed: the trainer stops it, ``close``), and leaves by itself when its parent is gone.
+trainer. The process ignores SIGINT, SIGTERM and SIGUSR1 (a scheduler's stop or pre-emption warning sent to the
+process group must not kill it before the trainer has checkpointed: the trainer stops it, ``close``), and leaves by
+itself when its parent is gone. The same holds for multiprocessing's resource tracker, which the store's lock and
+the queues register with: it ignores SIGINT and SIGTERM by itself, and is started with SIGUSR1 blocked
+(``shielded_start``); a tracker killed by SIGUSR1 broke the next queue operation, and the run failed instead of
+checkpointing.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import queue
 import signal
 import time
 import traceback
+from multiprocessing import resource_tracker
 
 import torch
 
@@ -35,6 +40,22 @@ from .weight_store import WeightStore
 
 PROCESS_NAME = "lit_rl-rollout-process"
 POLL_S = 0.5  # how often a waiting caller looks at the process (alive? cancelled?)
+
+
+#: what a scheduler sends the job's process group before it stops it (SLURM ``--signal=USR1@<s>``, then SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def shielded_start():
+    """Block ``STOP_SIGNALS`` in this thread while a helper process starts, so that it starts with them blocked
+    (a child inherits its parent thread's signal mask): a signal then reaches the trainer only, which checkpoints
+    and stops the helpers itself. Signals that arrive meanwhile are delivered when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class ProducerDied(RuntimeError):
@@ -69,8 +90,8 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
     copy), generate, reply ``(request id, "ok", Rollouts, GenerationStats)`` or ``(id, "error", traceback text,
     None)``; a ``None`` request ends it, and so does the end of process ``parent``. ``engine_kwargs`` may hold
     ``in_flight`` (look at the store between decode steps and load a newer version) and ``kv_on_update``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer owns this process's life (``ProcessEngine.close``)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:  # the trainer owns this process's life (``ProcessEngine.close``)
+        signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(int(threads))
     int8, in_flight = engine_kwargs.pop("int8_roundtrip"), engine_kwargs.pop("in_flight", False)
     kv_on_update = engine_kwargs.pop("kv_on_update", "recompute")
@@ -134,6 +155,8 @@ class ProcessEngine:
     ):
         if not engine.own_copy:
             raise ValueError("ProcessEngine needs an engine with its own copy of the weights (own_copy=True)")
+        with shielded_start():  # before the store's lock registers with it: a SIGUSR1 to the group spares it
+            resource_tracker.ensure_running()
         self.local, self.threads, self.timeout_s = engine, int(threads), float(timeout_s)
         self.in_flight, self.kv_on_update = bool(in_flight), kv_on_update
         self.version, self.own_copy, self.cancel = engine.version, True, None
@@ -173,7 +196,8 @@ class ProcessEngine:
         }
         args = (e.model, kwargs, self.store, self.requests, self.replies, self.threads, trainer_kernels(), os.getpid())
         self.process = ctx.Process(target=serve, args=args, name=PROCESS_NAME, daemon=True)
-        self.process.start()
+        with shielded_start():  # no stop signal before ``serve`` ignores them
+            self.process.start()
         layout = self.store.describe()
         print(
             f"lit_rl: rollout producer in process {self.process.pid} at {self.threads} torch threads (trainer: "

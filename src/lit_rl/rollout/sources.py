@@ -230,16 +230,26 @@ ROLLOUT_SOURCES: Registry[type[RolloutSource]] = Registry(
 
 
 def register_source(
-    name: str, description: str, reads: tuple[str, ...] = (), multi_rank: bool = False, stale: bool = True
+    name: str,
+    description: str,
+    reads: tuple[str, ...] = (),
+    multi_rank: bool = False,
+    stale: bool = True,
+    sharded: bool = False,
+    background: bool = False,
 ):
     """Class decorator: make ``rollout.mode=<name>`` build the decorated ``RolloutSource`` subclass; the rest is
     what ``config.validate`` knows of the mode (``choices.RolloutMode``: what it samples with, the ``rollout``
-    fields only it reads, whether it runs on several ranks, whether its rows may come from older weights: True
-    unless declared otherwise, so ``correction.bypass`` stays refused). Raises ValueError for a taken name."""
+    fields only it reads, whether it runs on several ranks, with sharded weights, with an engine beside the
+    trainer, whether its rows may come from older weights: True unless declared otherwise, so
+    ``correction.bypass`` stays refused). Raises ValueError for a taken name."""
 
     def decorate(cls: type[RolloutSource]) -> type[RolloutSource]:
         ROLLOUT_SOURCES.register(name, cls)
-        ROLLOUT_MODES.register(name, RolloutMode(description, tuple(reads), bool(multi_rank), bool(stale)))
+        mode = RolloutMode(
+            description, tuple(reads), bool(multi_rank), bool(sharded), bool(background), stale=bool(stale)
+        )
+        ROLLOUT_MODES.register(name, mode)
         return cls
 
     return decorate

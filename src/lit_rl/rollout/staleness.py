@@ -18,8 +18,23 @@ step (every algorithm but PPO) it is the number of updates between sampling and 
   ``rollout.on_stale=block`` holds the producer back so that no consumed rollout is more than
   ``max_staleness`` steps old (nothing is dropped); ``drop`` lets it run ahead (bounded by the buffer) and
   the trainer drops what is too old when it takes it, counted in ``rollout/dropped_samples``. Not
-  reproducible (timing decides the versions); on resume the producer restarts from the checkpoint's step
-  and weights (buffered rollouts are regenerated).
+  reproducible in general (timing decides the versions), except with ``on_stale=block``, ``max_staleness=1``
+  and its default buffer of one batch: the trainer publishes version s before it takes batch s, and the
+  producer has room for batch s + 1 only then, so step s samples with the weights of step s - 1 (step 0 with
+  its own), as ``lagged`` with ``lag=1`` (the DDP tests compare on it). On resume the
+  buffer is regenerated, not restored: the producer restarts at the checkpoint's step with the checkpoint's
+  weights, so the first resumed batch has staleness 0 (an uninterrupted run's batch there would have been up to
+  ``max_staleness`` old), and every logged staleness is that of the versions that really sampled the tokens.
+
+Data parallel (``trainer=ddp``): each rank runs its own source: its own lagged history, or its own producer
+(thread or process) and weight store, fed by its own module (the ranks hold identical weights after each
+all-reduced update), sampling its own share of each step's prompts, as sync DDP does. Nothing in the stale
+collection is a collective, so the producers never enter the update's all-reduces. The step's metrics are
+reduced over ranks as every step metric (``algorithms.parallel``): ``rollout/staleness_max`` and
+``rollout/version_span_max`` by max, ``rollout/staleness_mean`` weighted by each rank's valid tokens (the
+one-device token mean), ``rollout/dropped_samples`` summed, ``rollout/buffered_steps``, ``rollout/weight_swaps``
+and the ``time/*_frac`` overlap fractions as means over ranks. With ``on_stale=drop`` each rank drops by its own
+clock, so ranks may train shares of different prompt steps in one update.
 
 The trainer's ``old_logprobs`` are always its own log-probs at the version being trained; the corrections
 (TIS, MIS, SC) compare them with the true behaviour log-probs (``rollout_logprobs``, top-k head). With
@@ -458,7 +473,8 @@ class StaleRollouts:
         once per version, each score kept on that version's tokens, so r_num and r_stale split exactly per
         token. Tokens of the trained version hold NaN (their p_o is the update's own ``old_logprobs``). No-op when
         no token is stale or the option is off. The trainer's weights are swapped in place and restored exactly
-        (one device only: ``config.validate`` refuses several ranks)."""
+        (each data-parallel rank its own module, with no collective; ``trainer=fsdp``'s sharded weights are
+        refused by ``config.validate``)."""
         version_now = module.policy_version
         mask = rb.response_mask.bool()
         versions = (

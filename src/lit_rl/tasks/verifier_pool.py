@@ -111,12 +111,13 @@ def _is_zero_or_one(value: Any) -> bool:
 def _worker_entry(fd: int) -> None:
     """The worker process's entry point (``_Worker`` starts ``python -c`` with it): serve the socket ``fd``.
 
-    SIGINT and SIGTERM are ignored: the trainer owns the workers' lives (it closes their sockets, or kills one
-    past its time limit). A signal sent to the whole process group (Ctrl-C, ``timeout``, SLURM's ``scancel``)
-    is then the trainer's alone to act on: it finishes its step, scoring with these workers, checkpoints and
-    exits, and the workers leave when their sockets close."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    SIGINT, SIGTERM and SIGUSR1 are ignored: the trainer owns the workers' lives (it closes their sockets, or kills
+    one past its time limit). A signal sent to the whole process group (Ctrl-C, ``timeout``, SLURM's ``scancel``,
+    or its ``--signal=USR1@<s>`` pre-emption warning, which killed the workers and failed the step with
+    BrokenPipeError) is then the trainer's alone to act on: it finishes its step, scoring with these workers,
+    checkpoints and exits, and the workers leave when their sockets close."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     _worker_main(Connection(fd))
 
 
