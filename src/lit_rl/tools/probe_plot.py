@@ -42,7 +42,8 @@ def plot_rows(rows: list[dict], path: str) -> str:
                 color=cmap(i % 10),
                 label=c,
             )
-        if min((r["kl"] for r in rows), default=0) > 0:
+        kls = [r["kl"] for r in rows if math.isfinite(r["kl"])]
+        if kls and min(kls) > 0 and max(kls) > 10 * min(kls):  # log axis only where the KLs span a decade
             ax.set_xscale("log")
         ax.set_xlabel("realised KL(μ ‖ π) per token")
         ax.set_title(title, fontsize=9)
