@@ -165,12 +165,62 @@ def test_probe_on_the_tiny_model(tmp_path, monkeypatch):
         run_probe(probe_cfg("probe.corrections=[none]"), tmp_path / "p")
 
 
+@pytest.mark.slow  # ~45 s on 2 cores: the engine records all 49 152 log-probs per token
+def test_conditional_mode_on_the_tiny_model(tmp_path, monkeypatch):
+    """The conditional mode through the recipe: the engine records all V log-probs, each module keeps its own head
+    for the other modes, and the per-prefix drift is 0 on-policy (Σ_v π_v ∇log π_v = 0 at every prefix), clearly
+    nonzero for `none` under logit noise, smaller for TIS (its cap's leak), and smaller still for SC's top-128
+    residual on the tiny model's near-uniform 49 152-token distribution. The exact values are pinned on tabular
+    policies (tests/test_conditional_probe.py)."""
+    from lit_rl.tools import probe
+
+    seen = {}
+    original = probe.run_cells
+
+    def spy(*args, **kwargs):
+        cells = original(*args, **kwargs)
+        seen[kwargs.get("label", args[-1] if args else "")] = cells
+        return cells
+
+    monkeypatch.setattr(probe, "run_cells", spy)
+    rows = run_probe(
+        probe_cfg(
+            "probe.corrections=[none,tis,sc]",
+            "probe.batches=3",
+            "probe.reference_batches=3",
+            "probe.modes=[constant,conditional]",
+            "trainer.precision=32-true",
+            "probe.settings=[{name: on, engine: {}}, {name: s1, engine: {logit_noise: 1.0}}]",
+        ),
+        tmp_path / "p",
+    )
+    on, noisy = seen["on"], seen["s1"]
+
+    def norm(cells, name):
+        return max(float(x.norm()) for x in cells[name].sketches["conditional"])
+
+    drift = norm(noisy, "none")
+    assert drift > 0
+    for name in ("none", "tis", "sc"):
+        assert norm(on, name) <= 1e-4 * drift, name
+    # TIS leaks where its cap binds; SC leaves the tail its top-128 head misses (most of a near-uniform
+    # 49 152-token distribution, so on this random model that residual is not small)
+    assert 1e-3 * drift < norm(noisy, "tis") < drift and 1e-3 * drift < norm(noisy, "sc") < drift
+    by = {(r["setting"], r["correction"]): r for r in rows}
+    assert 0 < by[("s1", "tis")]["cond_drift_proj"] < by[("s1", "none")]["cond_drift_proj"]
+    assert math.isfinite(by[("s1", "sc")]["cond_drift2"]) and by[("s1", "sc")]["cond_drift2_se"] >= 0
+    # the constant mode still sums SC over the module's own head (128), not the recorded vocabulary
+    c = noisy["sc"].sketches["constant"][0]
+    assert float(c.norm()) > 0 and "cond. drift along u" in (tmp_path / "p" / "probe.md").read_text()
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["probe.corrections=[none,foo]"], r"probe.corrections=\['none', 'foo'\] is not allowed"),
         (["probe.batches=2"], r"probe.batches=2 is not allowed: must be an integer >= 3"),
         (["probe.modes=[drift]"], r"probe.modes=\['drift'\] is not allowed"),
+        (["probe.modes=[conditional]", "probe.corrections=[none,opsm]"], r"token-level corrections only"),
         (["probe.settings=[{name: a, engine: {logit_noise: -1}}]"], r"engine.logit_noise=-1 is not allowed"),
     ],
 )

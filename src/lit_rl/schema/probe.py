@@ -42,7 +42,9 @@ class ProbeConfig:
     batches: int = 5
     #: on-policy batches for the reference gradient (correction none; >= 3)
     reference_batches: int = 5
-    #: constant (every advantage 1: the drift, true value 0) and/or reward (the batch's own advantages)
+    #: constant (every advantage 1: the drift, true value 0), conditional (that drift's per-prefix conditional
+    #: expectation from the full μ(h) and π(h): no token noise; token-level corrections) and/or reward (the batch's
+    #: own advantages)
     modes: list[str] = field(default_factory=lambda: ["constant"])
     #: D of the gradients' CountSketch (relative error of a squared norm ~ sqrt(2/D))
     sketch_dim: int = 131072

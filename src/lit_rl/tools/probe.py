@@ -43,6 +43,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
+from .probe_plot import plot_rows  # noqa: F401  (the report's figure; importable from here as before)
+
 # ------------------------------------------------------------------------------------------------ sketches
 
 
@@ -182,11 +184,11 @@ def reference_summary(y: Tensor) -> dict[str, float]:
 
 @dataclass
 class Cell:
-    """The gradients of one correction at one sampler: sketches per mode ("reward", "constant"), the
-    correction's metrics (means over batches of the trainer's train/* values) and the seconds spent."""
+    """The gradients of one correction at one sampler: sketches per mode (``MODES``), the correction's metrics
+    (means over batches of the trainer's train/* values) and the seconds spent."""
 
-    sketches: dict[str, list[Tensor]] = field(default_factory=lambda: {"reward": [], "constant": []})
-    norms2: dict[str, list[float]] = field(default_factory=lambda: {"reward": [], "constant": []})
+    sketches: dict[str, list[Tensor]] = field(default_factory=lambda: {m: [] for m in MODES})
+    norms2: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
     metrics: dict[str, list[float]] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -199,21 +201,38 @@ class Cell:
         return sum(vals) / len(vals) if vals else math.nan
 
 
-MODES = ("reward", "constant")
+MODES = ("reward", "constant", "conditional")
+
+
+def own_head(rb, module):
+    """``rb`` with the engine's recorded top-k cut to the head ``module`` asked for (its
+    ``sampling.logprobs_top_k``), when the probe recorded more (the conditional mode records the whole vocabulary);
+    a module that asked for none keeps the record (it does not read it)."""
+    k = int(module.sampling.logprobs_top_k)
+    if not k or rb.topk_ids is None or rb.topk_ids.shape[-1] <= k:
+        return rb
+    return replace(rb, topk_ids=rb.topk_ids[..., :k], topk_logprobs=rb.topk_logprobs[..., :k])
 
 
 def batch_gradients(module, rb, sketch: GradientSketch, modes=MODES):
     """The module's gradient on rollout batch ``rb`` through the real update path (``start_update``, then
-    ``accumulate_gradients``), sketched, per mode: "reward" (the batch's own advantages) and "constant" (every
-    advantage forced to 1). Returns ({mode: (sketch, ‖g‖²)}, the trainer's train/* metric means)."""
+    ``accumulate_gradients``), sketched, per mode: "reward" (the batch's own advantages), "constant" (every
+    advantage forced to 1) and "conditional" (the same drift's per-prefix conditional expectation from the full
+    μ(h) and π(h), ``tools.conditional``). Returns ({mode: (sketch, ‖g‖²)}, the trainer's train/* metric means)."""
+    from .conditional import conditional_backward
+
     out, means = {}, {}
-    module.start_update(rb)
+    own = own_head(rb, module)
+    module.start_update(own)
     for mode in modes:
-        batch = rb if mode == "reward" else replace(rb, advantages=torch.ones_like(rb.advantages))
         module.policy.zero_grad(set_to_none=True)
-        stats, _ = module.accumulate_gradients(batch)
+        if mode == "conditional":
+            conditional_backward(module, replace(rb, advantages=torch.ones_like(rb.advantages)))
+        else:
+            batch = own if mode == "reward" else replace(own, advantages=torch.ones_like(own.advantages))
+            stats, _ = module.accumulate_gradients(batch)
+            means = means or stats.means()
         out[mode] = sketch()
-        means = means or stats.means()
     module.policy.zero_grad(set_to_none=True)
     return out, means
 
@@ -260,7 +279,9 @@ def run_cells(
     return cells
 
 
-def projected_drift(cells: dict[str, Cell], reference: Cell | None = None) -> dict[str, tuple[float, float]]:
+def projected_drift(
+    cells: dict[str, Cell], reference: Cell | None = None, mode: str = "constant"
+) -> dict[str, tuple[float, float]]:
     """The constant-reward drift of each correction along the uncorrected drift's direction, with its SE.
 
     The drift of ``none`` at a batch splits exactly into its centring term C_b = ĝ_none − ĝ_sc (SC's
@@ -269,11 +290,13 @@ def projected_drift(cells: dict[str, Cell], reference: Cell | None = None) -> di
     the drift points, and independent of batch b; p_b = ⟨u_(−b), ĝ_b⟩ then has mean ⟨u, E ĝ⟩ and the small
     variance of one direction instead of the whole space's. Returns {correction: (mean p / ‖E C‖, SE / ‖E C‖)}
     and, with ``reference``, the on-policy batches projected on the setting's whole-sample u ("on-policy").
-    Empty without both ``none`` and ``sc`` (constant mode)."""
-    if not ("none" in cells and "sc" in cells and cells["none"].sketches["constant"]):
+    Empty without both ``none`` and ``sc`` (constant mode). ``mode="conditional"``: the same on the conditional
+    sketches, where ``none``'s own is C (the full vocabulary's Σ_t E_μ[∇log π | prefix], no top-k)."""
+    if not ("none" in cells and cells["none"].sketches[mode] and (mode == "conditional" or "sc" in cells)):
         return {}
-    g_none = torch.stack(cells["none"].sketches["constant"]).double()
-    c = g_none - torch.stack(cells["sc"].sketches["constant"]).double()  # [B, D] centring terms
+    c = torch.stack(cells["none"].sketches[mode]).double()  # [B, D] centring terms
+    if mode == "constant":
+        c = c - torch.stack(cells["sc"].sketches[mode]).double()
     n = c.shape[0]
     var_c = max((float(c.pow(2).sum()) - n * float(c.mean(0) @ c.mean(0))) / (n - 1), 0.0)
     scale2 = float(c.mean(0) @ c.mean(0)) - var_c / n  # ‖E C‖², noise-corrected
@@ -284,12 +307,12 @@ def projected_drift(cells: dict[str, Cell], reference: Cell | None = None) -> di
     units = [(total - c[b]) / (total - c[b]).norm() for b in range(n)]
     out = {}
     for name, cell in cells.items():
-        x = torch.stack(cell.sketches["constant"]).double()
+        x = torch.stack(cell.sketches[mode]).double()
         p = torch.stack([units[b] @ x[b] for b in range(n)])
         out[name] = (float(p.mean()) / scale, float(p.std() / math.sqrt(n)) / scale)
-    if reference is not None and reference.sketches["constant"]:
+    if reference is not None and reference.sketches[mode]:
         u = total / total.norm()
-        y = torch.stack(reference.sketches["constant"]).double() @ u
+        y = torch.stack(reference.sketches[mode]).double() @ u
         out["on-policy"] = (float(y.mean()) / scale, float(y.std() / math.sqrt(y.numel())) / scale)
     return out
 
@@ -298,10 +321,9 @@ def summarize_cells(reference: Cell, settings: dict[str, dict[str, Cell]]) -> li
     """One row per (setting, correction): the realised KLs and every statistic with its jackknife SE.
     ``reference`` holds the on-policy batches (correction ``none``)."""
     ref_r = torch.stack(reference.sketches["reward"]).double() if reference.sketches["reward"] else None
-    ref_c = torch.stack(reference.sketches["constant"]).double() if reference.sketches["constant"] else None
     rows = []
     for setting, cells in settings.items():
-        projected = projected_drift(cells, reference)
+        projected = {mode: projected_drift(cells, reference, mode) for mode in DRIFT_MODES}
         for name, cell in cells.items():
             row = {
                 "setting": setting,
@@ -318,30 +340,41 @@ def summarize_cells(reference: Cell, settings: dict[str, dict[str, Cell]]) -> li
                 est, se = jackknife(torch.stack(cell.sketches["reward"]).double(), ref_r)
                 for k in ("bias_rel", "bias2_rel", "cosine", "var_rel", "mse_rel", "bias2", "var", "g2"):
                     row[k], row[k + "_se"] = est[k], se[k]
-            if ref_c is not None and cell.sketches["constant"]:
-                xc = torch.stack(cell.sketches["constant"]).double()
-                # relative to the real-reward reference's norm (when measured), so drift and bias share a scale
-                dest, dse = jackknife(xc, ref_r if ref_r is not None else ref_c, _drift_estimates(ref_r is not None))
-                for k in ("drift_rel", "drift2_rel", "drift2"):
-                    row[k], row[k + "_se"] = dest[k], dse[k]
-                if name in projected:
-                    row["drift_proj"], row["drift_proj_se"] = projected[name]
+            for mode, prefix in DRIFT_MODES.items():
+                _add_drift(row, cell.sketches[mode], ref_r, projected[mode].get(name), prefix)
             rows.append(row)
-        if "on-policy" in projected:
-            rows.append(
-                {
-                    "setting": setting,
-                    "correction": "(on-policy reference)",
-                    "batches": reference.sketches["constant"].__len__(),
-                    "kl": reference.metric("train/train_inference_kl"),
-                    "kl_reverse": reference.metric("train/train_inference_kl_reverse"),
-                    "tis_clipfrac": math.nan,
-                    "mis_maskfrac": math.nan,
-                    "drift_proj": projected["on-policy"][0],
-                    "drift_proj_se": projected["on-policy"][1],
-                }
-            )
+        if any("on-policy" in p for p in projected.values()):
+            row = {
+                "setting": setting,
+                "correction": "(on-policy reference)",
+                "batches": max(len(reference.sketches[m]) for m in DRIFT_MODES),
+                "kl": reference.metric("train/train_inference_kl"),
+                "kl_reverse": reference.metric("train/train_inference_kl_reverse"),
+                "tis_clipfrac": math.nan,
+                "mis_maskfrac": math.nan,
+            }
+            for mode, prefix in DRIFT_MODES.items():
+                if "on-policy" in projected[mode]:
+                    row[prefix + "drift_proj"], row[prefix + "drift_proj_se"] = projected[mode]["on-policy"]
+            rows.append(row)
     return rows
+
+
+#: the drift modes (every advantage 1) and the prefix of their statistics' names in a row
+DRIFT_MODES = {"constant": "", "conditional": "cond_"}
+
+
+def _add_drift(row: dict, sketches: list[Tensor], ref_r: Tensor | None, projected, prefix: str) -> None:
+    """Add one drift mode's statistics to ``row``: drift² (noise floor removed), relative to the real-reward
+    reference's ‖g‖ when measured (so drift and bias share a scale), and the projection along u (or nothing)."""
+    if not sketches:
+        return
+    x = torch.stack(sketches).double()
+    dest, dse = jackknife(x, ref_r if ref_r is not None else x, _drift_estimates(ref_r is not None))
+    for k in ("drift_rel", "drift2_rel", "drift2"):
+        row[prefix + k], row[prefix + k + "_se"] = dest[k], dse[k]
+    if projected is not None:
+        row[prefix + "drift_proj"], row[prefix + "drift_proj_se"] = projected
 
 
 def _drift_estimates(relative: bool = True) -> Callable[..., dict[str, float]]:
@@ -382,14 +415,15 @@ def format_rows(rows: list[dict], reference: dict | None, ref_drift: dict | None
         )
     lines += [
         "",
-        "| setting | KL(μ‖π) | KL(π‖μ) | correction | drift along u / ‖E C‖ | drift² (A=1) | bias / ‖g‖ | "
-        "cosine | var / ‖g‖² | MSE / ‖g‖² | tis clip | mis mask |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| setting | KL(μ‖π) | KL(π‖μ) | correction | drift along u / ‖E C‖ | drift² (A=1) | cond. drift along "
+        "u / ‖E C‖ | cond. drift² | bias / ‖g‖ | cosine | var / ‖g‖² | MSE / ‖g‖² | tis clip | mis mask |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['setting']} | {r['kl']:.4f} | {r['kl_reverse']:.4f} | {r['correction']} | {pm(r, 'drift_proj')} | "
-            f"{pm(r, 'drift2', 1)} | {pm(r, 'bias_rel')} | {pm(r, 'cosine')} | {pm(r, 'var_rel', 2)} | "
+            f"{pm(r, 'drift2', 1)} | {pm(r, 'cond_drift_proj', 4)} | {pm(r, 'cond_drift2', 2)} | "
+            f"{pm(r, 'bias_rel')} | {pm(r, 'cosine')} | {pm(r, 'var_rel', 2)} | "
             f"{pm(r, 'mse_rel', 2)} | {_pct(r['tis_clipfrac'])} | {_pct(r['mis_maskfrac'])} |"
         )
     lines += [
@@ -398,6 +432,8 @@ def format_rows(rows: list[dict], reference: dict | None, ref_drift: dict | None
         "(from the other batches' centring terms C = ĝ_none − ĝ_sc), in units of ‖E C‖: `none` should read ~1, "
         "a drift-free correction 0 (± one SE over batches); the on-policy reference projected on the same u.",
         "- drift² (A = 1): ‖E ĝ‖² over the whole parameter space, its noise floor removed (0 when drift-free).",
+        "- cond.: the same two from the conditional mode (each prefix's E_μ[ĝ | prefix] from the full μ and π, no "
+        "token noise); u and C from `none`'s own conditional gradients (the full vocabulary, no top-k).",
         "- bias, cosine, var, MSE: the real-reward gradient against the on-policy reference g (n/a when not measured).",
     ]
     return "\n".join(lines) + "\n"
@@ -405,53 +441,6 @@ def format_rows(rows: list[dict], reference: dict | None, ref_drift: dict | None
 
 def _pct(v: float) -> str:
     return "–" if not math.isfinite(v) else f"{100 * v:.2f}%"
-
-
-def plot_rows(rows: list[dict], path: str) -> str:
-    """A PNG: drift (A = 1) and bias relative to ‖g‖ per correction against the realised KL(μ‖π), with ±1 SE
-    error bars (Agg canvas); panels of quantities the run did not measure are left out."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    rows = [r for r in rows if not r["correction"].startswith("(")]
-    corrections = list(dict.fromkeys(r["correction"] for r in rows))
-    panels = [
-        ("drift_proj", "drift under A = 1 along u / ‖E C‖"),
-        ("drift2", "drift² ‖E ĝ‖² under A = 1"),
-        ("bias_rel", "bias ‖E ĝ − g‖ / ‖g‖ (real reward)"),
-    ]
-    # a panel whose quantity was not measured (probe.modes without `constant` or `reward`) is left out
-    panels = [p for p in panels if any(math.isfinite(r.get(p[0], math.nan)) for r in rows)] or panels[:1]
-    fig = Figure(figsize=(4.4 * len(panels), 4.2), dpi=110)
-    FigureCanvasAgg(fig)
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10"]
-    for j, (key, title) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), j + 1)
-        for i, c in enumerate(corrections):
-            pts = sorted(
-                (r["kl"], r.get(key, math.nan), r.get(key + "_se", math.nan)) for r in rows if r["correction"] == c
-            )
-            ax.errorbar(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                yerr=[p[2] for p in pts],
-                marker="o",
-                capsize=3,
-                color=cmap(i % 10),
-                label=c,
-            )
-        if min((r["kl"] for r in rows), default=0) > 0:
-            ax.set_xscale("log")
-        ax.set_xlabel("realised KL(μ ‖ π) per token")
-        ax.set_title(title, fontsize=9)
-        ax.grid(True, alpha=0.3)
-        if j == 0:
-            ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
 
 
 # ------------------------------------------------------------------------------------------- the recipe
@@ -504,7 +493,17 @@ def check_probe(cfg) -> None:
         modes,
         f"a non-empty list from {list(MODES)}",
     )
-    if "constant" in modes and cfg.loss.reduction not in ("seq_mean_token_sum", "constant"):
+    if "conditional" in modes:  # a per-prefix conditional expectation needs per-token weights (tools.conditional)
+        c = cfg.correction
+        sequence_level = [c for c in p.corrections if CORRECTIONS[c] & {"opsm", "rs", "m2po"}]
+        _check(
+            not sequence_level and c.tis.level == c.mis.level == "token" and not c.tis.batch_normalize,
+            "probe.corrections",
+            list(p.corrections),
+            "token-level corrections only with probe.modes=[..., conditional] (no opsm / rs / m2po, "
+            "correction.tis.level=token, correction.mis.level=token, correction.tis.batch_normalize=false)",
+        )
+    if set(modes) & set(DRIFT_MODES) and cfg.loss.reduction not in ("seq_mean_token_sum", "constant"):
         print(
             f"lit_rl: note: loss.reduction={cfg.loss.reduction} divides by the sampled length, so even the "
             f"on-policy drift under A = 1 is not 0 in expectation; compare each drift with the on-policy row",
@@ -583,6 +582,8 @@ def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[
     sampling = max((m.sampling for m in modules.values()), key=lambda s: s.logprobs_top_k)
     sketch = GradientSketch(list(policy.parameters()), cfg.probe.sketch_dim, cfg.probe.sketch_seed)
     modes = tuple(cfg.probe.modes)
+    if "conditional" in modes:  # the engine records its whole distribution μ(h); each module cuts its own head
+        sampling = replace(sampling, logprobs_top_k=policy.get_output_embeddings().weight.shape[0])
 
     def log(msg: str) -> None:
         print(msg, flush=True)

@@ -1,0 +1,176 @@
+"""The probe's ``conditional`` mode: each correction's drift under a constant advantage, with no token noise.
+
+With every advantage A = 1 the true gradient is 0, and what a correction's batch gradient keeps is drift. The
+sampled token y_t ~ μ(·|h_t) is the only randomness inside a prefix, so the drift's expectation given the prefix
+is a sum over the vocabulary, computable from the sampler's full distribution μ(h) and the trainer's π(h):
+
+    E_{y~μ}[c · w_y ∇log π_y | h] = Σ_v q_v ∇log π_v,   q_v = c_v μ_v w_v,   w_v = f(π_v / μ_v),
+
+c_v the objective's coefficient ∂ℓ/∂log π had v been sampled (−A at ratio 1 for every clipped or plain policy
+gradient; ``Algorithm.score_coefficients``) and f the correction's weight (``corrections.WeightFunction``). Per
+correction, in the ascent direction (−q/c; the trainer's ``.grad`` is the minimised loss's, the opposite sign):
+
+- none: Σ_v μ_v ∇log π_v = s̄, the sampler's expected score (the drift score centering exists to remove).
+- TIS (cap C): Σ_v min(π_v, C μ_v) ∇log π_v = −Σ_v (π_v − C μ_v)_+ ∇log π_v, because Σ_v π_v ∇log π_v = 0:
+  zero while the cap does not bind, and otherwise the capped tokens' excess, pointing away from them.
+- MIS weighted (band [l, h]): Σ_v π_v 1[l ≤ π_v/μ_v ≤ h] ∇log π_v = −Σ_{v masked} π_v ∇log π_v; mask-only
+  Σ_v μ_v 1[l ≤ π_v/μ_v ≤ h] ∇log π_v.
+- SC (and sc+X) with the full vocabulary as head: exactly 0 (the centring term is this very sum).
+- SC with the engine's top-k head H (tail filled with the trainer, rescaled; ``corrections.centering_term``):
+  the residual Σ_{v∉H} (c_v μ_v w_v − c_tail α π_v) ∇log π_v, α = ρ f(1/ρ), ρ = (1 − Σ_H μ) / (1 − Σ_H π)
+  (α = 0 when the trainer's tail is below ``corrections.TAIL_EPS``, as there). Zero when k = V.
+
+One backward of the soft-target surrogate Σ_t red_t Σ_v sg(q_{t,v}) log π_{t,v} (the step's reduction ``red_t``
+of ``objectives.reduce_loss``) gives Σ_t red_t E[ĝ_t | h_t] for a whole batch; averaging over batches of sampled
+prefixes then estimates E_μ[ĝ] without the token-sampling noise. Exact for reductions whose weights do not depend
+on the tokens after t (``seq_mean_token_sum``, ``constant``, or fixed lengths), at the first optimizer step
+(π_old = π_θ). Only token-level weights have a per-prefix form: sequence-level TIS/MIS, geometric MIS, sequence
+masks (OPSM, the rejection rules' sequence rules, M2PO) and TIS's batch normalisation are refused.
+Tested against ``lit_rl.expectation``'s exact expectation in tests/test_conditional_probe.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..corrections import TAIL_EPS, WeightFunction
+from ..logprobs import response_logprobs
+from ..objectives import reduce_loss
+
+
+def conditional_weights(
+    logpi: Tensor,
+    logmu: Tensor,
+    rule: WeightFunction,
+    coef: Tensor,
+    coef_tail: Tensor,
+    head_size: int | None = None,
+) -> Tensor:
+    """q [..., V] with E_{y~μ}[ĝ_t | h_t] = Σ_v q_v ∇log π_v for one correction (module docstring), float64.
+
+    Args:
+        logpi: float [..., V], the trainer's log π(·|h) over the whole vocabulary (detached here); −inf outside
+            the sampler's support (top-k / top-p truncation): such entries get q = 0.
+        logmu: float [..., V], the sampler's log μ(·|h) of the same ids, in the engine's order (largest first,
+            as it records its top-k): the head of score centering is the first ``head_size`` entries.
+        rule: the correction's token-level weight function f (``corrections.weight_function``).
+        coef: float [..., V], c_v (the objective's coefficient had v been sampled); coef_tail: float [..., 1],
+            c at the tail's ratio.
+        head_size: None: no score centering; k: centred with the first k entries as head (k >= V: all of them).
+
+    Returns:
+        float64 [..., V].
+
+    Raises:
+        ValueError: shapes differ, or a weight that is not per token (sequence / geometric level).
+    """
+    if logpi.shape != logmu.shape or coef.shape != logpi.shape:
+        raise ValueError(f"logpi, logmu and coef must share a shape, got {logpi.shape}, {logmu.shape}, {coef.shape}")
+    if rule.tis_level != "token" or (rule.mis_band is not None and rule.mis_level != "token"):
+        raise ValueError(
+            f"the conditional expectation needs token-level weights; got tis.level={rule.tis_level}, "
+            f"mis.level={rule.mis_level}"
+        )
+    lp, lmu = logpi.detach().double(), logmu.detach().double()
+    c, c_tail = coef.detach().double(), coef_tail.detach().double()
+    valid = torch.isfinite(lp) & ~torch.isnan(lmu)
+    zeros = torch.zeros_like(lp)
+    log_r = lp - lmu  # +inf where μ_v = 0: f maps it to a finite weight or to −inf, and μ_v w_v = 0 either way
+    log_f = rule.log_weight(log_r, log_r) if not rule.is_identity else zeros
+    mu_w = torch.where(valid, (lmu + log_f).exp().nan_to_num(0.0), zeros)
+    q = c * mu_w
+    if head_size is None:
+        return q
+    k = min(int(head_size), lp.shape[-1])
+    in_head = torch.zeros_like(valid)
+    in_head[..., :k] = True
+    pi = torch.where(valid, lp.exp(), zeros)
+    tail_pi = 1.0 - (pi * in_head).sum(-1, keepdim=True)
+    tail_mu = (1.0 - torch.where(valid & in_head, lmu.exp(), zeros).sum(-1, keepdim=True)).clamp(min=0.0)
+    has_tail = tail_pi > TAIL_EPS
+    safe_pi = torch.where(has_tail, tail_pi, torch.ones_like(tail_pi))
+    rho = torch.where(has_tail, tail_mu / safe_pi, zeros[..., :1])
+    if rule.is_identity:
+        alpha = rho
+    else:
+        log_inv_rho = torch.where(rho > 0, -rho.clamp(min=1e-300).log(), torch.full_like(rho, float("inf")))
+        alpha = torch.where(rho > 0, rho * rule.log_weight(log_inv_rho, log_inv_rho).exp(), zeros[..., :1])
+    return torch.where(in_head | ~valid, zeros, q - c_tail * alpha * pi)
+
+
+def conditional_backward(module, rb, head_size: int | None = None) -> float:
+    """Backward, into the policy's ``.grad``, of the batch's conditional-expectation surrogate for ``module``'s
+    correction under the batch's advantages (the probe sets them to 1; they must not depend on the sampled
+    tokens): Σ_t red_t Σ_v sg(q_{t,v}) log π_{t,v}, whose gradient is Σ_t red_t E_{y_t~μ}[ĝ_t | h_t] of the
+    minimised loss. One pass per micro-batch of ``module.micro_batches``, normalised by the whole batch's totals.
+
+    Args:
+        module: an ``RLModule`` (its policy, sampling, correction and reduction are used).
+        rb: a ``RolloutBatch`` whose engine recorded its whole distribution: ``topk_ids`` / ``topk_logprobs``
+            [N, T, V] (``sampling.logprobs_top_k`` = V).
+        head_size: score centering's head k (None: the module's ``correction.sc.top_k``, or V with
+            ``sc.mode=exact``); ignored when the correction does not centre.
+
+    Returns:
+        the surrogate's value (no meaning beyond its gradient).
+
+    Raises:
+        ValueError: the engine's record does not cover the vocabulary, or the correction has no per-prefix form
+        (sequence-level weights, sequence masks, TIS's batch normalisation).
+    """
+    settings, correction = module.loss_settings, module.correction
+    vocab = module.policy.get_output_embeddings().weight.shape[0]
+    if rb.topk_ids is None or rb.topk_ids.shape[-1] < vocab:
+        got = None if rb.topk_ids is None else rb.topk_ids.shape[-1]
+        raise ValueError(
+            f"the conditional mode needs the sampler's full distribution: top-k of {got}, vocabulary {vocab} "
+            "(sampling.logprobs_top_k must be the vocabulary size)"
+        )
+    if settings.sequence_masks or getattr(correction.tis, "batch_normalize", False):
+        raise ValueError(
+            f"correction={correction.name}: sequence masks and TIS's batch normalisation have no per-prefix "
+            "conditional expectation"
+        )
+    if settings.score_centering:
+        k = vocab if getattr(correction.sc, "mode", "topk") == "exact" else int(correction.sc.top_k)
+        head_size = k if head_size is None else head_size
+    else:
+        head_size = None
+    mask = rb.response_mask
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    total = 0.0
+    for mb in module.micro_batches(rb):
+        if not mb.response_mask.any():
+            continue
+        scores = response_logprobs(
+            module.policy,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.response_ids,
+            mb.response_mask,
+            temperature=module.sampling.temperature,
+            top_k=module.sampling.top_k,
+            top_p=module.sampling.top_p,
+            chunk_tokens=module.chunk_tokens,
+            with_entropy=False,
+            head_ids=mb.topk_ids,
+        )
+        logpi = scores.head_logprobs  # [n, T, V] in the engine's order, with gradient
+        zeros = torch.zeros_like(logpi.detach())
+        coef = module.algorithm.score_coefficients(zeros, zeros[..., 0], mb)
+        coef_tail = module.algorithm.score_coefficients(zeros[..., :1], zeros[..., 0], mb)
+        q = conditional_weights(logpi, mb.topk_logprobs, settings.weight_rule, coef, coef_tail, head_size)
+        q = torch.where(mb.response_mask[..., None], q, torch.zeros_like(q)).to(logpi.dtype)
+        token = (q * torch.where(q != 0, logpi, torch.zeros_like(logpi))).sum(-1)
+        loss = reduce_loss(
+            token,
+            mb.response_mask,
+            settings.reduction,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_response_length=settings.max_response_length,
+        )
+        loss.backward()
+        total += float(loss.detach())
+    return total
