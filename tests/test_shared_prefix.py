@@ -236,3 +236,23 @@ def test_gradient_checkpointing_turns_auto_off_and_the_forward_back_to_one_pass(
     assert not shared_prefix_applies(policy, pids, pmask)  # checkpointed layers would drop the cache
     with torch.no_grad():  # no backward to replay: the cache is kept, sharing applies
         assert shared_prefix_applies(policy, pids, pmask)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_micro_batch_of_empty_responses_is_scored_and_updated(tiny, scored, algo):
+    """A micro-batch whose rows all have empty responses (each one's first sampled token ended it: zero response
+    columns once trimmed) is scored, snapshotted (pi_old: two epochs) and updated like any other: the loss and
+    the gradient equal those of micro-batches that mix the empty rows with others. (Its scoring raised on a
+    reshape of 0 elements.)"""
+    import copy
+
+    policy, tok = tiny
+    empty = copy.deepcopy(scored)
+    empty.rollouts.response_mask[:2] = False
+    module = build_module(cfg_for(algo, "algo.ppo_epochs=2"), policy, tok)
+    loss, grad, _, rb = run_update(module, empty, False, 16)
+    assert rb.select(slice(0, 2)).response_ids.shape[1] == 0 and grad.abs().max() > 0
+    for shared in (False, True):
+        s_loss, s_grad, _, _ = run_update(module, empty, shared, 2)
+        torch.testing.assert_close(s_loss, loss, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(s_grad, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())

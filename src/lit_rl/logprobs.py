@@ -478,7 +478,7 @@ def response_logprobs(
         hidden = hidden[:, p - 1 : p + t - 1]  # position j predicts response token j
     lm_head = model.get_output_embeddings()
     transform = head_transform(model)
-    flat_h = hidden.reshape(n * t, -1)
+    flat_h = hidden.reshape(n * t, hidden.shape[-1])  # explicit: a micro-batch of empty responses has t = 0
     flat_y = response_ids.reshape(n * t)
     flat_m = response_mask.reshape(n * t)
     rows = flat_m.nonzero().squeeze(-1)  # only valid tokens pay for the projection
