@@ -112,3 +112,19 @@ def test_gated_norm_is_a_batch_invariant_formula():
     assert norm_kernels([norm]) == {stock.Qwen3_5RMSNormGated: "gated"}
     x, gate = torch.randn(5, 8), torch.randn(5, 8)
     torch.testing.assert_close(gated_rms_norm(x, gate, norm.weight, 1e-6), norm(x, gate), rtol=1e-6, atol=1e-6)
+
+
+def test_recurrent_rule_blocks_of_heads_change_no_bit(monkeypatch):
+    import lit_rl.kernels.linear_attention as la
+
+    q, k, v, g, beta, state = inputs()
+    assert la.state_block(16, 128, 128) == 16  # a released Qwen3.5 row: 16 heads of 128 x 128, 1 MiB
+    assert la.state_block(48, 128, 128) == 16 and la.state_block(4, 16, 16) == 4 and la.state_block(3, 512, 1024) == 1
+    whole, whole_final = recurrent_rule(q, k, v, g, beta, state, True, True)
+    monkeypatch.setattr(la, "STATE_BLOCK_BYTES", 2 * K * K * 4)  # two heads per block: a row in two blocks
+    assert la.state_block(HV, K, K) == 2
+    blocked, blocked_final = recurrent_rule(q, k, v, g, beta, state, True, True)
+    assert torch.equal(blocked, whole) and torch.equal(blocked_final, whole_final)
+    alone, _ = recurrent_rule(q[2:], k[2:], v[2:], g[2:], beta[2:], state[2:], True, True)
+    assert torch.equal(alone, whole[2:])
+    assert not torch.equal(state, whole_final)  # the caller's initial state is not updated in place
