@@ -189,11 +189,15 @@ class RecurrentForwardChunkedBackward(torch.autograd.Function):
     """Value of the recurrent algorithm (``recurrent_rule``), vector-Jacobian product of the chunked one: the
     backward recomputes ``chunked`` (transformers' chunked gated delta rule, same arguments) with gradients and
     differentiates it. Both compute the same function, so the gradient is the chunked algorithm's autograd
-    gradient up to float32 rounding; the forward is bit for bit the engine's. Inputs as ``recurrent_rule``."""
+    gradient up to float32 rounding; the forward is bit for bit the engine's. The recomputation runs under the
+    autocast state of the forward (a backward called outside ``torch.autocast`` still differentiates the bf16
+    products the chunked forward would have run). Inputs as ``recurrent_rule``."""
 
     @staticmethod
     def forward(ctx, query, key, value, g, beta, initial_state, output_final_state, l2norm, chunked):
         ctx.chunked, ctx.l2norm, ctx.output_final_state = chunked, l2norm, output_final_state
+        device = query.device.type  # the backward recomputes under the forward's autocast, as a checkpoint does
+        ctx.autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
         ctx.save_for_backward(query, key, value, g, beta, initial_state)
         out, final = recurrent_rule(query, key, value, g, beta, initial_state, output_final_state, l2norm)
         return out, final
@@ -201,13 +205,15 @@ class RecurrentForwardChunkedBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         inputs = [x.detach().requires_grad_(x.requires_grad) if x is not None else None for x in ctx.saved_tensors]
+        device, enabled, dtype = ctx.autocast
         with torch.enable_grad():
-            out, final = ctx.chunked(
-                *inputs[:5],
-                initial_state=inputs[5],
-                output_final_state=ctx.output_final_state,
-                use_qk_l2norm_in_kernel=ctx.l2norm,
-            )
+            with torch.autocast(device, dtype=dtype, enabled=enabled):  # the forward's, the backward's own after
+                out, final = ctx.chunked(
+                    *inputs[:5],
+                    initial_state=inputs[5],
+                    output_final_state=ctx.output_final_state,
+                    use_qk_l2norm_in_kernel=ctx.l2norm,
+                )
             outputs, grads = [out], [grad_out]
             if final is not None and grad_final is not None:
                 outputs.append(final)
