@@ -259,6 +259,23 @@ def test_keep_float32_keeps_the_decay_parameters_out_of_the_engine_copy_s_roundi
     assert gaps[()] > 1e-4
 
 
+def test_keep_float32_refuses_names_that_match_no_parameter_at_load(hybrid_dir, tmp_path):
+    """A misspelt name would leave its parameter to be rounded silently: the engine refuses it when built, naming
+    it and the model's close candidates; null (None) is the family's defaults, none for an attention model."""
+    model, tok = load(hybrid_dir("qwen3_5"))
+    assert TorchEngine(model, tok.pad_token_id, [tok.eos_token_id]).keep_float32 == ("A_log", "dt_bias")
+    with pytest.raises(ValueError, match=r"engine.keep_float32: \['dtbias'\] match no parameter of Qwen3_5.*'dt_bias'"):
+        TorchEngine(
+            model, tok.pad_token_id, [tok.eos_token_id], weights_dtype=torch.bfloat16, keep_float32=["A_log", "dtbias"]
+        )
+    with pytest.raises(ValueError, match=r"\['A_lg', 'gate'\] match no parameter.*'A_lg': close to \['A_log'\]"):
+        TorchEngine(model, tok.pad_token_id, [tok.eos_token_id], keep_float32=["A_lg", "gate", "dt_bias"])
+    attention, _ = load(build_family("qwen3", tmp_path / "qwen3"))
+    assert TorchEngine(attention, tok.pad_token_id, [tok.eos_token_id]).keep_float32 == ()
+    with pytest.raises(ValueError, match=r"\['A_log'\] match no parameter of Qwen3ForCausalLM"):
+        TorchEngine(attention, tok.pad_token_id, [tok.eos_token_id], keep_float32=["A_log"])
+
+
 def test_flops_count_the_linear_attention_layers(hybrid_dir):
     """perf/mfu's FLOP model: per linear-attention layer its projections and conv (not q/k/v/o), the S² term on the
     full-attention layer only, and 8 FLOPs per state entry and token for the state (3 linear layers x 16 heads

@@ -10,12 +10,17 @@ plain reserved cache).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+
+#: the Gated DeltaNet decay/gate parameters transformers uses in float32 (``-A_log.float().exp()``, ``dt_bias``
+#: added to a float32 ``a``): an engine copy in another dtype keeps them float32 by default (``engine.keep_float32``)
+DECAY_PARAMETERS = ("A_log", "dt_bias")
 
 #: the ``layer_types`` entry of a linear-attention (conv + recurrent state) layer in transformers' configs
 LINEAR_LAYER = "linear_attention"
@@ -67,3 +72,30 @@ def hybrid_cache(model: torch.nn.Module, attention_layer: Callable[[], DynamicLa
     cache = DynamicCache()  # a DynamicCache (the models check for one) holding these layers
     Cache.__init__(cache, layers=layers)
     return cache
+
+
+def float32_names(model: torch.nn.Module, names: Iterable[str] | None) -> tuple[str, ...]:
+    """The parameter names (the last part of the dotted name) an engine copy of ``model`` keeps in float32
+    (``engine.keep_float32``): None = the family's defaults, ``DECAY_PARAMETERS`` that ``model`` has (none for a
+    model without Gated DeltaNet layers); a list is taken as given, [] keeping none (the A_log trap).
+
+    Raises ValueError naming every listed name that matches no parameter of ``model`` (a misspelt ``dt_bias``
+    would otherwise be rounded silently), with the model's candidates: its parameter-name ends close to it, or
+    else those of its vector parameters (gates, biases, norms)."""
+    ends = {name.rsplit(".", 1)[-1]: p for name, p in model.named_parameters()}
+    if names is None:
+        return tuple(n for n in DECAY_PARAMETERS if n in ends)
+    names = tuple(names)
+    missing = [n for n in names if n not in ends]
+    if missing:
+        vectors = sorted(e for e, p in ends.items() if p.dim() <= 1)
+        hints = []
+        for n in missing:
+            close = difflib.get_close_matches(n, list(ends), n=3, cutoff=0.6)
+            hints.append(f"{n!r}: close to {close}" if close else f"{n!r}: no close name")
+        raise ValueError(
+            f"engine.keep_float32: {missing} match no parameter of {type(model).__name__} (matched against the last "
+            f"part of each parameter's dotted name; {'; '.join(hints)}; the model's vector parameters: {vectors}). "
+            "Fix the names, or leave engine.keep_float32 at null for the family's defaults"
+        )
+    return names
