@@ -5,7 +5,8 @@ The engine reserves its attention KV up front (``torch_engine.ReservedLayer``), 
 its G rows and drops finished rows, all through ``batch_select_indices``; transformers' ``LinearAttentionLayer``
 has no row selection, so ``StateLayer`` adds it. ``hybrid_cache`` builds the cache layer by layer from the model
 config's ``layer_types``, and returns None for a model without linear-attention layers (the engine then keeps its
-plain reserved cache).
+plain reserved cache). The trainer's shared-prefix update continues each prompt's states the same way
+(``continuation_cache``), with autograd through them. ``float32_names`` resolves ``engine.keep_float32``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,54 @@ class StateLayer(LinearAttentionLayer):
                 self.conv_states[i] = self.conv_states[i][indices.to(self.conv_states[i].device)]
             if self.is_recurrent_states_initialized[i]:
                 self.recurrent_states[i] = self.recurrent_states[i][indices.to(self.recurrent_states[i].device)]
+
+
+class PrefixStateLayer(LinearAttentionLayer):
+    """A prompt's final states seeding a continuation forward under autograd (``continuation_cache``): conv state
+    [N, C, W] and recurrent state [N, H, K, V] of the prompt each row continues, so the layer starts with a
+    previous state. Its updates assign the new states rather than copy them into the old tensors as transformers'
+    layer does: the continuation's rule saved the old recurrent state for its backward, which an in-place copy
+    would invalidate."""
+
+    def __init__(self, conv_state: Tensor, recurrent_state: Tensor):
+        super().__init__()
+        self.conv_states[0], self.recurrent_states[0] = conv_state, recurrent_state
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        self.conv_kernel_size[0] = conv_state.shape[-1]
+        self.dtype, self.device = conv_state.dtype, conv_state.device
+
+    def lazy_initialization(self, *args, **kwargs) -> None:  # the states are given
+        return None
+
+    def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, **kwargs) -> Tensor:
+        """The previous inputs followed by ``conv_states`` [N, C, T] (what the conv reads); keeps the last W."""
+        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx] :]
+        return full
+
+    def update_recurrent_state(self, recurrent_states: Tensor, state_idx: int = 0, **kwargs) -> Tensor:
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def continuation_cache(prompt_cache: DynamicCache, rows: Tensor) -> DynamicCache:
+    """A cache for a forward that continues the prompts of ``prompt_cache`` (filled by a prompt forward, e.g.
+    ``hybrid_cache(model, DynamicLayer)``), row i continuing prompt ``rows[i]`` ([N] int64): attention layers get
+    the prompts' keys and values at ``rows``, linear-attention layers a ``PrefixStateLayer`` of their final conv
+    and recurrent states at ``rows``. Indexing is differentiable: the backward sums each prompt's gradients over
+    the rows that continue it."""
+    layers = []
+    for layer in prompt_cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            layers.append(PrefixStateLayer(layer.conv_states[0][rows], layer.recurrent_states[0][rows]))
+        else:
+            new = DynamicLayer()
+            new.update(layer.keys[rows], layer.values[rows])
+            layers.append(new)
+    cache = DynamicCache()
+    Cache.__init__(cache, layers=layers)
+    return cache
 
 
 def hybrid_cache(model: torch.nn.Module, attention_layer: Callable[[], DynamicLayer]) -> DynamicCache | None:
