@@ -2,6 +2,7 @@
 
     python benchmarks/linear_attention.py [--bf16]                         # ~100M Qwen3.5-shaped, 8 x 100 + 100 tokens
     python benchmarks/linear_attention.py --hidden 64 --layers 4 --rows 2 --prompt 8 --response 8 --repeats 1 --force
+    python benchmarks/linear_attention.py --bf16 --kernels batch_invariant    # the run's setting: auto -> recurrent
 
 A random Qwen3.5-shaped model (3 Gated DeltaNet layers to 1 full-attention layer, as the released models) and
 an attention model of the same width and depth (Qwen3, same vocabulary), built in memory (no download). Three
@@ -14,10 +15,13 @@ settings, side by side, alternating ``--repeats`` times after a warm-up, on the 
   (``kernels.linear_attention.RecurrentForwardChunkedBackward``): the backward recomputes the chunked forward;
 * ``attention``: the attention model, for scale.
 
-Reports the median forward and backward seconds per token and the ratio recurrent / chunked of a whole
-forward + backward. ``--save-model DIR`` instead saves the Qwen3.5-shaped model (with the SmolLM2 tokenizer and
-its vocabulary) as a folder for ``recipes/train.py model.name_or_path=DIR`` (the stock-vs-fixed gap runs of
-docs/kernels.md) and exits. The issue's target: recurrent at most 2x chunked on the ~100M model at ~100-token
+``--kernels batch_invariant`` runs all three under the batch-invariant kernels (``recurrent`` is then what
+``kernels=batch_invariant`` trains with, ``chunked`` its ``linear_attention=chunked`` split). Reports the
+median milliseconds per token of a training step's three passes (pi_old's no-grad forward, the forward with
+gradients, the backward) and the ratios recurrent / chunked of the whole step and of forward + backward.
+``--save-model DIR`` instead saves the Qwen3.5-shaped model (with the SmolLM2 tokenizer and its vocabulary) as a
+folder for ``recipes/train.py model.name_or_path=DIR`` (the stock-vs-fixed gap runs of docs/kernels.md) and
+exits. The target: a recurrent step at most 2x a chunked one on the ~100M model at ~100-token
 responses. Timings need an otherwise idle machine (``_common.ensure_quiet``).
 """
 
@@ -79,14 +83,19 @@ def save_model(args) -> None:
     print(f"saved {sum(p.numel() for p in hybrid.parameters()) / 1e6:.0f}M parameters to {args.save_model}")
 
 
-def time_pass(model, ids, mask, response) -> tuple[float, float]:
-    """Seconds of the forward (log-probs of ``response``) and of the backward of their sum."""
+def time_pass(model, ids, mask, response) -> tuple[float, float, float]:
+    """Seconds of a training step's three passes over the batch: the no-grad forward (pi_old's log-probs), the
+    forward with gradients (log-probs of ``response``) and the backward of their sum."""
     model.zero_grad(set_to_none=True)
+    valid = torch.ones_like(response, dtype=torch.bool)
     start = time.perf_counter()
-    lp = response_logprobs(model, ids, mask, response, torch.ones_like(response, dtype=torch.bool)).logprobs
+    with torch.no_grad():
+        response_logprobs(model, ids, mask, response, valid)
+    old = time.perf_counter()
+    lp = response_logprobs(model, ids, mask, response, valid).logprobs
     mid = time.perf_counter()
     lp.sum().backward()
-    return mid - start, time.perf_counter() - mid
+    return old - start, mid - old, time.perf_counter() - mid
 
 
 def main() -> None:
@@ -100,6 +109,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     parser.add_argument("--bf16", action="store_true", help="under bf16 autocast (trainer.precision=bf16-mixed)")
+    parser.add_argument(
+        "--kernels", default="default", choices=["default", "batch_invariant"], help="the kernel mode of every setting"
+    )
     parser.add_argument("--save-model", default=None, help="save the Qwen3.5-shaped model to this folder and exit")
     args = parser.parse_args()
     if args.save_model:
@@ -119,23 +131,25 @@ def main() -> None:
         "recurrent": (hybrid, "recurrent"),
         "attention": (attention, "chunked"),
     }
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in settings}
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in settings}
     for repeat in range(args.repeats + 1):  # the first round warms up
         for name, (model, mode) in settings.items():
             cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
-            with kernel_mode("default", model, linear_attention=mode), cast:
+            with kernel_mode(args.kernels, model, linear_attention=mode), cast:
                 measured = time_pass(model, ids, mask, response)
             if repeat:
                 times[name].append(measured)
-    print(f"{'setting':<10} {'forward us/token':>17} {'backward us/token':>18} {'total s':>8}")
-    totals = {}
-    for name, pairs in times.items():
-        fwd = statistics.median(p[0] for p in pairs)
-        bwd = statistics.median(p[1] for p in pairs)
-        totals[name] = fwd + bwd
-        print(f"{name:<10} {1e6 * fwd / tokens:>17.1f} {1e6 * bwd / tokens:>18.1f} {fwd + bwd:>8.3f}")
-    print(f"recurrent / chunked (forward + backward): {totals['recurrent'] / totals['chunked']:.2f}x (target <= 2x)")
-    print(f"chunked / attention: {totals['chunked'] / totals['attention']:.2f}x")
+    print(f"{'setting':<10} {'no-grad fwd ms/token':>21} {'fwd ms/token':>13} {'bwd ms/token':>13} {'step s':>7}")
+    steps, fwd_bwd = {}, {}
+    for name, runs in times.items():
+        old, fwd, bwd = (statistics.median(r[i] for r in runs) for i in range(3))
+        steps[name], fwd_bwd[name] = old + fwd + bwd, fwd + bwd
+        cells = " ".join(f"{1e3 * x / tokens:>{w}.2f}" for x, w in ((old, 21), (fwd, 13), (bwd, 13)))
+        print(f"{name:<10} {cells} {old + fwd + bwd:>7.2f}")
+    ratio = steps["recurrent"] / steps["chunked"]
+    print(f"recurrent / chunked: step (no-grad fwd + fwd + bwd) {ratio:.2f}x (target <= 2x), ", end="")
+    print(f"fwd + bwd {fwd_bwd['recurrent'] / fwd_bwd['chunked']:.2f}x")
+    print(f"chunked / attention (step): {steps['chunked'] / steps['attention']:.2f}x")
 
 
 if __name__ == "__main__":

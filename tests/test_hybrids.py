@@ -1,8 +1,8 @@
 """Gated DeltaNet hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) as tiny random models (``helpers.families.HYBRIDS``:
 3 linear-attention layers and 1 full attention): the embedded engine's cache holds the conv and recurrent states
 beside the KV, a group's prompt is prefilled once and its states copied to the G rows, the trainer's log-probs are
-the model's own and the engine's equal them, the shared-prefix update is off with its reason, and a 2-step run
-trains."""
+the model's own and the engine's equal them, the shared-prefix update continues the prompt's states, and a
+2-step run trains."""
 
 import pytest
 import torch
@@ -104,12 +104,46 @@ def test_hybrid_cache_refuses_other_layer_types_by_name():
         hybrid_cache_of(["linear_attention", "sliding_attention"])
 
 
-def test_shared_prefix_is_off_for_hybrids_with_the_reason(hybrid_dir):
-    model, _ = load(hybrid_dir("qwen3_5"))
-    on, why = resolve_shared_prefix("auto", model, 8)
-    assert not on and "linear-attention (Gated DeltaNet) layers" in why and "recurrent states" in why
-    with pytest.raises(ValueError, match=r"update.shared_prefix=true: .*Gated DeltaNet"):
-        resolve_shared_prefix(True, model, 8)
+def shared_and_unshared(model, tok, kernels="default", linear_attention="chunked"):
+    """((log-probs, gradient) of the one-forward path, the same of the shared-prefix path) on the four questions
+    twice each (groups of two, prompts of 20-40 tokens: mixed left padding) with uneven 6-token completions."""
+    ids, mask = left_pad(chat_prompts(tok, QUESTIONS), tok.pad_token_id)
+    ids, mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+    g = torch.Generator().manual_seed(0)
+    response = torch.randint(0, len(tok), (ids.shape[0], 6), generator=g)
+    response_mask = torch.ones_like(response, dtype=torch.bool)
+    response_mask[1::3, 3:] = False
+    out = []
+    with kernel_mode(kernels, model, linear_attention=linear_attention):
+        for shared in (False, True):
+            model.zero_grad()
+            lp = response_logprobs(model, ids, mask, response, response_mask, shared_prefix=shared).logprobs
+            lp.sum().backward()
+            grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            out.append((lp.detach(), grad))
+    return out
+
+
+@pytest.mark.parametrize("family", [f if f == "qwen3_5" else pytest.param(f, marks=pytest.mark.slow) for f in HYBRIDS])
+def test_shared_prefix_continues_the_prompt_s_conv_and_recurrent_states(hybrid_dir, family):
+    """``update.shared_prefix`` on a hybrid: each prompt runs once and its completions continue its keys and
+    values and its conv and recurrent states; the log-probs and the gradient equal the one-forward path's, with
+    either algorithm."""
+    model, tok = load(hybrid_dir(family))
+    assert resolve_shared_prefix("auto", model, 8) == (True, "")
+    for mode in ("chunked", "recurrent"):
+        (lp, grad), (s_lp, s_grad) = shared_and_unshared(model, tok, linear_attention=mode)
+        torch.testing.assert_close(s_lp, lp, rtol=1e-5, atol=1e-6, msg=mode)
+        torch.testing.assert_close(s_grad, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(), msg=mode)
+
+
+def test_shared_prefix_is_bit_for_bit_under_batch_invariant_kernels(hybrid_dir):
+    """Under ``kernels=batch_invariant`` (the recurrent algorithm) a completion continuing its prompt's states
+    computes the very float operations of the one-forward path: equal log-probs."""
+    model, tok = load(hybrid_dir("qwen3_5"))
+    (lp, grad), (s_lp, s_grad) = shared_and_unshared(model, tok, "batch_invariant", "recurrent")
+    assert torch.equal(s_lp, lp)
+    torch.testing.assert_close(s_grad, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
 
 
 @pytest.mark.parametrize("family", [f if f == "qwen3_5" else pytest.param(f, marks=pytest.mark.slow) for f in HYBRIDS])
@@ -257,6 +291,23 @@ def test_keep_float32_keeps_the_decay_parameters_out_of_the_engine_copy_s_roundi
         print(f"\nbf16 engine copy, mean |rollout - trainer| log-prob: keep {kept:.3g}, not {rounded:.3g}")
     assert gaps[("A_log", "dt_bias")] == 0.0
     assert gaps[()] > 1e-4
+
+
+def test_keep_float32_refuses_names_that_match_no_parameter_at_load(hybrid_dir, tmp_path):
+    """A misspelt name would leave its parameter to be rounded silently: the engine refuses it when built, naming
+    it and the model's close candidates; null (None) is the family's defaults, none for an attention model."""
+    model, tok = load(hybrid_dir("qwen3_5"))
+    assert TorchEngine(model, tok.pad_token_id, [tok.eos_token_id]).keep_float32 == ("A_log", "dt_bias")
+    with pytest.raises(ValueError, match=r"engine.keep_float32: \['dtbias'\] match no parameter of Qwen3_5.*'dt_bias'"):
+        TorchEngine(
+            model, tok.pad_token_id, [tok.eos_token_id], weights_dtype=torch.bfloat16, keep_float32=["A_log", "dtbias"]
+        )
+    with pytest.raises(ValueError, match=r"\['A_lg', 'gate'\] match no parameter.*'A_lg': close to \['A_log'\]"):
+        TorchEngine(model, tok.pad_token_id, [tok.eos_token_id], keep_float32=["A_lg", "gate", "dt_bias"])
+    attention, _ = load(build_family("qwen3", tmp_path / "qwen3"))
+    assert TorchEngine(attention, tok.pad_token_id, [tok.eos_token_id]).keep_float32 == ()
+    with pytest.raises(ValueError, match=r"\['A_log'\] match no parameter of Qwen3ForCausalLM"):
+        TorchEngine(attention, tok.pad_token_id, [tok.eos_token_id], keep_float32=["A_log"])
 
 
 def test_flops_count_the_linear_attention_layers(hybrid_dir):

@@ -97,6 +97,35 @@ def test_recurrent_forward_chunked_backward_has_the_chunked_gradient():
         torch.testing.assert_close(a, x.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_chunked_backward_recomputes_under_the_forward_s_autocast():
+    """A forward under bf16 autocast whose backward runs outside it (as a trainer may call it) gets the gradient
+    of the chunked algorithm under autocast, its products in bf16, not of a float32 recomputation."""
+    q, k, v, g, beta, state = inputs(requires_grad=True)
+    w = torch.randn(B, T, HV, K, generator=torch.Generator().manual_seed(3))
+    grads = []
+    for fn in (RecurrentForwardChunkedBackward.apply, None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fn is None:
+                out, _ = stock.torch_chunk_gated_delta_rule(
+                    q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+                )
+            else:
+                out, _ = fn(q, k, v, g, beta, state, True, True, stock.torch_chunk_gated_delta_rule)
+        grads.append(torch.autograd.grad((out * w).sum(), (q, k, v, g, beta, state)))
+    float32 = torch.autograd.grad(
+        (
+            RecurrentForwardChunkedBackward.apply(
+                q, k, v, g, beta, state, True, True, stock.torch_chunk_gated_delta_rule
+            )[0]
+            * w
+        ).sum(),
+        (q, k, v, g, beta, state),
+    )
+    for name, ours, autocast, plain in zip("q k v g beta state".split(), *grads, float32):
+        torch.testing.assert_close(ours, autocast, rtol=1e-5, atol=1e-5, msg=name)
+        assert not torch.allclose(ours, plain, rtol=1e-3, atol=1e-3), name  # bf16 products: visibly other
+
+
 def test_linear_attention_setting_resolves_and_bad_values_name_the_field():
     assert resolve_linear_attention("auto", "batch_invariant") == "recurrent"
     assert resolve_linear_attention("auto", "default") == "chunked"
@@ -112,3 +141,19 @@ def test_gated_norm_is_a_batch_invariant_formula():
     assert norm_kernels([norm]) == {stock.Qwen3_5RMSNormGated: "gated"}
     x, gate = torch.randn(5, 8), torch.randn(5, 8)
     torch.testing.assert_close(gated_rms_norm(x, gate, norm.weight, 1e-6), norm(x, gate), rtol=1e-6, atol=1e-6)
+
+
+def test_recurrent_rule_blocks_of_heads_change_no_bit(monkeypatch):
+    import lit_rl.kernels.linear_attention as la
+
+    q, k, v, g, beta, state = inputs()
+    assert la.state_block(16, 128, 128) == 16  # a released Qwen3.5 row: 16 heads of 128 x 128, 1 MiB
+    assert la.state_block(48, 128, 128) == 16 and la.state_block(4, 16, 16) == 4 and la.state_block(3, 512, 1024) == 1
+    whole, whole_final = recurrent_rule(q, k, v, g, beta, state, True, True)
+    monkeypatch.setattr(la, "STATE_BLOCK_BYTES", 2 * K * K * 4)  # two heads per block: a row in two blocks
+    assert la.state_block(HV, K, K) == 2
+    blocked, blocked_final = recurrent_rule(q, k, v, g, beta, state, True, True)
+    assert torch.equal(blocked, whole) and torch.equal(blocked_final, whole_final)
+    alone, _ = recurrent_rule(q[2:], k[2:], v[2:], g[2:], beta[2:], state[2:], True, True)
+    assert torch.equal(alone, whole[2:])
+    assert not torch.equal(state, whole_final)  # the caller's initial state is not updated in place

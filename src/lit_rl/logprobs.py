@@ -272,18 +272,31 @@ def fused_head_applies(top_k: int, top_p: float, transform: "HeadTransform | Non
 
 #: ``config.model_type`` of the families whose shared-prefix forward is tested equal to the one-forward path
 #: (tests/test_families.py: Llama incl. SmolLM2 and Llama 3, Qwen2/3, Gemma 1-3 incl. sliding windows and
-#: Gemma-2's attention soft-capping, Mistral's sliding window, Phi-3); ``update.shared_prefix=auto`` is off for
-#: any other, ``true`` refuses it by name
-SHARED_PREFIX_FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "gemma3", "mistral", "phi3")
+#: Gemma-2's attention soft-capping, Mistral's sliding window, Phi-3; tests/test_hybrids.py: the Gated DeltaNet
+#: hybrids Qwen3.5, Qwen3.5-MoE, Qwen3-Next, whose completions continue the prompt's conv and recurrent states);
+#: ``update.shared_prefix=auto`` is off for any other, ``true`` refuses it by name
+SHARED_PREFIX_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "mistral",
+    "phi3",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+)
 
 
 def resolve_shared_prefix(setting, model: torch.nn.Module, group_size: int) -> tuple[bool, str]:
     """``update.shared_prefix`` (auto | True | False) for ``model`` at ``rollout.group_size`` ->
     (on, why: empty when on or set false).
 
-    auto is on when group_size >= 2, the model's family is in ``SHARED_PREFIX_FAMILIES`` (never a hybrid with
-    linear-attention layers: their prompt state is not handed on) and its layers are not gradient-checkpointed
-    (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
+    auto is on when group_size >= 2, the model's family is in ``SHARED_PREFIX_FAMILIES`` and its layers are not
+    gradient-checkpointed (transformers drops the KV cache inside checkpointed layers); otherwise off, with the
     reason. True raises ValueError naming the family or the checkpointing it cannot serve; group_size 1 is
     allowed (nothing to share: every micro-batch takes the one-forward path). Raises ValueError for another value.
     """
@@ -295,13 +308,7 @@ def resolve_shared_prefix(setting, model: torch.nn.Module, group_size: int) -> t
     family = getattr(getattr(config, "text_config", None) or config, "model_type", None)
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     why = ""
-    if "linear_attention" in (getattr(getattr(config, "text_config", None) or config, "layer_types", None) or ()):
-        why = (
-            f"model family {family!r} ({type(model).__name__}) has linear-attention (Gated DeltaNet) layers: the "
-            "shared-prefix forward hands the completions the prompt's keys and values, not its conv and "
-            "recurrent states"
-        )
-    elif family not in SHARED_PREFIX_FAMILIES:
+    if family not in SHARED_PREFIX_FAMILIES:
         why = (
             f"model family {family!r} ({type(model).__name__}) is not one whose shared-prefix forward is tested "
             f"(supported: {', '.join(SHARED_PREFIX_FAMILIES)})"
@@ -375,10 +382,18 @@ def _shared_prefix_hidden(
     over the rows that read them), attention mask [prompt_mask; response_mask] and position ids that continue
     each prompt's (``position_ids_from_mask`` of the whole row): the same keys, positions and causal order as
     the one-forward path, so the same function of the weights (Prefix Grouper, Liu et al. 2025, arXiv
-    2506.05433). The state that predicts response token 0 is the prompt's last position; token j > 0's is
-    response position j - 1. States past a row's last response token are 0.
+    2506.05433). Gated DeltaNet hybrids (``state_cache.is_hybrid``): the prompts run with the engine's hybrid
+    cache layout and each completion continues its prompt's final conv and recurrent states as well as its keys
+    and values (``state_cache.continuation_cache``): the conv reads the prompt's last inputs, the recurrence starts
+    from the prompt's state (its value under ``kernels.linear_attention=recurrent`` is the one-forward path's bit
+    for bit; the chunked algorithm cuts its 64-token chunks elsewhere). The state that predicts response token 0
+    is the prompt's last position; token j > 0's is response position j - 1. States past a row's last response
+    token are 0.
     """
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from .rollout.state_cache import continuation_cache, hybrid_cache, is_hybrid
 
     p, t = prompt_ids.shape[1], response_ids.shape[1]
     keys = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
@@ -389,7 +404,8 @@ def _shared_prefix_hidden(
     k = u_ids.shape[0]
     embeds = backbone.get_input_embeddings()(torch.cat([u_ids.reshape(-1), response_ids.reshape(-1)]))
     prompt_embeds, response_embeds = embeds[: k * p].view(k, p, -1), embeds[k * p :].view(len(response_ids), t, -1)
-    cache = DynamicCache()
+    hybrid = is_hybrid(backbone)  # linear-attention layers: the prompt's conv and recurrent states, not only KV
+    cache = hybrid_cache(backbone, DynamicLayer) if hybrid else DynamicCache()
     prompt_hidden = backbone(
         inputs_embeds=prompt_embeds,
         attention_mask=u_mask,
@@ -397,7 +413,7 @@ def _shared_prefix_hidden(
         cache=cache,
         use_cache=True,
     ).last_hidden_state
-    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    kv = [] if hybrid else [(layer.keys, layer.values) for layer in cache.layers]
     first = prompt_hidden[:, -1:]  # [k, 1, H]: the prompt's last position predicts response token 0
     lengths = response_mask.sum(-1)
     order = torch.argsort(lengths, descending=True, stable=True)
@@ -408,7 +424,9 @@ def _shared_prefix_hidden(
         width = max(int(sorted_lengths[start]), 1)
         start = end
         src = row_of[rows]
-        bucket_cache = DynamicCache(ddp_cache_data=[(k[src], v[src]) for k, v in kv])
+        bucket_cache = (
+            continuation_cache(cache, src) if hybrid else DynamicCache(ddp_cache_data=[(k[src], v[src]) for k, v in kv])
+        )
         attention_mask = torch.cat([prompt_mask[rows].long(), response_mask[rows, :width].long()], dim=1)
         position_ids = position_ids_from_mask(attention_mask)[:, p:]
         hidden = backbone(

@@ -104,6 +104,19 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * lanewise(torch.rsqrt, (x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+#: bytes of float32 recurrent state one block of the token loop updates (``recurrent_rule``): one row of a released
+#: Qwen3.5 (16 value heads of 128 x 128) is 1 MiB, which stays in a core's L2/L3 across the token's five passes
+STATE_BLOCK_BYTES = 1 << 20
+
+
+def state_block(heads: int, key_dim: int, value_dim: int) -> int:
+    """Heads per block of ``recurrent_rule``'s token loop: the largest divisor of ``heads`` whose float32 state
+    (block x key_dim x value_dim x 4 bytes) fits ``STATE_BLOCK_BYTES``, at least 1. A function of the model's
+    shape only, so the engine's decode, its prefill and the trainer run the same block shapes."""
+    per_head = key_dim * value_dim * 4
+    return max(g for g in range(1, heads + 1) if heads % g == 0 and (g == 1 or g * per_head <= STATE_BLOCK_BYTES))
+
+
 def recurrent_rule(
     query: Tensor,
     key: Tensor,
@@ -119,43 +132,72 @@ def recurrent_rule(
 
     query/key [B, T, Hk, K], value [B, T, Hv, V], g (log decay, <= 0) and beta [B, T, Hv], initial_state
     [B, Hv, K, V] or None (zeros). Returns (output [B, T, Hv, V] in query's dtype, final state [B, Hv, K, V]
-    float32 or None). Float32 throughout; each token's step is elementwise products and sums over K of the
-    [B, Hv, K, V] state (no matrix product, no reduction across rows), so a row's values do not depend on B, and a
-    T-token call computes exactly what T one-token calls (the engine's decode) compute.
+    float32 or None). Float32 throughout. The B x Hv heads are walked in blocks of ``state_block`` heads of one
+    row, each block through all T tokens before the next (its state stays in cache; one preallocated scratch
+    buffer, no allocation of state size per token); each token's step is elementwise products and sums over K
+    of the block's [G, K, V] state (no matrix product, no reduction across heads or rows), every call of the
+    same [G, K, V] shape. So a row's values do not depend on B, and a T-token call computes exactly what T
+    one-token calls (the engine's decode) compute.
     """
     dtype = query.dtype
     hk, hv = key.shape[2], value.shape[2]
     if hk != hv:
         query, key = query.repeat_interleave(hv // hk, dim=2), key.repeat_interleave(hv // hk, dim=2)
-    query, key, value, beta, g = (
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
-    )  # [B, H, T, ...]
+    query, key, value, beta, g = (x.to(torch.float32) for x in (query, key, value, beta, g))  # [B, T, H, ...]
     if use_qk_l2norm_in_kernel:
         query, key = _l2norm(query), _l2norm(key)
     query = query / (query.shape[-1] ** 0.5)
-    b, h, t, k = key.shape
-    state = value.new_zeros(b, h, k, value.shape[-1]) if initial_state is None else initial_state.to(value).clone()
-    decay = lanewise(torch.exp, g)[..., None, None]  # [B, H, T, 1, 1]
-    beta = beta[..., None]
-    out = torch.empty_like(value)
-    for i in range(t):
-        k_i = key[:, :, i, :, None]  # [B, H, K, 1]
-        state.mul_(decay[:, :, i])  # in place: the same products, one [B, H, K, V] allocation fewer per step
-        delta = (value[:, :, i] - (state * k_i).sum(dim=-2)) * beta[:, :, i]
-        state.add_(k_i * delta[:, :, None, :])
-        out[:, :, i] = (state * query[:, :, i, :, None]).sum(dim=-2)
-    return out.transpose(1, 2).contiguous().to(dtype), (state if output_final_state else None)
+    b, t, h, k = key.shape
+    v_dim = value.shape[-1]
+    block = state_block(h, k, v_dim)
+    n = b * h // block
+
+    def blocks(x: Tensor) -> Tensor:  # [B, T, H, ...] -> [n, T, block, ...], a row's heads in h // block blocks
+        return x.transpose(0, 1).reshape(t, n, block, *x.shape[3:]).transpose(0, 1).contiguous()
+
+    query, key, value = blocks(query), blocks(key)[..., None], blocks(value)
+    decay, beta = blocks(lanewise(torch.exp, g))[..., None, None], blocks(beta)[..., None]
+    shape = (b, h, k, v_dim)
+    state = value.new_zeros(shape) if initial_state is None else initial_state.to(value, copy=True).reshape(shape)
+    state = state.contiguous().view(n, block, k, v_dim)
+    out, scratch, read = (
+        value.new_empty(n, t, block, v_dim),
+        value.new_empty(block, k, v_dim),
+        value.new_empty(block, v_dim),
+    )
+    for j in range(n):
+        s, q_j, k_j, v_j, decay_j, beta_j, out_j = (
+            state[j],
+            query[j, ..., None],
+            key[j],
+            value[j],
+            decay[j],
+            beta[j],
+            out[j],
+        )
+        for i in range(t):
+            s.mul_(decay_j[i])
+            torch.sum(torch.mul(s, k_j[i], out=scratch), dim=-2, out=read)  # S^T k
+            delta = (v_j[i] - read).mul_(beta_j[i])
+            s.addcmul_(k_j[i], delta[:, None, :])  # S += k delta^T, without a [G, K, V] temporary
+            torch.sum(torch.mul(s, q_j[i], out=scratch), dim=-2, out=out_j[i])  # S^T q
+    out = out.transpose(0, 1).reshape(t, b, h, v_dim).transpose(0, 1)
+    return out.to(dtype).contiguous(), (state.view(shape) if output_final_state else None)
 
 
 class RecurrentForwardChunkedBackward(torch.autograd.Function):
     """Value of the recurrent algorithm (``recurrent_rule``), vector-Jacobian product of the chunked one: the
     backward recomputes ``chunked`` (transformers' chunked gated delta rule, same arguments) with gradients and
     differentiates it. Both compute the same function, so the gradient is the chunked algorithm's autograd
-    gradient up to float32 rounding; the forward is bit for bit the engine's. Inputs as ``recurrent_rule``."""
+    gradient up to float32 rounding; the forward is bit for bit the engine's. The recomputation runs under the
+    autocast state of the forward (a backward called outside ``torch.autocast`` still differentiates the bf16
+    products the chunked forward would have run). Inputs as ``recurrent_rule``."""
 
     @staticmethod
     def forward(ctx, query, key, value, g, beta, initial_state, output_final_state, l2norm, chunked):
         ctx.chunked, ctx.l2norm, ctx.output_final_state = chunked, l2norm, output_final_state
+        device = query.device.type  # the backward recomputes under the forward's autocast, as a checkpoint does
+        ctx.autocast = device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
         ctx.save_for_backward(query, key, value, g, beta, initial_state)
         out, final = recurrent_rule(query, key, value, g, beta, initial_state, output_final_state, l2norm)
         return out, final
@@ -163,13 +205,15 @@ class RecurrentForwardChunkedBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_final):
         inputs = [x.detach().requires_grad_(x.requires_grad) if x is not None else None for x in ctx.saved_tensors]
+        device, enabled, dtype = ctx.autocast
         with torch.enable_grad():
-            out, final = ctx.chunked(
-                *inputs[:5],
-                initial_state=inputs[5],
-                output_final_state=ctx.output_final_state,
-                use_qk_l2norm_in_kernel=ctx.l2norm,
-            )
+            with torch.autocast(device, dtype=dtype, enabled=enabled):  # the forward's, the backward's own after
+                out, final = ctx.chunked(
+                    *inputs[:5],
+                    initial_state=inputs[5],
+                    output_final_state=ctx.output_final_state,
+                    use_qk_l2norm_in_kernel=ctx.l2norm,
+                )
             outputs, grads = [out], [grad_out]
             if final is not None and grad_final is not None:
                 outputs.append(final)

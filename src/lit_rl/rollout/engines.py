@@ -62,7 +62,7 @@ def build_torch_engine(
         weights_dtype=parse_dtype(cfg.dtype) if cfg.dtype else None,
         int8_roundtrip=bool(cfg.int8_roundtrip),
         own_copy=own_copy,
-        keep_float32=tuple(cfg.keep_float32),
+        keep_float32=None if cfg.keep_float32 is None else tuple(cfg.keep_float32),
         logit_noise=float(cfg.logit_noise),
         temperature_offset=float(cfg.temperature_offset),
     )

@@ -5,17 +5,23 @@ The engine reserves its attention KV up front (``torch_engine.ReservedLayer``), 
 its G rows and drops finished rows, all through ``batch_select_indices``; transformers' ``LinearAttentionLayer``
 has no row selection, so ``StateLayer`` adds it. ``hybrid_cache`` builds the cache layer by layer from the model
 config's ``layer_types``, and returns None for a model without linear-attention layers (the engine then keeps its
-plain reserved cache).
+plain reserved cache). The trainer's shared-prefix update continues each prompt's states the same way
+(``continuation_cache``), with autograd through them. ``float32_names`` resolves ``engine.keep_float32``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
+
+#: the Gated DeltaNet decay/gate parameters transformers uses in float32 (``-A_log.float().exp()``, ``dt_bias``
+#: added to a float32 ``a``): an engine copy in another dtype keeps them float32 by default (``engine.keep_float32``)
+DECAY_PARAMETERS = ("A_log", "dt_bias")
 
 #: the ``layer_types`` entry of a linear-attention (conv + recurrent state) layer in transformers' configs
 LINEAR_LAYER = "linear_attention"
@@ -48,6 +54,54 @@ class StateLayer(LinearAttentionLayer):
                 self.recurrent_states[i] = self.recurrent_states[i][indices.to(self.recurrent_states[i].device)]
 
 
+class PrefixStateLayer(LinearAttentionLayer):
+    """A prompt's final states seeding a continuation forward under autograd (``continuation_cache``): conv state
+    [N, C, W] and recurrent state [N, H, K, V] of the prompt each row continues, so the layer starts with a
+    previous state. Its updates assign the new states rather than copy them into the old tensors as transformers'
+    layer does: the continuation's rule saved the old recurrent state for its backward, which an in-place copy
+    would invalidate."""
+
+    def __init__(self, conv_state: Tensor, recurrent_state: Tensor):
+        super().__init__()
+        self.conv_states[0], self.recurrent_states[0] = conv_state, recurrent_state
+        self.is_conv_states_initialized[0] = self.is_recurrent_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        self.conv_kernel_size[0] = conv_state.shape[-1]
+        self.dtype, self.device = conv_state.dtype, conv_state.device
+
+    def lazy_initialization(self, *args, **kwargs) -> None:  # the states are given
+        return None
+
+    def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, **kwargs) -> Tensor:
+        """The previous inputs followed by ``conv_states`` [N, C, T] (what the conv reads); keeps the last W."""
+        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx] :]
+        return full
+
+    def update_recurrent_state(self, recurrent_states: Tensor, state_idx: int = 0, **kwargs) -> Tensor:
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def continuation_cache(prompt_cache: DynamicCache, rows: Tensor) -> DynamicCache:
+    """A cache for a forward that continues the prompts of ``prompt_cache`` (filled by a prompt forward, e.g.
+    ``hybrid_cache(model, DynamicLayer)``), row i continuing prompt ``rows[i]`` ([N] int64): attention layers get
+    the prompts' keys and values at ``rows``, linear-attention layers a ``PrefixStateLayer`` of their final conv
+    and recurrent states at ``rows``. Indexing is differentiable: the backward sums each prompt's gradients over
+    the rows that continue it."""
+    layers = []
+    for layer in prompt_cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            layers.append(PrefixStateLayer(layer.conv_states[0][rows], layer.recurrent_states[0][rows]))
+        else:
+            new = DynamicLayer()
+            new.update(layer.keys[rows], layer.values[rows])
+            layers.append(new)
+    cache = DynamicCache()
+    Cache.__init__(cache, layers=layers)
+    return cache
+
+
 def hybrid_cache(model: torch.nn.Module, attention_layer: Callable[[], DynamicLayer]) -> DynamicCache | None:
     """A ``DynamicCache`` for ``model`` with a ``StateLayer`` per linear-attention layer and ``attention_layer()``
     (e.g. the engine's reserved KV layer) per attention layer; None when the model has no linear-attention layer.
@@ -67,3 +121,30 @@ def hybrid_cache(model: torch.nn.Module, attention_layer: Callable[[], DynamicLa
     cache = DynamicCache()  # a DynamicCache (the models check for one) holding these layers
     Cache.__init__(cache, layers=layers)
     return cache
+
+
+def float32_names(model: torch.nn.Module, names: Iterable[str] | None) -> tuple[str, ...]:
+    """The parameter names (the last part of the dotted name) an engine copy of ``model`` keeps in float32
+    (``engine.keep_float32``): None = the family's defaults, ``DECAY_PARAMETERS`` that ``model`` has (none for a
+    model without Gated DeltaNet layers); a list is taken as given, [] keeping none (the A_log trap).
+
+    Raises ValueError naming every listed name that matches no parameter of ``model`` (a misspelt ``dt_bias``
+    would otherwise be rounded silently), with the model's candidates: its parameter-name ends close to it, or
+    else those of its vector parameters (gates, biases, norms)."""
+    ends = {name.rsplit(".", 1)[-1]: p for name, p in model.named_parameters()}
+    if names is None:
+        return tuple(n for n in DECAY_PARAMETERS if n in ends)
+    names = tuple(names)
+    missing = [n for n in names if n not in ends]
+    if missing:
+        vectors = sorted(e for e, p in ends.items() if p.dim() <= 1)
+        hints = []
+        for n in missing:
+            close = difflib.get_close_matches(n, list(ends), n=3, cutoff=0.6)
+            hints.append(f"{n!r}: close to {close}" if close else f"{n!r}: no close name")
+        raise ValueError(
+            f"engine.keep_float32: {missing} match no parameter of {type(model).__name__} (matched against the last "
+            f"part of each parameter's dotted name; {'; '.join(hints)}; the model's vector parameters: {vectors}). "
+            "Fix the names, or leave engine.keep_float32 at null for the family's defaults"
+        )
+    return names

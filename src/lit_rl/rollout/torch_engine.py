@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
-from .state_cache import hybrid_cache
+from .state_cache import float32_names, hybrid_cache
 from .types import Rollouts, SamplingConfig
 
 
@@ -164,7 +164,9 @@ class TorchEngine:
         temperature_offset: mismatch dial δ (``engine.temperature_offset``): sampling rollouts draw at
             T' = T + δ while the trainer scores at T; 0 = off. T + δ must stay > 0.
         keep_float32: parameter names (last part of the dotted name) an own copy keeps in float32 whatever
-            ``weights_dtype`` (``engine.keep_float32``: Gated DeltaNet's ``A_log``, ``dt_bias``).
+            ``weights_dtype`` (``engine.keep_float32``); None = the family's defaults (Gated DeltaNet's ``A_log``,
+            ``dt_bias`` where the model has them), () = none. A name that matches no parameter of ``model``
+            raises ValueError naming it and the model's candidates (``state_cache.float32_names``).
 
     With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
@@ -195,7 +197,7 @@ class TorchEngine:
         own_copy: bool = False,
         logit_noise: float = 0.0,
         temperature_offset: float = 0.0,
-        keep_float32: tuple[str, ...] = (),
+        keep_float32: tuple[str, ...] | None = None,
     ):
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
@@ -204,7 +206,7 @@ class TorchEngine:
         self.cancel = None
         self.own_copy = own_copy or weights_dtype is not None or int8_roundtrip
         self.int8_roundtrip = int8_roundtrip
-        self.keep_float32 = tuple(keep_float32)
+        self.keep_float32 = float32_names(model, keep_float32)
         self.model = model
         self.weights_dtype = weights_dtype
         if self.own_copy:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from .base import Number, Problems, int_rule, is_int, rule
@@ -21,9 +21,10 @@ class EngineConfig:
     #: mismatch injection: matrices through an int8 round trip at each sync
     int8_roundtrip: bool = False
     #: parameter names (the last part of the dotted name) an engine's own copy keeps in float32 whatever its
-    #: dtype: Gated DeltaNet's decay and gate parameters, which transformers uses in float32; [] rounds them too
-    #: (the A_log trap); embedded engine only
-    keep_float32: list = field(default_factory=lambda: ["A_log", "dt_bias"])
+    #: dtype; null = the family's defaults (Gated DeltaNet's decay and gate parameters A_log, dt_bias, which
+    #: transformers uses in float32; none for attention models); [] rounds them too (the A_log trap); a name
+    #: that matches no parameter is refused when the engine is built; embedded engine only
+    keep_float32: Optional[list] = None
     #: the engine's sampling seed; set to ``seed`` at start-up
     seed: int = 0
     #: mismatch dial sigma >= 0 (0 = off): the embedded engine samples from softmax((logits + sigma*eps)/T'),
