@@ -24,8 +24,10 @@ The two bounds, at the mean context C = prompt + S/2 positions:
   the engine's cache under autocast too: the keys and values come out of float32 norms and rotary
   embeddings, 4 B each).
 
-ratio = seconds per step / the larger bound (1.0 = at the machine's limit). The machine must be quiet (the
-script refuses a busy one like the other benchmarks; ``--force`` times anyway).
+ratio = seconds per step / the larger bound (1.0 = at the machine's limit). The process keeps freed memory as a
+run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves glibc's defaults, to see what that
+saves). The machine must be quiet (the script refuses a busy one like the other benchmarks; ``--force`` times
+anyway).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
 from lit_rl.rollout.types import SamplingConfig  # noqa: E402
 from lit_rl.run.flops import FlopModel  # noqa: E402
-from lit_rl.run.hardware import probe_flops  # noqa: E402
+from lit_rl.run.hardware import keep_freed_memory, probe_flops  # noqa: E402
 
 DTYPES = {"bf16": ("bf16-mixed", torch.bfloat16, 2), "float32": ("32-true", torch.float32, 4)}
 
@@ -126,6 +128,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also print the per-op shares of each setting")
     ap.add_argument("--top", type=int, default=15, help="ops listed by --profile")
     ap.add_argument("--fp32-gemm", default="auto", help="kernels.fp32_gemm for the float32 products, as a run's")
+    ap.add_argument(
+        "--glibc-malloc", action="store_true", help="leave glibc's malloc thresholds (a run keeps freed memory)"
+    )
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -134,6 +139,7 @@ def main():
     if bad or min(batches) < 1 or args.steps < 1 or args.context < 1 or args.repeats < 1:
         sys.exit(f"--dtypes must be of {list(DTYPES)} (got {bad}); batches, steps, context, repeats >= 1")
     ensure_quiet(args.force)
+    print(f"# {'malloc: glibc defaults (--glibc-malloc)' if args.glibc_malloc else keep_freed_memory()}")
     model, tok = load_policy(ModelConfig(args.model))
     model.eval()
     engine = TorchEngine(model, tok.pad_token_id, stop_token_ids=[])  # no stop token: every row to the cap
