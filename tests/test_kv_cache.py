@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from lit_rl.rollout.kv_cache import ReservedLayer
+from lit_rl.rollout.kv_cache import ReservedLayer, keep_rows
 
 
 def kv(rows: int, positions: int, step: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def test_reserved_layer_matches_a_growing_layer_through_repeats_drops_and_growth
         torch.tensor([0, 0, 0, 1, 1, 1]),  # a prefilled prompt repeated to its G rows
         torch.tensor([0, 1, 2, 3, 4]),  # the last row leaves
         torch.tensor([0, 2, 3, 4]),  # a middle row leaves
-        torch.tensor([1, 2, 3]),  # the first row leaves
+        torch.tensor([3, 1, 2]),  # the first row leaves, the last fills its place (``keep_rows``' order)
         torch.tensor([0, 2]),
     ]
     for step, indices in enumerate(selections, start=1):
@@ -43,7 +43,19 @@ def test_reserved_layer_matches_a_growing_layer_through_repeats_drops_and_growth
     assert layer.keys.shape == (2, 2, 7, 3)
 
 
-def test_dropping_rows_moves_only_the_rows_after_the_first_dropped_one_inside_the_same_buffer():
+def test_keep_rows_fills_the_holes_below_the_new_size_with_the_rows_above_it():
+    done = torch.tensor([False, True, False, True, False, False])
+    assert keep_rows(done).tolist() == [0, 4, 2, 5]  # rows 0 and 2 stay; 4 and 5 fill the holes at 1 and 3
+    assert keep_rows(torch.tensor([False, False, True])).tolist() == [0, 1]  # the last row leaves: none move
+    assert keep_rows(torch.tensor([True, True])).numel() == 0
+    done = torch.rand(64, generator=torch.Generator().manual_seed(0)) < 0.3
+    keep = keep_rows(done)
+    assert sorted(keep.tolist()) == (~done).nonzero().squeeze(-1).tolist()  # every kept row, once
+    moved = int((keep != torch.arange(keep.numel())).sum())
+    assert moved == int(done[: keep.numel()].sum())  # one move per hole below the new size
+
+
+def test_dropping_rows_moves_only_the_rows_whose_place_changes_inside_the_same_buffer():
     layer = ReservedLayer(capacity=8)
     k = kv(4, 3, 0)
     layer.update(k, -k)
@@ -53,7 +65,7 @@ def test_dropping_rows_moves_only_the_rows_after_the_first_dropped_one_inside_th
     layer.batch_select_indices(torch.tensor([0, 1, 2]))  # the last row leaves: nothing moves
     assert layer._keys is buffer and torch.equal(layer.keys, k[:3])
 
-    layer.batch_select_indices(torch.tensor([0, 2]))  # row 1 leaves: row 2 moves up, row 0 stays
+    layer.batch_select_indices(keep_rows(torch.tensor([False, True, False])))  # row 1 leaves: row 2 fills it
     assert layer._keys is buffer and layer.keys.data_ptr() == buffer.data_ptr()
     assert torch.equal(layer.keys[0], row0) and torch.equal(layer.keys[1], k[2])
     assert not torch.equal(layer.keys[1], row1)

@@ -16,11 +16,29 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 
-def _is_compaction(indices: Tensor, rows: int) -> bool:
-    """True when ``indices`` [B'] keeps rows in their order without repeats: strictly increasing, inside [0, rows)."""
+def _is_selection(indices: Tensor, rows: int) -> bool:
+    """True when ``indices`` [B'] keeps distinct rows of [0, rows) (any order): a selection the buffer can hold in
+    place. A repeat (a prefilled prompt copied to its G rows) is not one."""
     if indices.numel() == 0 or indices.numel() > rows:
         return False
-    return bool(indices[0] >= 0) and bool(indices[-1] < rows) and bool((indices[1:] > indices[:-1]).all())
+    if bool(indices.min() < 0) or bool(indices.max() >= rows):
+        return False
+    return int(torch.unique(indices).numel()) == indices.numel()
+
+
+def keep_rows(done: Tensor) -> Tensor:
+    """The rows to keep when the rows ``done`` [B] bool finish, ordered so that the fewest rows move: a kept row
+    below the new batch size stays where it is, and each hole a finished row leaves there is filled by a kept row
+    from above it. Returns int64 [number kept], on ``done``'s device; ``batch_select_indices`` of it moves as many
+    rows as finished below the new size, where keeping the order moves every row after the first finished one."""
+    kept = (~done).nonzero().squeeze(-1)
+    n = kept.numel()
+    stay = kept[kept < n]
+    holes = done[:n].nonzero().squeeze(-1)
+    out = torch.empty_like(kept)
+    out[stay] = stay
+    out[holes] = kept[kept >= n]
+    return out
 
 
 class ReservedLayer(DynamicLayer):
@@ -31,10 +49,11 @@ class ReservedLayer(DynamicLayer):
     10-12 s rollout of 8 prompts x G=8 x 64 tokens, SmolLM2-135M float32, 2 threads). The attention reads the
     same keys and values either way.
 
-    ``batch_select_indices(indices)`` (int64 [B'], on any device): when ``indices`` keeps rows in order (finished
-    rows leaving), the kept rows' filled positions move to the front of the same buffer, and only the rows from
-    the first dropped one on are copied (none when the last rows leave); any other selection (a prefilled
-    prompt repeated to its G rows) allocates a buffer of B' rows and copies the filled positions into it.
+    ``batch_select_indices(indices)`` (int64 [B'], on any device): when ``indices`` keeps distinct rows (finished
+    rows leaving), the selection happens inside the same buffer and only the rows whose place changes are copied
+    (their filled positions; none when the last rows leave; ``keep_rows`` orders a drop so that only the holes
+    below the new size are filled); any other selection (a prefilled prompt repeated to its G rows) allocates a
+    buffer of B' rows and copies the filled positions into it.
     """
 
     def __init__(self, capacity: int):
@@ -81,15 +100,15 @@ class ReservedLayer(DynamicLayer):
         if not self._length:
             return
         indices = indices.to(self._keys.device)
-        if not _is_compaction(indices, self._rows):
+        if not _is_selection(indices, self._rows):
             self._allocate(indices.numel(), self._keys.shape[-2], self._keys, self._values, indices)
             self._views()
             return
-        moved = (indices != torch.arange(indices.numel(), device=indices.device)).nonzero()
-        if moved.numel():  # rows before the first dropped one stay where they are
-            first, length = int(moved[0]), self._length
-            self._keys[first : indices.numel(), :, :length] = self._keys[indices[first:], :, :length]
-            self._values[first : indices.numel(), :, :length] = self._values[indices[first:], :, :length]
+        moved = (indices != torch.arange(indices.numel(), device=indices.device)).nonzero().squeeze(-1)
+        if moved.numel():  # rows already in place stay; the others are gathered first, then written
+            length, source = self._length, indices[moved]
+            self._keys[moved, :, :length] = self._keys[source, :, :length]
+            self._values[moved, :, :length] = self._values[source, :, :length]
         self._rows = indices.numel()
         self._views()
 

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from ..logprobs import position_ids_from_mask, process_logits
 from ..models import merged_weights, peft_model
-from .kv_cache import ReservedLayer, reserved_cache
+from .kv_cache import ReservedLayer, keep_rows, reserved_cache
 from .state_cache import hybrid_cache
 from .types import Rollouts, SamplingConfig, left_pad
 
@@ -355,7 +355,7 @@ class TorchEngine:
             finished_by_stop[active[done.cpu()]] = True
             if step == steps - 1:
                 break
-            keep = (~done).nonzero().squeeze(-1)
+            keep = keep_rows(done)  # kept rows from the top fill the holes: the fewest KV rows move
             if keep.numel() == 0:
                 break
             if keep.numel() < active.numel():  # drop finished rows from the batch and the KV cache
