@@ -32,6 +32,7 @@ from _common import ensure_quiet, machine  # noqa: E402
 from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
 from lit_rl.rollout.types import SamplingConfig, left_pad  # noqa: E402
+from lit_rl.run.hardware import keep_freed_memory  # noqa: E402
 from lit_rl.tasks import ArithmeticTask  # noqa: E402
 
 
@@ -115,6 +116,7 @@ def main():
     ap.add_argument("--no-vllm", action="store_true", help="leave out the vLLM rows")
     args = ap.parse_args()
     ensure_quiet(args.force)
+    print(f"# {keep_freed_memory()}")  # as a run's process does (``lit_rl.run.resolve``)
     import importlib.util
 
     if not args.no_vllm and importlib.util.find_spec("vllm") is None:

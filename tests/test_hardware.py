@@ -352,3 +352,54 @@ def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
     assert "adapted per step to the cores other processes leave free" in config.splitlines()[1]
     threads = [v for _, v in read_scalars(tmp_path / "r")["perf/threads"]]
     assert len(threads) == 2 and all(1 <= t <= hardware.auto_threads()[0] for t in threads)
+
+
+FAULTS_SCRIPT = """
+import resource, torch
+from lit_rl.run.hardware import keep_freed_memory
+
+logits = torch.randn(64, 49152).to(torch.bfloat16)  # a decode step's logits at 64 rows, SmolLM2's vocabulary
+
+
+def faults_per_call(pick, calls=5, rounds=3):
+    # `pick` (max or min) of the minor page faults per call over `rounds` rounds of `calls` calls, after a warm-up
+    for _ in range(2):  # warm-up: the heap grows to what a call needs
+        torch.log_softmax(logits.float() / 0.7, -1)  # the sampler's log-probs (``logprobs.process_logits``)
+    counts = []
+    for _ in range(rounds):
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(calls):
+            torch.log_softmax(logits.float() / 0.7, -1)
+        counts.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / calls)
+    return pick(counts)
+
+
+before = faults_per_call(max)  # glibc's defaults: the pages come back round after round
+line = keep_freed_memory({})
+print(before, faults_per_call(min), line)  # kept: a round without a fault once the heap holds a call's buffers
+"""
+
+
+@pytest.mark.skipif(
+    not (os.uname().sysname == "Linux" and __import__("platform").libc_ver()[0] == "glibc")
+    or any(key in os.environ for key in hardware.MALLOC_VARIABLES),
+    reason="glibc's own defaults only",
+)
+def test_keep_freed_memory_ends_the_page_faults_of_each_decode_steps_buffers():
+    """The sampler's log-probs of [64, 49152] logits free and take again three 12.6 MB float32 buffers per call:
+    with glibc's defaults their pages (3,072 of 4 KiB each) are faulted in again call after call; with
+    ``keep_freed_memory`` they stay with the process. Counted in a fresh process (the setting is process-wide)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", FAULTS_SCRIPT], capture_output=True, text=True, check=True, env={**os.environ}
+    )
+    before, after, line = out.stdout.split(" ", 2)
+    assert float(before) > 1000, out.stdout  # a 12.6 MB buffer is 3,072 pages: faulted in again, call after call
+    assert float(after) < float(before) / 10, out.stdout
+    assert line.startswith("malloc: freed memory kept (mmap threshold 64 MiB, trim threshold 256 MiB)")
+
+
+def test_keep_freed_memory_leaves_a_users_malloc_settings_alone():
+    assert hardware.keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"}) == "malloc: left as the environment sets it"

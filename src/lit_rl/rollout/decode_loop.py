@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..logprobs import position_ids_from_mask, process_logits
+from .kv_cache import keep_rows
 from .types import Rollouts, SamplingConfig, left_pad
 
 
@@ -195,7 +196,7 @@ class DecodeLoop:
         if bool(finished.all()):
             self.active, self.cache = active[:0], None
             return active[finished]
-        keep = (~finished).nonzero().squeeze(-1)
+        keep = keep_rows(finished)  # kept rows from the top fill the holes: the fewest KV rows move
         if keep.numel() < active.numel():  # drop finished rows from the batch and the KV cache
             keep_dev = keep.to(next_tok.device)
             self.cache.batch_select_indices(keep_dev)

@@ -34,6 +34,7 @@ from multiprocessing import resource_tracker
 
 import torch
 
+from ..run.hardware import keep_freed_memory
 from .torch_engine import GenerationCancelled, GenerationStats, TorchEngine
 from .types import Rollouts, SamplingConfig
 from .weight_store import WeightStore
@@ -93,6 +94,7 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
     for signum in STOP_SIGNALS:  # the trainer owns this process's life (``ProcessEngine.close``)
         signal.signal(signum, signal.SIG_IGN)
     torch.set_num_threads(int(threads))
+    keep_freed_memory()  # as the trainer's process (``run.resolve``): no page faults for each step's buffers
     int8, in_flight = engine_kwargs.pop("int8_roundtrip"), engine_kwargs.pop("in_flight", False)
     kv_on_update = engine_kwargs.pop("kv_on_update", "recompute")
     engine = TorchEngine(model, **engine_kwargs)  # shares ``model`` (no copy) ...

@@ -1,7 +1,7 @@
 """The embedded engine's cache for hybrid models: linear-attention layers (Gated DeltaNet: Qwen3.5, Qwen3.5-MoE,
 Qwen3-Next) hold a conv state and a recurrent state per sequence beside the attention layers' keys and values.
 
-The engine reserves its attention KV up front (``torch_engine.ReservedLayer``), copies a group's prefilled prompt to
+The engine reserves its attention KV up front (``kv_cache.ReservedLayer``), copies a group's prefilled prompt to
 its G rows and drops finished rows, all through ``batch_select_indices``; transformers' ``LinearAttentionLayer``
 has no row selection, so ``StateLayer`` adds it. ``hybrid_cache`` builds the cache layer by layer from the model
 config's ``layer_types``, and returns None for a model without linear-attention layers (the engine then keeps its

@@ -11,7 +11,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..rollout.engines import on_cuda, resolve_auto
 from .callbacks import AdaptiveThreads, adaptive_threads
-from .hardware import auto_threads, configure_threads, omp_summary, oversubscribed, resolve_precision, uses_cuda
+from .hardware import (
+    auto_threads,
+    configure_threads,
+    keep_freed_memory,
+    omp_summary,
+    oversubscribed,
+    resolve_precision,
+    uses_cuda,
+)
 from .model_checks import vllm_refusal
 
 
@@ -73,7 +81,7 @@ def resolve_hardware(cfg: DictConfig) -> list[str]:
         else:
             why = "set explicitly"
         cfg.threads = configure_threads(cfg.threads)
-        lines.append(f"threads={cfg.threads} ({why}; {omp_summary()})")
+        lines.append(f"threads={cfg.threads} ({why}; {omp_summary()}); {keep_freed_memory()}")
         if requested not in (None, "auto", "adaptive"):
             lines += oversubscribed(cfg.threads)
     return lines

@@ -1,0 +1,181 @@
+"""The embedded engine's decode step beside the machine's limits: seconds per step, compute bound, memory bound.
+
+    python benchmarks/decode_roofline.py                         # SmolLM2-135M, batch 1/8/64, bf16 and float32
+    python benchmarks/decode_roofline.py --batches 64 --profile  # plus the per-op shares of the decode step
+    python benchmarks/decode_roofline.py --batches 1,2 --context 16 --steps 4 --repeats 1 --force  # a quick check
+
+For each batch B and compute dtype the engine (``TorchEngine`` on the float32 module, as training runs it: bf16
+under ``torch.autocast``, or plain float32 with the products ``kernels.fp32_gemm`` picks, ``--fp32-gemm``,
+default ``auto`` as in ``conf/kernels/default.yaml``) decodes B rows with no stop token, so every row
+decodes every step.
+Seconds per decode step = (time of ``generate`` with 1 + S new tokens − time with 1 new token) / S: the prefill
+and the first token cancel out; best of ``--repeats`` after a warm-up.
+
+The two bounds, at the mean context C = prompt + S/2 positions:
+
+- compute: FLOPs of one step / the probed matmul peak (``run.hardware.probe_flops`` at the dtype and the run's
+  threads). FLOPs = B · (2 · (N − V·H) + 4 · layers · heads · head_dim · C): the products of every
+  parameter that multiplies the token (``run.flops.FlopModel``'s N less the input embedding, a lookup) and the
+  attention over C keys.
+- memory: bytes one step must read at least / the bandwidth of a STREAM-like probe (``c = a + s·b`` over
+  arrays far larger than the caches, on the run's threads, best of 5; 3 arrays' bytes per pass): the
+  weights at the compute dtype once (2 B per parameter in bf16, 4 in float32; the input embedding only its
+  B rows) plus the KV cache of B rows at C positions (2 · layers · kv_heads · head_dim values, float32 in
+  the engine's cache under autocast too: the keys and values come out of float32 norms and rotary
+  embeddings, 4 B each).
+
+ratio = seconds per step / the larger bound (1.0 = at the machine's limit). The process keeps freed memory as a
+run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves glibc's defaults, to see what that
+saves). The machine must be quiet (the script refuses a busy one like the other benchmarks; ``--force`` times
+anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+from _common import ensure_quiet  # noqa: E402
+
+from lit_rl.kernels import kernel_mode  # noqa: E402
+from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
+from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
+from lit_rl.rollout.types import SamplingConfig  # noqa: E402
+from lit_rl.run.flops import FlopModel  # noqa: E402
+from lit_rl.run.hardware import keep_freed_memory, probe_flops  # noqa: E402
+
+DTYPES = {"bf16": ("bf16-mixed", torch.bfloat16, 2), "float32": ("32-true", torch.float32, 4)}
+
+
+def stream_bandwidth(elements: int = 1 << 25, repeats: int = 5) -> float:
+    """Bytes/s of ``c = a + s·b`` on float32 arrays of ``elements`` (128 MiB each by default), best of
+    ``repeats``: 3 · 4 · elements bytes move per pass (two reads, one write)."""
+    a, b, c = torch.rand(elements), torch.rand(elements), torch.empty(elements)
+    torch.add(a, b, alpha=0.5, out=c)  # warm-up: pages touched
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.add(a, b, alpha=0.5, out=c)
+        best = min(best, time.perf_counter() - t)
+    return 3 * 4 * elements / best
+
+
+def step_bounds(model, batch: int, context: float, bytes_per: int, peak: float, bandwidth: float):
+    """(FLOPs, bytes, compute-bound seconds, memory-bound seconds) of one decode step of ``batch`` rows."""
+    cfg = model.config
+    fm = FlopModel.from_config(cfg)
+    lookup = cfg.vocab_size * cfg.hidden_size
+    flops = batch * (2 * (fm.dense_params - lookup) + 4 * fm.layers * fm.heads * fm.head_dim * context)
+    params = sum(p.numel() for p in model.parameters())
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv = batch * context * 2 * cfg.num_hidden_layers * kv_heads * fm.head_dim * 4
+    untied = not getattr(cfg, "tie_word_embeddings", False)
+    weights = (params - (lookup if untied else 0)) * bytes_per + batch * cfg.hidden_size * bytes_per
+    nbytes = weights + kv
+    return flops, nbytes, flops / peak, nbytes / bandwidth
+
+
+def timed_generate(engine, prompts, new_tokens: int, autocast: bool, seed: int) -> float:
+    params = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        t = time.perf_counter()
+        out = engine.generate(prompts, params, seeds=[seed + i for i in range(len(prompts))])
+        dt = time.perf_counter() - t
+    if int(out.response_mask.sum()) != len(prompts) * new_tokens:
+        raise RuntimeError("a row stopped early: the step timing needs every row to decode to the cap")
+    return dt
+
+
+def seconds_per_step(engine, prompts, steps: int, autocast: bool, repeats: int) -> float:
+    """Best over ``repeats`` (after a warm-up) of (generate(1 + steps) − generate(1)) / steps."""
+    best = float("inf")
+    for r in range(repeats + 1):
+        one = timed_generate(engine, prompts, 1, autocast, 1000 * r)
+        full = timed_generate(engine, prompts, 1 + steps, autocast, 1000 * r)
+        if r:
+            best = min(best, (full - one) / steps)
+    return best
+
+
+def profile_step(engine, prompts, steps: int, autocast: bool, top: int) -> None:
+    """Print the ``top`` ops by self CPU time of ``generate(1 + steps)`` (the decode steps dominate) as shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timed_generate(engine, prompts, 1 + steps, autocast, 7)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        timed_generate(engine, prompts, 1 + steps, autocast, 7)
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: -e.self_cpu_time_total)
+    print("| op | calls / step | share of self CPU time |\n|---|---|---|")
+    for e in events[:top]:
+        print(f"| {e.key} | {e.count / (steps + 1):.1f} | {e.self_cpu_time_total / total:.1%} |")
+    print()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=SMOLLM2_ID)
+    ap.add_argument("--batches", default="1,8,64", help="comma-separated decode batch sizes")
+    ap.add_argument("--dtypes", default="bf16,float32", help=f"comma-separated, of {list(DTYPES)}")
+    ap.add_argument("--context", type=int, default=64, help="prompt tokens of every row")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also print the per-op shares of each setting")
+    ap.add_argument("--top", type=int, default=15, help="ops listed by --profile")
+    ap.add_argument("--fp32-gemm", default="auto", help="kernels.fp32_gemm for the float32 products, as a run's")
+    ap.add_argument(
+        "--glibc-malloc", action="store_true", help="leave glibc's malloc thresholds (a run keeps freed memory)"
+    )
+    ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = args.dtypes.split(",")
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or min(batches) < 1 or args.steps < 1 or args.context < 1 or args.repeats < 1:
+        sys.exit(f"--dtypes must be of {list(DTYPES)} (got {bad}); batches, steps, context, repeats >= 1")
+    ensure_quiet(args.force)
+    print(f"# {'malloc: glibc defaults (--glibc-malloc)' if args.glibc_malloc else keep_freed_memory()}")
+    model, tok = load_policy(ModelConfig(args.model))
+    model.eval()
+    engine = TorchEngine(model, tok.pad_token_id, stop_token_ids=[])  # no stop token: every row to the cap
+    kernels = kernel_mode("default", model, fp32_gemm=args.fp32_gemm)  # the float32 products as a run picks them
+    threads = torch.get_num_threads()
+    bandwidth = stream_bandwidth()
+    print(f"# STREAM-like bandwidth (c = a + s*b, float32, {threads} threads, best of 5): {bandwidth / 1e9:.1f} GB/s")
+    gen = torch.Generator().manual_seed(0)
+    context = args.context + args.steps / 2
+    rows = []
+    for name in dtypes:
+        precision, _, bytes_per = DTYPES[name]
+        peak = probe_flops(precision, threads)
+        print(f"# matmul peak, {name}, {threads} threads: {peak / 1e12:.3f} TFLOP/s", flush=True)
+        for b in batches:
+            prompts = torch.randint(0, model.config.vocab_size, (b, args.context), generator=gen).tolist()
+            autocast = name == "bf16"
+            with kernels:
+                step = seconds_per_step(engine, prompts, args.steps, autocast, args.repeats)
+            flops, nbytes, t_c, t_m = step_bounds(model, b, context, bytes_per, peak, bandwidth)
+            rows.append((name, b, step, flops, nbytes, t_c, t_m))
+            print(f"# {name} batch {b}: {step * 1e3:.1f} ms per decode step", flush=True)
+            if args.profile:
+                print(f"\n### per-op profile: {name}, batch {b}, {args.steps} decode steps")
+                with kernels:
+                    profile_step(engine, prompts, args.steps, autocast, args.top)
+    title = f"prompt {args.context} + {args.steps} new tokens (bounds at C = {context:g})"
+    print(f"\n## {args.model}: decode step, {title}, kernels=default, fp32_gemm={args.fp32_gemm}")
+    print("| dtype | batch | ms / step | GFLOP | MB read | compute bound ms | memory bound ms | ratio to larger |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, b, step, flops, nbytes, t_c, t_m in rows:
+        print(
+            f"| {name} | {b} | {step * 1e3:.1f} | {flops / 1e9:.2f} | {nbytes / 1e6:.0f} | {t_c * 1e3:.1f} | "
+            f"{t_m * 1e3:.1f} | {step / max(t_c, t_m):.1f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
