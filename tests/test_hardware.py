@@ -355,8 +355,12 @@ def test_adaptive_threads_run_logs_its_thread_count(tmp_path):
 
 
 FAULTS_SCRIPT = """
-import resource, torch
+import ctypes, ctypes.util, resource, torch
 from lit_rl.run.hardware import keep_freed_memory
+
+# glibc's default mmap threshold (128 KiB), pinned: glibc raises it by itself after the first large free, by an
+# amount that depends on what ran before, so unpinned the baseline below ranged from ~600 to ~13,000 faults per call
+ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 128 * 1024)
 
 logits = torch.randn(64, 49152).to(torch.bfloat16)  # a decode step's logits at 64 rows, SmolLM2's vocabulary
 
@@ -374,7 +378,7 @@ def faults_per_call(pick, calls=5, rounds=3):
     return pick(counts)
 
 
-before = faults_per_call(max)  # glibc's defaults: the pages come back round after round
+before = faults_per_call(max)  # glibc's default threshold: the pages come back round after round
 line = keep_freed_memory({})
 print(before, faults_per_call(min), line)  # kept: a round without a fault once the heap holds a call's buffers
 """
