@@ -61,7 +61,13 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
-    "fault", ["rollout", pytest.param("update", marks=SLOW), pytest.param("ckpt_write", marks=SLOW), "ckpt_link"]
+    "fault",
+    [
+        "rollout",
+        pytest.param("update", marks=SLOW),
+        pytest.param("ckpt_write", marks=SLOW),
+        pytest.param("ckpt_link", marks=SLOW),
+    ],
 )
 def test_sigkill_then_resume_equals_an_uninterrupted_run(straight, tmp_path, fault):
     """Killed during the third step's rollout or update, or while its checkpoint is written or linked."""

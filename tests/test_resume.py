@@ -176,6 +176,7 @@ def test_a_sweep_with_an_invalid_job_starts_no_job_and_lists_it(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name != ".hydra" and p.is_dir() and "=" in p.name]
 
 
+@pytest.mark.slow  # 11 s: a real multirun
 def test_a_sweep_goes_on_past_a_failed_job_and_reports_it(tmp_path):
     """The first job fails at start-up (its prompts do not fit the tiny model's 2048-token context, which
     config.validate cannot see); the second still runs, and the sweep ends with a summary and exit code 1."""

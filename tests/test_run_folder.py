@@ -222,6 +222,7 @@ def test_study_names_its_job_folders_as_a_multirun_does():
     ]
 
 
+@pytest.mark.slow  # 11 s: a real multirun
 def test_multirun_over_two_spellings_of_one_path_runs_every_job_in_its_own_folder(tmp_path):
     sweep = tmp_path / "sweep"
     paths = "docs/examples/sums.jsonl,docs/examples/../examples/sums.jsonl"

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from lit_rl.tools import compare
 from lit_rl.tools.study import expand, main, preset_params
 
@@ -33,6 +35,7 @@ def test_preset_params_are_read_from_the_experiment():
     }
 
 
+@pytest.mark.slow  # 35 s: four real jobs; the default suite keeps the study tool's own unit tests
 def test_study_runs_each_job_and_compare_groups_the_seeds(tmp_path, capsys):
     out = tmp_path / "study"
     args = [

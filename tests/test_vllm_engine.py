@@ -252,6 +252,7 @@ def test_sync_from_a_snapshot_that_names_tied_tensors_once(tiny):
         engine.close()
 
 
+@pytest.mark.slow  # 22 s: a second vLLM process; the in-process sync tests stay in the default suite
 def test_worker_process_sync_through_a_file(tiny):
     """in_process=false (the tensor-parallel layout): weights reach the worker through a safetensors file."""
     model, tok = tiny
@@ -407,6 +408,7 @@ def test_engine_auto_picks_vllm_where_it_is_installed():
     assert cfg.engine.kv_cache_gb == (None if torch.cuda.is_available() else 1.0)
 
 
+@pytest.mark.slow  # 19 s: the lagged split is covered with the embedded engine in test_staleness
 def test_lagged_rollouts_with_vllm_keep_the_engine_gap_apart_from_staleness(tmp_path):
     """rollout.mode=lagged loads older versions into vLLM: staleness 0, 1, 2, 2; the version gap shows in
     r_stale while r_num, the same-weights engine gap, stays at the bf16 kernel level at every step."""
