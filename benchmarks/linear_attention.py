@@ -57,10 +57,14 @@ def models(hidden: int, layers: int, vocab: int):
         head_dim=head_dim,
         tie_word_embeddings=True,
     )
+    value_heads = max(heads, 16)  # a multiple of 16, as released models have (batch_invariant needs it)
+    key_heads = max(heads // 2, 1)
+    if value_heads % key_heads:  # each key head serves a whole number of value heads (768 wide: 3 -> 8)
+        key_heads = value_heads // 2
     linear = dict(
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        linear_num_key_heads=max(heads // 2, 1),
-        linear_num_value_heads=max(heads, 16),
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
     )
