@@ -248,10 +248,11 @@ class RolloutConfig:
 
     def update_problems(self, run) -> Problems:
         """``weight_update`` and ``kv_on_update`` among their choices; ``in_flight`` read by ``async`` only and
-        refused with ``engine=vllm`` (its pause / update / resume is not wired); ``kv_on_update=keep`` (what a swap
-        between decode steps does with the cache: a run without such swaps would drop it silently) and ``partial`` (a
-        bool) true only with ``async`` and ``in_flight`` (the carried tokens keep their versions: only an engine that
-        records versions per token can carry them)."""
+        refused with ``engine=vllm`` (its pause / update / resume is not wired). Only with ``async`` and
+        ``in_flight``: ``kv_on_update=keep`` (what a swap between decode steps does with the cache; without such
+        swaps it was dropped silently), ``loss.drop_older_tokens`` (no sequence spans versions without them) and
+        ``partial`` (a bool; the carried tokens keep their versions: only an engine that records versions per token
+        can carry them)."""
         from ..choices import KV_ON_UPDATE, WEIGHT_UPDATES
 
         update = self.weight_update
@@ -280,6 +281,15 @@ class RolloutConfig:
             kv,
             "is read by rollout.mode=async with rollout.weight_update=in_flight only (what an update between decode "
             f"steps does with the cache; rollout.mode={self.mode}, rollout.weight_update={update}); add "
+            "rollout.mode=async rollout.weight_update=in_flight",
+        )
+        drop = getattr(getattr(run, "loss", None), "drop_older_tokens", False)
+        yield from rule(  # only an in-flight swap writes a sequence with two versions: elsewhere it drops nothing
+            drop is not True or (self.mode == "async" and update == "in_flight"),
+            "loss.drop_older_tokens",
+            drop,
+            "leaves out the tokens written before an in-flight weight update, which only rollout.mode=async with "
+            f"rollout.weight_update=in_flight makes (rollout.mode={self.mode}, rollout.weight_update={update}); add "
             "rollout.mode=async rollout.weight_update=in_flight",
         )
         yield from rule(isinstance(self.partial, bool), "rollout.partial", self.partial, "must be true or false")
