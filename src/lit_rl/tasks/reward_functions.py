@@ -121,10 +121,8 @@ def load_function(spec: str, builtins: bool = True) -> Callable:
         return BUILTINS[spec]
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
-        builtin = f"a built-in ({', '.join(BUILTINS)}) nor " if builtins else "the form "
-        raise ValueError(
-            f"reward.functions: {spec!r} is neither {builtin}'module:function' / 'path/to/file.py:function'"
-        )
+        builtin = f"is neither a built-in ({', '.join(BUILTINS)}) nor " if builtins else "is not of the form "
+        raise ValueError(f"reward.functions: {spec!r} {builtin}'module:function' / 'path/to/file.py:function'")
     if where.endswith(".py") or "/" in where:
         file = Path(where).expanduser().resolve()
         if not file.is_file():
