@@ -28,6 +28,8 @@ set_omp_defaults()
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from lit_rl.choices import ALGORITHMS, CORRECTIONS  # noqa: E402
+from lit_rl.config import ConfigError, validate  # noqa: E402
 from lit_rl.expectation import TabularPolicy, all_sequences, sequence_logprobs  # noqa: E402
 from lit_rl.run.hardware import describe_machine  # noqa: E402
 from lit_rl.run.train import build_module  # noqa: E402
@@ -36,30 +38,37 @@ from lit_rl.tools.tabular_staleness import staleness_curves, tolerated_lag, trai
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
-def module_for(policy: TabularPolicy, algo: str, correction: str):
-    """The run's own module (``build_module`` of conf/train.yaml) for ``algo`` and ``correction``, around
-    ``policy``: float32, the full vocabulary as score centering's head, the correction group's defaults (TIS cap 2,
-    MIS band [0.5, 2], token level). ``correction`` may end in ``/seq``: its TIS and MIS at the sequence level."""
+def overrides_for(vocab: int, length: int, algo: str, correction: str) -> list[str]:
+    """The overrides of conf/train.yaml for ``algo`` and ``correction`` around a tabular policy (V tokens,
+    responses of L): float32, the full vocabulary as score centering's head, the correction group's defaults (TIS
+    cap 2, MIS band [0.5, 2], token level). ``correction`` may end in ``/seq``: its TIS and MIS at the sequence
+    level."""
     correction, _, level = correction.partition("/")
     levels = ["correction.tis.level=sequence", "correction.mis.level=sequence"] if level == "seq" else []
     algo_overrides = ["algo=reinforce", "algo.baseline=none"] if algo == "reinforce" else [f"algo={algo}"]
     if algo == "dapo":
         algo_overrides.append("algo.overlong.enabled=false")
+    return [
+        "model=tiny",
+        "trainer.precision=32-true",
+        f"sampling.max_new_tokens={length}",
+        "rollout.micro_batch_size=1000000",
+        "logprob_chunk_tokens=1000000",
+        *algo_overrides,
+        f"correction={correction}",
+        f"correction.sc.top_k={vocab}",
+        *levels,
+    ]
+
+
+def compose_train(overrides: list[str]):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(
-            config_name="train",
-            overrides=[
-                "model=tiny",
-                "trainer.precision=32-true",
-                f"sampling.max_new_tokens={policy.length}",
-                "rollout.micro_batch_size=1000000",
-                "logprob_chunk_tokens=1000000",
-                *algo_overrides,
-                f"correction={correction}",
-                f"correction.sc.top_k={policy.vocab_size}",
-                *levels,
-            ],
-        )
+        return compose(config_name="train", overrides=overrides)
+
+
+def module_for(policy: TabularPolicy, algo: str, correction: str):
+    """The run's own module (``build_module`` of conf/train.yaml, ``overrides_for``) around ``policy``."""
+    cfg = compose_train(overrides_for(policy.vocab_size, policy.length, algo, correction))
     return build_module(cfg, policy, SimpleNamespace(pad_token_id=0, eos_token_id=policy.vocab_size - 1))
 
 
@@ -97,7 +106,44 @@ def plot(points, path: str, title: str) -> None:
     fig.savefig(path, format="png")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked before any work (argparse's usage and the reason, exit 2): the algorithm and each
+    correction among the registered choices (``lit_rl.choices``), ``/seq`` the only suffix, the sizes positive, every
+    lag in [0, --steps], and each (algorithm, correction, --group-size) as ``config.validate`` takes it (a group
+    algorithm with groups of 1 has zero advantage: the run would end, after training, on a gradient of 0). Sets
+    ``args.correction_names`` and ``args.lag_list``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.algo not in ALGORITHMS:
+        parser.error(f"--algo {args.algo!r}: choose one of {ALGORITHMS.choices}")
+    names = [c for c in args.corrections.split(",") if c]
+    for name in names:
+        base, _, level = name.partition("/")
+        if base not in CORRECTIONS or level not in ("", "seq"):
+            parser.error(f"--corrections: {name!r}: choose among {CORRECTIONS.choices}, each optionally with /seq")
+    for flag, value, low in (("vocab", args.vocab, 2), ("length", args.length, 1), ("steps", args.steps, 1)):
+        if value < low:
+            parser.error(f"--{flag} {value}: must be >= {low}")
+    if args.group_size < 1 or not args.lr > 0:
+        parser.error(f"--group-size {args.group_size} must be >= 1 and --lr {args.lr} > 0")
+    try:
+        lags = [int(k) for k in args.lags.split(",")]
+    except ValueError:
+        parser.error(f"--lags {args.lags!r}: comma-separated integers")
+    bad = [k for k in lags if not 0 <= k <= args.steps]
+    if bad:
+        parser.error(f"--lags: {bad} outside [0, --steps {args.steps}] (a lag k reads the policy k steps back)")
+    for name in dict.fromkeys(["none", *names]):
+        overrides = overrides_for(args.vocab, args.length, args.algo, name)
+        try:
+            validate(compose_train([*overrides, f"rollout.group_size={args.group_size}"]))
+        except ConfigError as err:
+            parser.error(f"--algo {args.algo} --group-size {args.group_size} --corrections {name}: {err}")
+    args.correction_names, args.lag_list = names, lags
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab", type=int, default=4)
     parser.add_argument("--length", type=int, default=3)
@@ -112,15 +158,19 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.1, help="verdict: tolerated while bias/‖g‖ <= this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     policy = TabularPolicy(args.vocab, args.length, seed=args.seed)
-    names = [c for c in args.corrections.split(",") if c]
+    names = args.correction_names
     modules = {c: module_for(policy, args.algo, c) for c in dict.fromkeys(["none", *names])}
     tables = train_tables(modules["none"], policy, first_equals_last, args.steps, args.lr, args.group_size)
-    lags = [int(k) for k in args.lags.split(",")]
+    lags = args.lag_list
     g, points = staleness_curves(modules, policy, tables, first_equals_last, lags, args.group_size)
     wall = time.perf_counter() - t0
     setting = (

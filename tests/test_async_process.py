@@ -188,6 +188,11 @@ def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
         (["rollout.weight_update=in_flight", "rollout.mode=lagged"], "is read by rollout.mode=async only"),
         (["rollout.producer=process", "rollout.mode=sync"], "rollout.producer='process' is not allowed: is read by"),
         (["rollout.producer=thread", "rollout.mode=lagged"], "async only (rollout.mode=lagged)"),
+        # keep acts on a swap between decode steps: without in_flight there is none, so it would be dropped silently
+        (["rollout.kv_on_update=keep"], "rollout.kv_on_update='keep' is not allowed: is read by rollout.mode=async wi"),
+        (["rollout.kv_on_update=keep", "rollout.mode=lagged"], "(what an update between decode steps does with the"),
+        (["loss.drop_older_tokens=true"], "loss.drop_older_tokens=True is not allowed: leaves out the tokens written"),
+        (["loss.drop_older_tokens=true", "rollout.mode=sync"], "(rollout.mode=sync, rollout.weight_update=between_b"),
     ],
 )
 def test_bad_producer_fields_are_named(overrides, message):

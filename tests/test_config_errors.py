@@ -229,6 +229,14 @@ def test_score_centering_top_k_larger_than_vocabulary(tmp_path):
         run(cfg_for("correction=sc", "correction.sc.top_k=100000"), tmp_path / "out")
 
 
+def test_keep_float32_naming_no_parameter_is_a_start_up_error_not_a_traceback(tmp_path):
+    """Checked when the engine is built (the names need the model): a ConfigError, which the recipe prints as
+    ``lit_rl: error: ...`` with exit 2, like the torch-free checks; a plain ValueError printed a traceback."""
+    message = r"engine.keep_float32: \['dtbias'\] match no parameter of LlamaForCausalLM .*'dtbias': no close name"
+    with pytest.raises(ConfigError, match=message):
+        run(cfg_for("engine.keep_float32=[dtbias]"), tmp_path / "out")
+
+
 def test_cli_prints_the_message_without_traceback(tmp_path):
     cmd = [
         sys.executable,

@@ -43,6 +43,9 @@ def test_calculator_problems_take_two_steps_and_their_answers_are_right():
         (["task.environment=no_such_module:Env"], r"task.environment: 'no_such_module:Env': cannot import"),
         (["task.environment=multiturn_tools:Nope"], r"task.environment: .*has no class 'Nope'"),
         (["task.tools=[multiturn_tools:explode,multiturn_tools:explod]"], r"task.tools: .*has no function 'explod'"),
+        # the reward built-ins are no tools: `math` loaded the math verifier and failed later on its docstring
+        (["task=calculator", "task.tools=[math]"], r"task.tools: 'math' is not of the form 'module:function' /"),
+        (["task.environment=foo"], r"task.environment: 'foo' is not of the form 'module:class' / 'file.py:class'$"),
     ],
 )
 def test_multi_turn_settings_are_refused_by_name_at_start_up(overrides, message):

@@ -95,3 +95,41 @@ def test_tolerated_lag_and_bad_lags(trained):
         staleness_curves(modules, policy, tables, reward, [0, 5])
     with pytest.raises(ValueError, match="steps must be >= 1"):
         train_tables(modules["none"], policy, reward, steps=0, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--algo", "grpoo"], "--algo 'grpoo': choose one of ['reinforce', 'ppo', 'grpo'"),
+        (["--corrections", "tis,sc+tiss"], "--corrections: 'sc+tiss': choose among ['none', 'tis'"),
+        (["--corrections", "tis/sequence"], "'tis/sequence': choose among"),
+        (["--lags", "0,30"], "--lags: [30] outside [0, --steps 20]"),
+        (["--lags", "0,a"], "--lags '0,a': comma-separated integers"),
+        # the plausible slip: the docs' `--algo grpo --group-size 2` without the group size (default 1) trained,
+        # then ended on "the on-policy expected gradient is 0" with a traceback
+        (["--algo", "grpo"], "--group-size 1 --corrections none: rollout.group_size=1 is not allowed: must be >= 2"),
+    ],
+)
+def test_the_recipe_refuses_bad_options_before_any_work(tmp_path, capsys, argv, message):
+    """recipes/tabular_staleness.py: each bad option is argparse's error (exit 2) naming it, before the output
+    folder is made or a step trained (a traceback after training, or at the first correction's build, before)."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        staleness_recipe()["parse_args"]([*argv, "--out", str(out)])
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def staleness_recipe() -> dict:
+    import runpy
+
+    from helpers import ROOT
+
+    return runpy.run_path(f"{ROOT}/recipes/tabular_staleness.py", run_name="tabular_staleness_recipe")
+
+
+def test_the_recipe_takes_the_documented_group_options(tmp_path):
+    argv = ["--algo", "grpo", "--group-size", "2", "--lags", "0,2", "--out", str(tmp_path)]
+    args = staleness_recipe()["parse_args"](argv)
+    assert args.lag_list == [0, 2] and args.correction_names == ["none", "tis", "mis", "sc", "sc+tis", "tis/seq"]

@@ -211,7 +211,7 @@ def _load_tool(spec: str) -> Callable:
     from ..tasks.reward_functions import load_function
 
     try:
-        return load_function(spec)
+        return load_function(spec, builtins=False)
     except (ValueError, ImportError, FileNotFoundError) as err:
         raise ValueError(f"task.tools: {str(err).removeprefix('reward.functions: ')}") from err
 
@@ -223,7 +223,7 @@ def load_environment(spec: str, **kwargs) -> Environment:
     from ..tasks.reward_functions import load_function
 
     try:
-        cls = load_function(spec)
+        cls = load_function(spec, builtins=False)
     except (ValueError, ImportError, FileNotFoundError) as err:
         message = str(err).removeprefix("reward.functions: ").replace(" has no function ", " has no class ")
         raise ValueError(f"task.environment: {message}") from err

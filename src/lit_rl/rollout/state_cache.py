@@ -19,6 +19,8 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionLayer
 
+from ..config import ConfigError
+
 #: the Gated DeltaNet decay/gate parameters transformers uses in float32 (``-A_log.float().exp()``, ``dt_bias``
 #: added to a float32 ``a``): an engine copy in another dtype keeps them float32 by default (``engine.keep_float32``)
 DECAY_PARAMETERS = ("A_log", "dt_bias")
@@ -128,7 +130,8 @@ def float32_names(model: torch.nn.Module, names: Iterable[str] | None) -> tuple[
     (``engine.keep_float32``): None = the family's defaults, ``DECAY_PARAMETERS`` that ``model`` has (none for a
     model without Gated DeltaNet layers); a list is taken as given, [] keeping none (the A_log trap).
 
-    Raises ValueError naming every listed name that matches no parameter of ``model`` (a misspelt ``dt_bias``
+    Raises ConfigError (a ValueError: the recipe prints it as a start-up error, exit 2, no traceback) naming every
+    listed name that matches no parameter of ``model`` (a misspelt ``dt_bias``
     would otherwise be rounded silently), with the model's candidates: its parameter-name ends close to it, or
     else those of its vector parameters (gates, biases, norms)."""
     ends = {name.rsplit(".", 1)[-1]: p for name, p in model.named_parameters()}
@@ -142,7 +145,7 @@ def float32_names(model: torch.nn.Module, names: Iterable[str] | None) -> tuple[
         for n in missing:
             close = difflib.get_close_matches(n, list(ends), n=3, cutoff=0.6)
             hints.append(f"{n!r}: close to {close}" if close else f"{n!r}: no close name")
-        raise ValueError(
+        raise ConfigError(
             f"engine.keep_float32: {missing} match no parameter of {type(model).__name__} (matched against the last "
             f"part of each parameter's dotted name; {'; '.join(hints)}; the model's vector parameters: {vectors}). "
             "Fix the names, or leave engine.keep_float32 at null for the family's defaults"

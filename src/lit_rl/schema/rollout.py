@@ -248,9 +248,11 @@ class RolloutConfig:
 
     def update_problems(self, run) -> Problems:
         """``weight_update`` and ``kv_on_update`` among their choices; ``in_flight`` read by ``async`` only and
-        refused with ``engine=vllm`` (its pause / update / resume is not wired); ``partial`` a bool, true only with
-        ``async`` and ``in_flight`` (the carried tokens keep their versions: only an engine that records versions per
-        token can carry them)."""
+        refused with ``engine=vllm`` (its pause / update / resume is not wired). Only with ``async`` and
+        ``in_flight``: ``kv_on_update=keep`` (what a swap between decode steps does with the cache; without such
+        swaps it was dropped silently), ``loss.drop_older_tokens`` (no sequence spans versions without them) and
+        ``partial`` (a bool; the carried tokens keep their versions: only an engine that records versions per token
+        can carry them)."""
         from ..choices import KV_ON_UPDATE, WEIGHT_UPDATES
 
         update = self.weight_update
@@ -273,6 +275,23 @@ class RolloutConfig:
                 "needs the embedded engine (engine=torch): vLLM's pause / update / resume is not wired in this "
                 "version; use rollout.weight_update=between_batches with engine=vllm",
             )
+        yield from rule(  # as partial: a between_batches or sync run never swaps mid-sequence, so keep is dropped
+            kv != "keep" or (self.mode == "async" and update == "in_flight"),
+            "rollout.kv_on_update",
+            kv,
+            "is read by rollout.mode=async with rollout.weight_update=in_flight only (what an update between decode "
+            f"steps does with the cache; rollout.mode={self.mode}, rollout.weight_update={update}); add "
+            "rollout.mode=async rollout.weight_update=in_flight",
+        )
+        drop = getattr(getattr(run, "loss", None), "drop_older_tokens", False)
+        yield from rule(  # only an in-flight swap writes a sequence with two versions: elsewhere it drops nothing
+            drop is not True or (self.mode == "async" and update == "in_flight"),
+            "loss.drop_older_tokens",
+            drop,
+            "leaves out the tokens written before an in-flight weight update, which only rollout.mode=async with "
+            f"rollout.weight_update=in_flight makes (rollout.mode={self.mode}, rollout.weight_update={update}); add "
+            "rollout.mode=async rollout.weight_update=in_flight",
+        )
         yield from rule(isinstance(self.partial, bool), "rollout.partial", self.partial, "must be true or false")
         yield from rule(
             self.partial is not True or (self.mode == "async" and update == "in_flight"),

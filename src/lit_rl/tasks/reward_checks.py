@@ -104,8 +104,11 @@ def check_task_code(cfg: DictConfig) -> None:
         if not spec:
             continue
         try:
-            load_function(str(spec))
+            load_function(str(spec), builtins=False)
         except Exception as err:  # noqa: BLE001 - the user's file or module: its error, on one line
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             first = first.removeprefix("reward.functions: ").replace(" has no function ", f" has no {kind} ")
+            first = first.replace(
+                "'module:function' / 'path/to/file.py:function'", f"'module:{kind}' / 'file.py:{kind}'"
+            )
             raise ConfigError(f"{field}: {first}" if str(spec) in first else f"{field}: {spec!r}: {first}") from err

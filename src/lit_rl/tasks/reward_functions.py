@@ -107,22 +107,22 @@ def _is_batched(fn: Callable) -> bool:
     return params[:2] == ["prompts", "completions"]
 
 
-def load_function(spec: str) -> Callable:
+def load_function(spec: str, builtins: bool = True) -> Callable:
     """The function ``spec`` names: a built-in name, ``module:function`` or ``path/to/file.py:function``.
+    ``builtins=False`` (``task.tools``, ``task.environment``) leaves the reward built-ins out: a tool named ``math``
+    is the user's typo, not the math verifier.
 
     Raises:
         ValueError: ``spec`` has no ``:`` and is no built-in, or the file / module has no such function,
             or it is not callable; FileNotFoundError: the file does not exist; ImportError: the module cannot
             be imported. Each message names ``spec``.
     """
-    if spec in BUILTINS:
+    if builtins and spec in BUILTINS:
         return BUILTINS[spec]
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
-        raise ValueError(
-            f"reward.functions: {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor "
-            f"'module:function' / 'path/to/file.py:function'"
-        )
+        builtin = f"is neither a built-in ({', '.join(BUILTINS)}) nor " if builtins else "is not of the form "
+        raise ValueError(f"reward.functions: {spec!r} {builtin}'module:function' / 'path/to/file.py:function'")
     if where.endswith(".py") or "/" in where:
         file = Path(where).expanduser().resolve()
         if not file.is_file():
