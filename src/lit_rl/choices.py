@@ -151,22 +151,6 @@ class RolloutMode:
                 "(rollout.mode=lagged samples in the trainer's thread); use engine=torch"
             )
         return None
-        if not self.multi_rank:
-            modes = " or ".join(f"rollout.mode={m}" for m in ROLLOUT_MODES.names_where(lambda m: m.multi_rank))
-            return f"runs on one device in this version: use {modes}"
-        if strategy == "fsdp" and not self.sharded:
-            modes = " or ".join(f"rollout.mode={m}" for m in ROLLOUT_MODES.names_where(lambda m: m.sharded))
-            return (
-                "does not run with trainer.strategy=fsdp (its older weights are swapped into, or copied from, an "
-                f"unsharded module): use trainer=ddp, or {modes} with fsdp,"
-            )
-        if self.background and engine == "vllm":
-            return (
-                "does not run with engine=vllm (each rank's vLLM engine joins the training world's collectives, "
-                "which a producer beside the trainer would enter out of step with the update; rollout.mode=lagged "
-                "samples in the trainer's thread): use engine=torch"
-            )
-        return None
 
 
 #: ``rollout.mode`` -> what it samples with and what the config checks ask of it (the one list of rollout modes)
