@@ -184,7 +184,15 @@ def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
         (["rollout.producer_timeout_s=0"], "rollout.producer_timeout_s=0 is not allowed: must be a number of seconds"),
         (["rollout.weight_update=sometimes"], "rollout.weight_update='sometimes' is not allowed: choose one of"),
         (["rollout.kv_on_update=drop"], "rollout.kv_on_update='drop' is not allowed: choose one of ['recompute'"),
-        (["rollout.weight_update=in_flight", "engine=vllm"], "needs the embedded engine (engine=torch)"),
+        # vLLM takes in-flight updates between the steps of an in-process engine core only, and carries nothing
+        (
+            ["rollout.weight_update=in_flight", "engine=vllm", "engine.in_process=false"],
+            "rollout.weight_update='in_flight' is not allowed: needs vLLM's engine core in this process",
+        ),
+        (
+            ["rollout.weight_update=in_flight", "engine=vllm", "rollout.partial=true"],
+            "rollout.partial=True is not allowed: carries unfinished sequences in the embedded engine's decode loop",
+        ),
         (["rollout.weight_update=in_flight", "rollout.mode=lagged"], "is read by rollout.mode=async only"),
         (["rollout.producer=process", "rollout.mode=sync"], "rollout.producer='process' is not allowed: is read by"),
         (["rollout.producer=thread", "rollout.mode=lagged"], "async only (rollout.mode=lagged)"),

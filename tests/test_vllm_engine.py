@@ -146,6 +146,86 @@ def test_a_rollout_above_the_cpu_step_budget_keeps_per_request_seeds(tiny, tiny_
     assert gap(model, tok, r, params) < TOL
 
 
+def perturbed(model, scale=0.05, seed=0):
+    """A copy of ``model`` with every tensor moved by ``scale`` x N(0, 1): the "newer version" of a swap."""
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return new
+
+
+def vllm_prompt_scores(engine, r) -> torch.Tensor:
+    """float32 [N, T]: each response token's log-prob under the weights ``engine`` holds now, from a fresh prefill
+    of prompt + response (vLLM's ``prompt_logprobs``; prefix caching is off, so nothing of an earlier request's
+    KV is reused). At temperature 1 without truncation these are the sampling distribution's log-probs."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n = r.response_mask.sum(-1).tolist()
+    contexts = [list(p) + r.response_ids[i, : n[i]].tolist() for i, p in enumerate(r.prompt_ids)]
+    outputs = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=c) for c in contexts],
+        VSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+        use_tqdm=False,
+    )
+    out = torch.zeros_like(r.rollout_logprobs)
+    for i, (o, c) in enumerate(zip(outputs, contexts)):
+        start = len(r.prompt_ids[i])
+        for j in range(start, len(c)):
+            out[i, j - start] = o.prompt_logprobs[j][c[j]].logprob
+    return out
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_an_in_flight_swap_at_step_k_versions_tokens_from_k_on(tiny, tiny_engine, kv):
+    """rollout.weight_update=in_flight with vLLM: a swap to version 1 before decode step k (``between_steps``) gives
+    tokens 0..k-1 version 0 (vLLM's weight labels) and tokens >= k version 1; the first k are the tokens and log-probs
+    of a run without the swap. ``recompute``: tokens >= k have the log-probs a fresh prefill with the new weights
+    gives (vLLM's own prompt log-probs, and the trainer's), within the parity tests' TOL; ``keep``: they do not (the
+    older weights' KV stays), while their first token still differs from the no-swap run's distribution."""
+    model, tok = tiny
+    new, k = perturbed(model), 6
+    prompts, params, seeds = chat_prompts(tok, QUESTIONS), SamplingConfig(1.0, 0, 1.0, 14, 3), [5, 6, 7, 8]
+    before = tiny_engine.generate(prompts, params, seeds)  # LLM.generate, no hook: version 0 throughout
+    asked = []
+
+    def swap_at_k(step):
+        asked.append(step)
+        if step != k:
+            return False
+        tiny_engine.sync_weights(1, new.state_dict())
+        return True
+
+    tiny_engine.between_steps, tiny_engine.kv_on_update = swap_at_k, kv
+    try:
+        r = tiny_engine.generate(prompts, params, seeds)
+        fresh = vllm_prompt_scores(tiny_engine, r)  # the engine holds version 1 now
+    finally:
+        tiny_engine.between_steps, tiny_engine.kv_on_update = None, "keep"
+        tiny_engine.sync_weights(0, model.state_dict())  # the module's engine back to the tiny weights
+    m, n = r.response_mask, r.response_mask.sum(-1)
+    assert asked[:k] == list(range(1, k + 1)) and tiny_engine.last.swaps == 1
+    assert n.min() > k  # the random tiny model rarely stops: every row spans the swap
+    expected = torch.zeros_like(r.token_versions)
+    for i, t in enumerate(n.tolist()):
+        expected[i, k:t] = 1
+    assert torch.equal(r.token_versions, expected)
+    assert r.policy_version.tolist() == [0, 0, 0, 0]  # a row's oldest token's version
+    assert torch.equal(r.response_ids[:, :k], before.response_ids[:, :k])
+    assert (r.rollout_logprobs[:, :k] - before.rollout_logprobs[:, :k]).abs().max().item() < TOL
+    assert (trainer_scores(model, tok, r, params).logprobs - r.rollout_logprobs)[:, :k].abs().max().item() < TOL
+    late = m.clone()
+    late[:, :k] = False
+    to_new = (trainer_scores(new, tok, r, params).logprobs - r.rollout_logprobs).abs()[late]
+    to_fresh = (fresh - r.rollout_logprobs).abs()[late]
+    if kv == "recompute":
+        assert to_new.max().item() < TOL and to_fresh.max().item() < TOL
+    else:  # the KV of positions < k is the old weights': off from a fresh prefill by more than kernel noise
+        assert to_new.max().item() > 100 * TOL and to_fresh.max().item() > 100 * TOL
+
+
 def test_stop_tokens_end_sequences(tiny):
     model, tok = tiny
     # every token stops: one token per sequence, reason "stop"; a cap of 3 tokens and no stop: "length"

@@ -146,7 +146,12 @@ class StaleSource(RolloutSource):
             )
         elif hasattr(engine, "kv_on_update"):
             engine.kv_on_update = ro.kv_on_update
-        if ro.partial and hasattr(self.engine, "partial"):  # unfinished groups carried between batches
+        if ro.partial and ro.mode == "async":  # unfinished groups carried between batches
+            if not hasattr(self.engine, "partial"):  # engine=auto that became vllm (config.validate names vllm)
+                raise ValueError(
+                    f"rollout.partial=true runs in the embedded engine only, not {type(self.engine).__name__}: "
+                    "use engine=torch, or rollout.partial=false"
+                )
             self.engine.partial = True
         self.stale = StaleRollouts(
             ro.mode,

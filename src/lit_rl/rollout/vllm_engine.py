@@ -27,6 +27,7 @@ and off on CPU, and ``true`` on CPU is refused by ``lit_rl.config.validate`` wit
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..models import context_length, merged_weights
-from .torch_engine import GenerationStats, int8_roundtrip
+from .torch_engine import GenerationCancelled, GenerationStats, int8_roundtrip
 from .types import Rollouts, SamplingConfig
 
 #: how to install vLLM, for the errors that refuse ``engine=vllm`` without it (here and ``config.check_vllm``)
@@ -62,6 +63,28 @@ def cpu_scheduling(max_model_len: int | None) -> dict:
     seeds stay reproducible, whatever the batch. vLLM requires ``max_num_batched_tokens >= max_model_len``
     then (it would reject longer sequences otherwise)."""
     return dict(enable_chunked_prefill=False, max_num_batched_tokens=max(CPU_BATCHED_TOKENS, int(max_model_len or 0)))
+
+
+def token_versions(completion, width: int, fill: torch.Tensor) -> torch.Tensor:
+    """int64 [width]: the weight version that sampled each token of ``completion`` (a vLLM ``CompletionOutput``),
+    read from vLLM's labels (``weight_versions``: spans [start, end) of output tokens sampled under one label,
+    which ``VLLMEngine.sync_weights`` sets to the version's number); positions past the last token get the first
+    token's version, as the embedded engine pads ``Rollouts.token_versions``. ``fill`` (int64 [width]) is
+    returned when vLLM reported no label. Raises ValueError for a label that is not a version number."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans:
+        return fill
+    out = fill.clone()
+    for span in spans:
+        try:
+            out[span.start : span.end] = int(span.version)
+        except ValueError:
+            raise ValueError(
+                f"vLLM weight label {span.version!r} is not a version number (set_weight_version)"
+            ) from None
+    if spans[-1].end:
+        out[spans[-1].end :] = out[0]
+    return out
 
 
 class WeightSyncExtension:
@@ -182,7 +205,13 @@ class VLLMEngine:
         self.int8_roundtrip = int8_roundtrip
         self.temperature_offset = float(temperature_offset)  # mismatch dial: sample at T + offset (T > 0 only)
         self.own_copy = True  # the engine's weights are its own: stale rollouts may load older versions
-        self.cancel = None  # rollout producers set an Event here; a vLLM batch runs to its end regardless
+        self.cancel = None  # rollout producers set an Event here; the in-flight step loop looks at it
+        # in-flight weight updates (rollout.weight_update=in_flight), as TorchEngine: the hook, the cache policy,
+        # and the swaps (count, seconds) over every generate call so far
+        self.between_steps = None
+        self.kv_on_update = "keep"
+        self.swap_totals = [0, 0.0]
+        self._request_ids = itertools.count()
         self.llm = None
         self.folder: Path | None = None
         self.version = -1
@@ -335,6 +364,9 @@ class VLLMEngine:
             self.llm.collective_rpc("lit_rl_reload_from_file", args=(str(path),))
             path.unlink()
         self.version = version
+        # vLLM's own label of the weights: each output token records the label of the step that sampled it
+        # (``CompletionOutput.weight_versions``), which the in-flight step loop reads back as token versions
+        self.llm.llm_engine.set_weight_version(str(version))
         self.sync_seconds = time.perf_counter() - t0
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -390,12 +422,78 @@ class VLLMEngine:
             )
             for s in seeds
         ]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False)
-        out = self._to_rollouts(prompts, [o.outputs[0] for o in outputs], k)
-        self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()))
+        self._swaps = [0, 0.0]
+        if self.between_steps is None:
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False
+            )
+            completions = [o.outputs[0] for o in outputs]
+        else:
+            completions = self._step_by_step(prompts, requests)
+        version_before = self.version if not self._swaps[0] else None
+        out = self._to_rollouts(prompts, completions, k, version_before)
+        self.last = GenerationStats(time.perf_counter() - start, int(out.response_mask.sum()), *self._swaps)
+        self.swap_totals[0] += self._swaps[0]
+        self.swap_totals[1] += self._swaps[1]
         return out
 
-    def _to_rollouts(self, prompts, completions, k: int) -> Rollouts:
+    # -- in-flight weight updates: between two engine steps --------------------------------------------------
+    def _step_by_step(self, prompts: list[list[int]], requests: list) -> list:
+        """``rollout.weight_update=in_flight``: run the requests through vLLM's engine one step at a time
+        (``LLMEngine.add_request`` / ``step``, what ``LLM.generate`` does in one call) and ask ``between_steps``
+        for newer weights before every step after the first (the prefill's). Nothing runs between two steps (the
+        in-process engine core steps synchronously: vLLM's "paused" state), so a sync there is vLLM's own pause /
+        update / resume; the requests in flight continue with the new weights, and each output token carries the
+        weight label of the step that sampled it (``set_weight_version`` in ``sync_weights``).
+
+        ``kv_on_update=keep``: the running requests keep the KV their older weights wrote. ``recompute``: vLLM's
+        ``reset_prefix_cache(reset_running_requests=True)`` preempts every running request; each is rescheduled
+        with its prompt + the tokens sampled so far, prefilled with the new weights (one step: chunked prefill is
+        off, ``cpu_scheduling``), and keeps its seeded generator (vLLM keeps a preempted request's state), so
+        its next log-prob is the one a fresh engine holding the new weights assigns to that context.
+
+        ``cancel`` is looked at before every step: once set, the requests are aborted and ``GenerationCancelled``
+        raised. Returns the completions (``CompletionOutput``) in the order of ``prompts``."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        ids = [f"lit_rl-{next(self._request_ids)}" for _ in prompts]
+        done: dict[str, object] = {}
+        try:
+            for rid, prompt, request in zip(ids, prompts, requests):
+                request.output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), request)
+            step = 0
+            while engine.has_unfinished_requests():
+                if self.cancel is not None and self.cancel.is_set():
+                    raise GenerationCancelled("generation cancelled")
+                if self._swapped(step) and self.kv_on_update == "recompute":
+                    self.llm.reset_prefix_cache(reset_running_requests=True)
+                for output in engine.step():
+                    if output.finished:
+                        done[output.request_id] = output.outputs[0]
+                step += 1
+        finally:
+            unfinished = [rid for rid in ids if rid not in done]
+            if unfinished:
+                engine.abort_request(unfinished)
+        return [done[rid] for rid in ids]
+
+    def _swapped(self, step: int) -> bool:
+        """Ask ``between_steps`` for newer weights before engine step ``step`` (> 0); counts the swap and its pause."""
+        if self.between_steps is None or step == 0:
+            return False
+        t0 = time.perf_counter()
+        if not self.between_steps(step):
+            return False
+        self._swaps[0] += 1
+        self._swaps[1] += time.perf_counter() - t0
+        return True
+
+    def _to_rollouts(self, prompts, completions, k: int, version: int | None = None) -> Rollouts:
+        """``Rollouts`` of vLLM's completions; ``version``: the one version every token has (None: each token's
+        from vLLM's weight labels, ``token_versions``)."""
         n = len(prompts)
         width = max((len(c.token_ids) for c in completions), default=0)
         tokens = torch.full((n, width), self.pad_token_id, dtype=torch.long)
@@ -403,10 +501,13 @@ class VLLMEngine:
         mask = torch.zeros((n, width), dtype=torch.bool)
         topk_ids = torch.zeros((n, width, k), dtype=torch.long) if k else None
         topk_lp = torch.zeros((n, width, k), dtype=torch.float32) if k else None
+        versions = torch.full((n, width), self.version if version is None else version, dtype=torch.long)
         finish = []
         for i, c in enumerate(completions):
             ids = list(c.token_ids)
             t = len(ids)
+            if version is None:
+                versions[i] = token_versions(c, width, versions[i])
             tokens[i, :t] = torch.tensor(ids, dtype=torch.long)
             mask[i, :t] = True
             flat = c.logprobs  # FlatLogprobs: per position [sampled, top-1 .. top-k]
@@ -426,7 +527,8 @@ class VLLMEngine:
             response_mask=mask,
             rollout_logprobs=logprobs,
             finish_reason=finish,
-            policy_version=torch.full((n,), self.version, dtype=torch.long),
+            policy_version=versions[:, 0].clone() if width else versions.new_full((n,), self.version),
             topk_ids=topk_ids,
             topk_logprobs=topk_lp,
+            token_versions=versions,
         )

@@ -132,7 +132,7 @@ class RolloutConfig:
     #: async: the longest wait for the producer's next batch (s); a dead rollout process is an error at once
     producer_timeout_s: Number = 600.0
     #: async: between_batches (a newer version is loaded before each batch) | in_flight (also between decode
-    #: steps: one sequence may span versions; engine=torch only)
+    #: steps: one sequence may span versions; engine=vllm between vLLM's engine steps)
     weight_update: str = "between_batches"
     #: async, in_flight: recompute (re-prefill the live sequences with the new weights: exact) | keep (continue
     #: with the cache the older weights wrote)
@@ -247,8 +247,9 @@ class RolloutConfig:
         )
 
     def update_problems(self, run) -> Problems:
-        """``weight_update`` and ``kv_on_update`` among their choices; ``in_flight`` read by ``async`` only and
-        refused with ``engine=vllm`` (its pause / update / resume is not wired). Only with ``async`` and
+        """``weight_update`` and ``kv_on_update`` among their choices; ``in_flight`` read by ``async`` only, with
+        ``engine=vllm`` only in process (its step loop pauses the engine core between steps) and without
+        ``partial`` (carried in the embedded engine's decode loop only). Only with ``async`` and
         ``in_flight``: ``kv_on_update=keep`` (what a swap between decode steps does with the cache; without such
         swaps it was dropped silently), ``loss.drop_older_tokens`` (no sequence spans versions without them) and
         ``partial`` (a bool; the carried tokens keep their versions: only an engine that records versions per token
@@ -268,12 +269,20 @@ class RolloutConfig:
                 update,
                 f"is read by rollout.mode=async only (rollout.mode={self.mode}); add rollout.mode=async",
             )
-            yield from rule(
-                run.engine.name != "vllm",
+            yield from rule(  # the in-flight step loop needs the engine core stepping in this process
+                run.engine.name == "torch" or getattr(run.engine, "in_process", True) is not False,
                 "rollout.weight_update",
                 update,
-                "needs the embedded engine (engine=torch): vLLM's pause / update / resume is not wired in this "
-                "version; use rollout.weight_update=between_batches with engine=vllm",
+                "needs vLLM's engine core in this process (engine.in_process=false steps it in a process of its "
+                "own, with no pause between two steps for the update and its weight label); set "
+                "engine.in_process=true (the default)",
+            )
+            yield from rule(
+                self.partial is not True or run.engine.name != "vllm",
+                "rollout.partial",
+                self.partial,
+                "carries unfinished sequences in the embedded engine's decode loop only: engine=vllm takes "
+                "updates in flight but not partial rollouts; use engine=torch, or rollout.partial=false",
             )
         yield from rule(  # as partial: a between_batches or sync run never swaps mid-sequence, so keep is dropped
             kv != "keep" or (self.mode == "async" and update == "in_flight"),
