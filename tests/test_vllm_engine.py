@@ -526,6 +526,60 @@ def test_lagged_rollouts_with_vllm_keep_the_engine_gap_apart_from_staleness(tmp_
     ]
 
 
+@pytest.mark.slow  # 50 s a run: a vLLM engine in a training run of its own
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_async_in_flight_run_with_vllm_swaps_mid_sequence(tmp_path, kv):
+    """rollout.mode=async rollout.weight_update=in_flight with engine=vllm through the recipe. A barrier in the
+    producer's hook (``helpers/in_flight_barrier.py``) makes every batch after the first wait before decode step 4
+    for the version the trainer publishes next, so batch s (s >= 1) starts with version s - 1 and takes version s
+    there: one swap, 4 of its 12 tokens one step old (staleness_mean 4/12), 2 versions in a sequence. The
+    decomposition keeps the two gaps apart: r_stale carries the version gap with either cache policy, r_num (same
+    weights, two engines) stays at float32 noise with ``recompute`` and carries the kept cache's gap with ``keep``."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "tests", "helpers", "in_flight_barrier.py"),
+        "4",
+        str(out),
+        "model=tiny",
+        "trainer.precision=32-true",
+        "engine=vllm",
+        "rollout.mode=async",
+        "rollout.on_stale=block",
+        "rollout.max_staleness=1",
+        "rollout.weight_update=in_flight",
+        f"rollout.kv_on_update={kv}",
+        "correction=tis",
+        "algo=reinforce",
+        "algo.baseline=none",
+        "task.constant_reward=1",
+        "optim.lr=1e-3",
+        "trainer.max_steps=4",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=4",
+        "sampling.max_new_tokens=12",
+        "eval.num_examples=0",
+        "threads=1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = {k: [v for _, v in vals] for k, vals in read_scalars(out).items()}
+    assert s["rollout/weight_swaps"] == [0.0, 1.0, 1.0, 1.0]
+    assert s["rollout/version_span_max"] == [1.0, 2.0, 2.0, 2.0]
+    assert s["rollout/staleness_max"] == [0.0, 1.0, 1.0, 1.0]
+    assert s["rollout/response_length_mean"] == [12.0] * 4  # the random tiny model does not stop: 12 tokens a row
+    assert s["rollout/staleness_mean"] == pytest.approx([0.0, 4 / 12, 4 / 12, 4 / 12], abs=1e-6)
+    assert s["train/r_stale_abs"][0] == 0.0 and all(v > 0.005 for v in s["train/r_stale_abs"][1:])
+    if kv == "recompute":
+        assert all(v < 1e-4 for v in s["train/r_num_abs"]), s["train/r_num_abs"]
+    else:
+        assert s["train/r_num_abs"][0] < 1e-4 and all(v > 0.005 for v in s["train/r_num_abs"][1:])
+    assert (out / "finished.json").is_file()
+
+
 @pytest.mark.slow
 def test_a_lora_policy_syncs_its_merged_weights(tmp_path):
     """model.lora: vLLM holds the base model's layers; each sync pushes W0 + (alpha / r) B A. After an update of
