@@ -226,6 +226,19 @@ def test_an_in_flight_swap_at_step_k_versions_tokens_from_k_on(tiny, tiny_engine
         assert to_new.max().item() > 100 * TOL and to_fresh.max().item() > 100 * TOL
 
 
+def test_partial_rollouts_are_refused_for_a_vllm_engine_at_start_up(tiny):
+    """engine=auto may become vllm after the config check: the source then refuses rollout.partial by name, where
+    it would otherwise be dropped silently (the carried rows live in the embedded engine's decode loop)."""
+    from lit_rl.rollout.sources import StaleSource
+
+    model, tok = tiny
+    engine = VLLMEngine(model, tok.pad_token_id, [0])  # not started: vLLM starts at the first sync
+    rollout = {"mode": "async", "weight_update": "in_flight", "partial": True}
+    with pytest.raises(ValueError, match="rollout.partial=true runs in the embedded engine only, not VLLMEngine"):
+        StaleSource(engine, rollout)
+    assert engine.llm is None
+
+
 def test_stop_tokens_end_sequences(tiny):
     model, tok = tiny
     # every token stops: one token per sequence, reason "stop"; a cap of 3 tokens and no stop: "length"
