@@ -226,6 +226,37 @@ def test_an_in_flight_swap_at_step_k_versions_tokens_from_k_on(tiny, tiny_engine
         assert to_new.max().item() > 100 * TOL and to_fresh.max().item() > 100 * TOL
 
 
+def test_a_stop_between_engine_steps_aborts_the_requests(tiny, tiny_engine):
+    """The producer's stop (``cancel``) is looked at between vLLM's engine steps while the in-flight hook is set:
+    ``GenerationCancelled``, the requests aborted in vLLM, and the engine's next rollout is the one it gives
+    without the interruption."""
+    import threading
+
+    from lit_rl.rollout.torch_engine import GenerationCancelled
+
+    _, tok = tiny
+    prompts, params = chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=12)
+    stop, stops = threading.Event(), []
+
+    def stop_at_3(step):
+        if step == 3 and not stops:  # the first call only
+            stops.append(step)
+            stop.set()
+        return False
+
+    tiny_engine.between_steps, tiny_engine.cancel = stop_at_3, stop
+    try:
+        with pytest.raises(GenerationCancelled):
+            tiny_engine.generate(prompts, params, seeds=[0, 1])
+        assert not tiny_engine.llm.llm_engine.has_unfinished_requests()
+        stop.clear()
+        r = tiny_engine.generate(prompts, params, seeds=[0, 1])
+    finally:
+        tiny_engine.between_steps, tiny_engine.cancel = None, None
+    assert torch.equal(r.response_ids, tiny_engine.generate(prompts, params, seeds=[0, 1]).response_ids)
+    assert tiny_engine.last.swaps == 0
+
+
 def test_partial_rollouts_are_refused_for_a_vllm_engine_at_start_up(tiny):
     """engine=auto may become vllm after the config check: the source then refuses rollout.partial by name, where
     it would otherwise be dropped silently (the carried rows live in the embedded engine's decode loop)."""

@@ -155,6 +155,14 @@ class VLLMEngine:
             at T. (``engine.logit_noise`` is not wired here: it would need a vLLM logits processor that draws
             seeded per-request, per-position noise; ``config.validate`` refuses it at start-up.)
 
+    In-flight weight updates (``rollout.weight_update=in_flight``), the same interface as ``TorchEngine``:
+    ``between_steps``, None or a callable ``between_steps(step) -> bool`` that returns True when it loaded newer
+    weights (``sync_weights``); with it set, ``generate`` steps vLLM's engine itself and calls it between two engine
+    steps (``_step_by_step``), tokens record the version that sampled them (``Rollouts.token_versions``, from vLLM's
+    weight labels), ``kv_on_update`` (``keep`` | ``recompute``) says what happens to the running requests' KV, and
+    ``last.swaps`` / ``swap_totals`` count the swaps. Needs the in-process engine core (``config.validate`` refuses
+    ``engine.in_process=false`` with it).
+
     Raises ImportError (with the install command) if vLLM is not installed, ValueError for
     ``in_process`` with ``tensor_parallel_size > 1``.
     """
