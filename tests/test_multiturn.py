@@ -35,6 +35,9 @@ class Recording:
     def version(self):
         return self.engine.version
 
+    def kv_continuation(self):  # the engine's session: turns after the first continue its KV
+        return self.engine.kv_continuation()
+
     def generate(self, prompts, params, seeds):
         out = self.engine.generate(prompts, params, seeds)
         self.calls.append(([list(p) for p in prompts], out))
