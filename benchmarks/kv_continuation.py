@@ -3,13 +3,15 @@ re-prefilling every turn's whole episode, A/B interleaved; plus the two paths' l
 
     python benchmarks/kv_continuation.py --model tiny --env echo             # the tiny random model, 4 turns
     python benchmarks/kv_continuation.py --model smollm2 --env guess         # SmolLM2-135M on task=guess_number
-    python benchmarks/kv_continuation.py --model smollm2 --env echo --repeats 3 --force
+    python benchmarks/kv_continuation.py --model smollm2 --env echo --max-new 96 --repeats 3 --force
 
 Each repeat collects the same episodes (same prompts and seeds) once each way, the order alternating, with
 ``collect_episodes`` (``--env guess``: the project's ``GuessNumberEnvironment``; ``echo``: this file's ``Echo``,
 which answers every turn with one short user message until ``--turns``). Printed: the wall seconds of each
-collection, the median ratio re-prefill / continued, the ids each way prefilled after the first turn, the largest
-|log-prob difference| between the two paths on the episodes whose ids came out the same, and the float32
+collection and of its engine calls after the first turn (where the two ways differ), the median ratios re-prefill /
+continued, the ids each way prefilled after the first turn, the largest
+|log-prob difference| between the two paths over the model tokens before an episode's ids part (same tokens,
+same contexts), and the float32
 trainer's max and mean |log-prob gap| to each path's rollout log-probs (torch's kernels, or ``--kernels``).
 """
 
@@ -39,7 +41,7 @@ class Counting:
     """The engine with its prefills counted (ids fed to the model in calls after the first, padding included)."""
 
     def __init__(self, engine):
-        self.engine, self.prefilled, self.calls = engine, 0, 0
+        self.engine, self.prefilled, self.calls, self.later_s = engine, 0, 0, 0.0
         self.version, self.pad_token_id, self.stop_token_ids = 0, engine.pad_token_id, engine.stop_token_ids
         if engine.continue_kv:
             self.kv_continuation = self._session
@@ -58,8 +60,11 @@ class Counting:
     def generate(self, prompts, params, seeds):
         if self.engine.kept is None and self.calls:  # re-prefill: every prompt whole, left-padded
             self.prefilled += len(prompts) * max(len(p) for p in prompts)
+        t = time.perf_counter()
+        out = self.engine.generate(prompts, params, seeds)
+        self.later_s += (time.perf_counter() - t) if self.calls else 0.0
         self.calls += 1
-        return self.engine.generate(prompts, params, seeds)
+        return out
 
 
 def collect(policy, tok, args, continued: bool):
@@ -87,7 +92,7 @@ def collect(policy, tok, args, continued: bool):
         counting, tok, env, examples, prompts, messages, params, list(range(len(examples))), limits,
         shared_pool(1), f"bench-{args.env}-{args.turns}",
     )  # fmt: skip
-    return time.perf_counter() - t, counting.prefilled, r, episodes
+    return (time.perf_counter() - t, counting.later_s), counting.prefilled, r, episodes
 
 
 def trainer_gap(policy, tok, r) -> tuple[float, float]:
@@ -130,19 +135,29 @@ def main():
                 last[continued] = (prefilled, r, episodes)
         gaps = {c: trainer_gap(policy, tok, last[c][1]) for c in (True, False)}
     (pa, a, ea), (pb, b, _) = last[True], last[False]
+    # the two ways' log-probs of the same tokens in the same contexts: each episode up to where its ids part
+    width = min(a.response_ids.shape[1], b.response_ids.shape[1])
+    differs = (a.response_ids[:, :width] != b.response_ids[:, :width]).long()
+    before = (differs.cumsum(-1) == 0) & a.response_mask[:, :width] & b.response_mask[:, :width]
+    gap_ab = (a.rollout_logprobs[:, :width] - b.rollout_logprobs[:, :width]).abs()[before]
     same = [i for i in range(len(ea)) if torch.equal(a.response_ids[i], b.response_ids[i])]
-    diff = max(((a.rollout_logprobs[i] - b.rollout_logprobs[i]).abs().max().item() for i in same), default=0.0)
-    ratios = [b_ / a_ for a_, b_ in zip(seconds[True], seconds[False])]
+    ratios = [b_[0] / a_[0] for a_, b_ in zip(seconds[True], seconds[False])]
+    later = [b_[1] / a_[1] for a_, b_ in zip(seconds[True], seconds[False])]
     turns = sum(len(ep.turns) for ep in ea) / len(ea)
     print(f"\n## {args.model}, env {args.env}: {len(ea)} episodes ({args.prompts} prompts x G={args.group}), "
           f"up to {args.turns} turns of {args.max_new} tokens (mean {turns:.2f} turns, response width "
           f"{a.response_ids.shape[1]}), kernels={args.kernels}")  # fmt: skip
-    print("| way | seconds per collection | ids prefilled after turn 1 |\n|---|---|---|")
-    print(f"| continued | {' '.join(f'{s:.2f}' for s in seconds[True])} | {pa} |")
-    print(f"| re-prefill | {' '.join(f'{s:.2f}' for s in seconds[False])} | {pb} |")
-    print(f"\nre-prefill / continued, per repeat: {' '.join(f'{x:.2f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.2f}x")  # fmt: skip
-    print(f"episodes with the same ids both ways: {len(same)}/{len(ea)}; max |log-prob difference| on them: {diff:.3g}")
+    print("| way | seconds per collection | engine seconds of the turns after the first | ids they prefilled |")
+    print("|---|---|---|---|")
+    for c, name, p in ((True, "continued", pa), (False, "re-prefill", pb)):
+        whole, turns_after = (" ".join(f"{s[i]:.2f}" for s in seconds[c]) for i in (0, 1))
+        print(f"| {name} | {whole} | {turns_after} | {p} |")
+    for what, x in (("collection", ratios), ("turns after the first", later)):
+        print(f"re-prefill / continued, {what}, per repeat: {' '.join(f'{v:.2f}' for v in x)}; "
+              f"median {statistics.median(x):.2f}x")  # fmt: skip
+    largest = gap_ab.max().item() if gap_ab.numel() else 0.0
+    print(f"episodes with the same ids both ways: {len(same)}/{len(ea)}; max |log-prob difference| over the "
+          f"{gap_ab.numel()} model tokens before an episode's ids part: {largest:.3g}")  # fmt: skip
     for c, name in ((True, "continued"), (False, "re-prefill")):
         print(f"trainer vs engine ({name}): max |gap| {gaps[c][0]:.3g}, mean {gaps[c][1]:.3g}")
 

@@ -89,7 +89,7 @@ class KeptCaches:
             row = int(loop.active[j])
             context = tuple(loop.prompts[row]) + tuple(loop.tokens[row, : int(loop.pos[row]) - 1].tolist())
             real = loop.attention_mask[j].bool()
-            layers = [(layer.keys[j][:, real].clone(), layer.values[j][:, real].clone()) for layer in loop.cache.layers]
+            layers = [(layer.keys[j][:, real], layer.values[j][:, real]) for layer in loop.cache.layers]  # copies
             if layers and layers[0][0].shape[1] != len(context):
                 raise RuntimeError(f"kept {layers[0][0].shape[1]} KV positions for a context of {len(context)} ids")
             self.keep(KeptKV(context, layers, loop.cache_version))

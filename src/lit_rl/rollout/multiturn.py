@@ -9,7 +9,10 @@ template must extend its own rendering as a text prefix when messages are added 
 start-up; a template that rewrites earlier turns, as Qwen3's strips earlier ``<think>`` blocks, is refused).
 
 Each turn is one ``engine.generate`` call over the live episodes with their whole token ids as prompts (the
-first turn's G rows of a group share their prompt, whose prefill the embedded engine shares). Environment tokens
+first turn's G rows of a group share their prompt, whose prefill the embedded engine shares), inside the
+engine's ``kv_continuation()`` session where it has one: the embedded engine then prefills only each episode's
+ids after the KV it kept from the previous turn (``kv_continuation``); other engines (vLLM) get the whole ids
+every turn. Environment tokens
 have ``response_mask`` False and ``env_mask`` True: the trainer attends to them but scores none of them, so they
 take part in no ratio, correction, KL, entropy, reduction or denominator.
 
