@@ -71,6 +71,25 @@ def test_engine_and_trainer_logprobs_on_each_hybrid(hybrid_dir, family):
     assert not torch.equal(r.response_ids[0], r.response_ids[1])
 
 
+def test_hybrids_fall_back_to_re_prefilling_every_turn(hybrid_dir):
+    """Issue 36: a hybrid's conv and recurrent states are not continued across a multi-turn episode's turns: its
+    engine keeps no KV in the session, so a later turn re-prefills the whole episode and gives exactly what an
+    engine outside any session gives."""
+    model, tok = load(hybrid_dir("qwen3_5"))
+    engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+    prompts = grouped_prompts(tok)[:4]
+    params = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    seeds = list(range(4))
+    with engine.kv_continuation() as kept:
+        assert kept is None and engine.kept is None
+        first = engine.generate(prompts, params, seeds)
+        later = [p + first.response_ids[i][first.response_mask[i]].tolist() + [11, 12] for i, p in enumerate(prompts)]
+        continued = engine.generate(later, params, seeds)
+    fresh = engine.generate(later, params, seeds)
+    assert torch.equal(continued.response_ids, fresh.response_ids)
+    assert torch.equal(continued.rollout_logprobs, fresh.rollout_logprobs)
+
+
 def test_state_layer_copies_and_drops_rows():
     cache = hybrid_cache_of(["linear_attention", "full_attention"])
     linear, attention = cache.layers

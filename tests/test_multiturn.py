@@ -30,6 +30,8 @@ class Recording:
     def __init__(self, engine):
         self.engine, self.calls = engine, []
         self.stop_token_ids, self.pad_token_id = engine.stop_token_ids, engine.pad_token_id
+        if hasattr(engine, "kv_continuation"):  # the embedded engine's session: later turns continue its KV
+            self.kv_continuation = engine.kv_continuation
 
     @property
     def version(self):
@@ -47,9 +49,13 @@ def first_prompt(tok, question):
     return (ids if isinstance(ids, list) else ids["input_ids"]), messages
 
 
-def run_episodes(policy, tok, n=4, turns=3, max_new=6, max_total=400, top_k=0, seed=0):
+def run_episodes(policy, tok, n=4, turns=3, max_new=6, max_total=400, top_k=0, seed=0, group=2, continue_kv=True,
+                 longer=0):  # fmt: skip
     engine = Recording(TorchEngine(policy, tok.pad_token_id, HALF_VOCAB))
-    examples = [Example(i // 2, f"question {i // 2}", "1") for i in range(n)]  # groups of 2 rows
+    engine.engine.continue_kv = continue_kv  # False: every turn re-prefills its whole episode
+    # groups of ``group`` rows; ``longer`` > 0: the questions of groups 1, 2, ... grow by up to ``longer`` words
+    words = [" and more" * (i // group % (longer + 1)) for i in range(n)]
+    examples = [Example(i // group, f"question {i // group}{words[i]}", "1") for i in range(n)]
     prompts = [first_prompt(tok, ex.question) for ex in examples]
     rollouts, episodes = collect_episodes(
         engine,
@@ -62,7 +68,7 @@ def run_episodes(policy, tok, n=4, turns=3, max_new=6, max_total=400, top_k=0, s
         [seed * 100 + i for i in range(n)],
         MultiTurnLimits(max_turns=turns, max_total_tokens=max_total),
         shared_pool(2),
-        "test-multiturn",
+        f"test-multiturn-{turns}",  # (the pool keeps one environment per key)
     )
     return engine, rollouts, episodes
 
@@ -240,6 +246,29 @@ def test_c_batch_invariant_trainer_logprobs_equal_every_turns_rollout_logprobs(t
         assert stats[f"train/{name}"] == 0.0
     _, stats, _ = module_gradient(policy, tok, scored)  # torch's kernels: a gap on the later turns, measured
     assert stats["train/logprob_abs_diff_later_turns"] > 0
+
+
+def test_continued_episodes_equal_re_prefilled_ones_bit_for_bit_under_batch_invariant(tiny_policy):
+    """Issue 36: with the engine continuing each episode's KV across turns, every turn's tokens, log-probs and
+    top-k head are those of the full re-prefill of each turn's episode, bit for bit (batch-invariant kernels):
+    9 episodes in groups of 3 with prompts of three lengths, 4 turns of different lengths
+    (the engine's rows finish at different steps)."""
+    policy, tok = tiny_policy
+    with kernel_mode("batch_invariant", policy):
+        out = {}
+        for continued in (True, False):
+            engine, r, episodes = run_episodes(
+                policy, tok, n=9, turns=4, max_new=10, top_k=2, seed=5, group=3, longer=2, continue_kv=continued
+            )
+            out[continued] = (r, episodes, [p for p, _ in engine.calls])
+            assert engine.engine.kept is None  # the kept KV went with the collection
+    (a, eps_a, prompts_a), (b, eps_b, prompts_b) = out[True], out[False]
+    assert prompts_a == prompts_b  # every turn asked the same of both engines
+    assert len({len(p) for p in prompts_a[0]}) == 3 and len({len(p) for p in prompts_a[1]}) > 3
+    assert [len(ep.turns) for ep in eps_a] == [4] * 9
+    for name in ("response_ids", "response_mask", "env_mask", "rollout_logprobs", "topk_ids", "topk_logprobs"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert [ep.turns for ep in eps_a] == [ep.turns for ep in eps_b] and a.finish_reason == b.finish_reason
 
 
 @pytest.mark.vllm

@@ -10,6 +10,8 @@ and the cache of those live rows. One decode step is ``forward`` (a prefill of t
 Every position a row writes is its own (``pos``: tokens sampled so far), so rows that joined at different decode
 steps (a refill, a carry-over) share one batch. A row (re)joins through a prefill of its context (prompt + its
 tokens so far) with the engine's current weights, the same prefill a ``kv_on_update=recompute`` swap does.
+With ``kept`` (``kv_continuation.KeptCaches``: a multi-turn collection's session) a finished row leaves its KV
+there, and a row whose context extends a kept one prefills only the ids the kept KV does not hold.
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ from torch import Tensor
 
 from ..logprobs import position_ids_from_mask, process_logits
 from .kv_cache import keep_rows
+from .kv_continuation import KeptCaches, continued_prefill
 from .types import Rollouts, SamplingConfig, left_pad
 
 
 class DecodeLoop:
-    """One batched decode with ``engine`` (a ``TorchEngine``) under sampling settings ``params``.
+    """One batched decode with ``engine`` (a ``TorchEngine``) under sampling settings ``params``; ``kept``: the
+    caches a multi-turn collection keeps between calls (``TorchEngine.kv_continuation``), None to keep none.
 
     Raises ValueError when temperature + the engine's temperature offset is not > 0 for a sampling run.
     """
 
-    def __init__(self, engine, params: SamplingConfig):
-        self.engine, self.params = engine, params
+    def __init__(self, engine, params: SamplingConfig, kept: KeptCaches | None = None):
+        self.engine, self.params, self.kept = engine, params, kept
         self.steps, self.k = params.max_new_tokens, params.logprobs_top_k
         self.device = next(engine.model.parameters()).device
         self.sampling = params.temperature > 0
@@ -58,6 +62,7 @@ class DecodeLoop:
         # the decode batch: live rows (indices into the rows), their cache and inputs
         self.active = torch.zeros(0, dtype=torch.long)
         self.cache = self.input_ids = self.attention_mask = self.position_ids = None
+        self.cache_version = engine.version  # the weights that prefilled the cache
         self.rejoin = True  # the next forward prefills the live rows' contexts (new rows, a carry-over)
 
     # -- rows ----------------------------------------------------------------------------------------------
@@ -135,9 +140,17 @@ class DecodeLoop:
     def _prefill(self, dedupe: bool) -> Tensor:
         """A new cache of every live row's context (prompt + tokens so far) under the engine's current weights;
         with ``dedupe`` each distinct context is prefilled once and its cache copied to the rows that share it (RL
-        repeats every prompt G times). Returns the last position's logits [B, V]."""
+        repeats every prompt G times); rows whose context extends a ``kept`` cache continue it instead
+        (``kv_continuation.continued_prefill``). Returns the last position's logits [B, V]."""
         rows = self.active.tolist()
         contexts = [tuple(self.prompts[r]) + tuple(self.tokens[r, : int(self.pos[r])].tolist()) for r in rows]
+        self.cache_version = self.engine.version
+        kept = [self.kept.match(c, self.engine.version) for c in contexts] if dedupe and self.kept else []
+        if any(k is not None for k in kept):
+            out = continued_prefill(self.engine, contexts, kept, self.steps)
+            logits, self.cache, self.attention_mask, self.position_ids = out
+            self.kept.used(kept, prefilled=self.position_ids.numel())
+            return logits
         distinct: dict[tuple[int, ...], int] = {}
         if dedupe:
             row_of = torch.tensor([distinct.setdefault(c, len(distinct)) for c in contexts], dtype=torch.long)
@@ -193,6 +206,8 @@ class DecodeLoop:
         self.stopped[active[done.cpu()]] = True
         self.pos[active] += 1
         finished = done.cpu() | (self.pos[active] >= self.steps)
+        if self.kept is not None:
+            self.kept.keep_finished(self, finished)
         if bool(finished.all()):
             self.active, self.cache = active[:0], None
             return active[finished]

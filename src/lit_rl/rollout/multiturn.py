@@ -9,7 +9,10 @@ template must extend its own rendering as a text prefix when messages are added 
 start-up; a template that rewrites earlier turns, as Qwen3's strips earlier ``<think>`` blocks, is refused).
 
 Each turn is one ``engine.generate`` call over the live episodes with their whole token ids as prompts (the
-first turn's G rows of a group share their prompt, whose prefill the embedded engine shares). Environment tokens
+first turn's G rows of a group share their prompt, whose prefill the embedded engine shares), inside the
+engine's ``kv_continuation()`` session where it has one: the embedded engine then prefills only each episode's
+ids after the KV it kept from the previous turn (``kv_continuation``); other engines (vLLM) get the whole ids
+every turn. Environment tokens
 have ``response_mask`` False and ``env_mask`` True: the trainer attends to them but scores none of them, so they
 take part in no ratio, correction, KL, entropy, reduction or denominator.
 
@@ -20,6 +23,7 @@ episode (finish "length") rather than going over the context.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -249,46 +253,60 @@ def collect_episodes(
     k = params.logprobs_top_k
     live = list(range(len(episodes)))
     version = getattr(engine, "version", 0)
-    for turn in range(limits.max_turns):
-        if not live:
-            break
-        rows = [episodes[i] for i in live]
-        room = [limits.max_total_tokens - ep.length for ep in rows]
-        turn_params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens, max(room))))
-        turn_seeds = [ep.seed if turn == 0 else hash((ep.seed, turn)) & (2**63 - 1) for ep in rows]
-        out = engine.generate([ep.prompt_ids + ep.response_ids for ep in rows], turn_params, turn_seeds)
-        version = int(out.policy_version[0]) if len(out.policy_version) else version
-        for j, ep in enumerate(rows):
-            m = out.response_mask[j]
-            ids = out.response_ids[j][m].tolist()[: room[j]]
-            head = list(zip(out.topk_ids[j][m].tolist(), out.topk_logprobs[j][m].tolist()))[: room[j]] if k else []
-            ep.add_model_turn(ids, out.rollout_logprobs[j][m].tolist()[: room[j]], head, tokenizer, turn)
-            if out.finish_reason[j] == "length" or len(ids) < int(m.sum()):
-                ep.finish = "length"
-        stepping = [ep for ep in rows if not ep.finish]
-        for ep in rows:
-            if ep.finish:
-                ep.rewards.append(None)
-        if stepping:
-            _env_steps(pool, env, pool_key, stepping, limits)
-        for ep in stepping:
-            ep.state["rewards"] = list(ep.rewards)
-            if ep.pending is None or turn == limits.max_turns - 1:
-                ep.finish = "stop"
-                continue
-            last_id = ep.response_ids[-1] if ep.response_ids else None
-            special = last_id in getattr(engine, "stop_token_ids", ()) and last_id in tokenizer.all_special_ids
-            stop_text = tokenizer.decode([last_id]) if special else ""  # (a special stop is not in the decoded text)
-            last = ep.messages[-1]["content"]
-            env_ids = env_token_ids(tokenizer, ep.messages[:-1], last, stop_text, ep.pending, tools)
-            if ep.length + len(env_ids) >= limits.max_total_tokens:
-                ep.finish = "length"  # the observation does not fit: the episode is cut here, counted
-                continue
-            ep.add_observation(ep.pending, env_ids)
-        live = [i for i in live if not episodes[i].finish]
+    session = getattr(engine, "kv_continuation", None)  # the embedded engine continues its KV across turns
+    with session() if session is not None else contextlib.nullcontext():
+        for turn in range(limits.max_turns):
+            if not live:
+                break
+            rows = [episodes[i] for i in live]
+            room = [limits.max_total_tokens - ep.length for ep in rows]
+            turn_params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens, max(room))))
+            turn_seeds = [ep.seed if turn == 0 else hash((ep.seed, turn)) & (2**63 - 1) for ep in rows]
+            out = engine.generate([ep.prompt_ids + ep.response_ids for ep in rows], turn_params, turn_seeds)
+            version = int(out.policy_version[0]) if len(out.policy_version) else version
+            _add_model_turns(rows, out, room, k, tokenizer, turn)
+            _end_turn(engine, tokenizer, env, rows, turn, limits, pool, pool_key, tools)
+            live = [i for i in live if not episodes[i].finish]
     for i in live:  # (max_turns reached with turns still pending cannot happen: the last turn sets finish)
         episodes[i].finish = episodes[i].finish or "stop"
     return _as_rollouts(episodes, k, version, getattr(engine, "pad_token_id", 0)), episodes
+
+
+def _add_model_turns(rows: list[Episode], out: Rollouts, room: list[int], k: int, tokenizer, turn: int) -> None:
+    """Append each live episode's model turn from the engine's output ``out`` (row j = ``rows[j]``), cut at the
+    room its episode has left (``room``); a cut or length-stopped turn ends the episode (finish "length")."""
+    for j, ep in enumerate(rows):
+        m = out.response_mask[j]
+        ids = out.response_ids[j][m].tolist()[: room[j]]
+        head = list(zip(out.topk_ids[j][m].tolist(), out.topk_logprobs[j][m].tolist()))[: room[j]] if k else []
+        ep.add_model_turn(ids, out.rollout_logprobs[j][m].tolist()[: room[j]], head, tokenizer, turn)
+        if out.finish_reason[j] == "length" or len(ids) < int(m.sum()):
+            ep.finish = "length"
+
+
+def _end_turn(engine, tokenizer, env, rows: list[Episode], turn: int, limits, pool, pool_key, tools) -> None:
+    """After a model turn: the environment steps the episodes still going and their observations' ids are
+    appended (an episode the environment ends, at its last turn, or whose observation does not fit, finishes)."""
+    stepping = [ep for ep in rows if not ep.finish]
+    for ep in rows:
+        if ep.finish:
+            ep.rewards.append(None)
+    if stepping:
+        _env_steps(pool, env, pool_key, stepping, limits)
+    for ep in stepping:
+        ep.state["rewards"] = list(ep.rewards)
+        if ep.pending is None or turn == limits.max_turns - 1:
+            ep.finish = "stop"
+            continue
+        last_id = ep.response_ids[-1] if ep.response_ids else None
+        special = last_id in getattr(engine, "stop_token_ids", ()) and last_id in tokenizer.all_special_ids
+        stop_text = tokenizer.decode([last_id]) if special else ""  # (a special stop is not in the decoded text)
+        last = ep.messages[-1]["content"]
+        env_ids = env_token_ids(tokenizer, ep.messages[:-1], last, stop_text, ep.pending, tools)
+        if ep.length + len(env_ids) >= limits.max_total_tokens:
+            ep.finish = "length"  # the observation does not fit: the episode is cut here, counted
+            continue
+        ep.add_observation(ep.pending, env_ids)
 
 
 def _start(examples, prompt_ids, first_messages, seeds, limits: MultiTurnLimits) -> list[Episode]:

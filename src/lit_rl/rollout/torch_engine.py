@@ -12,6 +12,7 @@ that appears G times (a GRPO group) is prefilled once and its KV cache copied to
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -24,7 +25,8 @@ from transformers import DynamicCache
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
-from .state_cache import float32_names, hybrid_cache
+from .kv_continuation import KeptCaches
+from .state_cache import float32_names, hybrid_cache, is_hybrid
 from .types import Rollouts, SamplingConfig
 
 
@@ -133,6 +135,10 @@ class TorchEngine:
     Partial rollouts (``rollout.partial``): ``generate_partial`` keeps unfinished rows for the next call and
     refills freed decode slots with queued groups (``decode_loop.PartialRollouts``).
 
+    Multi-turn episodes: inside ``kv_continuation()`` (one collection) ``generate`` keeps each finished row's KV
+    and continues it when a later prompt extends that row's context (``kv_continuation.KeptCaches``).
+    ``continue_kv`` False (a comparison's baseline) keeps none: every turn re-prefills its whole episode.
+
     In-flight weight updates (``rollout.weight_update=in_flight``): ``between_steps``, None or a callable
     ``between_steps(step) -> bool`` called before each decode step after the first, which returns True when it
     loaded newer weights (``sync_weights``) into the engine; tokens sampled from then on record the new version
@@ -175,6 +181,8 @@ class TorchEngine:
         self.kv_on_update = "keep"
         self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
         self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
+        self.continue_kv = True
+        self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
         self.sync_weights(0)
 
     def _copy_model(self) -> None:
@@ -234,6 +242,22 @@ class TorchEngine:
 
     def close(self) -> None:
         """Nothing to shut down (same interface as the vLLM engine)."""
+
+    @contextlib.contextmanager
+    def kv_continuation(self):
+        """A multi-turn collection's session: inside it, ``generate`` keeps the KV of every row it finishes (prompt
+        + its tokens but the last) and a later prompt that extends a kept context prefills only the ids after it,
+        then decodes on (``kv_continuation``); on leaving, the kept KV is dropped. Yields the ``KeptCaches`` (None
+        when nothing is kept: ``continue_kv`` off, a hybrid model, whose conv and recurrent states cannot be
+        continued this way); a session opened inside another shares its store (the outer one drops it)."""
+        if self.kept is not None or not self.continue_kv or is_hybrid(self.model):
+            yield self.kept
+            return
+        self.kept = KeptCaches()
+        try:
+            yield self.kept
+        finally:
+            self.kept = None
 
     @torch.no_grad()  # not inference_mode: callers may edit the returned tensors in place
     def generate(self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int]) -> Rollouts:
@@ -309,7 +333,7 @@ class TorchEngine:
             raise GenerationCancelled("generation cancelled")
 
     def _generate(self, prompts, params: SamplingConfig, seeds) -> Rollouts:
-        loop = DecodeLoop(self, params)
+        loop = DecodeLoop(self, params, self.kept)
         loop.add(prompts, seeds)
         loop.run()
         return loop.rollouts()
