@@ -261,9 +261,9 @@ def test_the_reserved_kv_cache_samples_what_a_growing_cache_does(tiny, monkeypat
     seeds = list(range(len(prompts)))
     reserved = make_engine(model, tok).generate(prompts, params, seeds)
     original = te.reserved_cache
-    monkeypatch.setattr(te, "reserved_cache", lambda capacity: original(8))  # too small: grows mid-run
+    monkeypatch.setattr(te, "reserved_cache", lambda capacity, dtype: original(8, dtype))  # too small: grows
     too_small = make_engine(model, tok).generate(prompts, params, seeds)
-    monkeypatch.setattr(te, "reserved_cache", lambda capacity: te.DynamicCache())
+    monkeypatch.setattr(te, "reserved_cache", lambda capacity, dtype: te.DynamicCache())
     growing = make_engine(model, tok).generate(prompts, params, seeds)
     assert te.DynamicCache is DynamicCache
     assert reserved.response_mask.sum(-1).unique().numel() > 1  # rows finished at different steps
@@ -284,3 +284,34 @@ def test_a_reserved_layer_grows_past_its_capacity():
         assert torch.equal(keys, torch.cat(expected, dim=-2)) and torch.equal(values, -keys)
     layer.batch_select_indices(torch.tensor([1]))
     assert layer.keys.shape == (1, 1, 6, 4) and layer.get_seq_length() == 6
+
+
+def test_under_autocast_the_cache_holds_what_sdpa_reads_and_samples_the_same(tiny, monkeypatch):
+    """Under bf16 autocast torch's SDPA casts the float32 keys (rotary output) to bf16 at every call; the engine
+    stores them in bf16 once (``kernels.attention_kv_dtype``), so tokens, log-probs and the top-k head are bit
+    for bit those of a float32 cache (left-padded prompts: the masked path too). The batch-invariant attention
+    reads float32 keys: its cache stays as written."""
+    import lit_rl.rollout.torch_engine as te
+    from lit_rl.kernels import BatchInvariantMode, attention_kv_dtype
+
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS)  # different lengths: left padding
+    params = SamplingConfig(max_new_tokens=12, logprobs_top_k=3)
+    seeds = list(range(len(prompts)))
+    caches = []
+    original = te.reserved_cache
+    monkeypatch.setattr(te, "reserved_cache", lambda *a: caches.append(original(*a)) or caches[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_kv_dtype(model) == torch.bfloat16
+        stored = make_engine(model, tok).generate(prompts, params, seeds)
+        layer = caches[-1].layers[0]
+        assert layer._keys.dtype == layer._values.dtype == torch.bfloat16
+        monkeypatch.setattr(te, "attention_kv_dtype", lambda model: None)
+        as_written = make_engine(model, tok).generate(prompts, params, seeds)
+        assert caches[-1].layers[0]._keys.dtype == torch.float32  # keys from float32 rotary embeddings
+        with BatchInvariantMode(model):
+            assert attention_kv_dtype(model) is None
+    assert attention_kv_dtype(model) is None  # no autocast: float32 as written
+    assert torch.equal(stored.response_ids, as_written.response_ids)
+    assert torch.equal(stored.rollout_logprobs, as_written.rollout_logprobs)
+    assert torch.equal(stored.topk_logprobs, as_written.topk_logprobs)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from ..kernels import attention_kv_dtype
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
@@ -299,9 +300,12 @@ class TorchEngine:
         return True
 
     def _new_cache(self, capacity: int) -> DynamicCache:
-        """An empty cache for ``capacity`` positions: KV reserved up front, and the conv / recurrent states of
-        Gated DeltaNet layers where the model has them (``state_cache.hybrid_cache``)."""
-        return hybrid_cache(self.model, functools.partial(ReservedLayer, capacity)) or reserved_cache(capacity)
+        """An empty cache for ``capacity`` positions: KV reserved up front, in the dtype the attention reads it in
+        (``kernels.attention_kv_dtype``: bf16 under autocast with SDPA), and the conv / recurrent states of Gated
+        DeltaNet layers where the model has them (``state_cache.hybrid_cache``)."""
+        dtype = attention_kv_dtype(self.model)
+        attention = functools.partial(ReservedLayer, capacity, dtype=dtype)
+        return hybrid_cache(self.model, attention) or reserved_cache(capacity, dtype)
 
     def _check_cancel(self) -> None:
         """Raise ``GenerationCancelled`` once ``cancel`` is set (looked at before every decode step)."""
