@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from ..kernels import attention_kv_dtype
+from ..kernels import attention_kv_dtype, single_query
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
@@ -176,6 +176,7 @@ class TorchEngine:
         self.kv_on_update = "keep"
         self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
         self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
+        single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
         self.sync_weights(0)
 
     def _copy_model(self) -> None:
