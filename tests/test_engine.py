@@ -318,40 +318,43 @@ def test_under_autocast_the_cache_holds_what_sdpa_reads_and_samples_the_same(tin
 
 
 def test_single_query_attention_groups_decode_heads_and_samples_the_same(tiny, monkeypatch):
-    """Decode steps run a key/value head's query heads as the rows of one SDPA problem
-    (``kernels.single_query``): the same tokens, log-probs and top-k head, bit for bit, as transformers' own
-    ``sdpa`` (float32 and bf16 autocast, left-padded prompts: the masked path); prefill is handed to it."""
+    """Unpadded bf16 decode steps run a key/value head's query heads as the rows of one SDPA problem
+    (``kernels.single_query``): here the same tokens, log-probs and top-k head, bit for bit, as transformers' own
+    ``sdpa``; float32 steps and the prefill are handed to transformers' ``sdpa`` (the same calls)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from lit_rl.kernels import single_query
 
     model, tok = tiny
-    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
-    prompts = chat_prompts(tok, QUESTIONS)
+    rep = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert rep > 1  # grouped-query attention
+    chats = chat_prompts(tok, QUESTIONS)
+    width = min(map(len, chats))
+    prompts = [p[-width:] for p in chats]  # one length: no padding mask, the path transformers does not pack
     params = SamplingConfig(max_new_tokens=12, logprobs_top_k=3)
     seeds = list(range(len(prompts)))
-    grouped_calls = []
+    rows = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def counting(query, *args, **kwargs):
-        grouped_calls.append(query.shape[-2])
+        rows.append(query.shape[-2])
         return sdpa(query, *args, **kwargs)
 
     for autocast in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            engine = make_engine(model, tok)  # installs single_query.attention as sdpa
+            engine = TorchEngine(model, tok.pad_token_id, [])  # no stop token; installs single_query.attention
             assert ALL_ATTENTION_FUNCTIONS["sdpa"] is single_query.attention
             with monkeypatch.context() as m:
                 m.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
                 grouped = engine.generate(prompts, params, seeds)
-            m_heads = model.config.num_attention_heads // model.config.num_key_value_heads
-            decode = grouped_calls.count(m_heads)  # decode steps: a key/value head's query heads as rows
-            assert decode and decode % model.config.num_hidden_layers == 0
-            assert set(grouped_calls) == {m_heads, max(map(len, prompts))}  # and the prefill's positions
-            grouped_calls.clear()
+            decode_rows = rep if autocast else 1  # float32 keeps transformers' one row per head
+            assert rows.count(decode_rows) == 11 * model.config.num_hidden_layers  # 12 tokens: 11 cached steps
+            assert set(rows) == {decode_rows, width}  # and the prefill's positions
+            rows.clear()
             monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", single_query._sdpa)
             own = engine.generate(prompts, params, seeds)
             monkeypatch.undo()
+        assert grouped.response_mask.all()  # no row stopped: every step decoded every row
         assert torch.equal(grouped.response_ids, own.response_ids)
         assert torch.equal(grouped.rollout_logprobs, own.rollout_logprobs)
         assert torch.equal(grouped.topk_logprobs, own.topk_logprobs)
