@@ -20,9 +20,8 @@ The two bounds, at the mean context C = prompt + S/2 positions:
 - memory: bytes one step must read at least / the bandwidth of a STREAM-like probe (``c = a + s·b`` over
   arrays far larger than the caches, on the run's threads, best of 5; 3 arrays' bytes per pass): the
   weights at the compute dtype once (2 B per parameter in bf16, 4 in float32; the input embedding only its
-  B rows) plus the KV cache of B rows at C positions (2 · layers · kv_heads · head_dim values, float32 in
-  the engine's cache under autocast too: the keys and values come out of float32 norms and rotary
-  embeddings, 4 B each).
+  B rows) plus the KV cache of B rows at C positions (2 · layers · kv_heads · head_dim values at the compute
+  dtype: the engine's cache holds them in the dtype the attention reads, bf16 under autocast).
 
 ratio = seconds per step / the larger bound (1.0 = at the machine's limit). The process keeps freed memory as a
 run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves glibc's defaults, to see what that
@@ -72,7 +71,7 @@ def step_bounds(model, batch: int, context: float, bytes_per: int, peak: float, 
     flops = batch * (2 * (fm.dense_params - lookup) + 4 * fm.layers * fm.heads * fm.head_dim * context)
     params = sum(p.numel() for p in model.parameters())
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    kv = batch * context * 2 * cfg.num_hidden_layers * kv_heads * fm.head_dim * 4
+    kv = batch * context * 2 * cfg.num_hidden_layers * kv_heads * fm.head_dim * bytes_per
     untied = not getattr(cfg, "tie_word_embeddings", False)
     weights = (params - (lookup if untied else 0)) * bytes_per + batch * cfg.hidden_size * bytes_per
     nbytes = weights + kv

@@ -261,9 +261,9 @@ def test_the_reserved_kv_cache_samples_what_a_growing_cache_does(tiny, monkeypat
     seeds = list(range(len(prompts)))
     reserved = make_engine(model, tok).generate(prompts, params, seeds)
     original = te.reserved_cache
-    monkeypatch.setattr(te, "reserved_cache", lambda capacity: original(8))  # too small: grows mid-run
+    monkeypatch.setattr(te, "reserved_cache", lambda capacity, dtype: original(8, dtype))  # too small: grows
     too_small = make_engine(model, tok).generate(prompts, params, seeds)
-    monkeypatch.setattr(te, "reserved_cache", lambda capacity: te.DynamicCache())
+    monkeypatch.setattr(te, "reserved_cache", lambda capacity, dtype: te.DynamicCache())
     growing = make_engine(model, tok).generate(prompts, params, seeds)
     assert te.DynamicCache is DynamicCache
     assert reserved.response_mask.sum(-1).unique().numel() > 1  # rows finished at different steps
@@ -284,3 +284,77 @@ def test_a_reserved_layer_grows_past_its_capacity():
         assert torch.equal(keys, torch.cat(expected, dim=-2)) and torch.equal(values, -keys)
     layer.batch_select_indices(torch.tensor([1]))
     assert layer.keys.shape == (1, 1, 6, 4) and layer.get_seq_length() == 6
+
+
+def test_under_autocast_the_cache_holds_what_sdpa_reads_and_samples_the_same(tiny, monkeypatch):
+    """Under bf16 autocast torch's SDPA casts the float32 keys (rotary output) to bf16 at every call; the engine
+    stores them in bf16 once (``kernels.attention_kv_dtype``), so tokens, log-probs and the top-k head are bit
+    for bit those of a float32 cache (left-padded prompts: the masked path too). The batch-invariant attention
+    reads float32 keys: its cache stays as written."""
+    import lit_rl.rollout.torch_engine as te
+    from lit_rl.kernels import BatchInvariantMode, attention_kv_dtype
+
+    model, tok = tiny
+    prompts = chat_prompts(tok, QUESTIONS)  # different lengths: left padding
+    params = SamplingConfig(max_new_tokens=12, logprobs_top_k=3)
+    seeds = list(range(len(prompts)))
+    caches = []
+    original = te.reserved_cache
+    monkeypatch.setattr(te, "reserved_cache", lambda *a: caches.append(original(*a)) or caches[-1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_kv_dtype(model) == torch.bfloat16
+        stored = make_engine(model, tok).generate(prompts, params, seeds)
+        layer = caches[-1].layers[0]
+        assert layer._keys.dtype == layer._values.dtype == torch.bfloat16
+        monkeypatch.setattr(te, "attention_kv_dtype", lambda model: None)
+        as_written = make_engine(model, tok).generate(prompts, params, seeds)
+        assert caches[-1].layers[0]._keys.dtype == torch.float32  # keys from float32 rotary embeddings
+        with BatchInvariantMode(model):
+            assert attention_kv_dtype(model) is None
+    assert attention_kv_dtype(model) is None  # no autocast: float32 as written
+    assert torch.equal(stored.response_ids, as_written.response_ids)
+    assert torch.equal(stored.rollout_logprobs, as_written.rollout_logprobs)
+    assert torch.equal(stored.topk_logprobs, as_written.topk_logprobs)
+
+
+def test_single_query_attention_groups_decode_heads_and_samples_the_same(tiny, monkeypatch):
+    """Unpadded bf16 decode steps run a key/value head's query heads as the rows of one SDPA problem
+    (``kernels.single_query``): here the same tokens, log-probs and top-k head, bit for bit, as transformers' own
+    ``sdpa``; float32 steps and the prefill are handed to transformers' ``sdpa`` (the same calls)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lit_rl.kernels import single_query
+
+    model, tok = tiny
+    rep = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert rep > 1  # grouped-query attention
+    chats = chat_prompts(tok, QUESTIONS)
+    width = min(map(len, chats))
+    prompts = [p[-width:] for p in chats]  # one length: no padding mask, the path transformers does not pack
+    params = SamplingConfig(max_new_tokens=12, logprobs_top_k=3)
+    seeds = list(range(len(prompts)))
+    rows = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, *args, **kwargs):
+        rows.append(query.shape[-2])
+        return sdpa(query, *args, **kwargs)
+
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            engine = TorchEngine(model, tok.pad_token_id, [])  # no stop token; installs single_query.attention
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is single_query.attention
+            with monkeypatch.context() as m:
+                m.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+                grouped = engine.generate(prompts, params, seeds)
+            decode_rows = rep if autocast else 1  # float32 keeps transformers' one row per head
+            assert rows.count(decode_rows) == 11 * model.config.num_hidden_layers  # 12 tokens: 11 cached steps
+            assert set(rows) == {decode_rows, width}  # and the prefill's positions
+            rows.clear()
+            monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", single_query._sdpa)
+            own = engine.generate(prompts, params, seeds)
+            monkeypatch.undo()
+        assert grouped.response_mask.all()  # no row stopped: every step decoded every row
+        assert torch.equal(grouped.response_ids, own.response_ids)
+        assert torch.equal(grouped.rollout_logprobs, own.rollout_logprobs)
+        assert torch.equal(grouped.topk_logprobs, own.topk_logprobs)

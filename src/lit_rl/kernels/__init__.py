@@ -89,4 +89,24 @@ def _base_mode(name: str, *models, fp32_gemm: str = "aten"):
     raise ValueError(f"kernels={name!r} is not allowed: choose one of {list(KERNELS)}")
 
 
-__all__ = ["KERNELS", "BatchInvariantMode", "LinearAttentionKernels", "OneDNNGemm", "kernel_mode"]
+def attention_kv_dtype(model):
+    """The dtype ``model``'s attention reads its keys and values in right now, for a KV cache to hold them in:
+    the autocast dtype when ``torch.autocast`` is on for the model's device and every attention implementation
+    of the model is transformers' ``sdpa`` (torch's ``scaled_dot_product_attention`` is on autocast's
+    lower-precision list: it casts its float32 keys and values to that dtype at every call, so values cast once
+    when written are the very values it reads); None otherwise (the attention reads them as given: the
+    batch-invariant attention computes in float32 from them). Returns a ``torch.dtype`` or None."""
+    import torch
+
+    from .batch_invariant import _configs
+
+    device = next(model.parameters()).device.type
+    configs = _configs(model)
+    if not configs or not torch.is_autocast_enabled(device):
+        return None
+    if any(getattr(c, "_attn_implementation", None) != "sdpa" for c in configs):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+__all__ = ["KERNELS", "BatchInvariantMode", "LinearAttentionKernels", "OneDNNGemm", "attention_kv_dtype", "kernel_mode"]

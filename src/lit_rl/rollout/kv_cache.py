@@ -54,11 +54,17 @@ class ReservedLayer(DynamicLayer):
     (their filled positions; none when the last rows leave; ``keep_rows`` orders a drop so that only the holes
     below the new size are filled); any other selection (a prefilled prompt repeated to its G rows) allocates a
     buffer of B' rows and copies the filled positions into it.
+
+    ``dtype``: the buffers' dtype (None: that of the first keys and values written). The engine passes the dtype
+    its attention reads keys and values in (``kernels.attention_kv_dtype``: bf16 under autocast with torch's
+    SDPA, whose keys come out of float32 rotary embeddings): written values are cast once, as ``Tensor.to``
+    rounds them, instead of the attention casting the whole cache again at every decode step.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.capacity = int(capacity)
+        self.dtype_stored = dtype
         self._keys: Tensor | None = None
         self._values: Tensor | None = None
         self._length = 0
@@ -71,8 +77,9 @@ class ReservedLayer(DynamicLayer):
     def _allocate(self, rows: int, size: int, like_keys: Tensor, like_values: Tensor, source: Tensor | None) -> None:
         """New buffers of ``rows`` x ``size`` positions; the filled part of rows ``source`` (None: rows 0..rows-1)
         of the old ones copied in."""
-        keys = like_keys.new_empty(rows, *like_keys.shape[1:-2], size, like_keys.shape[-1])
-        values = like_values.new_empty(rows, *like_values.shape[1:-2], size, like_values.shape[-1])
+        k_dtype, v_dtype = self.dtype_stored or like_keys.dtype, self.dtype_stored or like_values.dtype
+        keys = like_keys.new_empty(rows, *like_keys.shape[1:-2], size, like_keys.shape[-1], dtype=k_dtype)
+        values = like_values.new_empty(rows, *like_values.shape[1:-2], size, like_values.shape[-1], dtype=v_dtype)
         if self._length and self._keys is not None:
             old_k, old_v = self._keys[: self._rows, :, : self._length], self._values[: self._rows, :, : self._length]
             if source is not None:
@@ -113,8 +120,9 @@ class ReservedLayer(DynamicLayer):
         self._views()
 
 
-def reserved_cache(capacity: int) -> DynamicCache:
-    """A ``DynamicCache`` whose layers (``ReservedLayer``) hold ``capacity`` positions without re-allocating."""
+def reserved_cache(capacity: int, dtype: torch.dtype | None = None) -> DynamicCache:
+    """A ``DynamicCache`` whose layers (``ReservedLayer``) hold ``capacity`` positions without re-allocating, in
+    ``dtype`` (None: the dtype of the keys and values written)."""
     cache = DynamicCache()
-    cache.layer_class_to_replicate = functools.partial(ReservedLayer, capacity)
+    cache.layer_class_to_replicate = functools.partial(ReservedLayer, capacity, dtype=dtype)
     return cache

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from ..kernels import attention_kv_dtype, single_query
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
@@ -183,6 +184,7 @@ class TorchEngine:
         self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
         self.continue_kv = True
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
+        single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
         self.sync_weights(0)
 
     def _copy_model(self) -> None:
@@ -323,9 +325,12 @@ class TorchEngine:
         return True
 
     def _new_cache(self, capacity: int) -> DynamicCache:
-        """An empty cache for ``capacity`` positions: KV reserved up front, and the conv / recurrent states of
-        Gated DeltaNet layers where the model has them (``state_cache.hybrid_cache``)."""
-        return hybrid_cache(self.model, functools.partial(ReservedLayer, capacity)) or reserved_cache(capacity)
+        """An empty cache for ``capacity`` positions: KV reserved up front, in the dtype the attention reads it in
+        (``kernels.attention_kv_dtype``: bf16 under autocast with SDPA), and the conv / recurrent states of Gated
+        DeltaNet layers where the model has them (``state_cache.hybrid_cache``)."""
+        dtype = attention_kv_dtype(self.model)
+        attention = functools.partial(ReservedLayer, capacity, dtype=dtype)
+        return hybrid_cache(self.model, attention) or reserved_cache(capacity, dtype)
 
     def _check_cancel(self) -> None:
         """Raise ``GenerationCancelled`` once ``cancel`` is set (looked at before every decode step)."""
