@@ -122,6 +122,12 @@ def main():
         action="store_true",
         help="leave out 'sync, 2 threads' (under CPU contention two spinning threads can be 10-50x slower)",
     )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="semicolon-separated settings to run (their names as printed, e.g. 'async, process producer, 1+1'); "
+        "'sync, 1 thread' always runs (the ratios' base)",
+    )
     args = ap.parse_args()
     if args.layout == "skewed" and args.prompts < 2:
         ap.error("--layout skewed needs --prompts >= 2 (one long-answer prompt, the others short)")
@@ -162,6 +168,12 @@ def main():
         ]
     if args.skip_two_threads:
         del settings["sync, 2 threads"]
+    if args.only:
+        wanted = {"sync, 1 thread", *(name.strip() for name in args.only.split(";"))}
+        unknown = wanted - set(settings)
+        if unknown:
+            ap.error(f"--only: unknown settings {sorted(unknown)}; choose among {list(settings)}")
+        settings = {name: extra for name, extra in settings.items() if name in wanted}
     results = {}
     try:
         for i, (name, extra) in enumerate(settings.items()):

@@ -222,3 +222,54 @@ def test_the_recipe_trains_with_partial_rollouts_within_max_staleness(tmp_path, 
     fractions = [v for _, v in s["rollout/partial_fraction"]]
     assert len(fractions) == 4 and all(0.0 <= v <= 1.0 for v in fractions), fractions
     assert all(v <= 1 for _, v in s["rollout/staleness_max"]), s["rollout/staleness_max"]
+
+
+def test_look_ahead_groups_take_the_slots_a_batch_frees_and_are_skipped_when_offered_again(tiny, versions):
+    """``ahead``: call 1 offers its batch (short, long) and the next batch's short2 as a look-ahead. The batch is 4
+    decode slots (the look-ahead does not widen it); short is done at step 0, short2 takes its slots at step 1 and
+    is done there, so the batch is due with two complete groups (short, short2) while long is carried. Call 2
+    offers short2 again (its own batch) with other: short2 is skipped (already delivered), other takes the free
+    slots and long finishes its 6 tokens first."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    rows, seeds = groups(SHORT, LONG, SHORT2)
+    r1, keys1, carried1 = engine.generate_partial(rows, GREEDY, seeds, ["short", "long", "short2"], 2, ahead=1)
+    state = engine.partial_state
+    assert keys1 == ["short", "short2"] and carried1.tolist() == [False] * 4
+    assert state.decode_rows == [4, 4] and state.slots == 4
+    assert [(g.key, state.loop.pos[g.rows].tolist()) for g in state.held] == [("long", [2, 2])]
+    r2, keys2, carried2 = call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
+    assert keys2 == ["long", "other"] and carried2.tolist() == [True, True, False, False]
+    assert r2.response_mask.sum(-1).tolist() == [6, 6, 6, 6]
+    assert state.decode_rows == [4, 4, 4, 4, 2, 2] and state.held == [] and state.queue == []
+
+
+def test_collect_offers_the_next_steps_groups_as_a_look_ahead(tiny, versions):
+    """Through ``RolloutDataModule.collect``: with ``rollout.partial`` the engine gets this step's groups and the next
+    step's (their keys, prompts and seeds those of the next step's own call), and a look-ahead group delivered early
+    is not delivered again: over three steps every trained group is a distinct (step, index) of steps 0-3."""
+    from lit_rl.rollout.datamodule import RolloutDataModule
+    from lit_rl.tasks.arithmetic import ArithmeticTask
+
+    model, tok = tiny
+    dm = RolloutDataModule(ArithmeticTask(), tok, 2, 2, seed=0, eval_examples=0)
+    engine = engine_at(model, tok, versions[0], 0)
+    engine.partial = True
+    params = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    delivered = []
+    for step in range(3):
+        batch = dm.batch_for(step)
+        offered = []
+        real = engine.generate_partial
+
+        def spy(prompts, p, seeds, keys, want, min_version=None, ahead=0):
+            offered.append((list(keys), ahead))
+            return real(prompts, p, seeds, keys, want, min_version, ahead)
+
+        engine.generate_partial = spy
+        scored = dm.collect(engine, batch.examples, params, step=step, first_index=batch.offset)
+        engine.generate_partial = real
+        assert offered == [([(step, 0, 0), (step, 0, 1), (step + 1, 0, 0), (step + 1, 0, 1)], 2)]
+        delivered += scored.examples
+        assert len(scored.examples) == 2
+    assert len(delivered) == 6 and dm._partial_examples.keys() <= {(s, 0, i) for s in range(4) for i in range(2)}

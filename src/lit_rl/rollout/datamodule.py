@@ -277,6 +277,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.rewards = rewards if rewards is not None else RewardFunctions(task, timeout_s=reward_timeout_s)
         self.environment, self.limits = environment, limits
         self._partial_examples: dict[tuple, Example] = {}  # rollout.partial: groups the engine still holds
+        self._partial_done: set[tuple] = set()  # rollout.partial: keys delivered (a look-ahead one is offered again)
         self.chat_tools: list[dict] | None = None  # tool schemas the chat template renders itself (``tools=``)
         self._tool_text: str | None = None  # or the system text that states them
         if environment is not None:
@@ -467,10 +468,9 @@ class RolloutDataModule(L.LightningDataModule):
             rows = [examples[gid - group_offset - first_index] for gid in group_ids]
             return self.collect_episodes(engine, rows, prompts, params, seeds, group_ids, examples, split)
         if getattr(engine, "partial", False) and split == "train":  # rollout.partial: groups may come from earlier
-            keys = [(step, round, first_index + p) for p in range(len(examples))]
-            self._partial_examples.update(zip(keys, examples))
-            rollouts, keys, _ = engine.generate_partial(prompts, params, seeds, keys, len(examples))
-            examples = [self._partial_examples.pop(key) for key in keys]
+            rollouts, examples = self._collect_partial(
+                engine, examples, prompts, params, seeds, step, round, first_index
+            )
             group_ids = [group_offset + first_index + p for p in range(len(examples)) for _ in range(g)]
         else:
             rollouts = engine.generate(prompts, params, seeds)
@@ -483,6 +483,36 @@ class RolloutDataModule(L.LightningDataModule):
             "eval" if split == "eval" else "train",
         )
         return scored_rollouts(rollouts, scores, scores.total, group_ids, examples, texts)
+
+    def _collect_partial(self, engine, examples, prompts, params, seeds, step: int, round: int, first_index: int):
+        """``collect``'s generation under ``rollout.partial``: this batch's groups (keys (step, round, index)) and,
+        for round 0, the next step's groups of this rank as a look-ahead (the same keys, prompts and seeds that step
+        will offer, so the engine skips them then): slots freed by this batch's short groups take them while a long
+        group runs on, and the batch is due once ``len(examples)`` groups are complete, whichever they are.
+        Returns (the rollouts, the examples of the groups returned, in order)."""
+        g = len(prompts) // max(len(examples), 1)
+        keys = [(step, round, first_index + p) for p in range(len(examples))]
+        ahead_keys, ahead_prompts, ahead_seeds = [], [], []
+        if round == 0:
+            offset, ahead = self.shard(self.prompts_for(step + 1))
+            for p, ex in enumerate(ahead):
+                ahead_keys.append((step + 1, 0, offset + p))
+                self._partial_examples.setdefault(ahead_keys[-1], ex)
+                ids = self.encode(ex, "train")
+                ahead_prompts += [ids] * g
+                ahead_seeds += [sample_seed(self.seed, step + 1, 0, offset + p, j) for j in range(g)]
+        for key, ex in zip(keys, examples):
+            self._partial_examples.setdefault(key, ex)
+        rollouts, got, _ = engine.generate_partial(
+            prompts + ahead_prompts, params, seeds + ahead_seeds, keys + ahead_keys, len(examples),
+            ahead=len(ahead_keys),
+        )  # fmt: skip
+        examples = [self._partial_examples.pop(key) for key in got]
+        self._partial_done.update(got)
+        for key in [k for k in self._partial_examples if k in self._partial_done]:  # offered again after delivery
+            del self._partial_examples[key]
+        self._partial_done = {k for k in self._partial_done if k[0] >= step}  # a key is offered again one step on
+        return rollouts, examples
 
     def collect_episodes(self, engine, rows, prompts, params, seeds, group_ids, examples, split) -> ScoredRollouts:
         """``collect`` of a multi-turn task: one episode per row (``rollout.multiturn.collect_episodes``), each

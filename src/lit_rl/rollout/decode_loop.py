@@ -291,13 +291,19 @@ class PartialRollouts:
         self.calls = 0
         self.restarts = 0
         self.slots = 0  # the decode batch's rows: the most rows one call has brought
+        self.seen: set = set()  # every key ever added: a look-ahead group offered again by its own batch is skipped
         self.decode_rows: list[int] = []
 
-    def generate(self, engine, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None):
+    def generate(
+        self, engine, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None, ahead: int = 0
+    ):  # fmt: skip
         """Add the groups of ``prompts`` (len(keys) groups of equal size, each group's rows next to each other,
-        ``seeds`` one per row, ``keys`` one opaque key per group) and decode until ``want`` held groups are
-        complete. Returns (``Rollouts`` of those groups' rows, group after group, their keys [want], carried [N]
-        bool: the row was started by an earlier call). Raises ValueError for sizes that do not add up, a ``want``
+        ``seeds`` one per row, ``keys`` one opaque key per group; a key added by an earlier call is skipped) and
+        decode until ``want`` held groups are complete. The last ``ahead`` groups are a look-ahead (the next batch's
+        groups: they wait in the queue for slots freed early and do not widen the decode batch, which stays at the
+        most rows the other groups of one call have brought). Returns (``Rollouts`` of those groups' rows, group
+        after group, their keys [want], carried [N] bool: the row was started by an earlier call). Raises ValueError for
+        sizes that do not add up, a ``want``
         larger than the groups held, or sampling settings other than the first call's."""
         if not keys or len(prompts) % len(keys) or len(seeds) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts, {len(seeds)} seeds and {len(keys)} group keys: need "
@@ -309,10 +315,12 @@ class PartialRollouts:
         size = len(prompts) // len(keys)
         self._restart_older_than(min_version)
         for i, key in enumerate(keys):
-            self.queue.append(_Group(key, prompts[i * size : (i + 1) * size], seeds[i * size : (i + 1) * size]))
+            if key not in self.seen:
+                self.seen.add(key)
+                self.queue.append(_Group(key, prompts[i * size : (i + 1) * size], seeds[i * size : (i + 1) * size]))
         if want > len(self.held) + len(self.queue):
             raise ValueError(f"want {want} groups but only {len(self.held) + len(self.queue)} are held")
-        self.slots = max(self.slots, len(prompts))
+        self.slots = max(self.slots, (len(keys) - ahead) * size)
         loop, slots = self.loop, self.slots
         loop.rejoin = loop.rejoin or loop.active.numel() > 0  # carried rows rejoin with today's weights
         self.decode_rows = []

@@ -128,7 +128,7 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
                 with torch.autocast("cpu", dtype=dtype, enabled=enabled):
                     if partial is None:
                         out = engine.generate(prompts, params, seeds)
-                    else:  # rollout.partial: (group keys, groups wanted, oldest version allowed)
+                    else:  # rollout.partial: (group keys, groups wanted, oldest version allowed, look-ahead groups)
                         out = engine.generate_partial(prompts, params, seeds, *partial)
                 replies.put((rid, "ok", out, engine.last))
             except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
@@ -228,11 +228,13 @@ class ProcessEngine:
         carrying the process's traceback."""
         return self._request(prompts, params, seeds, None)
 
-    def generate_partial(self, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None):
+    def generate_partial(
+        self, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None, ahead: int = 0
+    ):  # fmt: skip
         """``TorchEngine.generate_partial`` in the rollout process (the carried rows stay there between calls);
         ``min_version`` None: ``partial_min_version``. Raises as ``generate``."""
         min_version = self.partial_min_version if min_version is None else min_version
-        return self._request(prompts, params, seeds, (list(keys), int(want), min_version))
+        return self._request(prompts, params, seeds, (list(keys), int(want), min_version, int(ahead)))
 
     def _request(self, prompts, params: SamplingConfig, seeds, partial):
         self.start()

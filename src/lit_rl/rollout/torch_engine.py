@@ -278,21 +278,23 @@ class TorchEngine:
     @torch.no_grad()
     def generate_partial(
         self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int], keys: list, want: int,
-        min_version: int | None = None,
+        min_version: int | None = None, ahead: int = 0,
     ) -> tuple[Rollouts, list, Tensor]:  # fmt: skip
         """``rollout.partial``: add the groups of ``prompts`` (``keys``: one per group; a group's rows next to each
         other) to the engine's partial rollouts (``decode_loop.PartialRollouts``, kept across calls) and decode until
         ``want`` groups are complete; rows still decoding carry over to the next call. ``min_version``: held groups
         with an older token restart (None: ``partial_min_version``, which the async producer sets to the oldest
-        version its next batch may train on). Returns (``Rollouts`` of the ``want`` groups' rows, ``carried`` set,
-        their keys, carried [N] bool); ``last.tokens`` counts the returned rows' tokens, carried ones included.
+        version its next batch may train on). ``ahead``: the last ``ahead`` groups are the next batch's, queued for
+        the decode slots this batch's groups free (not counted in the batch's slots; a key already seen is skipped).
+        Returns (``Rollouts`` of the ``want`` groups' rows, ``carried`` set, their keys, carried [N] bool);
+        ``last.tokens`` counts the returned rows' tokens, carried ones included.
         Raises ValueError for max_new_tokens <= 0 and as ``PartialRollouts.generate``."""
         if params.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
         if self.partial_state is None:
             self.partial_state = PartialRollouts()
         min_version = self.partial_min_version if min_version is None else min_version
-        return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version)
+        return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version, ahead)
 
     def _timed(self, run, *args):
         """``run(*args)`` in eval mode, its time, tokens and in-flight swaps in ``last``."""
