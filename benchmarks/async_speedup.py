@@ -77,7 +77,7 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
         "rollout": statistics.mean(after_first("time/rollout_s")),
         "train": statistics.mean(after_first("time/train_s")),
         "tokens": statistics.mean(
-            v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/rollout_s"))
+            v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/generate_s"))
         ),
         "staleness": statistics.mean(after_first("rollout/staleness_mean")),
         "staleness_max": max(after_first("rollout/staleness_max")),
