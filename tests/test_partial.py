@@ -84,6 +84,7 @@ def test_carried_rows_keep_their_tokens_and_the_freed_slots_are_refilled(tiny, v
     assert keys2 == ["short2", "long"] and carried2.tolist() == [False, False, True, True]
     assert r2.carried.tolist() == carried2.tolist()
     assert decode_rows2 == [4, 4, 4, 4, 4]  # the queued group refilled the short one's slots at step 1
+    assert state.refills_continued == 1  # that refill prefilled the joining rows only, the live ones continued
     long = slice(2, 4)
     assert r2.response_mask[long].sum(-1).tolist() == [6, 6] and r2.finish_reason[2:] == ["length"] * 2
     assert torch.equal(r2.response_ids[long, :1], before["tokens"])

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..logprobs import position_ids_from_mask, process_logits
 from .kv_cache import keep_rows
-from .kv_continuation import KeptCaches, continued_prefill
+from .kv_continuation import KeptCaches, KeptKV, continued_prefill
+from .state_cache import is_hybrid
 from .types import Rollouts, SamplingConfig, left_pad
 
 
@@ -291,6 +292,7 @@ class PartialRollouts:
         self.calls = 0
         self.restarts = 0
         self.slots = 0  # the decode batch's rows: the most rows one call has brought
+        self.refills_continued = 0  # refills whose prefill continued the live rows' KV (``_live_caches``)
         self.seen: set = set()  # every key ever added: a look-ahead group offered again by its own batch is skipped
         self.decode_rows: list[int] = []
 
@@ -327,20 +329,51 @@ class PartialRollouts:
         step = 0
         while len(self.complete) < want:
             engine._check_cancel()
-            self._admit(slots)
+            session, aligned = loop.kept, not loop.rejoin  # rejoin pending: the cache's rows are not the live ones
+            if self._admit(slots) and aligned and (live := self._live_caches()) is not None:
+                loop.kept = live  # the live rows continue their KV; only the joining rows' contexts prefill
+                self.refills_continued += 1
             self.decode_rows.append(int(loop.active.numel()))
-            loop.advance(loop.sample(loop.forward(step)))
+            logits = loop.forward(step)
+            loop.kept = session
+            loop.advance(loop.sample(logits))
             self._mark_complete()
             step += 1
         return self._take(want)
 
-    def _admit(self, slots: int) -> None:
-        """Move queued groups into the decode batch, whole, while it has room for them."""
+    def _admit(self, slots: int) -> bool:
+        """Move queued groups into the decode batch, whole, while it has room for them; True when one moved."""
         loop = self.loop
+        moved = False
         while self.queue and loop.active.numel() + len(self.queue[0].prompts) <= slots:
             group = self.queue.pop(0)
             group.rows, group.born = loop.add(group.prompts, group.seeds).tolist(), self.calls
             self.held.append(group)
+            moved = True
+        return moved
+
+    def _live_caches(self) -> KeptCaches | None:
+        """The KV the cache holds for the rows already decoding (each row's prompt and tokens but the last, which
+        is the next input), so the prefill a refill needs continues them and prefills only the joining rows'
+        contexts (``kv_continuation.continued_prefill``: under ``kernels=batch_invariant`` the same bits as a
+        re-prefill of every live context). None when there is nothing to continue: no cache (the call's first
+        prefill, a carried batch rejoining), weights newer than the cache's, or a hybrid model (its conv and
+        recurrent states cannot continue a tail)."""
+        loop = self.loop
+        if loop.cache is None or loop.cache_version != loop.engine.version or is_hybrid(loop.engine.model):
+            return None
+        rows = [(j, int(r)) for j, r in enumerate(loop.active.tolist()) if int(loop.pos[r]) > 0]
+        if not rows:
+            return None
+        kept = KeptCaches()
+        real = loop.attention_mask[:, :-1].bool()  # after ``advance``: the next input's column is not cached yet
+        for j, row in rows:
+            context = tuple(loop.prompts[row]) + tuple(loop.tokens[row, : int(loop.pos[row]) - 1].tolist())
+            layers = [(layer.keys[j][:, real[j]], layer.values[j][:, real[j]]) for layer in loop.cache.layers]
+            if layers and layers[0][0].shape[1] != len(context):
+                return None  # not the layout this continues (e.g. a cache just rebuilt): re-prefill instead
+            kept.keep(KeptKV(context, layers, loop.cache_version))
+        return kept
 
     def _finished(self, group: _Group) -> bool:
         rows = torch.tensor(group.rows, dtype=torch.long)
