@@ -166,6 +166,10 @@ def main():
             *settings["async, process, in flight"],
             "rollout.partial=true",
         ]
+        settings["async, process, in flight (keep) + partial"] = [  # no re-prefill of the live rows at a swap
+            *settings["async, process, in flight + partial"],
+            "rollout.kv_on_update=keep",
+        ]
     if args.skip_two_threads:
         del settings["sync, 2 threads"]
     if args.only:
@@ -203,10 +207,11 @@ def main():
     for name, r in results.items():
         if name != "sync, 1 thread":
             print(f"{name} vs sync, 1 thread: step time {r['step'] / base:.3f}x (speed-up {base / r['step']:.2f}x)")
-    partial = results.get("async, process, in flight + partial")
-    for name in ("async, process producer, 1+1", "sync, 2 threads"):
-        if partial is not None and name in results:  # RL steps per minute, the partial setting's over the other's
-            print(f"async in flight + partial vs {name}: RL steps / min {results[name]['step'] / partial['step']:.2f}x")
+    for label in ("async, process, in flight + partial", "async, process, in flight (keep) + partial"):
+        partial = results.get(label)
+        for name in ("async, process producer, 1+1", "sync, 2 threads"):
+            if partial is not None and name in results:  # RL steps per minute, the partial setting's over the other's
+                print(f"{label} vs {name}: RL steps / min {results[name]['step'] / partial['step']:.2f}x")
 
 
 if __name__ == "__main__":
