@@ -28,7 +28,7 @@ from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
 from .kv_continuation import KeptCaches
 from .state_cache import float32_names, hybrid_cache, is_hybrid
-from .types import Rollouts, SamplingConfig
+from .types import InFlightSwaps, Rollouts, SamplingConfig
 
 
 @dataclass
@@ -103,7 +103,7 @@ def sample_rows(logp: Tensor, generators: list[torch.Generator]) -> Tensor:
     return idx
 
 
-class TorchEngine:
+class TorchEngine(InFlightSwaps):
     """Samples from ``model`` (a transformers causal LM) with a KV cache.
 
     Args:
@@ -313,18 +313,6 @@ class TorchEngine:
         self.swap_totals[0] += self._swaps[0]
         self.swap_totals[1] += self._swaps[1]
         return result
-
-    # -- in-flight weight updates: between two decode steps ------------------------------------------------
-    def _swapped(self, step: int) -> bool:
-        """Ask ``between_steps`` for newer weights before decode step ``step``; counts the swap and its pause."""
-        if self.between_steps is None or step == 0:
-            return False
-        t0 = time.perf_counter()
-        if not self.between_steps(step):
-            return False
-        self._swaps[0] += 1
-        self._swaps[1] += time.perf_counter() - t0
-        return True
 
     def _new_cache(self, capacity: int) -> DynamicCache:
         """An empty cache for ``capacity`` positions: KV reserved up front, in the dtype the attention reads it in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -207,6 +208,26 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s) :] = True
     return ids, mask
+
+
+class InFlightSwaps:
+    """In-flight weight updates, shared by the engines: ``between_steps`` (set by the async producer; None: no
+    in-flight updates) is asked for newer weights before every decode / engine step after the first, and each
+    swap's count and pause add to ``_swaps`` ([swaps, seconds] of the current generate call)."""
+
+    between_steps = None
+
+    def _swapped(self, step: int) -> bool:
+        """Ask ``between_steps`` for newer weights before step ``step`` (> 0); True when it loaded them (counted,
+        with the pause)."""
+        if self.between_steps is None or step == 0:
+            return False
+        t0 = time.perf_counter()
+        if not self.between_steps(step):
+            return False
+        self._swaps[0] += 1
+        self._swaps[1] += time.perf_counter() - t0
+        return True
 
 
 @runtime_checkable

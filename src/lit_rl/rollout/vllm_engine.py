@@ -38,7 +38,7 @@ import torch
 
 from ..models import context_length, merged_weights
 from .torch_engine import GenerationCancelled, GenerationStats, int8_roundtrip
-from .types import Rollouts, SamplingConfig
+from .types import InFlightSwaps, Rollouts, SamplingConfig
 
 #: how to install vLLM, for the errors that refuse ``engine=vllm`` without it (here and ``config.check_vllm``)
 VLLM_INSTALL = (
@@ -128,7 +128,7 @@ def data_parallel_kwargs(options: dict) -> dict:
     return {"distributed_executor_backend": "external_launcher", "data_parallel_size": world}
 
 
-class VLLMEngine:
+class VLLMEngine(InFlightSwaps):
     """Samples with a colocated vLLM ``LLM`` whose weights the trainer pushes with ``sync_weights``.
 
     Args:
@@ -487,17 +487,6 @@ class VLLMEngine:
             if unfinished:
                 engine.abort_request(unfinished)
         return [done[rid] for rid in ids]
-
-    def _swapped(self, step: int) -> bool:
-        """Ask ``between_steps`` for newer weights before engine step ``step`` (> 0); counts the swap and its pause."""
-        if self.between_steps is None or step == 0:
-            return False
-        t0 = time.perf_counter()
-        if not self.between_steps(step):
-            return False
-        self._swaps[0] += 1
-        self._swaps[1] += time.perf_counter() - t0
-        return True
 
     def _to_rollouts(self, prompts, completions, k: int, version: int | None = None) -> Rollouts:
         """``Rollouts`` of vLLM's completions; ``version``: the one version every token has (None: each token's
