@@ -175,6 +175,7 @@ def every_fourth(prompts, completions, **columns):
 EVAL = ("eval.n=4", "eval.temperature=1.0", "eval.at_start=true", "reward.correct_from=every_fourth")
 
 
+@pytest.mark.slow  # ~30 s: two launches; the default suite runs a 2-rank recipe in test_faults.py (a signal to rank 0)
 def test_three_step_ddp_grpo_run_logs_what_one_device_logs(tmp_path):
     """``trainer=ddp trainer.devices=2``: one TensorBoard run (rank 0 writes), train/loss at steps 1, 2, 3,
     a checkpoint and finished.json; every logged value equals the one-device run's (seeds do not depend on

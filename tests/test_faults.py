@@ -140,6 +140,7 @@ def test_sigterm_checkpoints_the_last_finished_step_exits_143_and_resumes_exactl
     assert_resumes_exactly(straight, out, RARE_CHECKPOINTS, "ckpt_path=last")
 
 
+@pytest.mark.slow  # ~30 s: three launches; the default suite checkpoints and stops on SIGTERM mid-step above
 def test_sigusr1_under_slurm_checkpoints_requeues_and_the_requeued_job_continues(straight, tmp_path):
     """A simulated SLURM job (Lightning's SLURMEnvironment detects it; auto_requeue is its default) gets SIGUSR1
     (``#SBATCH --signal=USR1@90``): the step finishes, is checkpointed, the job requeues itself through

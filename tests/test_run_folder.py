@@ -58,6 +58,7 @@ def start_together(cwd, runs: list[list[str]]) -> list[subprocess.CompletedProce
     return results
 
 
+@pytest.mark.slow  # ~25 s: two real runs; the default folder names are checked without a run below
 def test_two_runs_started_together_with_the_default_folder_take_their_own(tmp_path):
     """The shell loop of the issue (``for s in 0 1; do python recipes/train.py seed=$s & done``), released by a
     barrier: each run has its own folder, config, events and finished.json."""

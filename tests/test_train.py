@@ -118,6 +118,7 @@ def test_gsm8k_from_jsonl_folder(tmp_path):
     assert "task:\n  name: gsm8k" in (tmp_path / "g" / "config.yaml").read_text()
 
 
+@pytest.mark.slow  # ~20 s: a real 4-job sweep; compare is covered on written runs in test_compare.py
 def test_multirun_2x2_then_compare(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [
