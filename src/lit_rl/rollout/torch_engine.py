@@ -29,6 +29,7 @@ from .kv_cache import ReservedLayer, reserved_cache
 from .kv_continuation import KeptCaches
 from .state_cache import float32_names, hybrid_cache, is_hybrid
 from .types import InFlightSwaps, Rollouts, SamplingConfig
+from .weight_casts import WeightCasts
 
 
 @dataclass
@@ -130,6 +131,10 @@ class TorchEngine(InFlightSwaps):
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
     would be. Greedy decoding (temperature 0: evaluation) ignores both: it scores the policy, not the sampler.
 
+    Under ``torch.autocast`` each rollout casts the linear layers' weights to the autocast dtype once and reuses the
+    casts at every decode step (``weight_casts.WeightCasts``, ``casts``; the same values autocast's per-step casts
+    give); a sync or any in-place write of a weight makes its cast again.
+
     ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
 
@@ -183,6 +188,7 @@ class TorchEngine(InFlightSwaps):
         self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
         self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
         self.continue_kv = True
+        self.casts = WeightCasts()  # ``casts.enabled = False``: autocast's own per-step casts (a comparison's baseline)
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
         single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
         self.sync_weights(0)
@@ -227,6 +233,7 @@ class TorchEngine(InFlightSwaps):
         if weights is not None and not self.own_copy:
             raise ValueError("sync_weights(weights=...) needs an engine with its own copy of the weights")
         self.version = version
+        self.casts.clear()  # new weights: new casts (also for writes no version counter sees)
         if not self.own_copy:
             return
         device = next(self.source.parameters()).device
@@ -297,14 +304,16 @@ class TorchEngine(InFlightSwaps):
         return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version, ahead)
 
     def _timed(self, run, *args):
-        """``run(*args)`` in eval mode, its time, tokens and in-flight swaps in ``last``."""
+        """``run(*args)`` in eval mode with the weights cast once (``casts``), its time, tokens and in-flight swaps in
+        ``last``."""
         start = time.perf_counter()
         model = self.model
         was_training = model.training
         model.eval()
         self._swaps = [0, 0.0]
         try:
-            result = run(*args)
+            with self.casts.installed(model):
+                result = run(*args)
         finally:
             model.train(was_training)
         out = result[0] if isinstance(result, tuple) else result

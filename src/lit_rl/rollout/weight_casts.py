@@ -1,0 +1,105 @@
+"""The engine's linear-layer weights cast to the autocast dtype once per rollout, not once per decode step.
+
+Under ``torch.autocast`` every ``F.linear`` casts its float32 weight (and bias) to the autocast dtype. Autocast keeps
+such a cast only for a leaf tensor that requires grad, and only until its context exits, and only when the context
+was entered with ``cache_enabled=True``. Lightning's ``bf16-mixed`` enters it with ``cache_enabled=False`` (so a
+decode step of the shared engine re-cast every weight of the model, ~135M values for SmolLM2-135M), and an engine's
+own copy of the weights (``rollout.mode=lagged|async``, the process producer) holds them with ``requires_grad``
+off, so it re-cast them at every step whatever the context.
+
+``WeightCasts.installed(model)`` routes every ``nn.Linear`` of the model, for the duration of a rollout, through a
+forward that hands ``F.linear`` the weight already cast, made at its first use and reused while the weight is
+unchanged. The values are autocast's own: autocast casts with ``Tensor.to(dtype)``, as here, and leaves an
+argument already in its dtype alone, so ``F.linear`` receives the same tensors either way and the products, the
+logits and the log-probs are the same bits (``tests/test_weight_casts.py``). Outside autocast, or where the cast
+must stay in the autograd graph (grad mode on and a weight that requires grad), the forward is ``nn.Linear``'s own.
+A cast is made again when its weight changes: a weight sync writes the parameters in place, which bumps their
+version counters (``Tensor._version``), and moving or re-assigning a parameter changes its storage; ``clear``
+drops every cast (the engine calls it at each sync too, for writes through ``.data``, which no counter sees).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class WeightCasts:
+    """Casts of linear-layer weights and biases to the autocast dtype, one per (tensor, dtype), kept while the tensor
+    is unchanged (same storage, same version counter). ``enabled`` False: ``installed`` does nothing (the per-step
+    casts of autocast itself, a comparison's baseline). ``made``: casts made so far (a test's and a benchmark's
+    count)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.made = 0
+        self._casts: dict[tuple[int, torch.dtype], tuple[Tensor, int, int, Tensor]] = {}
+
+    def clear(self) -> None:
+        """Drop every cast (the next use of each weight casts it again)."""
+        self._casts.clear()
+
+    def cast(self, tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+        """``tensor`` as autocast would hand it to a lower-precision op of dtype ``dtype``: ``tensor.to(dtype)`` for
+        a floating tensor of another dtype other than float64 (autocast leaves float64 alone), else ``tensor``
+        itself; the cast is made once and reused while ``tensor`` keeps its storage and version counter."""
+        if tensor is None or not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
+            return tensor
+        key = (id(tensor), dtype)
+        entry = self._casts.get(key)
+        if entry is not None and entry[1] == tensor.data_ptr() and entry[2] == tensor._version:
+            return entry[3]
+        with torch.no_grad():
+            cast = tensor.to(dtype)
+        self._casts[key] = (tensor, tensor.data_ptr(), tensor._version, cast)  # holding ``tensor``: its id stays its
+        self.made += 1
+        return cast
+
+    def linear_forward(self, module: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``module(x)`` with the cast weight and bias under autocast (same values as ``nn.Linear.forward``)."""
+        weight, bias = module.weight, module.bias
+        device = weight.device.type
+        tracked = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+        if tracked or not torch.is_autocast_enabled(device):
+            return torch.nn.Linear.forward(module, x)
+        dtype = torch.get_autocast_dtype(device)
+        return F.linear(x, self.cast(weight, dtype), self.cast(bias, dtype))
+
+    @contextlib.contextmanager
+    def installed(self, model: torch.nn.Module):
+        """Inside the block every ``nn.Linear`` of ``model`` whose forward is ``nn.Linear``'s own runs through
+        ``linear_forward``; on leaving (also on an exception) their forwards are restored and the casts dropped, so
+        nothing is held between rollouts. Nothing changes when ``enabled`` is False."""
+        if not self.enabled:
+            yield
+            return
+        patched = [
+            m
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear)
+            and type(m).forward is torch.nn.Linear.forward
+            and "forward" not in vars(m)
+        ]
+        for m in patched:
+            m.forward = _Bound(self, m)
+        try:
+            yield
+        finally:
+            for m in patched:
+                vars(m).pop("forward", None)
+            self.clear()
+
+
+class _Bound:
+    """``casts.linear_forward(module, x)`` as a module's instance ``forward``."""
+
+    __slots__ = ("casts", "module")
+
+    def __init__(self, casts: WeightCasts, module: torch.nn.Linear):
+        self.casts, self.module = casts, module
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.casts.linear_forward(self.module, x)
