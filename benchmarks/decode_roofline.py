@@ -3,11 +3,12 @@
     python benchmarks/decode_roofline.py                         # SmolLM2-135M, batch 1/8/64, bf16 and float32
     python benchmarks/decode_roofline.py --batches 64 --profile  # plus the per-op shares of the decode step
     python benchmarks/decode_roofline.py --batches 1,2 --context 16 --steps 4 --repeats 1 --force  # a quick check
+    python benchmarks/decode_roofline.py --dtypes bf16 --compare-casts  # weights cast once vs at every step
 
 For each batch B and compute dtype the engine (``TorchEngine`` on the float32 module, as training runs it: bf16
-under ``torch.autocast``, or plain float32 with the products ``kernels.fp32_gemm`` picks, ``--fp32-gemm``,
-default ``auto`` as in ``conf/kernels/default.yaml``) decodes B rows with no stop token, so every row
-decodes every step.
+under ``torch.autocast`` entered as Lightning's ``bf16-mixed`` enters it, with ``cache_enabled=False``, or plain
+float32 with the products ``kernels.fp32_gemm`` picks, ``--fp32-gemm``, default ``auto`` as in
+``conf/kernels/default.yaml``) decodes B rows with no stop token, so every row decodes every step.
 Seconds per decode step = (time of ``generate`` with 1 + S new tokens − time with 1 new token) / S: the prefill
 and the first token cancel out; best of ``--repeats`` after a warm-up.
 
@@ -23,10 +24,13 @@ The two bounds, at the mean context C = prompt + S/2 positions:
   B rows) plus the KV cache of B rows at C positions (2 · layers · kv_heads · head_dim values at the compute
   dtype: the engine's cache holds them in the dtype the attention reads, bf16 under autocast).
 
-ratio = seconds per step / the larger bound (1.0 = at the machine's limit). The process keeps freed memory as a
-run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves glibc's defaults, to see what that
-saves). The machine must be quiet (the script refuses a busy one like the other benchmarks; ``--force`` times
-anyway).
+ratio = seconds per step / the larger bound (1.0 = at the machine's limit). ``--compare-casts`` (bf16): the engine's
+linear weights cast to bf16 once per rollout (``rollout.weight_casts``, the engine's default) against autocast
+casting them at every decode step (``engine.casts.enabled = False``, the engine before), timed alternately in
+one process (old, new, new, old, ...), each ``--repeats`` times, and the ratio old / new of the best of each.
+The process keeps freed memory as a run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves
+glibc's defaults, to see what that saves). The machine must be quiet (the script refuses a busy one like the
+other benchmarks; ``--force`` times anyway).
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def step_bounds(model, batch: int, context: float, bytes_per: int, peak: float, 
 
 def timed_generate(engine, prompts, new_tokens: int, autocast: bool, seed: int) -> float:
     params = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):  # as Lightning's
         t = time.perf_counter()
         out = engine.generate(prompts, params, seeds=[seed + i for i in range(len(prompts))])
         dt = time.perf_counter() - t
@@ -100,19 +104,45 @@ def seconds_per_step(engine, prompts, steps: int, autocast: bool, repeats: int) 
     return best
 
 
+def compare_casts(engine, prompts, steps: int, repeats: int) -> tuple[float, float]:
+    """bf16 seconds per decode step (best of ``repeats`` each) with the weights cast at every step (the engine's
+    ``casts`` off: autocast's own) and cast once per rollout (on), timed alternately: (per step, once)."""
+    best = {False: float("inf"), True: float("inf")}
+    seconds_per_step(engine, prompts, steps, True, 1)  # warm-up
+    for r in range(repeats):
+        for enabled in (False, True) if r % 2 == 0 else (True, False):
+            engine.casts.enabled = enabled
+            best[enabled] = min(best[enabled], seconds_per_step(engine, prompts, steps, True, 1))
+    engine.casts.enabled = True
+    return best[False], best[True]
+
+
 def profile_step(engine, prompts, steps: int, autocast: bool, top: int) -> None:
-    """Print the ``top`` ops by self CPU time of ``generate(1 + steps)`` (the decode steps dominate) as shares."""
+    """Print the ``top`` ops of one decode step by self CPU time: the profile of ``generate(1 + steps)`` less that of
+    ``generate(1)``, op by op and input shape by input shape, over ``steps`` (as in the timing, the prefill and the
+    first token cancel; shapes whose call count is the same in both, the prefill's, are left out, so its run-to-run
+    noise does not count): ms and calls per step and the share of the step's self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
+    def per_shape(new_tokens: int) -> dict[tuple[str, str], tuple[float, int]]:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            timed_generate(engine, prompts, new_tokens, autocast, 7)
+        return {(e.key, str(e.input_shapes)): (e.self_cpu_time_total, e.count) for e in prof.key_averages(True)}
+
     timed_generate(engine, prompts, 1 + steps, autocast, 7)  # warm-up
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        timed_generate(engine, prompts, 1 + steps, autocast, 7)
-    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    total = sum(e.self_cpu_time_total for e in events)
-    events.sort(key=lambda e: -e.self_cpu_time_total)
-    print("| op | calls / step | share of self CPU time |\n|---|---|---|")
-    for e in events[:top]:
-        print(f"| {e.key} | {e.count / (steps + 1):.1f} | {e.self_cpu_time_total / total:.1%} |")
+    one, full = per_shape(1), per_shape(1 + steps)
+    ops: dict[str, list[float]] = {}
+    for key, (t, n) in full.items():
+        t0, n0 = one.get(key, (0.0, 0))
+        if n > n0:
+            op = ops.setdefault(key[0], [0.0, 0.0])
+            op[0] += (t - t0) / steps
+            op[1] += (n - n0) / steps
+    total = sum(t for t, _ in ops.values())
+    print(f"decode step, self CPU time under the profiler: {total / 1e3:.1f} ms")
+    print("| op | ms / step | calls / step | share |\n|---|---|---|---|")
+    for key, (t, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {key} | {t / 1e3:.2f} | {n:.1f} | {t / total:.1%} |")
     print()
 
 
@@ -126,6 +156,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also print the per-op shares of each setting")
     ap.add_argument("--top", type=int, default=15, help="ops listed by --profile")
+    ap.add_argument(
+        "--compare-casts", action="store_true", help="bf16: weights cast once per rollout vs at every step, alternately"
+    )
     ap.add_argument("--fp32-gemm", default="auto", help="kernels.fp32_gemm for the float32 products, as a run's")
     ap.add_argument(
         "--glibc-malloc", action="store_true", help="leave glibc's malloc thresholds (a run keeps freed memory)"
@@ -148,7 +181,7 @@ def main():
     print(f"# STREAM-like bandwidth (c = a + s*b, float32, {threads} threads, best of 5): {bandwidth / 1e9:.1f} GB/s")
     gen = torch.Generator().manual_seed(0)
     context = args.context + args.steps / 2
-    rows = []
+    rows, casts = [], []
     for name in dtypes:
         precision, _, bytes_per = DTYPES[name]
         peak = probe_flops(precision, threads)
@@ -156,8 +189,14 @@ def main():
         for b in batches:
             prompts = torch.randint(0, model.config.vocab_size, (b, args.context), generator=gen).tolist()
             autocast = name == "bf16"
-            with kernels:
-                step = seconds_per_step(engine, prompts, args.steps, autocast, args.repeats)
+            if args.compare_casts and autocast:
+                with kernels:
+                    old, step = compare_casts(engine, prompts, args.steps, args.repeats)
+                casts.append((b, old, step))
+                print(f"# bf16 batch {b}: cast every step {old * 1e3:.1f} ms, once {step * 1e3:.1f} ms", flush=True)
+            else:
+                with kernels:
+                    step = seconds_per_step(engine, prompts, args.steps, autocast, args.repeats)
             flops, nbytes, t_c, t_m = step_bounds(model, b, context, bytes_per, peak, bandwidth)
             rows.append((name, b, step, flops, nbytes, t_c, t_m))
             print(f"# {name} batch {b}: {step * 1e3:.1f} ms per decode step", flush=True)
@@ -174,6 +213,13 @@ def main():
             f"| {name} | {b} | {step * 1e3:.1f} | {flops / 1e9:.2f} | {nbytes / 1e6:.0f} | {t_c * 1e3:.1f} | "
             f"{t_m * 1e3:.1f} | {step / max(t_c, t_m):.1f}x |"
         )
+    if casts:
+        print(
+            f"\n## bf16 weights cast at every decode step (before) / once per rollout, {threads} threads, alternately"
+        )
+        print("| batch | cast every step, ms / step | cast once, ms / step | ratio |\n|---|---|---|---|")
+        for b, old, new in casts:
+            print(f"| {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x |")
 
 
 if __name__ == "__main__":
