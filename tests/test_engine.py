@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import chat_prompts
 
-from lit_rl.logprobs import process_logits, response_logprobs
+from lit_rl.logprobs import process_logits, response_logprobs, support_mask
 from lit_rl.rollout.torch_engine import TorchEngine, sample_rows
 from lit_rl.rollout.types import SamplingConfig, left_pad
 
@@ -86,6 +86,21 @@ def test_process_logits_top_p_keeps_smallest_prefix():
     lp = process_logits(logits, 1.0, top_p=0.8)
     assert torch.isfinite(lp).tolist() == [[True, True, False, False]]
     assert torch.allclose(lp.exp()[0, :2], torch.tensor([0.625, 0.375]))
+
+
+def test_process_logits_at_temperature_one_is_the_log_softmax_of_the_division():
+    """At T = 1 the division is skipped: the bits of dividing by 1.0 (bf16 logits as the engine gets them under
+    autocast, float32 ones, top-k), and the float32 input is left untouched."""
+    g = torch.Generator().manual_seed(0)
+    for logits in (torch.randn(3, 50, generator=g) * 4, (torch.randn(3, 50, generator=g) * 4).bfloat16()):
+        before = logits.clone()
+        for top_k in (0, 5):
+            divided = logits.float() / 1.0
+            if top_k:
+                divided = divided.masked_fill(~support_mask(divided, top_k, 1.0), float("-inf"))
+            assert torch.equal(process_logits(logits, 1.0, top_k), torch.log_softmax(divided, -1))
+        assert torch.equal(logits, before)
+    assert not torch.equal(process_logits(logits, 0.5), process_logits(logits, 1.0))
 
 
 def test_sample_rows_matches_distribution():

@@ -49,9 +49,12 @@ def process_logits(logits: Tensor, temperature: float, top_k: int = 0, top_p: fl
     """Log-probs of the distribution a sampler with these settings draws from.
 
     logits: [..., V] any float dtype; returns float32 [..., V] log-probs (nats), -inf outside the
-    top-k / top-p support (``support_mask``). temperature must be > 0.
+    top-k / top-p support (``support_mask``). temperature must be > 0; at 1 the division is skipped (x / 1 is x
+    exactly: a pass over [..., V] saved, no bit changed).
     """
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
     if top_k or top_p < 1.0:
         logits = logits.masked_fill(~support_mask(logits, top_k, top_p), float("-inf"))
     return F.log_softmax(logits, dim=-1)
