@@ -71,8 +71,9 @@ def test_carried_rows_keep_their_tokens_and_the_freed_slots_are_refilled(tiny, v
         }  # fmt: skip
         assert state.decode_rows == [4]
         engine.sync_weights(1, versions[1])
+        counts1 = state.totals()
         r2, keys2, carried2 = call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
-        decode_rows2 = list(state.decode_rows)
+        decode_rows2, counts2 = list(state.decode_rows), state.totals()
         fresh0 = engine_at(model, tok, versions[0], 0).generate([LONG] * G, GREEDY, [0, 1])
         rest = SamplingConfig(temperature=0.0, max_new_tokens=5, logprobs_top_k=2)
         context = LONG + r2.response_ids[2, :1].tolist()
@@ -84,7 +85,11 @@ def test_carried_rows_keep_their_tokens_and_the_freed_slots_are_refilled(tiny, v
     assert keys2 == ["short2", "long"] and carried2.tolist() == [False, False, True, True]
     assert r2.carried.tolist() == carried2.tolist()
     assert decode_rows2 == [4, 4, 4, 4, 4]  # the queued group refilled the short one's slots at step 1
-    assert state.refills_continued == 1  # that refill prefilled the joining rows only, the live ones continued
+    # call 1 prefilled SHORT and LONG (padded to 4): 8 positions; call 2 re-prefilled (newer weights, recompute)
+    # SHORT2 and the long rows' context LONG + 1 token (padded to 5): 10, then at step 1 OTHER alone (2 ids) beside
+    # the 4 live rows, none of whose positions was recomputed
+    assert counts1["prefill_positions"] == 8 and counts1["joined_rows"] == 0
+    assert counts2["prefill_positions"] == 8 + 10 + len(OTHER) and counts2["joined_rows"] == G
     long = slice(2, 4)
     assert r2.response_mask[long].sum(-1).tolist() == [6, 6] and r2.finish_reason[2:] == ["length"] * 2
     assert torch.equal(r2.response_ids[long, :1], before["tokens"])
@@ -274,3 +279,29 @@ def test_collect_offers_the_next_steps_groups_as_a_look_ahead(tiny, versions):
         delivered += scored.examples
         assert len(scored.examples) == 2
     assert len(delivered) == 6 and dm._partial_examples.keys() <= {(s, 0, i) for s in range(4) for i in range(2)}
+
+
+def test_carried_rows_keep_their_cache_across_calls_and_refills_recompute_no_live_position(tiny):
+    """With the weights unchanged between calls the carried rows keep their KV: call 2 prefills only the prompts of
+    the groups that join (SHORT2 at step 0, OTHER once SHORT2's slots are free), never a carried context again, and
+    the carried long group's tokens and log-probs are bit for bit a plain ``generate``'s (``kernels=batch_invariant``).
+    By hand: call 1 prefills SHORT and LONG left-padded to 4 (8 positions) and decodes the 4 rows once; call 2 joins
+    SHORT2 (2 ids) beside the 2 live rows at step 0 and OTHER (2 ids) at step 1: 8 + 2 + 2 = 12 positions."""
+    from lit_rl.kernels import BatchInvariantMode
+
+    model, tok = tiny
+    with BatchInvariantMode(model):
+        engine = engine_at(model, tok, weights_snapshot(model), 0)
+        plain = engine_at(model, tok, weights_snapshot(model), 0).generate([LONG] * G, GREEDY, [2, 3])
+        call(engine, ["short", "long"], [SHORT, LONG], want=1)
+        state = engine.partial_state
+        assert state.totals()["prefill_positions"] == 8 and state.loop.active.numel() == 2
+        r2, keys2, carried2 = call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
+        counts = state.totals()
+    assert keys2 == ["short2", "long"] and carried2.tolist() == [False, False, True, True]
+    assert counts["prefill_positions"] == 8 + len(SHORT2) + len(OTHER) and counts["joined_rows"] == 2 * G
+    assert state.decode_rows == [4, 4, 4, 4, 4]
+    assert torch.equal(r2.response_ids[2:], plain.response_ids)
+    assert torch.equal(r2.rollout_logprobs[2:], plain.rollout_logprobs)
+    assert torch.equal(r2.topk_logprobs[2:], plain.topk_logprobs)
+    assert r2.token_versions[2:].unique().tolist() == [0]

@@ -8,22 +8,26 @@ and the cache of those live rows. One decode step is ``forward`` (a prefill of t
 (``rollout.partial``): unfinished rows carry over to the next call and freed decode slots take new groups.
 
 Every position a row writes is its own (``pos``: tokens sampled so far), so rows that joined at different decode
-steps (a refill, a carry-over) share one batch. A row (re)joins through a prefill of its context (prompt + its
-tokens so far) with the engine's current weights, the same prefill a ``kv_on_update=recompute`` swap does.
+steps (a refill, a carry-over) share one batch. New rows join beside live ones (``add(beside=True)``, a refill):
+their prompts are prefilled alone and their KV placed beside the live rows' (``kv_cache.merge_rows``), no live
+position recomputed. A row rejoins through a prefill of its context (prompt + its tokens so far) with the engine's
+current weights only when its cache is gone or stale: the first prefill, a ``kv_on_update=recompute`` swap, a hybrid
+model (its recurrent states cannot take rows beside them).
 With ``kept`` (``kv_continuation.KeptCaches``: a multi-turn collection's session) a finished row leaves its KV
 there, and a row whose context extends a kept one prefills only the ids the kept KV does not hold.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..logprobs import position_ids_from_mask, process_logits
-from .kv_cache import keep_rows
-from .kv_continuation import KeptCaches, KeptKV, continued_prefill
+from .kv_cache import keep_rows, merge_rows
+from .kv_continuation import KeptCaches, continued_prefill
 from .state_cache import is_hybrid
 from .types import Rollouts, SamplingConfig, left_pad
 
@@ -65,11 +69,19 @@ class DecodeLoop:
         self.cache = self.input_ids = self.attention_mask = self.position_ids = None
         self.cache_version = engine.version  # the weights that prefilled the cache
         self.rejoin = True  # the next forward prefills the live rows' contexts (new rows, a carry-over)
+        self.joining = 0  # the last rows of ``active``: added beside the live rows, their prompts not prefilled yet
+        # running totals: positions fed through prefills (padding included) and their seconds; rows decoded by
+        # cached steps (one position each) and their seconds
+        # and rows that joined beside live ones (``add(beside=True)``)
+        self.counts = {"prefill_positions": 0, "prefill_s": 0.0, "decode_rows": 0, "decode_s": 0.0, "joined_rows": 0}
 
     # -- rows ----------------------------------------------------------------------------------------------
-    def add(self, prompts: list[list[int]], seeds: list[int]) -> Tensor:
+    def add(self, prompts: list[list[int]], seeds: list[int], beside: bool = False) -> Tensor:
         """Add rows (one per prompt, its generators seeded from ``seeds``) and make them live from the next
-        ``forward``, which prefills every live row's context. Returns the new rows' indices [len(prompts)]."""
+        ``forward``, which prefills every live row's context; with ``beside`` (a refill) and live rows whose cache
+        can take rows beside it (an attention-only model, no rejoin pending), the next ``forward`` prefills the new
+        rows' prompts alone and places their KV beside the live rows' (``kv_cache.merge_rows``) while those take
+        one cached step. Returns the new rows' indices [len(prompts)]."""
         from .torch_engine import noise_seed
 
         n0, n = len(self.prompts), len(prompts)
@@ -90,18 +102,27 @@ class DecodeLoop:
         self.pos = torch.cat([self.pos, torch.zeros(n, dtype=torch.long)])
         rows = torch.arange(n0, n0 + n)
         self.active = torch.cat([self.active, rows])
-        self.rejoin = True
+        if beside and not self.rejoin and self.cache is not None and not is_hybrid(self.engine.model):
+            self.joining += n
+            self.counts["joined_rows"] += n
+        else:
+            self.rejoin, self.joining = True, 0
         return rows
 
     def keep_rows(self, keep: Tensor) -> None:
         """Keep only rows ``keep`` (sorted indices [M]); the others are forgotten. Live rows among the forgotten
-        ones leave the batch, and then the live rows rejoin (prefill) at the next ``forward``."""
+        ones leave the batch and the cache (the others keep their cache rows; with a prefill pending, all rejoin)."""
         n = len(self.prompts)
         new_index = torch.full((n,), -1, dtype=torch.long)
         new_index[keep] = torch.arange(keep.numel())
         live = new_index[self.active]
-        if bool((live < 0).any()):
-            self.rejoin = True
+        gone = live < 0
+        if bool(gone.any()):
+            if self.rejoin or self.joining or self.cache is None:
+                self.rejoin, self.joining = True, 0
+            else:  # the remaining live rows keep their cache rows
+                stay = (~gone).nonzero().squeeze(-1)
+                self._select(stay)
         self.active = live[live >= 0]
         rows = keep.tolist()
         self.prompts = [self.prompts[r] for r in rows]
@@ -120,23 +141,60 @@ class DecodeLoop:
         when they (re)join or after an in-flight swap with ``kv_on_update=recompute``, else one cached step."""
         engine = self.engine
         swapped = engine._swapped(step)
+        t0, spent = time.perf_counter(), "prefill_s"
         if self.rejoin:
             logits = self._prefill(dedupe=True)
             self.rejoin = False
         elif swapped and engine.kv_on_update == "recompute":
             logits = self._prefill(dedupe=False)
         else:
-            out = engine.model(
-                input_ids=self.input_ids,
-                attention_mask=self.attention_mask,
-                position_ids=self.position_ids,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )  # fills ``cache`` in place
-            logits = out.logits[:, -1]
+            logits = self._cached_step()
+            if self.joining:  # a refill: the joining rows' prompts prefilled alone, their KV placed beside
+                t1 = time.perf_counter()
+                self.counts["decode_s"] += t1 - t0
+                logits = torch.cat([logits, self._join()])
+                t0 = t1
+            else:
+                spent = "decode_s"
+        self.joining = 0
+        self.counts[spent] += time.perf_counter() - t0
         self.versions[self.active, self.pos[self.active]] = engine.version
         return logits
+
+    def _cached_step(self) -> Tensor:
+        """One cached decode step of the rows the cache holds (``input_ids`` [B, 1]); their logits [B, V]."""
+        self.counts["decode_rows"] += int(self.input_ids.shape[0])
+        out = self.engine.model(
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            position_ids=self.position_ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )  # fills ``cache`` in place
+        return out.logits[:, -1]
+
+    def _join(self) -> Tensor:
+        """Prefill the ``joining`` rows' prompts alone (each distinct prompt once) and merge their KV beside the live
+        rows' (``kv_cache.merge_rows``: no live position is recomputed). Returns the joining rows' logits [J, V]."""
+        rows = self.active[-self.joining :].tolist()
+        logits, cache, mask, position_ids = self._prefill_rows(rows, dedupe=True)
+        self.cache, self.attention_mask = merge_rows(
+            self.engine, self.cache, self.attention_mask, cache, mask, room=self.steps
+        )
+        self.position_ids = torch.cat([self.position_ids[:, -1:], position_ids[:, -1:]])
+        return logits
+
+    def _select(self, keep: Tensor) -> None:
+        """Keep the cache rows ``keep`` (indices into ``active``, int64 [M]) and their inputs."""
+        if keep.numel() == 0:
+            self.cache = None
+            return
+        keep_dev = keep.to(self.device)
+        self.cache.batch_select_indices(keep_dev)
+        self.attention_mask, self.position_ids = self.attention_mask[keep_dev], self.position_ids[keep_dev]
+        if self.input_ids is not None:
+            self.input_ids = self.input_ids[keep_dev]
 
     def _prefill(self, dedupe: bool) -> Tensor:
         """A new cache of every live row's context (prompt + tokens so far) under the engine's current weights;
@@ -150,8 +208,18 @@ class DecodeLoop:
         if any(k is not None for k in kept):
             out = continued_prefill(self.engine, contexts, kept, self.steps)
             logits, self.cache, self.attention_mask, self.position_ids = out
+            self.counts["prefill_positions"] += self.position_ids.numel()
             self.kept.used(kept, prefilled=self.position_ids.numel())
             return logits
+        logits, self.cache, self.attention_mask, self.position_ids = self._prefill_rows(rows, dedupe, contexts)
+        return logits
+
+    def _prefill_rows(self, rows: list[int], dedupe: bool, contexts=None):
+        """A new cache of rows ``rows``' contexts (prompt + tokens so far; ``contexts`` when already built), each
+        distinct one prefilled once with ``dedupe``. Returns (last-position logits [R, V], the cache, attention mask
+        [R, L] int64, position ids [R, L] int64)."""
+        if contexts is None:
+            contexts = [tuple(self.prompts[r]) + tuple(self.tokens[r, : int(self.pos[r])].tolist()) for r in rows]
         distinct: dict[tuple[int, ...], int] = {}
         if dedupe:
             row_of = torch.tensor([distinct.setdefault(c, len(distinct)) for c in contexts], dtype=torch.long)
@@ -159,18 +227,18 @@ class DecodeLoop:
         ids, mask = left_pad([list(c) for c in contexts], self.engine.pad_token_id)
         ids, mask = ids.to(self.device), mask.long().to(self.device)
         position_ids = position_ids_from_mask(mask)
+        self.counts["prefill_positions"] += ids.numel()
         # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
-        self.cache = self.engine._new_cache(max(len(self.prompts[r]) for r in rows) + self.steps)
+        cache = self.engine._new_cache(max(len(self.prompts[r]) for r in rows) + self.steps)
         out = self.engine.model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=self.cache, use_cache=True,
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
             logits_to_keep=1,
         )  # fmt: skip
         logits = out.logits[:, -1]
         if dedupe and len(distinct) < len(rows):
-            self.cache.batch_select_indices(row_of.to(self.device))
+            cache.batch_select_indices(row_of.to(self.device))
             logits, mask, position_ids = logits[row_of], mask[row_of], position_ids[row_of]
-        self.attention_mask, self.position_ids = mask, position_ids
-        return logits
+        return logits, cache, mask, position_ids
 
     def sample(self, logits: Tensor) -> Tensor:
         """Sample each live row's next token from ``logits`` [B, V] (its own generator; greedy at temperature 0)
@@ -276,8 +344,9 @@ class PartialRollouts:
     the most rows one call has brought, P x G in a run) while a long sequence runs on.
 
     The rows still decoding when the batch is due, and complete groups beyond ``want``, stay for the next call:
-    their tokens keep the versions and log-probs that sampled them, their generators their state, and they rejoin
-    the next call's batch through a prefill of their context with the weights the engine then holds. A held group
+    their tokens keep the versions and log-probs that sampled them, their generators their state, and the live ones
+    their KV: the next call decodes them on from their cache, unless the engine holds newer weights than wrote it and
+    ``kv_on_update=recompute`` (then they are re-prefilled with them, as at a swap). A held group
     with a token older than ``min_version`` is restarted from its first token (same seeds), so no trained token is
     older than the caller's bound (``restarts`` counts them).
 
@@ -292,7 +361,7 @@ class PartialRollouts:
         self.calls = 0
         self.restarts = 0
         self.slots = 0  # the decode batch's rows: the most rows one call has brought
-        self.refills_continued = 0  # refills whose prefill continued the live rows' KV (``_live_caches``)
+        self.discarded_tokens = 0  # tokens of restarted groups, sampled and thrown away
         self.seen: set = set()  # every key ever added: a look-ahead group offered again by its own batch is skipped
         self.decode_rows: list[int] = []
 
@@ -324,22 +393,27 @@ class PartialRollouts:
             raise ValueError(f"want {want} groups but only {len(self.held) + len(self.queue)} are held")
         self.slots = max(self.slots, (len(keys) - ahead) * size)
         loop, slots = self.loop, self.slots
-        loop.rejoin = loop.rejoin or loop.active.numel() > 0  # carried rows rejoin with today's weights
+        if loop.active.numel() and engine.kv_on_update == "recompute" and loop.cache_version != engine.version:
+            loop.rejoin = True  # newer weights since the carried rows' cache was written: recomputed, as at a swap
         self.decode_rows = []
         step = 0
         while len(self.complete) < want:
             engine._check_cancel()
-            session, aligned = loop.kept, not loop.rejoin  # rejoin pending: the cache's rows are not the live ones
-            if self._admit(slots) and aligned and (live := self._live_caches()) is not None:
-                loop.kept = live  # the live rows continue their KV; only the joining rows' contexts prefill
-                self.refills_continued += 1
+            self._admit(slots)
             self.decode_rows.append(int(loop.active.numel()))
-            logits = loop.forward(step)
-            loop.kept = session
-            loop.advance(loop.sample(logits))
+            loop.advance(loop.sample(loop.forward(step)))
             self._mark_complete()
             step += 1
         return self._take(want)
+
+    def totals(self) -> dict[str, float]:
+        """Running totals over every call: ``restarts`` (groups restarted as too old) and ``discarded_tokens``
+        (their tokens), the decode loop's ``prefill_positions`` (ids fed through prefills, padding included),
+        ``prefill_s``, ``decode_rows`` (rows advanced by cached steps), ``decode_s`` (seconds) and ``joined_rows``
+        (rows whose prompts were prefilled alone beside live rows: a refill)."""
+        loop_counts = self.loop.counts if self.loop is not None else {}
+        own = {"restarts": self.restarts, "discarded_tokens": self.discarded_tokens}
+        return {k: float(v) for k, v in {**own, **loop_counts}.items()}
 
     def _admit(self, slots: int) -> bool:
         """Move queued groups into the decode batch, whole, while it has room for them; True when one moved."""
@@ -347,33 +421,10 @@ class PartialRollouts:
         moved = False
         while self.queue and loop.active.numel() + len(self.queue[0].prompts) <= slots:
             group = self.queue.pop(0)
-            group.rows, group.born = loop.add(group.prompts, group.seeds).tolist(), self.calls
+            group.rows, group.born = loop.add(group.prompts, group.seeds, beside=True).tolist(), self.calls
             self.held.append(group)
             moved = True
         return moved
-
-    def _live_caches(self) -> KeptCaches | None:
-        """The KV the cache holds for the rows already decoding (each row's prompt and tokens but the last, which
-        is the next input), so the prefill a refill needs continues them and prefills only the joining rows'
-        contexts (``kv_continuation.continued_prefill``: under ``kernels=batch_invariant`` the same bits as a
-        re-prefill of every live context). None when there is nothing to continue: no cache (the call's first
-        prefill, a carried batch rejoining), weights newer than the cache's, or a hybrid model (its conv and
-        recurrent states cannot continue a tail)."""
-        loop = self.loop
-        if loop.cache is None or loop.cache_version != loop.engine.version or is_hybrid(loop.engine.model):
-            return None
-        rows = [(j, int(r)) for j, r in enumerate(loop.active.tolist()) if int(loop.pos[r]) > 0]
-        if not rows:
-            return None
-        kept = KeptCaches()
-        real = loop.attention_mask[:, :-1].bool()  # after ``advance``: the next input's column is not cached yet
-        for j, row in rows:
-            context = tuple(loop.prompts[row]) + tuple(loop.tokens[row, : int(loop.pos[row]) - 1].tolist())
-            layers = [(layer.keys[j][:, real[j]], layer.values[j][:, real[j]]) for layer in loop.cache.layers]
-            if layers and layers[0][0].shape[1] != len(context):
-                return None  # not the layout this continues (e.g. a cache just rebuilt): re-prefill instead
-            kept.keep(KeptKV(context, layers, loop.cache_version))
-        return kept
 
     def _finished(self, group: _Group) -> bool:
         rows = torch.tensor(group.rows, dtype=torch.long)
@@ -415,6 +466,7 @@ class PartialRollouts:
             written = loop.versions[rows][loop.mask[rows]]
             if written.numel() and int(written.min()) < min_version:
                 stale.append(g)
+                self.discarded_tokens += written.numel()
         if stale:
             self._forget(stale)
             for g in stale:

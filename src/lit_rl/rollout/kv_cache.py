@@ -126,3 +126,36 @@ def reserved_cache(capacity: int, dtype: torch.dtype | None = None) -> DynamicCa
     cache = DynamicCache()
     cache.layer_class_to_replicate = functools.partial(ReservedLayer, capacity, dtype=dtype)
     return cache
+
+
+def merge_rows(engine, live: DynamicCache, live_mask: Tensor, joining: DynamicCache, joining_mask: Tensor, room: int):
+    """One cache of the ``live`` rows (attention mask ``live_mask`` [B, L] int64, right-aligned: every row's last
+    position in column L - 1) and, after them, the ``joining`` rows (``joining_mask`` [J, Lj]), both right-aligned
+    in a new cache of ``engine._new_cache`` with ``room`` more positions reserved. Columns that are padding in every
+    live row are left out (rows that left keep no columns alive), so the width is max(L', Lj) with L' the live rows'
+    widest span; the columns left of a row's span hold zeros. No position is recomputed: keys and values are copied.
+    Under ``kernels=batch_invariant`` the attention does not depend on the amount of left padding, so each row decodes
+    on exactly as in a cache of its own. Returns (the cache, attention mask [B + J, width] int64). Raises ValueError
+    when the two caches' layer counts differ."""
+    live_layers, joining_layers = live.layers, joining.layers
+    if len(live_layers) != len(joining_layers):
+        raise ValueError(f"cannot merge caches of {len(live_layers)} and {len(joining_layers)} layers")
+    used = live_mask.bool().any(0).nonzero()
+    first = int(used[0]) if used.numel() else live_mask.shape[1]
+    live_mask = live_mask[:, first:]
+    b, j = live_mask.shape[0], joining_mask.shape[0]
+    width_live, width_join = live_mask.shape[1], joining_mask.shape[1]
+    width = max(width_live, width_join)
+    mask = live_mask.new_zeros(b + j, width)
+    mask[:b, width - width_live :] = live_mask
+    mask[b:, width - width_join :] = joining_mask
+    cache = engine._new_cache(width + room)
+    for index, (old, new) in enumerate(zip(live_layers, joining_layers)):
+        keys = old.keys.new_zeros(b + j, *old.keys.shape[1:-2], width, old.keys.shape[-1])
+        values = old.values.new_zeros(b + j, *old.values.shape[1:-2], width, old.values.shape[-1])
+        keys[:b, ..., width - width_live :, :] = old.keys[..., first:, :]
+        values[:b, ..., width - width_live :, :] = old.values[..., first:, :]
+        keys[b:, ..., width - width_join :, :] = new.keys
+        values[b:, ..., width - width_join :, :] = new.values
+        cache.update(keys, values, index)
+    return cache, mask

@@ -120,7 +120,8 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
                 return
             rid, version, prompts, params, seeds, autocast, partial = request
             try:
-                if version != engine.version:
+                if version != engine.version and not (in_flight and version < engine.version):
+                    # in flight the process may already hold a newer version than the request names: never go back
                     held = version if version in store else store.newest()  # pruned meanwhile: the newest
                     if not store.load_into(held, lambda weights: engine.sync_weights(held, weights)):
                         raise RuntimeError(f"weight version {version} is not in the weight store")
@@ -167,6 +168,7 @@ class ProcessEngine:
         self.process = None
         self.last = GenerationStats()
         self.swap_totals = [0, 0.0]  # in-flight swaps and their seconds over every generate call so far
+        self.partial_totals: dict[str, float] | None = None  # rollout.partial: the process's running totals
         self._ids = itertools.count()
 
     @property
@@ -261,6 +263,8 @@ class ProcessEngine:
             if status != "ok":
                 raise RuntimeError(f"the rollout process (pid {self.pid}) failed:\n{payload}")
             self.last = stats
+            if stats.partial is not None:
+                self.partial_totals = dict(stats.partial)
             self.swap_totals[0] += stats.swaps
             self.swap_totals[1] += stats.swap_seconds
             return payload

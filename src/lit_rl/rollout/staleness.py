@@ -317,7 +317,14 @@ class RolloutProducer:
         if totals is None:
             return {}
         swaps, seconds = totals[0] - before[0], totals[1] - before[1]
-        return {"rollout/weight_swaps": float(swaps), "time/weight_swap_s": float(seconds)}
+        out = {"rollout/weight_swaps": float(swaps), "time/weight_swap_s": float(seconds)}
+        partial = getattr(self.engine, "partial_totals", None)
+        if partial:  # rollout.partial: what the batch's calls prefilled, decoded and threw away
+            earlier = before[2] if len(before) > 2 and before[2] else {}
+            for name, value in partial.items():
+                tag = f"time/partial_{name[:-2]}_s" if name.endswith("_s") else f"rollout/partial_{name}"
+                out[tag] = float(value - earlier.get(name, 0.0))
+        return out
 
     def _run(self) -> None:
         from .torch_engine import GenerationCancelled
@@ -344,6 +351,7 @@ class RolloutProducer:
                         if getattr(self.engine, "partial", False):  # the oldest version step ``step`` may train
                             self.engine.partial_min_version = (step - self.max_staleness) * self.updates_per_step
                         swaps_before = list(getattr(self.engine, "swap_totals", (0, 0.0)))
+                        swaps_before.append(dict(getattr(self.engine, "partial_totals", None) or {}))
                         start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.prompt_batch(step))
                         seconds = time.perf_counter() - start

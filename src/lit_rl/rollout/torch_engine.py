@@ -41,6 +41,7 @@ class GenerationStats:
     tokens: int = 0
     swaps: int = 0
     swap_seconds: float = 0.0
+    partial: dict[str, float] | None = None  # rollout.partial: ``PartialRollouts.totals`` after the call
 
     @property
     def tokens_per_s(self) -> float:
@@ -303,6 +304,11 @@ class TorchEngine(InFlightSwaps):
         min_version = self.partial_min_version if min_version is None else min_version
         return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version, ahead)
 
+    @property
+    def partial_totals(self) -> dict[str, float] | None:
+        """``rollout.partial``: the carried rows' running totals (``PartialRollouts.totals``); None before any."""
+        return self.partial_state.totals() if self.partial_state is not None else None
+
     def _timed(self, run, *args):
         """``run(*args)`` in eval mode with the weights cast once (``casts``), its time, tokens and in-flight swaps in
         ``last``."""
@@ -319,6 +325,7 @@ class TorchEngine(InFlightSwaps):
         out = result[0] if isinstance(result, tuple) else result
         seconds = time.perf_counter() - start
         self.last = GenerationStats(seconds, int(out.response_mask.sum()), self._swaps[0], self._swaps[1])
+        self.last.partial = self.partial_totals
         self.swap_totals[0] += self._swaps[0]
         self.swap_totals[1] += self._swaps[1]
         return result
