@@ -84,7 +84,23 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
         "trainer_wait": statistics.mean(after_first("time/trainer_wait_frac")),  # 0: sync
         "producer_idle": statistics.mean(after_first("time/producer_idle_frac")),
         "partial": statistics.mean(after_first("rollout/partial_fraction")),  # 0: partial rollouts off
+        "generate": statistics.mean(after_first("time/generate_s")),
+        **{  # partial rollouts: what each batch prefilled, decoded and threw away (0: off)
+            name: statistics.mean(after_first(tag)) for name, tag in PARTIAL_TAGS.items()
+        },
     }
+
+
+#: the per-batch partial-rollout counters printed for the partial settings (``PartialRollouts.totals``)
+PARTIAL_TAGS = {
+    "joined rows": "rollout/partial_joined_rows",
+    "prefill positions": "rollout/partial_prefill_positions",
+    "prefill s": "time/partial_prefill_s",
+    "decode rows": "rollout/partial_decode_rows",
+    "decode s": "time/partial_decode_s",
+    "restarts": "rollout/partial_restarts",
+    "discarded tokens": "rollout/partial_discarded_tokens",
+}
 
 
 LONG_PROMPT = "Write every whole number from 1 to 300, in order, separated by commas."
@@ -126,7 +142,12 @@ def main():
         "--only",
         default=None,
         help="semicolon-separated settings to run (their names as printed, e.g. 'async, process producer, 1+1'); "
-        "'sync, 1 thread' always runs (the ratios' base)",
+        "'sync, 1 thread' always runs (the ratios' base) unless --no-sync-base",
+    )
+    ap.add_argument(
+        "--no-sync-base",
+        action="store_true",
+        help="with --only: leave out 'sync, 1 thread' (then only the partial settings' ratios are printed)",
     )
     args = ap.parse_args()
     if args.layout == "skewed" and args.prompts < 2:
@@ -173,7 +194,8 @@ def main():
     if args.skip_two_threads:
         del settings["sync, 2 threads"]
     if args.only:
-        wanted = {"sync, 1 thread", *(name.strip() for name in args.only.split(";"))}
+        wanted = {name.strip() for name in args.only.split(";")}
+        wanted |= set() if args.no_sync_base else {"sync, 1 thread"}
         unknown = wanted - set(settings)
         if unknown:
             ap.error(f"--only: unknown settings {sorted(unknown)}; choose among {list(settings)}")
@@ -202,10 +224,18 @@ def main():
             f"| {r['tokens']:.0f} | {r['tokens'] / r['step']:.1f} | {r['staleness']:.2f} / {r['staleness_max']:.0f} "
             f"| {r['trainer_wait']:.2f} / {r['producer_idle']:.2f} | {r['partial']:.2f} |"
         )
-    base = results["sync, 1 thread"]["step"]
+    partial_rows = [name for name in results if "partial" in name]
+    if partial_rows:  # where a partial batch's producer time goes (means per batch over the same steps)
+        print("\n| setting | generate s | " + " | ".join(PARTIAL_TAGS) + " |")
+        print("|---" * (len(PARTIAL_TAGS) + 2) + "|")
+        for name in partial_rows:
+            r = results[name]
+            cells = " | ".join(f"{r[k]:.2f}" if k.endswith(" s") else f"{r[k]:.0f}" for k in PARTIAL_TAGS)
+            print(f"| {name} | {r['generate']:.2f} | {cells} |")
+    base = results["sync, 1 thread"]["step"] if "sync, 1 thread" in results else None
     print()
     for name, r in results.items():
-        if name != "sync, 1 thread":
+        if name != "sync, 1 thread" and base is not None:
             print(f"{name} vs sync, 1 thread: step time {r['step'] / base:.3f}x (speed-up {base / r['step']:.2f}x)")
     for label in ("async, process, in flight + partial", "async, process, in flight (keep) + partial"):
         partial = results.get(label)

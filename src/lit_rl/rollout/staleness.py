@@ -311,8 +311,10 @@ class RolloutProducer:
 
     def _swap_metrics(self, before) -> dict[str, float]:
         """``rollout/weight_swaps`` and ``time/weight_swap_s`` of every generate call of the batch just collected
-        (DAPO's rounds, partial rollouts' calls), from the engine's running totals (``swap_totals``) since ``before``;
-        empty for an engine without them."""
+        (DAPO's rounds, partial rollouts' calls), from the engine's running totals (``swap_totals``) since ``before``
+        ([swaps, seconds] and, with ``rollout.partial``, a third entry: ``partial_totals`` then), with the partial
+        rollouts' counters as ``rollout/partial_*`` and their seconds as ``time/partial_*_s``; empty for an engine
+        without them."""
         totals = getattr(self.engine, "swap_totals", None)
         if totals is None:
             return {}
