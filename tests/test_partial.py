@@ -305,3 +305,25 @@ def test_carried_rows_keep_their_cache_across_calls_and_refills_recompute_no_liv
     assert torch.equal(r2.rollout_logprobs[2:], plain.rollout_logprobs)
     assert torch.equal(r2.topk_logprobs[2:], plain.topk_logprobs)
     assert r2.token_versions[2:].unique().tolist() == [0]
+
+
+def test_the_producer_logs_a_batchs_partial_counters(tiny):
+    """``rollout/partial_*`` of a batch are the engine's running totals since the batch began: the forced case's call 2
+    (same weights) prefills SHORT2 and OTHER beside the carried rows, 2 + 2 positions, joins 2 groups of G rows and
+    restarts none; its seconds come as ``time/partial_prefill_s`` / ``time/partial_decode_s``."""
+    from lit_rl.rollout.staleness import RolloutProducer
+
+    model, tok = tiny
+    rollout = {"mode": "async", "producer": "thread", "weight_update": "in_flight", "kv_on_update": "recompute"}
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=G, micro_batch_size=4, rollout_mode=rollout)
+    producer = RolloutProducer(module, 0, 1, "block", 1, in_flight=True)  # not started: its hooks only
+    engine = module.engine
+    engine.between_steps, engine.stop_token_ids = None, [11]  # nothing to swap; the forced case's stop token
+    call(engine, ["short", "long"], [SHORT, LONG], want=1)
+    before = [*engine.swap_totals, dict(engine.partial_totals)]
+    call(engine, ["short2", "other"], [SHORT2, OTHER], want=2)
+    metrics = producer._swap_metrics(before)
+    assert metrics["rollout/partial_prefill_positions"] == len(SHORT2) + len(OTHER)
+    assert metrics["rollout/partial_joined_rows"] == 2 * G and metrics["rollout/partial_restarts"] == 0
+    assert metrics["rollout/partial_decode_rows"] == 4 * 5 - 4  # 5 steps of 4 rows; the 4 joined rows prefilled
+    assert metrics["time/partial_prefill_s"] > 0 and metrics["time/partial_decode_s"] > 0
