@@ -82,3 +82,29 @@ def test_an_update_with_another_row_count_is_refused():
     layer.update(kv(3, 2, 0), kv(3, 2, 0))
     with pytest.raises(ValueError, match="holds 3 rows but update got 2"):
         layer.update(kv(2, 1, 1), kv(2, 1, 1))
+
+
+def test_merge_rows_places_the_joining_rows_beside_the_live_ones_right_aligned(tiny):
+    """Two live rows of 4 columns whose first column is padding in both (a row that left used it) and one joining
+    row of 2 positions: the merged cache drops the dead column, is 3 wide, keeps every live position's keys and
+    values bit for bit in the same place from the right, puts the joining row's 2 positions in the last 2 columns
+    (zeros left of them) and reserves ``room`` more positions; the mask is the two masks right-aligned."""
+    from lit_rl.rollout.kv_cache import merge_rows, reserved_cache
+    from lit_rl.rollout.torch_engine import TorchEngine
+
+    model, tok = tiny
+    engine = TorchEngine(model, tok.pad_token_id, [11])
+    layers = len(model.model.layers)
+    live, joining = reserved_cache(8), reserved_cache(8)
+    for index in range(layers):
+        live.update(kv(2, 4, index), -kv(2, 4, index), index)
+        joining.update(kv(1, 2, index) + 0.5, -kv(1, 2, index) - 0.5, index)
+    live_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])
+    merged, mask = merge_rows(engine, live, live_mask, joining, torch.tensor([[1, 1]]), room=5)
+    assert mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 1, 1]]
+    for index, layer in enumerate(merged.layers):
+        assert layer.keys.shape == (3, 2, 3, 3) and layer.capacity == 3 + 5
+        assert torch.equal(layer.keys[:2], kv(2, 4, index)[:, :, 1:].to(layer.keys.dtype))
+        assert torch.equal(layer.values[:2], -kv(2, 4, index)[:, :, 1:].to(layer.values.dtype))
+        assert torch.equal(layer.keys[2, :, 1:], (kv(1, 2, index)[0] + 0.5).to(layer.keys.dtype))
+        assert not layer.keys[2, :, 0].any()
