@@ -348,3 +348,30 @@ def test_workers_outlive_a_signal_to_the_process_group_so_the_step_can_finish():
         assert [(o.status, o.value) for o in outcome] == [("ok", 1.0)]
     finally:
         pool.close()
+
+
+def test_a_worker_still_loading_another_keys_functions_is_not_sent_this_keys_calls():
+    """A multi-turn run alternates two keys on one pool: the environment's steps and the rewards. When another
+    worker served all of a key's jobs before this one answered its setup, this worker's key is still the old one
+    with the new key's setup on its way; a call for the old key sent then ran the new key's function (seen on
+    task=calculator: "EnvStep.load.<locals>.run() takes 2 positional arguments but 3 were given", every reward
+    scored 0). The pool loads the old key again first."""
+    from lit_rl.rollout.environments import EnvStep, GuessNumberEnvironment
+    from lit_rl.tasks.reward_functions import FunctionRef
+    from lit_rl.tasks.verifier_pool import VerifierPool
+
+    pool = VerifierPool(num_workers=1)
+    try:
+        refs = [FunctionRef("format", batched=False)]
+        pool.prepare("rewards", refs)
+        (worker,) = pool._workers
+        steps = [EnvStep.of(GuessNumberEnvironment())]
+        worker.conn.send(("setup", "environment", pool._file_for("environment", steps), None))
+        worker.loading = "environment"  # the state the environment's run left: its answer not yet read
+        outcome = pool.run("rewards", refs, [(0, ("q", "#### 7", {}), {})], timeout_s=10.0)
+        assert [(o.status, o.value) for o in outcome] == [("ok", 1.0)]
+        state = {"example": {"answer": "3"}, "turn": 0}
+        (step,) = pool.run("environment", steps, [(0, (state, "3"), {})], timeout_s=10.0)
+        assert step.status == "ok" and step.value[1:] == (None, 1.0, {"solved": True})
+    finally:
+        pool.close()

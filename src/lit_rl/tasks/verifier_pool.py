@@ -216,6 +216,13 @@ class _Worker:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def holds(self) -> str | None:
+        """The key the worker holds once the messages sent to it are through: the pending setup's, else its
+        own. A worker whose answer to another key's setup is still on its way holds that key, not ``key``: a
+        call sent now would run the other key's functions."""
+        return self.loading if self.loading is not None else self.key
+
     def kill(self) -> None:
         """SIGKILL the process and reap it (nothing of it is left computing)."""
         try:
@@ -295,10 +302,10 @@ class VerifierPool:
                 for w in self._workers:
                     if w.job is not None:
                         continue
-                    if w.key != key and w.loading != key:  # also a fresh replacement: it loads while others work
+                    if w.holds != key:  # also a fresh replacement: it loads while others work
                         w.conn.send(("setup", key, file, log))
                         w.loading, w.setup_deadline = key, now + SETUP_TIMEOUT_S
-                    elif w.key == key and pending:
+                    elif w.key == key and w.loading is None and pending:
                         w.job = pending.popleft()
                         index, args, kwargs = jobs[w.job]
                         w.conn.send(("call", index, args, kwargs))
@@ -353,12 +360,12 @@ class VerifierPool:
             while len(self._workers) < self.num_workers:
                 self._workers.append(_Worker())
             deadline = time.monotonic() + timeout_s
-            while any(w.key != key for w in self._workers):
+            while any(w.key != key or w.loading is not None for w in self._workers):
                 for w in self._workers:
-                    if w.key != key and w.loading != key:
+                    if w.holds != key:
                         w.conn.send(("setup", key, file, log))
                         w.loading = key
-                loading = [w for w in self._workers if w.key != key]
+                loading = [w for w in self._workers if w.key != key or w.loading is not None]
                 ready = wait([w.conn for w in loading], timeout=max(0.0, deadline - time.monotonic()))
                 for w in loading:
                     if w.conn not in ready:
