@@ -18,10 +18,40 @@ from lit_rl.rollout.environments import (
     template_states_tools,
     tool_schema,
     tool_system_prompt,
+    well_formed_guess,
 )
-from lit_rl.rollout.multiturn import Episode, MultiTurnLimits, _env_steps
+from lit_rl.rollout.multiturn import Episode, MultiTurnLimits, _env_steps, episode_metrics
 from lit_rl.tasks.base import Example
 from lit_rl.tasks.verifier_pool import VerifierPool
+
+
+def test_the_games_own_outcome_is_logged_apart_from_the_shaped_reward(pool):
+    """rollout/solved_rate counts the episodes the environment said solved; the format reward moves the episode's
+    reward (rollout.episode_reward=last) but never the solved rate. Four games, secret 14, format reward 0.25,
+    stepped in the pool turn by turn: a well-formed wrong guess then the right one (solved, reward 1); two
+    well-formed wrong guesses (0.25); a rambling wrong guess then a turn cut before its step (None, None: the
+    verifier's 0); one cut turn, never stepped. Solved rate 1/4, turns 7/4."""
+    env = GuessNumberEnvironment(high=20, format_reward=0.25)
+    games = [["7", "14"], ["7", "15"], ["maybe 7?", None], [None]]
+    eps = episodes_after(["" for _ in games])
+    for turn in range(2):
+        stepped = []
+        for ep, game in zip(eps, games):
+            if turn >= len(game):
+                continue
+            ep.turns.append((0, 1))
+            if game[turn] is None:
+                ep.rewards.append(None)  # a turn cut at max_new_tokens: the collector does not step it
+            else:
+                ep.messages[-1] = {"role": "assistant", "content": game[turn]}
+                stepped.append(ep)
+        _env_steps(pool, env, "test-guess-steps", stepped, MultiTurnLimits(step_timeout_s=10.0))
+    assert [ep.solved for ep in eps] == [True, False, False, None]
+    assert [ep.rewards for ep in eps] == [[0.25, 1.0], [0.25, 0.25], [None, None], [None]]
+    assert [ep.score(0.0, "last") for ep in eps] == [1.0, 0.25, 0.0, 0.0]
+    metrics = episode_metrics(eps)
+    assert metrics["rollout/solved_rate"] == 0.25 and metrics["rollout/num_turns_mean"] == 1.75
+    assert "rollout/solved_rate" not in episode_metrics(eps[3:])  # no step said either way
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +127,26 @@ def test_guess_number_answers_higher_lower_and_rewards_the_right_guess():
     state = {"example": {"answer": "13"}, "turn": 0}
     assert env.step(state, "I guess 7")[0] == [{"role": "user", "content": "7 is wrong: higher."}]
     assert env.step(state, "maybe 15?")[0] == [{"role": "user", "content": "15 is wrong: lower."}]
-    assert env.step(state, "13") == (None, 1.0, {})
-    assert env.step(state, "no idea") == (None, 0.0, {})
+    assert env.step(state, "13") == (None, 1.0, {"solved": True})
+    assert env.step(state, "no idea") == (None, 0.0, {"solved": False})
+    assert env.step(state, "7")[1:] == (None, {"solved": False})  # no format reward by default
+
+
+def test_guess_number_format_reward_goes_to_a_wrong_guess_that_is_one_integer_alone():
+    env = GuessNumberEnvironment(high=20, format_reward=0.25)
+    state = {"example": {"answer": "13"}, "turn": 0}
+    for well_formed in ("7", " 7.", "**15**", "15!\n", "(7)"):
+        assert well_formed_guess(well_formed)
+        assert env.step(state, well_formed)[1:] == (0.25, {"solved": False}), well_formed
+    for rambling in ("I guess 7", "7 or 8", "7, 8", "7.5", "Is it 15?"):
+        assert not well_formed_guess(rambling)
+        assert env.step(state, rambling)[1:] == (None, {"solved": False}), rambling
+    assert not well_formed_guess("") and not well_formed_guess("seven")
+    # the right guess scores 1 however it is written; a turn without a number 0, both end the episode
+    assert env.step(state, "13") == env.step(state, "It is 13") == (None, 1.0, {"solved": True})
+    assert env.step(state, "hmm.") == (None, 0.0, {"solved": False})
+    with pytest.raises(ValueError, match=r"task.format_reward=1.0 must be in \[0, 1\)"):
+        GuessNumberEnvironment(format_reward=1.0)
 
 
 def test_steps_run_in_the_pool_a_hanging_tool_is_cut_and_errors_are_observations(pool):

@@ -45,6 +45,10 @@ def test_calculator_problems_take_two_steps_and_their_answers_are_right():
         (["task.tools=[multiturn_tools:explode,multiturn_tools:explod]"], r"task.tools: .*has no function 'explod'"),
         # the reward built-ins are no tools: `math` loaded the math verifier and failed later on its docstring
         (["task=calculator", "task.tools=[math]"], r"task.tools: 'math' is not of the form 'module:function' /"),
+        (["task=guess_number", "task.format_reward=1"], r"task.format_reward=1 is not allowed: .* and < 1 "),
+        (["task=guess_number", "task.format_reward=-0.1"], r"task.format_reward=-0.1 is not allowed: must be a"),
+        (["task=calculator", "task.format_reward=-1"], r"task.format_reward=-1 is not allowed: must be a finite"),
+        (["task=guess_number", "task.high=1"], r"task.high=1 is not allowed: must be an integer >= 2"),
         (["task.environment=foo"], r"task.environment: 'foo' is not of the form 'module:class' / 'file.py:class'$"),
     ],
 )

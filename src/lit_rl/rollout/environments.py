@@ -9,7 +9,8 @@ An environment turns an example into a conversation and answers each model turn:
 ``step`` gets the episode's ``state`` (a dict: ``example`` (``Example.as_dict()``), ``turn`` (0-based index of the
 model turn just ended), ``rewards`` (the per-turn rewards so far), and whatever the environment keeps there) and
 the model turn's text; it returns the observation messages to append (None: the episode is over), the turn's
-reward (None: none) and an info dict (``tool_calls``, ``tool_errors``: counts, summed into the rollout metrics).
+reward (None: none) and an info dict (``tool_calls``, ``tool_errors``: counts, summed into the rollout metrics;
+``solved``: the environment's own verdict on the episode, when it has one, ``rollout/solved_rate``).
 The episode's reward is the last reward given, or the task's verifier on the last model turn when none was
 (per-turn rewards are kept for the logs).
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,7 @@ __all__ = [
     "tool_system_prompt",
     "template_states_tools",
     "GuessNumberEnvironment",
+    "well_formed_guess",
     "add",
     "mul",
 ]
@@ -327,12 +330,21 @@ class GuessNumberEnvironment(Environment):
     """Guess-the-number (``task=guess_number``): a secret integer in [1, ``high``], drawn from the example's
     answer; each model turn's last integer is a guess, answered "higher" / "lower", reward 1 on the right guess
     (which ends the episode), 0 on a turn without a number (which ends it too), else no reward until the
-    episode runs out of turns (its reward is then 0: the task's verifier sees no correct guess)."""
+    episode runs out of turns (its reward is then 0: the task's verifier sees no correct guess).
 
-    def __init__(self, high: int = 20):
+    ``format_reward`` (``task.format_reward``, 0 = off): the reward of a wrong guess that is well formed
+    (``well_formed_guess``), so that under ``rollout.episode_reward=last`` an episode that ends on one scores it
+    (the right guess scores 1 however it is written). Only turns that ended on their stop token reach ``step``
+    (a turn cut at ``sampling.max_new_tokens`` ends its episode unstepped), so only those can earn it.
+    Every step's info says ``solved`` (the right guess: the game's own 0/1 outcome, ``rollout/solved_rate``).
+    """
+
+    def __init__(self, high: int = 20, format_reward: float = 0.0):
         if int(high) < 2:
             raise ValueError(f"task.high={high!r} must be >= 2")
-        self.high = int(high)
+        if not 0.0 <= float(format_reward) < 1.0:
+            raise ValueError(f"task.format_reward={format_reward!r} must be in [0, 1)")
+        self.high, self.format_reward = int(high), float(format_reward)
 
     def reset(self, example: Example) -> list[dict]:
         return [{"role": "user", "content": guess_prompt(self.high)}]
@@ -340,12 +352,24 @@ class GuessNumberEnvironment(Environment):
     def step(self, state: dict, model_turn: str) -> tuple[list[dict] | None, float | None, dict]:
         numbers = re.findall(r"-?\d+", model_turn)
         if not numbers:
-            return None, 0.0, {}
+            return None, 0.0, {"solved": False}
         guess, secret = int(numbers[-1]), int(state["example"]["answer"])
         if guess == secret:
-            return None, 1.0, {}
+            return None, 1.0, {"solved": True}
         hint = "higher" if guess < secret else "lower"
-        return [{"role": "user", "content": f"{guess} is wrong: {hint}."}], None, {}
+        reward = self.format_reward if self.format_reward and well_formed_guess(model_turn) else None
+        return [{"role": "user", "content": f"{guess} is wrong: {hint}."}], reward, {"solved": False}
+
+
+#: what may surround a well-formed guess: ASCII whitespace and punctuation
+GUESS_SURROUND = string.whitespace + string.punctuation
+
+
+def well_formed_guess(model_turn: str) -> bool:
+    """Whether a model turn's text (decoded without its stop token) is one guess and nothing else: stripped of
+    ASCII whitespace and punctuation at both ends, it is one run of ASCII digits. "7", " 7.", "**12**" and "-3"
+    (a sign is punctuation) are; "I guess 7", "7 or 8", "7, 8" and "" are not."""
+    return re.fullmatch(r"[0-9]+", model_turn.strip(GUESS_SURROUND)) is not None
 
 
 def guess_prompt(high: int) -> str:

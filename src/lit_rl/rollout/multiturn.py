@@ -86,6 +86,7 @@ class Episode:
     finish: str = ""
     tool_calls: int = 0
     tool_errors: int = 0
+    solved: bool | None = None  # the environment's own verdict (its info's ``solved``), None: it gave none
     pending: list[dict] | None = None  # the last step's observation (None: the episode is over)
 
     def add_model_turn(self, ids: list[int], logprobs: list[float], head: list, tokenizer, turn: int) -> None:
@@ -216,6 +217,8 @@ def _env_steps(pool, env: Environment, key: str, episodes: list[Episode], limits
             ep.state, obs, reward, info = out.value
             ep.tool_calls += int(info.get("tool_calls", 0))
             ep.tool_errors += int(info.get("tool_errors", 0))
+            if "solved" in info:
+                ep.solved = bool(ep.solved) or bool(info["solved"])
         else:  # a hanging or crashing step is an observation, counted
             what = f"timed out after {limits.step_timeout_s:g} s" if out.status == "timeout" else out.message
             obs, reward = [{"role": role, "content": f"error: the tool call failed: {what}"}], None
@@ -360,16 +363,21 @@ def _as_rollouts(episodes: list[Episode], k: int, version: int, pad_id: int) -> 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     """``rollout/num_turns_mean``, ``rollout/tool_calls_mean`` (per episode), ``rollout/tool_errors`` (summed) and
-    ``rollout/env_token_fraction`` (environment tokens over all response tokens) of a batch of episodes."""
+    ``rollout/env_token_fraction`` (environment tokens over all response tokens) of a batch of episodes; and
+    ``rollout/solved_rate``, the share of episodes whose environment said ``solved`` (an episode it never
+    stepped, or that it never said solved, counts as not solved), when any of the batch's steps said either."""
     n = max(len(episodes), 1)
     env_tokens = sum(len(ep.is_model) - sum(ep.is_model) for ep in episodes)
     total = sum(len(ep.is_model) for ep in episodes)
-    return {
+    metrics = {
         "rollout/num_turns_mean": sum(len(ep.turns) for ep in episodes) / n,
         "rollout/tool_calls_mean": sum(ep.tool_calls for ep in episodes) / n,
         "rollout/tool_errors": float(sum(ep.tool_errors for ep in episodes)),
         "rollout/env_token_fraction": env_tokens / total if total else 0.0,
     }
+    if any(ep.solved is not None for ep in episodes):
+        metrics["rollout/solved_rate"] = sum(bool(ep.solved) for ep in episodes) / n
+    return metrics
 
 
 def episode_record(ep: Episode) -> dict[str, Any]:
@@ -381,4 +389,5 @@ def episode_record(ep: Episode) -> dict[str, Any]:
         "finish": ep.finish,
         "tool_calls": ep.tool_calls,
         "tool_errors": ep.tool_errors,
+        **({"solved": ep.solved} if ep.solved is not None else {}),
     }

@@ -3,13 +3,14 @@ what scores a completion."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
-from .base import Number, Problems, is_int, is_number, rule
+from .base import Number, Problems, int_rule, is_int, is_number, rule
 
 
 @dataclass
@@ -77,6 +78,11 @@ class CalculatorConfig(TaskConfig):
     format_reward: Number = 0.0
     own_environment: ClassVar[bool] = True
 
+    def problems(self, run) -> Problems:
+        """Beyond the base's: ``format_reward`` is a number >= 0."""
+        yield from super().problems(run)
+        yield from format_reward_rule(self.format_reward)
+
 
 @dataclass
 class GuessNumberConfig(TaskConfig):
@@ -87,7 +93,26 @@ class GuessNumberConfig(TaskConfig):
     high: int = 20
     num_train: int = 10000
     num_eval: int = 200
+    #: reward of a wrong guess that is well formed (one integer, nothing else but whitespace and punctuation,
+    #: the turn ended by its stop token: ``rollout.environments.well_formed_guess``), logged per turn; 0 = off.
+    #: The right guess gets 1 however it is written
+    format_reward: Number = 0.0
     own_environment: ClassVar[bool] = True
+
+    def problems(self, run) -> Problems:
+        """Beyond the base's: ``high`` >= 2, ``format_reward`` a number in [0, 1) (below the right guess's 1,
+        which ``rollout.episode_reward=last`` takes as the solved episode's reward)."""
+        yield from super().problems(run)
+        yield from int_rule(self.high, "task.high", 2)
+        yield from format_reward_rule(self.format_reward, below=1.0)
+
+
+def format_reward_rule(value, below: float | None = None) -> Problems:
+    """The problem unless ``task.format_reward`` is a number >= 0 (and < ``below`` when given)."""
+    ok = is_number(value) and math.isfinite(value) and value >= 0 and (below is None or value < below)
+    bound = f" and < {below:g} (the right guess's reward)" if below is not None else ""
+    allowed = f"must be a finite number >= 0{bound}"
+    yield from rule(ok, "task.format_reward", value, allowed)
 
 
 @dataclass

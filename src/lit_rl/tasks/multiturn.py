@@ -67,7 +67,9 @@ class CalculatorTask(Task):
 
 class GuessNumberTask(Task):
     """Guess an integer in [1, ``high``] (``GuessNumberEnvironment``): several turns, "higher" / "lower" after each
-    wrong guess; reward 1 for the right guess. The secrets are drawn from ``seed`` (eval: ``f"{seed}:eval"``).
+    wrong guess; reward 1 for the right guess, ``format_reward`` for a wrong one that is one integer alone
+    (``rollout.environments.well_formed_guess``). Raises ValueError for ``high`` < 2 or ``format_reward``
+    outside [0, 1). The secrets are drawn from ``seed`` (eval: ``f"{seed}:eval"``).
     The verifier (``reward``): the last integer of the final turn equals the secret."""
 
     name = "guess_number"
@@ -79,11 +81,14 @@ class GuessNumberTask(Task):
         num_eval: int = 200,
         high: int = 20,
         answer_format: str = "flexible",
+        format_reward: float = 0.0,
     ):
         self.answer_format = check_answer_format(answer_format)  # (the guess is the turn's last integer either way)
         if int(high) < 2:
             raise ValueError(f"task.high={high!r} must be >= 2")
-        self.high = int(high)
+        if not 0.0 <= float(format_reward) < 1.0:
+            raise ValueError(f"task.format_reward={format_reward!r} must be in [0, 1)")
+        self.high, self.format_reward = int(high), float(format_reward)
         from ..rollout.environments import guess_prompt
 
         text = guess_prompt(self.high)
@@ -102,7 +107,7 @@ class GuessNumberTask(Task):
         return 1.0 if numbers and numbers[-1] == ex.answer else 0.0
 
     def environment(self, max_tool_calls: int = 4):
-        """The ``GuessNumberEnvironment`` of this range (no tools)."""
+        """The ``GuessNumberEnvironment`` of this range and ``format_reward`` (no tools)."""
         from ..rollout.environments import GuessNumberEnvironment
 
-        return GuessNumberEnvironment(self.high)
+        return GuessNumberEnvironment(self.high, self.format_reward)
