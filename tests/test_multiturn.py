@@ -312,6 +312,84 @@ def test_vllm_serves_each_turn_as_a_request_with_the_episodes_whole_ids(tiny_pol
     assert (scores.logprobs - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-4
 
 
+class CountingCache:
+    """The vLLM engine, with the prompt tokens each ``generate`` took from vLLM's prefix cache kept."""
+
+    def __init__(self, engine):
+        self.engine, self.cached = engine, []
+        self.stop_token_ids, self.pad_token_id = engine.stop_token_ids, engine.pad_token_id
+
+    def generate(self, prompts, params, seeds):
+        out = self.engine.generate(prompts, params, seeds)
+        self.cached.append(self.engine.last_cached_tokens)
+        return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_prefix_caching_serves_later_turns_from_the_cache_and_a_weight_sync_empties_it(tiny_policy):
+    """engine.prefix_caching (on for multi-turn runs): a later turn's request, the episode's whole ids, takes the
+    prompt's full blocks (128 tokens on CPU) from the cache, its tokens still scored by the float32 trainer within
+    1e-4 nats; after a weight sync nothing cached under the older weights is reused."""
+    pytest.importorskip("vllm")
+    from lit_rl.rollout.vllm_engine import VLLMEngine
+
+    policy, tok = tiny_policy
+    engine = VLLMEngine(
+        policy, tok.pad_token_id, HALF_VOCAB, dtype="float32", kv_cache_gb=0.25, max_model_len=1024,
+        prefix_caching=True,
+    )  # fmt: skip
+    examples = [Example(i // 2, f"question {i // 2}: " + "tell me more " * 60, "1") for i in range(4)]
+    prompts = [first_prompt(tok, ex.question) for ex in examples]
+    assert all(len(p) > 128 for p, _ in prompts)
+    try:
+        engine.sync_weights(0)
+        counting = CountingCache(engine)
+        r, episodes = collect_episodes(
+            counting,
+            tok,
+            CountingEnvironment(3),
+            examples,
+            [p for p, _ in prompts],
+            [m for _, m in prompts],
+            SamplingConfig(max_new_tokens=6, temperature=1.0),
+            [0, 1, 2, 3],
+            MultiTurnLimits(max_turns=3, max_total_tokens=600),
+            shared_pool(2),
+            "test-multiturn-vllm-cache",
+        )
+        engine.sync_weights(1)  # the same weights, a new version: the cache is emptied all the same
+        # one row per prompt (two rows of one prompt in one call may share the first one's blocks)
+        engine.generate([prompts[0][0], prompts[2][0]], SamplingConfig(max_new_tokens=2), [0, 2])
+        after_sync = engine.last_cached_tokens
+    finally:
+        engine.close()
+    assert [len(ep.turns) for ep in episodes] == [3] * 4
+    assert all(cached >= 4 * 128 for cached in counting.cached[1:]), counting.cached  # every row: >= one block
+    assert after_sync == 0
+    prompt, pmask = left_pad(r.prompt_ids, tok.pad_token_id)
+    with torch.no_grad():
+        scores = response_logprobs(policy, prompt, pmask, r.response_ids, r.response_mask, env_mask=r.env_mask)
+    assert (scores.logprobs - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-4
+
+
+def test_vllm_prefix_caching_is_on_for_multi_turn_runs_only():
+    """engine.prefix_caching=auto resolves at start-up: on for a multi-turn task, off for a single-turn one; an
+    explicit value is kept; anything but auto / true / false is refused naming the field."""
+    from lit_rl.config import ConfigError, check_vllm_engine
+    from lit_rl.run.resolve import resolve_engine
+
+    for task, expected in (("calculator", True), ("guess_number", True), ("arithmetic", False)):
+        cfg = compose_config("engine=vllm", f"task={task}")
+        resolve_engine(cfg)
+        assert cfg.engine.prefix_caching is expected, task
+    cfg = compose_config("engine=vllm", "task=calculator", "engine.prefix_caching=false")
+    resolve_engine(cfg)
+    assert cfg.engine.prefix_caching is False
+    with pytest.raises(ConfigError, match=r"engine.prefix_caching='yes' is not allowed: choose auto, true or false"):
+        check_vllm_engine(compose_config("engine=vllm", "engine.prefix_caching=yes"))
+
+
 def test_ppo_puts_an_episodes_reward_on_its_last_model_token(tiny_policy):
     """PPO's token rewards: the episode's reward on its last model token (not at index "model tokens - 1", which
     lies inside an episode whose environment tokens sit between turns); with γ = λ = 1, a zero critic (its head

@@ -594,6 +594,8 @@ def check_vllm_engine(cfg: DictConfig) -> None:
             value,
             "needs a CUDA device (vLLM's CPU build has no sleep mode and no CUDA graphs); use auto or false",
         )
+    value = e.get("prefix_caching", "auto")
+    _check(value in ("auto", True, False), "engine.prefix_caching", value, "choose auto, true or false")
     _check_int(e.tensor_parallel_size, "engine.tensor_parallel_size", 1)
     _check(
         e.tensor_parallel_size == 1 or not e.in_process,

@@ -98,6 +98,7 @@ def build_vllm_engine(
         int8_roundtrip=bool(cfg.int8_roundtrip),
         seed=int(cfg.seed),
         temperature_offset=float(cfg.temperature_offset),
+        prefix_caching=cfg.prefix_caching is True,
     )
 
 

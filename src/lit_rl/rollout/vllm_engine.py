@@ -150,6 +150,9 @@ class VLLMEngine(InFlightSwaps):
             ``tensor_parallel_size == 1``.
         int8_roundtrip: mismatch injection: matrices go through a per-row int8 round trip at each sync.
         seed: the engine's global seed (each request still carries its own seed).
+        prefix_caching: vLLM's prefix caching (``engine.prefix_caching``, on for multi-turn runs): a request whose
+            ids begin with blocks an earlier request of the same weights computed reuses their keys and values;
+            ``sync_weights`` empties the cache.
         temperature_offset: mismatch dial δ (``engine.temperature_offset``): sampling requests (T > 0) run at
             T + δ, and the processed log-probs and top-k returned are those of T + δ, while the trainer scores
             at T. (``engine.logit_noise`` is not wired here: it would need a vLLM logits processor that draws
@@ -185,6 +188,7 @@ class VLLMEngine(InFlightSwaps):
         int8_roundtrip: bool = False,
         seed: int = 0,
         temperature_offset: float = 0.0,
+        prefix_caching: bool = False,
     ):
         import importlib.util
 
@@ -209,6 +213,7 @@ class VLLMEngine(InFlightSwaps):
             cuda_graphs=cuda_graphs,
             in_process=in_process,
             seed=seed,
+            prefix_caching=bool(prefix_caching),
         )
         self.int8_roundtrip = int8_roundtrip
         self.temperature_offset = float(temperature_offset)  # mismatch dial: sample at T + offset (T > 0 only)
@@ -227,6 +232,7 @@ class VLLMEngine(InFlightSwaps):
         self.last = GenerationStats()
         self.start_seconds = 0.0
         self.sync_seconds = 0.0
+        self.last_cached_tokens: int | None = None
 
     # -- life cycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -252,7 +258,7 @@ class VLLMEngine(InFlightSwaps):
             enable_sleep_mode=o["sleep_mode"],
             max_logprobs=o["max_logprobs"],
             logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
+            enable_prefix_caching=o["prefix_caching"],
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
         )
         if o["kv_cache_gb"] is not None:
@@ -372,6 +378,13 @@ class VLLMEngine(InFlightSwaps):
             self.llm.collective_rpc("lit_rl_reload_from_file", args=(str(path),))
             path.unlink()
         self.version = version
+        # no request may reuse keys and values the older weights wrote (with requests running, as between two
+        # in-flight steps, vLLM cannot empty the cache: refused rather than silently stale)
+        if self.options["prefix_caching"] and not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM could not empty its prefix cache at a weight sync (requests were still running, as with "
+                "rollout.weight_update=in_flight): set engine.prefix_caching=false"
+            )
         # vLLM's own label of the weights: each output token records the label of the step that sampled it
         # (``CompletionOutput.weight_versions``), which the in-flight step loop reads back as token versions
         self.llm.llm_engine.set_weight_version(str(version))
@@ -431,11 +444,13 @@ class VLLMEngine(InFlightSwaps):
             for s in seeds
         ]
         self._swaps = [0, 0.0]
+        self.last_cached_tokens = None  # prompt tokens the last call took from the prefix cache (None: not counted)
         if self.between_steps is None:
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests, use_tqdm=False
             )
             completions = [o.outputs[0] for o in outputs]
+            self.last_cached_tokens = sum(int(o.num_cached_tokens or 0) for o in outputs)
         else:
             completions = self._step_by_step(prompts, requests)
         version_before = self.version if not self._swaps[0] else None

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..rollout.engines import on_cuda, resolve_auto
+from ..schema import option_schema
 from .callbacks import AdaptiveThreads, adaptive_threads
 from .hardware import (
     auto_threads,
@@ -28,9 +29,9 @@ def resolve_engine(cfg: DictConfig) -> None:
     head_dim as vLLM builds it fits, ``model_checks.vllm_refusal``: >= 32 on CPU, and equal to the config's for
     the architectures vLLM derives it for) or torch (printed, with the reason); vLLM's ``dtype: null``
     becomes bfloat16 under a bf16 trainer precision (``auto`` resolved as ``resolve_hardware`` does), else
-    ``model.dtype``, and its ``kv_cache_gb: null``
-    1 GiB on CPU; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model vLLM cannot
-    run (``vllm_refusal``), before any weight loads."""
+    ``model.dtype``, its ``kv_cache_gb: null`` 1 GiB on CPU, and its ``prefix_caching: auto`` on for a
+    multi-turn task, else off; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model
+    vLLM cannot run (``vllm_refusal``), before any weight loads."""
     with open_dict(cfg):
         refusal = vllm_refusal(cfg.model, on_cuda()) if cfg.engine.name in ("auto", "vllm") else None
         if cfg.engine.name == "auto":
@@ -44,6 +45,12 @@ def resolve_engine(cfg: DictConfig) -> None:
             cfg.engine.dtype = "bfloat16" if str(precision).startswith("bf16") else cfg.model.dtype
         if cfg.engine.name == "vllm" and cfg.engine.kv_cache_gb is None and not on_cuda():
             cfg.engine.kv_cache_gb = 1.0  # on CPU vLLM would otherwise reserve a fraction of all RAM
+        if cfg.engine.name == "vllm" and cfg.engine.get("prefix_caching", "auto") in (None, "auto"):
+            # a multi-turn episode's later turns are requests that repeat its whole ids: cached, they are not
+            # prefilled again (docs/environments.md); a single-turn run gains little and keeps it off
+            task = cfg.task
+            own = getattr(option_schema("task", task.get("name")), "own_environment", False)
+            cfg.engine.prefix_caching = bool(own or task.get("environment") or task.get("tools"))
         cfg.engine.seed = cfg.seed
 
 

@@ -81,6 +81,9 @@ class VLLMEngineConfig(EngineConfig):
     cuda_graphs: Any = "auto"
     #: engine core in the training process: weights handed over by reference
     in_process: bool = True
+    #: vLLM's prefix caching: auto (on for a multi-turn task, whose later turns repeat their episode's ids; off
+    #: otherwise) | true | false; the cache is emptied at every weight sync (no KV of older weights is reused)
+    prefix_caching: Any = "auto"
 
 
 @dataclass
