@@ -78,8 +78,8 @@ LORA = ["model.lora.r=4", "algo=reinforce", "algo.baseline=none", "task.constant
 CONFIGS = {"grpo_2_steps": RUN, "lora_2_steps": RUN + LORA}
 #: stage name -> (command after the python, timeout in seconds): <= 5 minutes in all
 STAGES = {
-    "gpu_tests": (["-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-rA"], 180),
-    "timings": (["scripts/gpu_timings.py"], 110),
+    "gpu_tests": (["-m", "pytest", "-q", "-s", "-m", "gpu", "tests/test_gpu.py", "-rA"], 170),
+    "timings": (["scripts/gpu_timings.py"], 100),
 }
 
 
@@ -295,6 +295,9 @@ def write_report(folder: Path, report: dict) -> None:
             "```",
             "",
         ]
+    for part in ("gpu_tests", "timings"):
+        if part in report:
+            md += [f"## figures: {part}", "", "```json", json.dumps(report[part], indent=2), "```", ""]
     (folder / "report.md").write_text("\n".join(md))
 
 
@@ -338,9 +341,9 @@ def device_run(folder: Path) -> int:
             "command": " ".join(["python", *args]),
             "tail": out[-6000:],
         }
-        timings = folder / "timings.json"
-        if name == "timings" and timings.is_file():
-            report["timings"] = json.loads(timings.read_text())
+        for part in ("gpu_tests", "timings"):  # the figures the stages wrote (tests/test_gpu.py's report())
+            if (folder / f"{part}.json").is_file():
+                report[part] = json.loads((folder / f"{part}.json").read_text())
         write_report(folder, report)
         worst = worst or rc
     return worst

@@ -4,6 +4,10 @@ CUDA. The wheels folder itself is checked by ``scripts/gpu_check.sh --dry-run`` 
 import ast
 import importlib
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -93,3 +97,38 @@ def test_without_cuda_every_gpu_test_is_marked_gpu_and_skipped_with_a_reason():
     assert "gpu" in marks
     skip = marks["skipif"]
     assert skip.args == (True,) and "CUDA" in skip.kwargs["reason"]
+
+
+def test_the_report_names_the_machine_each_stage_and_the_figures(check, tmp_path):
+    report = {
+        "started": "2026-12-02 17:00 UTC",
+        "command": "scripts/gpu_check.sh out",
+        "machine": {"gpu": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "python": "3.12.3", "host": "h"},
+        "stages": {
+            "gpu_tests": {"rc": 0, "seconds": 61.2, "timeout_s": 170, "command": "python -m pytest", "tail": "7 passed"}
+        },
+        "gpu_tests": {"precision_auto": "bf16-mixed"},
+    }
+    check.write_report(tmp_path, report)
+    md = (tmp_path / "report.md").read_text()
+    assert "GPU: NVIDIA H200; torch 2.11.0, CUDA 13.0, Python 3.12.3" in md
+    assert "## gpu_tests: rc 0 in 61 s (timeout 170 s)" in md and "7 passed" in md
+    assert '"precision_auto": "bf16-mixed"' in md
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+
+
+def test_the_stages_fit_five_minutes(check):
+    assert sum(timeout for _, timeout in check.STAGES.values()) <= 300 - 20  # 20 s for installing the wheels
+
+
+@pytest.mark.slow
+def test_the_timing_stage_runs_on_cpu_at_the_smoke_layout(tmp_path):
+    """scripts/gpu_timings.py --smoke (~90 s on 2 cores): the timing code end to end on CPU, tiny layout."""
+    env = {**os.environ, "GPU_CHECK_REPORT": str(tmp_path)}
+    subprocess.run([sys.executable, f"{ROOT}/scripts/gpu_timings.py", "--smoke"], env=env, check=True, timeout=600)
+    result = json.loads((tmp_path / "timings.json").read_text())
+    assert result["smoke"] and sorted(result["models"]) == ["Qwen3-0.6B-shaped", "SmolLM2-135M"]
+    for m in result["models"].values():
+        assert m["generated_tokens"] == 2 * 2 * 8  # no stop token: every completion runs to max_new_tokens
+        assert m["step_s"] == pytest.approx(m["rollout_s"] + m["update_s"]) and 0 < m["mfu_vs_nominal"]
+    assert result["trl_grpo_trainer"].startswith("not written")
