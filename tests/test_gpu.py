@@ -147,7 +147,7 @@ def test_the_shared_prefix_update_on_cuda_equals_the_unshared_one(tiny_cuda):
 
     policy, tok = tiny_cuda
     torch.backends.cuda.matmul.allow_tf32 = False
-    module = build_module(cfg_for("grpo"), policy, tok)
+    module = build_module(cfg_for("grpo"), policy, tok).cuda()  # the module's device: where build_batch puts rows
     dm = RolloutDataModule(UnevenPromptsTask(), tok, 4, G, seed=1, eval_examples=0)
     scored = dm.collect(module.engine, dm.prompts_for(0), module.sampling, step=0)
     scored.rewards = torch.arange(16, dtype=torch.float32) % 3
