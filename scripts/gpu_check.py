@@ -78,8 +78,8 @@ LORA = ["model.lora.r=4", "algo=reinforce", "algo.baseline=none", "task.constant
 CONFIGS = {"grpo_2_steps": RUN, "lora_2_steps": RUN + LORA}
 #: stage name -> (command after the python, timeout in seconds): <= 5 minutes in all
 STAGES = {
-    "gpu_tests": (["-m", "pytest", "-q", "-s", "-m", "gpu", "tests/test_gpu.py", "-rA"], 170),
-    "timings": (["scripts/gpu_timings.py"], 100),
+    "gpu_tests": (["-m", "pytest", "-q", "-s", "-m", "gpu", "tests/test_gpu.py", "-rA"], 160),
+    "timings": (["scripts/gpu_timings.py"], 110),
 }
 
 

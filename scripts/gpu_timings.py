@@ -9,8 +9,8 @@ For SmolLM2-135M and a Qwen3-0.6B-shaped model (their configs below): rollout to
 the update's seconds and perf/mfu (verl's FLOP count, lit_rl.run.flops) against the GPU's nominal peak and
 against a bf16 matmul measured there (8192^3), and seconds per step (rollout + update). The update is one
 policy-gradient step over the 64 sequences in micro-batches of 16 (response_logprobs, backward, AdamW): the
-trainer's forward and backward, not the whole recipe (no reference, no verifier). TRL's GRPOTrainer on the
-same work: not written yet (listed so in the report).
+trainer's forward and backward, not the whole recipe (no reference, no verifier). Then TRL's GRPOTrainer on
+SmolLM2-135M's shape at the same layout (``trl_step``: transformers' generate, TRL without vLLM).
 """
 
 from __future__ import annotations
@@ -170,6 +170,71 @@ def time_model(name: str, kind: str, fields: dict, peaks: dict) -> dict:
     return out
 
 
+def trl_step(fields: dict) -> dict:
+    """TRL's GRPOTrainer on the same layout and the same random-initialised SmolLM2-135M shape: two steps, the
+    second's figures. Generation is transformers' ``generate`` (TRL without vLLM), bf16 autocast (``bf16=True``),
+    no KL, one update per batch, micro-batches of MICRO; prompts are PROMPT_LEN random tokens, decoded to text
+    (TRL takes text prompts), rewards random. TRL stops a completion at the end-of-text token, which a random
+    model rarely samples: the generated token count is reported beside the times."""
+    import tempfile
+
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_rl.models import SMOLLM2_ID, load_tokenizer
+
+    tok = load_tokenizer(SMOLLM2_ID)
+    config = transformers.LlamaConfig(**fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(0)
+    texts = [tok.decode(torch.randint(0, len(tok), (PROMPT_LEN,), generator=gen)) for _ in range(2 * PROMPTS)]
+    rewards = torch.Generator().manual_seed(1)
+    times: dict[str, list[float]] = {"step": [], "rollout": [], "tokens": []}
+
+    def reward(prompts, completions, **kwargs):
+        return torch.rand(len(completions), generator=rewards).tolist()
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, use_cpu=SMOKE, bf16=True, per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=PROMPTS * G // MICRO, num_generations=G, max_completion_length=NEW_TOKENS,
+            temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, learning_rate=1e-6, max_steps=2,
+            logging_steps=1, save_strategy="no", report_to=[], shuffle_dataset=False, seed=0,
+        )  # fmt: skip
+        ds = Dataset.from_list([{"prompt": t} for t in texts])
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok)
+        original = trainer._generate_and_score_completions
+
+        def timed(inputs):
+            t0 = time.perf_counter()
+            result = original(inputs)
+            sync()
+            times["rollout"].append(time.perf_counter() - t0)
+            times["tokens"].append(float(result["completion_mask"].sum()))
+            return result
+
+        trainer._generate_and_score_completions = timed
+
+        class StepTimer(transformers.TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                self.t = time.perf_counter()
+
+            def on_step_end(self, *a, **k):
+                sync()
+                times["step"].append(time.perf_counter() - self.t)
+
+        trainer.add_callback(StepTimer())
+        trainer.train()
+    step, gen_s = times["step"][-1], times["rollout"][-1]
+    out = {"generation": "transformers generate (TRL without vLLM)", "generated_tokens": times["tokens"][-1],
+           "rollout_s": gen_s, "rollout_tokens_per_s": times["tokens"][-1] / gen_s, "update_s": step - gen_s,
+           "step_s": step}  # fmt: skip
+    print("TRL GRPOTrainer SmolLM2-135M", json.dumps(out), flush=True)
+    return out
+
+
 def main() -> int:
     from lit_rl.run.hardware import peak_flops
 
@@ -184,7 +249,7 @@ def main() -> int:
         "peak_tflops": peaks,
         "peak_source": source,
         "models": {},
-        "trl_grpo_trainer": "not written (stage listed, not run)",
+        "trl_grpo_trainer": "not run yet",
     }
     print(json.dumps({k: v for k, v in result.items() if k != "models"}), flush=True)
     folder = os.environ.get("GPU_CHECK_REPORT")
@@ -193,6 +258,19 @@ def main() -> int:
         if folder:  # after each model: a timeout leaves what finished
             with open(os.path.join(folder, "timings.json"), "w") as f:
                 json.dump(result, f, indent=2)
+    try:
+        import trl
+    except ImportError:
+        result["trl_grpo_trainer"] = "trl not installed (scripts/gpu_wheels.txt carries it)"
+    else:
+        try:
+            result["trl_grpo_trainer"] = {"trl": trl.__version__, **trl_step(MODELS["SmolLM2-135M"][1])}
+        except Exception as e:  # noqa: BLE001 - reported; the lit_rl figures above stand
+            result["trl_grpo_trainer"] = f"failed: {type(e).__name__}: {e}"
+    if folder:
+        with open(os.path.join(folder, "timings.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps({"trl_grpo_trainer": result["trl_grpo_trainer"]}), flush=True)
     return 0
 
 

@@ -105,14 +105,14 @@ def test_the_report_names_the_machine_each_stage_and_the_figures(check, tmp_path
         "command": "scripts/gpu_check.sh out",
         "machine": {"gpu": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "python": "3.12.3", "host": "h"},
         "stages": {
-            "gpu_tests": {"rc": 0, "seconds": 61.2, "timeout_s": 170, "command": "python -m pytest", "tail": "7 passed"}
+            "gpu_tests": {"rc": 0, "seconds": 61.2, "timeout_s": 160, "command": "python -m pytest", "tail": "7 passed"}
         },
         "gpu_tests": {"precision_auto": "bf16-mixed"},
     }
     check.write_report(tmp_path, report)
     md = (tmp_path / "report.md").read_text()
     assert "GPU: NVIDIA H200; torch 2.11.0, CUDA 13.0, Python 3.12.3" in md
-    assert "## gpu_tests: rc 0 in 61 s (timeout 170 s)" in md and "7 passed" in md
+    assert "## gpu_tests: rc 0 in 61 s (timeout 160 s)" in md and "7 passed" in md
     assert '"precision_auto": "bf16-mixed"' in md
     assert json.loads((tmp_path / "report.json").read_text()) == report
 
@@ -123,7 +123,7 @@ def test_the_stages_fit_five_minutes(check):
 
 @pytest.mark.slow
 def test_the_timing_stage_runs_on_cpu_at_the_smoke_layout(tmp_path):
-    """scripts/gpu_timings.py --smoke (~90 s on 2 cores): the timing code end to end on CPU, tiny layout."""
+    """scripts/gpu_timings.py --smoke (~90 s on 2 cores, ~100 s with trl): the timing code end to end on CPU."""
     env = {**os.environ, "GPU_CHECK_REPORT": str(tmp_path)}
     subprocess.run([sys.executable, f"{ROOT}/scripts/gpu_timings.py", "--smoke"], env=env, check=True, timeout=600)
     result = json.loads((tmp_path / "timings.json").read_text())
@@ -131,4 +131,5 @@ def test_the_timing_stage_runs_on_cpu_at_the_smoke_layout(tmp_path):
     for m in result["models"].values():
         assert m["generated_tokens"] == 2 * 2 * 8  # no stop token: every completion runs to max_new_tokens
         assert m["step_s"] == pytest.approx(m["rollout_s"] + m["update_s"]) and 0 < m["mfu_vs_nominal"]
-    assert result["trl_grpo_trainer"].startswith("not written")
+    trl = result["trl_grpo_trainer"]  # TRL's GRPOTrainer on the same layout where trl is installed
+    assert trl == "trl not installed (scripts/gpu_wheels.txt carries it)" or trl["generated_tokens"] == 2 * 2 * 8
