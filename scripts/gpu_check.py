@@ -308,6 +308,8 @@ def device_run(folder: Path) -> int:
     site = WORK / "site"
     shutil.rmtree(site, ignore_errors=True)
     wheels = sorted(map(str, WHEELS.glob("*.whl")))
+    if not wheels:
+        sys.exit(f"no wheels in {WHEELS}: run scripts/gpu_check.sh --fetch-wheels first (where PyPI is reachable)")
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", "--target", str(site), *wheels],
         check=True,
@@ -333,7 +335,8 @@ def device_run(folder: Path) -> int:
             p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             rc, out = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired as e:
-            rc, out = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            text = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+            rc, out = 124, "".join(text) + f"\n(timed out after {timeout} s)"
         report["stages"][name] = {
             "rc": rc,
             "seconds": time.perf_counter() - t0,

@@ -5,7 +5,9 @@
 #   scripts/gpu_check.sh <report folder>   # on the GPU machine: install the wheels, run the stages (<= 5 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
-[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+# $PYTHON if set, else the project's .venv, else the machine's python3 (the GPU machine's torch lives there)
+PY="${PYTHON:-}"
+[ -z "$PY" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+[ -z "$PY" ] && PY="$(command -v python3 || command -v python)"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec "$PY" scripts/gpu_check.py "$@"

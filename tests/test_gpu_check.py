@@ -133,3 +133,36 @@ def test_the_timing_stage_runs_on_cpu_at_the_smoke_layout(tmp_path):
         assert m["step_s"] == pytest.approx(m["rollout_s"] + m["update_s"]) and 0 < m["mfu_vs_nominal"]
     trl = result["trl_grpo_trainer"]  # TRL's GRPOTrainer on the same layout where trl is installed
     assert trl == "trl not installed (scripts/gpu_wheels.txt carries it)" or trl["generated_tokens"] == 2 * 2 * 8
+
+
+def probe_wheel(folder):
+    """A real, installable wheel of one module (``gpucheckprobe.VALUE = 7``)."""
+    path = folder / "gpucheckprobe-1.0-py3-none-any.whl"
+    info = "gpucheckprobe-1.0.dist-info"
+    files = {
+        "gpucheckprobe.py": "VALUE = 7\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: gpucheckprobe\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in [*files, f"{info}/RECORD"]))
+    return path
+
+
+def test_the_device_run_installs_the_wheels_and_runs_each_stage_under_its_own_timeout(check, tmp_path, monkeypatch):
+    """The device mode's orchestration on CPU with stand-in stages: the wheels installed into the target and
+    importable beside lit_rl from src/, a stage past its timeout reported as rc 124, the report written."""
+    monkeypatch.setattr(check, "WORK", tmp_path / "work")
+    monkeypatch.setattr(check, "WHEELS", tmp_path / "work" / "wheels")
+    check.WHEELS.mkdir(parents=True)
+    probe_wheel(check.WHEELS)
+    probe = "import gpucheckprobe, lit_rl.config; print('probe', gpucheckprobe.VALUE)"
+    stages = {"probe": (["-c", probe], 60), "hang": (["-c", "import time; time.sleep(60)"], 2)}
+    monkeypatch.setattr(check, "STAGES", stages)
+    assert check.device_run(tmp_path / "out") == 124
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["stages"]["probe"]["rc"] == 0 and "probe 7" in report["stages"]["probe"]["tail"]
+    assert report["stages"]["hang"]["rc"] == 124 and "timed out after 2 s" in report["stages"]["hang"]["tail"]
+    assert (tmp_path / "out" / "report.md").is_file()
