@@ -2,6 +2,7 @@
 
     scripts/gpu_check.sh --fetch-wheels     # here: the wheels of scripts/gpu_wheels.txt + the tokenizer files
     scripts/gpu_check.sh --dry-run          # here (CPU): the list, the wheels, the configs, the size
+    scripts/gpu_check.sh --prove-torch      # here (CPU, several GB from PyPI): fast tests on torch 2.11
     scripts/gpu_check.sh <report folder>    # on the GPU machine: install the wheels, then the stages
 
 The wheels, the tokenizer files and the temporary install live under ``.gpu_check/`` (ignored by git; the device
@@ -221,7 +222,8 @@ def check_configs() -> list[str]:
 
 
 def travelling_bytes() -> tuple[int, int]:
-    """(bytes of the files git tracks or would add, bytes under .gpu_check/): what the device run carries."""
+    """(bytes of the files git tracks or would add, bytes of .gpu_check/wheels and .gpu_check/cache): what the
+    device run carries (not .gpu_check/site nor --prove-torch's .gpu_check/torch211)."""
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT,
@@ -229,7 +231,7 @@ def travelling_bytes() -> tuple[int, int]:
         check=True,
     ).stdout.decode()
     tree = sum((ROOT / f).stat().st_size for f in out.split("\0") if f and (ROOT / f).is_file())
-    carried = sum(p.stat().st_size for p in WORK.rglob("*") if p.is_file() and "site" not in p.parts)
+    carried = sum(p.stat().st_size for d in (WHEELS, CACHE) for p in d.rglob("*") if p.is_file())
     return tree, carried
 
 
@@ -352,15 +354,59 @@ def device_run(folder: Path) -> int:
     return worst
 
 
+#: the tests --prove-torch runs on torch 2.11 (fast ones: the engine, the loss, the config, a tiny recipe run)
+PROOF_TESTS = ["tests/test_engine.py", "tests/test_loss.py", "tests/test_config_errors.py", "tests/test_train.py"]
+
+
+def prove_torch() -> int:
+    """The GPU machine's versions on this CPU: a Python 3.12 virtual environment in .gpu_check/torch211 with
+    PyPI's torch 2.11 (the CUDA build, several GB, which runs on CPU) and the machine's other packages, the
+    carried wheels installed as the device run installs them, then PROOF_TESTS without the slow ones. Needs
+    PyPI and python3.12; a separate step (not part of --dry-run) for its size."""
+    python = shutil.which("python3.12")
+    if python is None:
+        sys.exit("--prove-torch needs python3.12 (the GPU machine's Python)")
+    venv = WORK / "torch211"
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    machine = [
+        "torch==2.11.*",
+        "lightning==2.6.6",
+        "tensorboard",
+        "peft",
+        "accelerate",
+        "pandas",
+        "pyarrow",
+        "pytest",
+        "sympy",
+        "jinja2",
+        "numpy",
+        "pyyaml",
+        "regex",
+        "tqdm",
+        "requests",
+        "psutil",
+        "typer",
+    ]
+    subprocess.run([py, "-m", "pip", "install", "--quiet", *machine], check=True)
+    wheels = sorted(map(str, WHEELS.glob("*.whl")))
+    subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", *wheels], check=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "LIT_RL_CACHE": str(CACHE), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([py, "-m", "pytest", "-q", "-m", "not slow", *PROOF_TESTS], cwd=ROOT, env=env).returncode
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("report", nargs="?", help="device run: the folder report.md / report.json go to")
     ap.add_argument("--fetch-wheels", action="store_true", help="download the listed wheels (needs PyPI)")
     ap.add_argument("--dry-run", action="store_true", help="check the list, wheels, configs and size (CPU)")
     ap.add_argument("--lists-only", action="store_true", help="with --dry-run: skip the wheels folder (CI)")
+    ap.add_argument("--prove-torch", action="store_true", help="the fast tests on torch 2.11 in a CPU venv (GBs)")
     a = ap.parse_args(argv)
     if a.fetch_wheels:
         return fetch_wheels()
+    if a.prove_torch:
+        return prove_torch()
     if a.dry_run:
         lines, problems = dry_run(a.lists_only)
         print("\n".join(["gpu_check dry run", *(f"  {line}" for line in lines)]))
