@@ -197,6 +197,10 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
             ["rollout.mode=async", "trainer=ddp", "engine=vllm"],
             "rollout.mode='async' is not allowed: does not run with engine=vllm on trainer.devices=2",
         ),
+        (  # a weight sync empties vLLM's prefix cache, which vLLM refuses while requests run: refused at start-up
+            ["rollout.mode=async", "rollout.weight_update=in_flight", "engine=vllm", "engine.prefix_caching=true"],
+            "engine.prefix_caching=True is not allowed: cannot be emptied at an in-flight weight update",
+        ),
     ],
 )
 def test_bad_rollout_mode_fields_are_named(overrides, message):

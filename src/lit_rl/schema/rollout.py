@@ -287,6 +287,14 @@ class RolloutConfig:
                 "carries unfinished sequences in the embedded engine's decode loop only: engine=vllm takes "
                 "updates in flight but not partial rollouts; use engine=torch, or rollout.partial=false",
             )
+            yield from rule(  # a sync must empty vLLM's prefix cache, which vLLM refuses while requests run
+                getattr(run.engine, "prefix_caching", "auto") is not True,
+                "engine.prefix_caching",
+                True,
+                "cannot be emptied at an in-flight weight update (vLLM empties its prefix cache only with no request "
+                "running, and blocks the old weights wrote must not be reused); set engine.prefix_caching=auto or "
+                "false",
+            )
         yield from rule(  # as partial: a between_batches or sync run never swaps mid-sequence, so keep is dropped
             kv != "keep" or (self.mode == "async" and update == "in_flight"),
             "rollout.kv_on_update",
