@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .rollout.weight_casts import linear_params
+
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """[N, L] bool/int mask -> [N, L] int64 positions: 0 at each row's first real token, counting up.
@@ -497,7 +499,9 @@ def response_logprobs(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         hidden = hidden[:, p - 1 : p + t - 1]  # position j predicts response token j
-    lm_head = model.get_output_embeddings()
+    # the output layer's weight and bias as its forward would hand them to F.linear: cast once per pass when a
+    # ``WeightCasts`` is installed on the model (the trainer's no-grad passes), else the layer's own
+    head_weight, head_bias = linear_params(model.get_output_embeddings())
     transform = head_transform(model)
     flat_h = hidden.reshape(n * t, hidden.shape[-1])  # explicit: a micro-batch of empty responses has t = 0
     flat_y = response_ids.reshape(n * t)
@@ -513,8 +517,8 @@ def response_logprobs(
         idx = rows[start : start + chunk_tokens]
         args = (
             flat_h[idx],
-            lm_head.weight,
-            lm_head.bias,
+            head_weight,
+            head_bias,
             flat_y[idx],
             temperature,
             with_entropy,

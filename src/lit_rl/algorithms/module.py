@@ -51,6 +51,7 @@ from ..rollout.engines import build_engine
 from ..rollout.sources import RolloutSource, source_class
 from ..rollout.staleness import partial_fraction, token_staleness
 from ..rollout.types import RolloutBatch
+from ..rollout.weight_casts import WeightCasts
 from ..schema import (
     AdvantageConfig,
     AlgoConfig,
@@ -207,6 +208,8 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
         )
         #: beta, the KL coefficient this step uses: kl.beta, moved by the adaptive controller when kl.target is set
         self.kl_coef = float(self.kl_cfg.beta)
+        #: the frozen models' weight casts (``scoring_pass``), kept for the run: id(model) -> WeightCasts
+        self.frozen_casts: dict[int, WeightCasts] = {}
         self.ref_policy = None
         #: a LoRA policy (``model.lora.r > 0``): the reference is the frozen base the policy shares, scored with the
         #: adapter disabled (``models.adapter_disabled``), never a second copy of the weights
@@ -494,6 +497,20 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
             return parallel.run_as_forward(model, self._score, mb, head_ids, kwargs)
         return self._score(model, mb, head_ids, kwargs)
 
+    def scoring_pass(self, model: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """A block of no-gradient forwards of ``model`` (default: the policy) in which each linear weight is cast to
+        the autocast dtype once, not at every forward (``rollout.weight_casts.WeightCasts``: the same tensors reach
+        ``F.linear``, so the same log-probs bit for bit). The policy's casts live for the block (its weights change
+        at each optimizer step); a frozen model's (``ref_policy``, ``teacher``) for the run, ~2 bytes per linear
+        parameter under bf16. Nothing is cast outside autocast, with gradients tracked, or under FSDP (sharded
+        weights are gathered per forward)."""
+        model = self.policy if model is None else model
+        if self.sharded or isinstance(model, FullyShardedDataParallel):
+            return contextlib.nullcontext()
+        if model is self.policy:
+            return WeightCasts().installed(model)
+        return self.frozen_casts.setdefault(id(model), WeightCasts()).installed(model, keep=True)
+
     def _score(self, model: torch.nn.Module, mb: RolloutBatch, head_ids, kwargs) -> TokenScores:
         return response_logprobs(
             model,
@@ -555,10 +572,11 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
         """float32 [len(rows), T] log-probs of rows ``rows`` (int64 [n]) of ``rb`` [N, T] under the policy's
         current weights, ``micro_batch_size`` rows at a time; 0 past each micro-batch's longest response."""
         out = torch.zeros(rows.numel(), rb.response_ids.shape[1], device=rb.response_ids.device)
-        for i in range(0, rows.numel(), self.micro_batch_size):
-            idx = rows[i : i + self.micro_batch_size]
-            lp = self.logprobs_of(self.policy, rb.select(idx), with_entropy=False).logprobs
-            out[i : i + idx.numel(), : lp.shape[1]] = lp.float()
+        with self.scoring_pass():
+            for i in range(0, rows.numel(), self.micro_batch_size):
+                idx = rows[i : i + self.micro_batch_size]
+                lp = self.logprobs_of(self.policy, rb.select(idx), with_entropy=False).logprobs
+                out[i : i + idx.numel(), : lp.shape[1]] = lp.float()
         return out
 
     # -- checkpoints -----------------------------------------------------------------------------------------------

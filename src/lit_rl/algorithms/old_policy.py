@@ -106,11 +106,12 @@ class OldPolicyMixin:
         this pass is skipped.)"""
         n, t = rb.response_ids.shape
         rb.old_logprobs = torch.zeros(n, t, device=rb.response_ids.device)
-        for i in range(0, n, self.micro_batch_size):
-            mb = rb.select(slice(i, i + self.micro_batch_size))
-            scores = self.logprobs_of(self.policy, mb, with_entropy=False)
-            rb.old_logprobs[i : i + len(mb), : scores.logprobs.shape[1]] = scores.logprobs
-            self.store_old_head(rb, i, scores)
+        with self.scoring_pass():  # each weight cast to the autocast dtype once for the pass
+            for i in range(0, n, self.micro_batch_size):
+                mb = rb.select(slice(i, i + self.micro_batch_size))
+                scores = self.logprobs_of(self.policy, mb, with_entropy=False)
+                rb.old_logprobs[i : i + len(mb), : scores.logprobs.shape[1]] = scores.logprobs
+                self.store_old_head(rb, i, scores)
 
     def store_old_head(self, rb: RolloutBatch, start: int, scores: TokenScores) -> None:
         """Keep pi_old at the engine's head ids (score centering's weights and ratios use it when one rollout

@@ -68,13 +68,14 @@ class PPO(Algorithm):
         device = rb.response_ids.device
         old_lp = torch.zeros(n, t, device=device)
         old_v = torch.zeros(n, t, device=device)
-        for i in range(0, n, learner.micro_batch_size):
-            mb = rb.select(slice(i, i + learner.micro_batch_size))
-            scores, v = self._forward(learner, mb)
-            w = scores.logprobs.shape[1]
-            old_lp[i : i + len(mb), :w] = scores.logprobs
-            old_v[i : i + len(mb), :w] = v
-            learner.store_old_head(rb, i, scores)
+        with learner.scoring_pass():  # each policy weight cast to the autocast dtype once for the pass
+            for i in range(0, n, learner.micro_batch_size):
+                mb = rb.select(slice(i, i + learner.micro_batch_size))
+                scores, v = self._forward(learner, mb)
+                w = scores.logprobs.shape[1]
+                old_lp[i : i + len(mb), :w] = scores.logprobs
+                old_v[i : i + len(mb), :w] = v
+                learner.store_old_head(rb, i, scores)
         mask = rb.response_mask
         lengths = mask.sum(-1)
         token_rewards = torch.zeros_like(old_v)

@@ -61,7 +61,10 @@ class ReferenceMixin:
     def teacher_logprobs(self, mb: RolloutBatch) -> Tensor:
         """[n, T] float32 log-probs of the micro-batch's response tokens under the frozen teacher, under the
         sampler's temperature / top-k / top-p (like the reference's). No gradient."""
-        return self.logprobs_of(self.teacher, mb, with_entropy=False, shared_prefix=self.teacher_shared_prefix).logprobs
+        with self.scoring_pass(self.teacher):  # its weight casts kept for the run
+            return self.logprobs_of(
+                self.teacher, mb, with_entropy=False, shared_prefix=self.teacher_shared_prefix
+            ).logprobs
 
     @torch.no_grad()
     def distill_advantages(self, rb: RolloutBatch, advantages: Tensor) -> Tensor:
@@ -73,12 +76,13 @@ class ReferenceMixin:
             return advantages
         student = torch.zeros(rb.response_ids.shape, device=rb.response_ids.device)
         teacher = torch.zeros_like(student)
-        for i in range(0, len(rb), self.micro_batch_size):
-            mb = rb.select(slice(i, i + self.micro_batch_size))
-            s = self.logprobs_of(self.policy, mb, with_entropy=False).logprobs
-            student[i : i + len(mb), : s.shape[1]] = s.float()
-            t = self.teacher_logprobs(mb)
-            teacher[i : i + len(mb), : t.shape[1]] = t.float()
+        with self.scoring_pass():
+            for i in range(0, len(rb), self.micro_batch_size):
+                mb = rb.select(slice(i, i + self.micro_batch_size))
+                s = self.logprobs_of(self.policy, mb, with_entropy=False).logprobs
+                student[i : i + len(mb), : s.shape[1]] = s.float()
+                t = self.teacher_logprobs(mb)
+                teacher[i : i + len(mb), : t.shape[1]] = t.float()
         mask = rb.response_mask
         sums = torch.stack([obj.masked_sum(student - teacher, mask).double(), mask.sum().double()])
         total, count = self.all_reduce(sums).tolist()
@@ -96,7 +100,8 @@ class ReferenceMixin:
         sampler's temperature / top-k / top-p, like the trainer's): the ``ref_policy`` copy, or with LoRA the
         policy itself with its adapter disabled (the shared base weights). No gradient."""
         if not self.lora:
-            return self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
+            with self.scoring_pass(self.ref_policy):  # its weight casts kept for the run: it never changes
+                return self.logprobs_of(self.ref_policy, mb, with_entropy=False).logprobs
         with adapter_disabled(self.policy):  # lora.dropout acts on the adapter's input only: off here too
             return self._score(self.policy, mb, None, {"with_entropy": False}).logprobs
 

@@ -58,21 +58,32 @@ class WeightCasts:
         self.made += 1
         return cast
 
-    def linear_forward(self, module: torch.nn.Linear, x: Tensor) -> Tensor:
-        """``module(x)`` with the cast weight and bias under autocast (same values as ``nn.Linear.forward``)."""
+    def params(self, module: torch.nn.Linear) -> tuple[Tensor, Tensor | None]:
+        """(weight, bias) as ``linear_forward`` hands them to ``F.linear`` now: the casts under autocast, the layer's
+        own tensors outside it or where the cast must stay in the autograd graph (grad mode on and a weight or bias
+        that requires grad)."""
         weight, bias = module.weight, module.bias
         device = weight.device.type
         tracked = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
         if tracked or not torch.is_autocast_enabled(device):
-            return torch.nn.Linear.forward(module, x)
+            return weight, bias
         dtype = torch.get_autocast_dtype(device)
-        return F.linear(x, self.cast(weight, dtype), self.cast(bias, dtype))
+        return self.cast(weight, dtype), self.cast(bias, dtype)
+
+    def linear_forward(self, module: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``module(x)`` with the cast weight and bias under autocast (same values as ``nn.Linear.forward``)."""
+        weight, bias = self.params(module)
+        if weight is module.weight:
+            return torch.nn.Linear.forward(module, x)
+        return F.linear(x, weight, bias)
 
     @contextlib.contextmanager
-    def installed(self, model: torch.nn.Module):
+    def installed(self, model: torch.nn.Module, keep: bool = False):
         """Inside the block every ``nn.Linear`` of ``model`` whose forward is ``nn.Linear``'s own runs through
-        ``linear_forward``; on leaving (also on an exception) their forwards are restored and the casts dropped, so
-        nothing is held between rollouts. Nothing changes when ``enabled`` is False."""
+        ``linear_forward``; on leaving (also on an exception) their forwards are restored and, unless ``keep``, the
+        casts dropped, so nothing is held between rollouts. ``keep``: the casts outlive the block (a frozen model's,
+        reused by every later block; each still made again if its weight changes). Layers already routed (an
+        enclosing block) are left to it. Nothing changes when ``enabled`` is False."""
         if not self.enabled:
             yield
             return
@@ -90,7 +101,18 @@ class WeightCasts:
         finally:
             for m in patched:
                 vars(m).pop("forward", None)
-            self.clear()
+            if not keep:
+                self.clear()
+
+
+def linear_params(module: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
+    """(weight, bias) of a linear layer as its forward hands them to ``F.linear`` now: the casts of the
+    ``WeightCasts`` installed on it (``WeightCasts.params``), else its own tensors. For a caller that runs the layer's
+    product itself (the trainer's chunked output layer, ``logprobs.response_logprobs``)."""
+    bound = vars(module).get("forward")
+    if isinstance(bound, _Bound):
+        return bound.casts.params(module)
+    return module.weight, module.bias
 
 
 class _Bound:
