@@ -3,13 +3,14 @@ skipped, with the reason, where CUDA is absent (tests/test_gpu_check.py checks t
 rather than bounded (the bf16-mixed gap, peak memory) are printed and added to ``$GPU_CHECK_REPORT/gpu_tests.json``
 when the check names a report folder."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import chat_prompts, compose_config
+from helpers import ROOT, chat_prompts, compose_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,20 +18,11 @@ pytestmark = [
 ]
 
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
-#: the GRPO and LoRA runs of scripts/gpu_check.py's CONFIGS (the dry run composes and validates the same lists)
-RUN = [
-    "model=tiny",
-    "trainer=gpu",
-    "trainer.max_steps=2",
-    "trainer.enable_progress_bar=false",
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=4",
-    "sampling.max_new_tokens=8",
-    "eval.num_examples=4",
-    "eval.every_n_steps=2",
-    "checkpoint.every_n_steps=2",
-]
-LORA = ["model.lora.r=4", "algo=reinforce", "algo.baseline=none", "task.constant_reward=1", "optim.lr=1e-3"]
+#: the GRPO and LoRA runs the device run's dry run composes and validates (scripts/gpu_check.py's CONFIGS)
+_spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "scripts", "gpu_check.py"))
+_gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gpu_check)
+RUN, LORA = _gpu_check.RUN, _gpu_check.LORA
 
 
 def report(key: str, value) -> None:

@@ -286,19 +286,7 @@ def test_vllm_serves_each_turn_as_a_request_with_the_episodes_whole_ids(tiny_pol
         recording = Recording(engine)
         examples = [Example(i // 2, f"question {i // 2}", "1") for i in range(4)]
         prompts = [first_prompt(tok, ex.question) for ex in examples]
-        r, episodes = collect_episodes(
-            recording,
-            tok,
-            CountingEnvironment(3),
-            examples,
-            [p for p, _ in prompts],
-            [m for _, m in prompts],
-            SamplingConfig(max_new_tokens=6, temperature=1.0),
-            [0, 1, 2, 3],
-            MultiTurnLimits(max_turns=3, max_total_tokens=400),
-            shared_pool(2),
-            "test-multiturn-vllm",
-        )
+        r, episodes = three_turns(recording, tok, examples, prompts, 400, "test-multiturn-vllm")
     finally:
         engine.close()
     assert [len(ep.turns) for ep in episodes] == [3] * 4 and len(recording.calls) == 3
@@ -310,6 +298,24 @@ def test_vllm_serves_each_turn_as_a_request_with_the_episodes_whole_ids(tiny_pol
     with torch.no_grad():
         scores = response_logprobs(policy, prompt, pmask, r.response_ids, r.response_mask, env_mask=r.env_mask)
     assert (scores.logprobs - r.rollout_logprobs).abs()[r.response_mask].max() < 1e-4
+
+
+def three_turns(engine, tok, examples, prompts, max_total_tokens: int, pool_key: str):
+    """(rollouts, episodes) of ``examples`` against a 3-turn CountingEnvironment with ``engine`` (6 tokens a turn,
+    temperature 1, seeds 0..3), the vLLM tests' collection."""
+    return collect_episodes(
+        engine,
+        tok,
+        CountingEnvironment(3),
+        examples,
+        [p for p, _ in prompts],
+        [m for _, m in prompts],
+        SamplingConfig(max_new_tokens=6, temperature=1.0),
+        list(range(len(examples))),
+        MultiTurnLimits(max_turns=3, max_total_tokens=max_total_tokens),
+        shared_pool(2),
+        pool_key,
+    )
 
 
 class CountingCache:
@@ -345,19 +351,7 @@ def test_vllm_prefix_caching_serves_later_turns_from_the_cache_and_a_weight_sync
     try:
         engine.sync_weights(0)
         counting = CountingCache(engine)
-        r, episodes = collect_episodes(
-            counting,
-            tok,
-            CountingEnvironment(3),
-            examples,
-            [p for p, _ in prompts],
-            [m for _, m in prompts],
-            SamplingConfig(max_new_tokens=6, temperature=1.0),
-            [0, 1, 2, 3],
-            MultiTurnLimits(max_turns=3, max_total_tokens=600),
-            shared_pool(2),
-            "test-multiturn-vllm-cache",
-        )
+        r, episodes = three_turns(counting, tok, examples, prompts, 600, "test-multiturn-vllm-cache")
         engine.sync_weights(1)  # the same weights, a new version: the cache is emptied all the same
         # one row per prompt (two rows of one prompt in one call may share the first one's blocks)
         engine.generate([prompts[0][0], prompts[2][0]], SamplingConfig(max_new_tokens=2), [0, 2])

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers.casts import lightning_autocast, linear_weights
 
 from lit_rl.algorithms import RLModule
 from lit_rl.algorithms import module as module_py
@@ -15,19 +16,6 @@ from lit_rl.rollout.weight_casts import WeightCasts
 
 RESPONSE_LENGTHS = [3, 7, 1, 5, 6, 2]  # two groups of 3 rows, each group's prompt shared
 MICRO_BATCH = 2
-
-
-def lightning_autocast():
-    """bf16 autocast as Lightning's ``bf16-mixed`` enters it: no cast cache."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
-
-
-def linear_weights(model) -> int:
-    """Distinct weight and bias tensors of ``model``'s linear layers (a tied output layer counts once)."""
-    seen = {
-        id(t) for m in model.modules() if isinstance(m, torch.nn.Linear) for t in (m.weight, m.bias) if t is not None
-    }
-    return len(seen)
 
 
 def make_batch(vocab: int) -> RolloutBatch:

@@ -4,6 +4,7 @@ casts, made again after a sync."""
 import pytest
 import torch
 from helpers import chat_prompts
+from helpers.casts import lightning_autocast, linear_weights
 
 from lit_rl.kernels import BatchInvariantMode
 from lit_rl.rollout.staleness import weights_snapshot
@@ -12,19 +13,6 @@ from lit_rl.rollout.types import SamplingConfig
 from lit_rl.rollout.weight_casts import WeightCasts
 
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
-
-
-def lightning_autocast():
-    """bf16 autocast as Lightning's ``bf16-mixed`` enters it: no cast cache."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
-
-
-def linear_weights(model) -> int:
-    """Distinct weight and bias tensors of ``model``'s linear layers (a tied output layer counts once)."""
-    seen = {
-        id(t) for m in model.modules() if isinstance(m, torch.nn.Linear) for t in (m.weight, m.bias) if t is not None
-    }
-    return len(seen)
 
 
 def moved(model, seed: int) -> dict[str, torch.Tensor]:
