@@ -10,7 +10,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..rollout.engines import on_cuda, resolve_auto
-from ..schema import option_schema
 from .callbacks import AdaptiveThreads, adaptive_threads
 from .hardware import (
     auto_threads,
@@ -48,9 +47,7 @@ def resolve_engine(cfg: DictConfig) -> None:
         if cfg.engine.name == "vllm" and cfg.engine.get("prefix_caching", "auto") in (None, "auto"):
             # a multi-turn episode's later turns are requests that repeat its whole ids: cached, they are not
             # prefilled again (docs/environments.md); a single-turn run gains little and keeps it off
-            task = cfg.task
-            own = getattr(option_schema("task", task.get("name")), "own_environment", False)
-            cfg.engine.prefix_caching = bool(own or task.get("environment") or task.get("tools"))
+            cfg.engine.prefix_caching = OmegaConf.to_object(cfg.task).multi_turn  # the task schema's own rule
         cfg.engine.seed = cfg.seed
 
 
