@@ -300,6 +300,68 @@ def test_a_weight_swap_at_decode_step_k_samples_the_rest_with_the_new_version(ti
     assert torch.equal(r.rollout_logprobs[:, :k], trainer[:, :k]) is False  # version 0's tokens, scored under 1
 
 
+def test_a_recompute_swap_prefills_a_shared_prompt_once_and_each_rows_tail_on_top(tiny):
+    """A group of G = 2 sampled rows of prompt X decodes 4 tokens beside a group of prompt Y (4 tokens each), a
+    second group of X (a refill: another group of the same prompt joining beside them at step 3) 1 token; then
+    version 1 is swapped in with ``kv_on_update=recompute``. The rebuild prefills X and Y once and every row's tail
+    on top: |X| + |Y| + sum t_i = 4 + 3 + (4 + 4 + 4 + 4 + 1 + 1) = 25 ids, not the rows' contexts' sum(|prompt| + t_i)
+    = 2 x 8 + 2 x 7 + 2 x 5 = 40, and every token after the swap has, bit for bit (``kernels=batch_invariant``), the
+    token, log-prob and top-k head a fresh engine holding version 1 samples from the same context with the row's
+    generator in the same state."""
+    from lit_rl.kernels import BatchInvariantMode
+    from lit_rl.rollout.decode_loop import DecodeLoop
+
+    model, tok = tiny
+    x, y, steps, after_swap = [5, 9, 14, 3], [7, 2, 11], 8, 3
+    params = SamplingConfig(temperature=1.0, max_new_tokens=steps, logprobs_top_k=2)
+    v0, v1 = weights_snapshot(model), moved(model, 5)
+
+    def step(loop, k):
+        loop.advance(loop.sample(loop.forward(k)))
+
+    with BatchInvariantMode(model):
+        engine = TorchEngine(model, tok.pad_token_id, [], own_copy=True)
+        engine.sync_weights(0, v0)
+        engine.kv_on_update = "recompute"
+        loop = DecodeLoop(engine, params)
+        loop.add([x, x, y, y], [10, 11, 12, 13])
+        for k in range(3):
+            step(loop, k)
+        loop.add([x, x], [14, 15], beside=True)  # the refill: prefilled alone, its KV placed beside
+        step(loop, 3)
+        for r, t in zip(range(6), [4, 4, 4, 4, 1, 1]):
+            assert int(loop.pos[r]) == t
+        before = dict(engine.recompute_totals)
+        engine.between_steps = lambda k: k == 4 and engine.sync_weights(1, v1) is None
+        for k in range(4, 4 + after_swap):  # the swap comes before step 4
+            step(loop, k)
+        after = engine.recompute_totals
+        tails = loop.pos.tolist()
+        out = loop.rollouts()
+        fresh = TorchEngine(model, tok.pad_token_id, [], own_copy=True)
+        fresh.sync_weights(1, v1)
+        prompts = [x, x, y, y, x, x]
+        at_swap = [4, 4, 4, 4, 1, 1]
+        contexts = [p + out.response_ids[r, :t].tolist() for r, (p, t) in enumerate(zip(prompts, at_swap))]
+        replay = DecodeLoop(fresh, params)
+        replay.add(contexts, [10, 11, 12, 13, 14, 15])
+        for gen, t in zip(replay.generators, at_swap):  # the row's generator as it was at the swap
+            for _ in range(t):
+                torch.rand((), generator=gen)
+        for k in range(after_swap):
+            step(replay, k)
+    assert after["prefills"] - before["prefills"] == 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(x) + len(y) + sum(at_swap) == 25
+    assert after["context_tokens"] - before["context_tokens"] == sum(len(p) + t for p, t in zip(prompts, at_swap)) == 40
+    assert out.token_versions[0, :4].eq(0).all() and out.token_versions[4, :1].eq(0).all()
+    for r, t in enumerate(at_swap):
+        n = tails[r] - t  # tokens sampled after the swap: version 1's, a fresh engine's bit for bit
+        assert n == after_swap and out.token_versions[r, t : t + n].eq(1).all()
+        assert torch.equal(out.response_ids[r, t : t + n], replay.tokens[r, :n])
+        assert torch.equal(out.rollout_logprobs[r, t : t + n], replay.logprobs[r, :n])
+        assert torch.equal(out.topk_logprobs[r, t : t + n], replay.topk_lp[r, :n])
+
+
 def test_in_flight_the_thread_producer_takes_a_version_published_during_a_generate(tiny):
     """``rollout.weight_update=in_flight`` wired into the thread producer: version 1 is published while the engine
     samples with version 0, so from the first decode step after it every token is version 1's."""

@@ -181,6 +181,30 @@ def test_weight_swaps_count_every_generate_call_of_a_batch(tiny):
     assert metrics["rollout/weight_swaps"] == 2.0 and metrics["time/weight_swap_s"] > 0
 
 
+def test_the_producer_logs_the_ids_a_recompute_swap_prefilled(tiny):
+    """``rollout/recompute_prefill_tokens`` beside ``rollout/recompute_context_tokens``: a batch of one group of G = 2
+    sampled rows of LONG (4 ids) swaps to version 1 before decode step 1 with ``kv_on_update=recompute``; the rebuild
+    prefills LONG once and each row's one token on top, 4 + 2 = 6 ids, where re-prefilling each row's context
+    feeds 2 x 5 = 10."""
+    from lit_rl.rollout.staleness import RolloutProducer
+
+    model, tok = tiny
+    rollout = {"mode": "async", "producer": "thread", "weight_update": "in_flight", "kv_on_update": "recompute"}
+    module = RLModule(model, tok, sampling={}, eval_sampling={}, group_size=G, micro_batch_size=2, rollout_mode=rollout)
+    producer = RolloutProducer(module, 0, 1, "block", 1, in_flight=True)  # not started: its hooks only
+    engine = module.engine
+    engine.sync_weights(0, weights_snapshot(model))
+    engine.stop_token_ids = []  # every row decodes its 3 tokens
+    before = producer._swap_marks()
+    producer.publish(1, moved(model, 1))
+    r = engine.generate([LONG] * G, SamplingConfig(temperature=1.0, max_new_tokens=3), [1, 2])
+    metrics = producer._swap_metrics(before)
+    assert engine.last.swaps == 1 and r.token_versions.tolist() == [[0, 1, 1]] * G
+    assert r.response_ids[0, 0] != r.response_ids[1, 0]  # at the swap: two contexts sharing one prompt
+    assert metrics["rollout/recompute_prefill_tokens"] == len(LONG) + G * 1 == 6
+    assert metrics["rollout/recompute_context_tokens"] == G * (len(LONG) + 1) == 10
+
+
 def test_bad_partial_calls_are_named(tiny, versions):
     model, tok = tiny
     engine = engine_at(model, tok, versions[0], 0)

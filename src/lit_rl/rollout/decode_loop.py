@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..logprobs import position_ids_from_mask, process_logits
 from .kv_cache import keep_rows, merge_rows
-from .kv_continuation import KeptCaches, continued_prefill
+from .kv_continuation import KeptCaches, continued_prefill, shared_prompt_prefill
 from .state_cache import is_hybrid
 from .types import Rollouts, SamplingConfig, left_pad
 
@@ -146,7 +146,8 @@ class DecodeLoop:
             logits = self._prefill(dedupe=True)
             self.rejoin = False
         elif swapped and engine.kv_on_update == "recompute":
-            logits = self._prefill(dedupe=False)
+            logits = self._prefill(dedupe=True)
+            engine._swaps[1] += time.perf_counter() - t0  # the swap's pause: loading, then this re-prefill
         else:
             logits = self._cached_step()
             if self.joining:  # a refill: the joining rows' prompts prefilled alone, their KV placed beside
@@ -200,7 +201,10 @@ class DecodeLoop:
         """A new cache of every live row's context (prompt + tokens so far) under the engine's current weights;
         with ``dedupe`` each distinct context is prefilled once and its cache copied to the rows that share it (RL
         repeats every prompt G times); rows whose context extends a ``kept`` cache continue it instead
-        (``kv_continuation.continued_prefill``). Returns the last position's logits [B, V]."""
+        (``kv_continuation.continued_prefill``). A rebuild of rows with tokens already sampled (a
+        ``kv_on_update=recompute`` swap, carried rows under newer weights) prefills each prompt once and every row's
+        own tail on top of it (``kv_continuation.shared_prompt_prefill``) where rows share a prompt, and counts the
+        ids it feeds in the engine's ``recompute_totals``. Returns the last position's logits [B, V]."""
         rows = self.active.tolist()
         contexts = [tuple(self.prompts[r]) + tuple(self.tokens[r, : int(self.pos[r])].tolist()) for r in rows]
         self.cache_version = self.engine.version
@@ -211,8 +215,26 @@ class DecodeLoop:
             self.counts["prefill_positions"] += self.position_ids.numel()
             self.kept.used(kept, prefilled=self.position_ids.numel())
             return logits
-        logits, self.cache, self.attention_mask, self.position_ids = self._prefill_rows(rows, dedupe, contexts)
+        rebuild = any(int(self.pos[r]) for r in rows)  # rows with sampled tokens: their cache is rebuilt
+        if rebuild and self._shares_prompts(rows, contexts):
+            out = shared_prompt_prefill(self.engine, contexts, [len(self.prompts[r]) for r in rows], self.steps)
+            logits, self.cache, self.attention_mask, self.position_ids, fed = out
+            self.counts["prefill_positions"] += fed["positions"]
+        else:
+            logits, self.cache, self.attention_mask, self.position_ids = self._prefill_rows(rows, dedupe, contexts)
+            fed = {"tokens": sum(len(c) for c in (dict.fromkeys(contexts) if dedupe else contexts))}
+        if rebuild:
+            totals = self.engine.recompute_totals
+            totals["prefills"] += 1
+            totals["prefill_tokens"] += fed["tokens"]
+            totals["context_tokens"] += sum(len(c) for c in contexts)
         return logits
+
+    def _shares_prompts(self, rows: list[int], contexts: list[tuple[int, ...]]) -> bool:
+        """True when a prompt is shared by rows of different contexts (so prefilling it once saves work) and the
+        model is attention-only (a hybrid's recurrent states re-prefill whole contexts)."""
+        prompts = {tuple(self.prompts[r]) for r in rows}
+        return len(prompts) < len(set(contexts)) and not is_hybrid(self.engine.model)
 
     def _prefill_rows(self, rows: list[int], dedupe: bool, contexts=None):
         """A new cache of rows ``rows``' contexts (prompt + tokens so far; ``contexts`` when already built), each

@@ -131,31 +131,48 @@ def reserved_cache(capacity: int, dtype: torch.dtype | None = None) -> DynamicCa
 def merge_rows(engine, live: DynamicCache, live_mask: Tensor, joining: DynamicCache, joining_mask: Tensor, room: int):
     """One cache of the ``live`` rows (attention mask ``live_mask`` [B, L] int64, right-aligned: every row's last
     position in column L - 1) and, after them, the ``joining`` rows (``joining_mask`` [J, Lj]), both right-aligned
-    in a new cache of ``engine._new_cache`` with ``room`` more positions reserved. Columns that are padding in every
-    live row are left out (rows that left keep no columns alive), so the width is max(L', Lj) with L' the live rows'
-    widest span; the columns left of a row's span hold zeros. No position is recomputed: keys and values are copied.
-    Under ``kernels=batch_invariant`` the attention does not depend on the amount of left padding, so each row decodes
-    on exactly as in a cache of its own. Returns (the cache, attention mask [B + J, width] int64). Raises ValueError
-    when the two caches' layer counts differ."""
-    live_layers, joining_layers = live.layers, joining.layers
-    if len(live_layers) != len(joining_layers):
-        raise ValueError(f"cannot merge caches of {len(live_layers)} and {len(joining_layers)} layers")
-    used = live_mask.bool().any(0).nonzero()
-    first = int(used[0]) if used.numel() else live_mask.shape[1]
-    live_mask = live_mask[:, first:]
-    b, j = live_mask.shape[0], joining_mask.shape[0]
-    width_live, width_join = live_mask.shape[1], joining_mask.shape[1]
-    width = max(width_live, width_join)
-    mask = live_mask.new_zeros(b + j, width)
-    mask[:b, width - width_live :] = live_mask
-    mask[b:, width - width_join :] = joining_mask
+    in a new cache of ``engine._new_cache`` with ``room`` more positions reserved: ``stack_rows`` of the two.
+    Returns (the cache, attention mask [B + J, width] int64). Raises ValueError when the two caches' layer counts
+    differ."""
+    return stack_rows(engine, [(live, live_mask), (joining, joining_mask)], room)
+
+
+def stack_rows(engine, parts: list[tuple[DynamicCache, Tensor]], room: int):
+    """One cache of the rows of every part, part after part: each part a cache and its attention mask [B_i, L_i]
+    int64, right-aligned (every row's last position in its last column). The rows are right-aligned in a new cache
+    of ``engine._new_cache`` with ``room`` more positions reserved. Columns that are padding in every row of a part
+    are left out (rows that left keep no columns alive), so the width is the widest part's span; the columns left of
+    a row's span hold zeros. No position is recomputed: keys and values are copied. Under
+    ``kernels=batch_invariant`` the attention does not depend on the amount of left padding, so each row decodes on
+    exactly as in a cache of its own. Returns (the cache, attention mask [sum B_i, width] int64). Raises ValueError
+    when the parts' layer counts differ or there is no part."""
+    if not parts:
+        raise ValueError("stack_rows needs at least one cache")
+    layer_counts = sorted({len(cache.layers) for cache, _ in parts})
+    if len(layer_counts) != 1:
+        raise ValueError(f"cannot merge caches of {' and '.join(map(str, layer_counts))} layers")
+    trimmed = []
+    for cache, mask in parts:
+        used = mask.bool().any(0).nonzero()
+        first = int(used[0]) if used.numel() else mask.shape[1]
+        trimmed.append((cache, mask[:, first:], first))
+    width = max(mask.shape[1] for _, mask, _ in trimmed)
+    total = sum(mask.shape[0] for _, mask, _ in trimmed)
+    out_mask = trimmed[0][1].new_zeros(total, width)
+    row = 0
+    for _, mask, _ in trimmed:
+        out_mask[row : row + mask.shape[0], width - mask.shape[1] :] = mask
+        row += mask.shape[0]
     cache = engine._new_cache(width + room)
-    for index, (old, new) in enumerate(zip(live_layers, joining_layers)):
-        keys = old.keys.new_zeros(b + j, *old.keys.shape[1:-2], width, old.keys.shape[-1])
-        values = old.values.new_zeros(b + j, *old.values.shape[1:-2], width, old.values.shape[-1])
-        keys[:b, ..., width - width_live :, :] = old.keys[..., first:, :]
-        values[:b, ..., width - width_live :, :] = old.values[..., first:, :]
-        keys[b:, ..., width - width_join :, :] = new.keys
-        values[b:, ..., width - width_join :, :] = new.values
+    for index in range(layer_counts[0]):
+        ref = parts[0][0].layers[index]
+        keys = ref.keys.new_zeros(total, *ref.keys.shape[1:-2], width, ref.keys.shape[-1])
+        values = ref.values.new_zeros(total, *ref.values.shape[1:-2], width, ref.values.shape[-1])
+        row = 0
+        for part, mask, first in trimmed:
+            layer, (b, w) = part.layers[index], mask.shape
+            keys[row : row + b, ..., width - w :, :] = layer.keys[..., first:, :]
+            values[row : row + b, ..., width - w :, :] = layer.values[..., first:, :]
+            row += b
         cache.update(keys, values, index)
-    return cache, mask
+    return cache, out_mask

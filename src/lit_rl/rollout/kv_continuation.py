@@ -131,3 +131,83 @@ def continued_prefill(engine, contexts: list[tuple[int, ...]], kept: list[KeptKV
         input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
     )
     return out.logits[:, -1], cache, mask, position_ids
+
+
+def shared_prompt_prefill(engine, contexts: list[tuple[int, ...]], prompt_lengths: list[int], steps: int):
+    """A new cache of every row's ``context`` (prompt + the tokens it sampled so far; its first ``prompt_lengths``
+    ids are its prompt) under the engine's current weights, each prompt prefilled once however many rows share it
+    (RL repeats every prompt G times) and each row's own tail on top of it: an in-flight swap with
+    ``kv_on_update=recompute`` feeds sum over distinct prompts of P + sum over rows of t_i ids, not the G x P + sum
+    t_i of a per-row re-prefill. Rows whose contexts are equal share one prefill.
+
+    The distinct prompts are prefilled together (left-padded); each prompt's keys and values then serve as a kept
+    cache (``KeptKV``) under its rows' tails, which are prefilled by ``continued_prefill`` in one call per tail
+    length (no row re-computes a prompt id, and every row's keys stay one contiguous run: what the batch-invariant
+    attention requires); rows without a tail take the prompt's prefill. The parts are then stacked right-aligned
+    (``kv_cache.stack_rows``: keys and values copied, none recomputed). Under ``kernels=batch_invariant`` a position's
+    keys, values and logits depend only on its own sequence's ids, so every row gets bit for bit the cache and
+    logits of a full re-prefill of its context; under torch's kernels they differ by the rounding of other shapes.
+    Attention-only models (a hybrid's recurrent states are not served here).
+
+    Returns (last-position logits [B, V], the cache with room for ``steps`` more positions, attention mask [B, L]
+    int64, each row's last position id [B, 1] int64, {"tokens": real ids fed, "positions": ids fed with padding}).
+    Raises ValueError when ``contexts`` and ``prompt_lengths`` differ in length or a prompt length is not within
+    1..len(context)."""
+    from .kv_cache import stack_rows
+    from .types import left_pad
+
+    if len(contexts) != len(prompt_lengths):
+        raise ValueError(f"got {len(contexts)} contexts but {len(prompt_lengths)} prompt lengths")
+    if any(not 0 < p <= len(c) for c, p in zip(contexts, prompt_lengths)):
+        raise ValueError("every prompt length must be within 1..len(context)")
+    device = next(engine.model.parameters()).device
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(c, len(distinct)) for c in contexts]
+    prompt_of_context: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for c, p in zip(contexts, prompt_lengths):
+        prompt_of_context.setdefault(c, c[:p])
+    prompts = list(dict.fromkeys(prompt_of_context.values()))
+    prompt_index = {p: i for i, p in enumerate(prompts)}
+    ids, mask = left_pad([list(p) for p in prompts], engine.pad_token_id)
+    ids, mask = ids.to(device), mask.long().to(device)
+    position_ids = position_ids_from_mask(mask)
+    cache = engine._new_cache(ids.shape[1] + steps)
+    out = engine.model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
+    )
+    fed = {"tokens": int(mask.sum()), "positions": int(ids.numel())}
+    kept = []
+    for i, prompt in enumerate(prompts):  # copies of each prompt's real positions
+        real = mask[i].bool()
+        layers = [(layer.keys[i][:, real], layer.values[i][:, real]) for layer in cache.layers]
+        kept.append(KeptKV(prompt, layers, engine.version))
+    by_tail: dict[int, list[int]] = {}
+    for j, c in enumerate(distinct):
+        by_tail.setdefault(len(c) - len(prompt_of_context[c]), []).append(j)
+    parts, order = [], []  # (logits, cache, mask, last position ids) per tail length; distinct contexts in order
+    ctx = list(distinct)
+    if 0 in by_tail:  # rows without a tail: the prompt's own prefill
+        pick = torch.tensor([prompt_index[ctx[j]] for j in by_tail[0]], device=device)
+        logits0 = out.logits[:, -1][pick]
+        cache.batch_select_indices(pick)
+        parts.append((logits0, cache, mask[pick], position_ids[pick, -1:]))
+        order += by_tail.pop(0)
+    for tail, members in sorted(by_tail.items()):
+        part = continued_prefill(
+            engine, [ctx[j] for j in members], [kept[prompt_index[prompt_of_context[ctx[j]]]] for j in members], steps
+        )
+        parts.append((part[0], part[1], part[2], part[3][:, -1:]))
+        fed["tokens"] += tail * len(members)
+        fed["positions"] += tail * len(members)
+        order += members
+    if len(parts) == 1:
+        logits, cache, mask, last = parts[0]
+    else:
+        cache, mask = stack_rows(engine, [(p[1], p[2]) for p in parts], room=steps)
+        logits, last = torch.cat([p[0] for p in parts]), torch.cat([p[3] for p in parts])
+    place = {j: i for i, j in enumerate(order)}
+    select = torch.tensor([place[j] for j in row_of], dtype=torch.long, device=device)
+    if not torch.equal(select, torch.arange(len(row_of), device=device)):
+        cache.batch_select_indices(select)
+        logits, mask, last = logits[select], mask[select], last[select]
+    return logits, cache, mask, last, fed

@@ -169,6 +169,7 @@ class ProcessEngine:
         self.last = GenerationStats()
         self.swap_totals = [0, 0.0]  # in-flight swaps and their seconds over every generate call so far
         self.partial_totals: dict[str, float] | None = None  # rollout.partial: the process's running totals
+        self.recompute_totals: dict[str, int] = {}  # the process's engine's caches rebuilt (``TorchEngine``'s)
         self._ids = itertools.count()
 
     @property
@@ -265,6 +266,8 @@ class ProcessEngine:
             self.last = stats
             if stats.partial is not None:
                 self.partial_totals = dict(stats.partial)
+            if stats.recompute is not None:
+                self.recompute_totals = dict(stats.recompute)
             self.swap_totals[0] += stats.swaps
             self.swap_totals[1] += stats.swap_seconds
             return payload

@@ -309,12 +309,22 @@ class RolloutProducer:
             return self.published[0] >= (step - self.max_staleness) * self.updates_per_step
         return True
 
+    def _swap_marks(self) -> list:
+        """The engine's running totals before a batch, for ``_swap_metrics``: [swaps, seconds, ``partial_totals``,
+        ``recompute_totals``] (empty dicts where the engine has none)."""
+        marks = list(getattr(self.engine, "swap_totals", (0, 0.0)))
+        marks.append(dict(getattr(self.engine, "partial_totals", None) or {}))
+        marks.append(dict(getattr(self.engine, "recompute_totals", None) or {}))
+        return marks
+
     def _swap_metrics(self, before) -> dict[str, float]:
         """``rollout/weight_swaps`` and ``time/weight_swap_s`` of every generate call of the batch just collected
         (DAPO's rounds, partial rollouts' calls), from the engine's running totals (``swap_totals``) since ``before``
-        ([swaps, seconds] and, with ``rollout.partial``, a third entry: ``partial_totals`` then), with the partial
-        rollouts' counters as ``rollout/partial_*`` and their seconds as ``time/partial_*_s``; empty for an engine
-        without them."""
+        ([swaps, seconds], then optionally ``partial_totals`` and ``recompute_totals`` then: ``_swap_marks``), with
+        the partial rollouts' counters as ``rollout/partial_*`` and their seconds as ``time/partial_*_s``, and the
+        caches rebuilt over sampled tokens (recompute swaps, carried rows under newer weights) as
+        ``rollout/recompute_prefill_tokens`` (ids fed, a shared prompt once) beside ``rollout/recompute_context_tokens``
+        (the rows' contexts: what a per-row re-prefill feeds); empty for an engine without them."""
         totals = getattr(self.engine, "swap_totals", None)
         if totals is None:
             return {}
@@ -326,6 +336,11 @@ class RolloutProducer:
             for name, value in partial.items():
                 tag = f"time/partial_{name[:-2]}_s" if name.endswith("_s") else f"rollout/partial_{name}"
                 out[tag] = float(value - earlier.get(name, 0.0))
+        recompute = getattr(self.engine, "recompute_totals", None)
+        if recompute:
+            earlier = before[3] if len(before) > 3 and before[3] else {}
+            for name in ("prefill_tokens", "context_tokens"):
+                out[f"rollout/recompute_{name}"] = float(recompute.get(name, 0) - earlier.get(name, 0))
         return out
 
     def _run(self) -> None:
@@ -352,8 +367,7 @@ class RolloutProducer:
                             self.engine.sync_weights(version, weights)
                         if getattr(self.engine, "partial", False):  # the oldest version step ``step`` may train
                             self.engine.partial_min_version = (step - self.max_staleness) * self.updates_per_step
-                        swaps_before = list(getattr(self.engine, "swap_totals", (0, 0.0)))
-                        swaps_before.append(dict(getattr(self.engine, "partial_totals", None) or {}))
+                        swaps_before = self._swap_marks()
                         start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.prompt_batch(step))
                         seconds = time.perf_counter() - start

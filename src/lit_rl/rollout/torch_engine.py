@@ -35,13 +35,15 @@ from .weight_casts import WeightCasts
 @dataclass
 class GenerationStats:
     """Timing of the last ``generate`` call: seconds and generated tokens (valid ones only); in-flight weight
-    updates: how many swaps it made between decode steps and the seconds they paused decoding."""
+    updates: how many swaps it made between decode steps and the seconds they paused decoding (loading, and with
+    ``kv_on_update=recompute`` the re-prefill)."""
 
     seconds: float = 0.0
     tokens: int = 0
     swaps: int = 0
     swap_seconds: float = 0.0
     partial: dict[str, float] | None = None  # rollout.partial: ``PartialRollouts.totals`` after the call
+    recompute: dict[str, int] | None = None  # the engine's ``recompute_totals`` after the call
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,7 +154,8 @@ class TorchEngine(InFlightSwaps):
     (``Rollouts.token_versions``). ``kv_on_update``: ``keep`` continues with the cache written by the older
     weights (the documents' "KV kept"); ``recompute`` re-prefills every live sequence (prompt and the tokens
     sampled so far) with the new weights, so the next token's log-prob is the one a fresh engine holding the new
-    version assigns to the same context.
+    version assigns to the same context; a prompt that rows share is prefilled once and each row's tail on top
+    of it (``kv_continuation.shared_prompt_prefill``), the ids fed counted in ``recompute_totals``.
     """
 
     def __init__(
@@ -184,6 +187,10 @@ class TorchEngine(InFlightSwaps):
         self.version = 0
         self.last = GenerationStats()
         self.swap_totals = [0, 0.0]  # in-flight swaps and their seconds over every generate call so far
+        self._swaps = [0, 0.0]  # those of the current generate call
+        # caches rebuilt over rows with sampled tokens (a recompute swap, carried rows under newer weights), over every
+        # call so far: the rebuilds, the ids they fed (each shared prompt once) and the rows' contexts' total length
+        self.recompute_totals = {"prefills": 0, "prefill_tokens": 0, "context_tokens": 0}
         self.between_steps = None
         self.kv_on_update = "keep"
         self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
@@ -326,6 +333,7 @@ class TorchEngine(InFlightSwaps):
         seconds = time.perf_counter() - start
         self.last = GenerationStats(seconds, int(out.response_mask.sum()), self._swaps[0], self._swaps[1])
         self.last.partial = self.partial_totals
+        self.last.recompute = dict(self.recompute_totals)
         self.swap_totals[0] += self._swaps[0]
         self.swap_totals[1] += self._swaps[1]
         return result
