@@ -252,6 +252,11 @@ def test_the_recipe_trains_with_partial_rollouts_within_max_staleness(tmp_path, 
     fractions = [v for _, v in s["rollout/partial_fraction"]]
     assert len(fractions) == 4 and all(0.0 <= v <= 1.0 for v in fractions), fractions
     assert all(v <= 1 for _, v in s["rollout/staleness_max"]), s["rollout/staleness_max"]
+    for tag in ("rollout/partial_held_back", "rollout/recompute_prefill_tokens", "rollout/recompute_context_tokens"):
+        assert len(s[tag]) == 4 and all(v >= 0 for _, v in s[tag]), tag  # the counters travel from either producer
+    assert all(
+        a <= b for (_, a), (_, b) in zip(s["rollout/recompute_prefill_tokens"], s["rollout/recompute_context_tokens"])
+    )
 
 
 def test_look_ahead_groups_take_the_slots_a_batch_frees_and_are_skipped_when_offered_again(tiny, versions):
@@ -272,6 +277,69 @@ def test_look_ahead_groups_take_the_slots_a_batch_frees_and_are_skipped_when_off
     assert keys2 == ["long", "other"] and carried2.tolist() == [True, True, False, False]
     assert r2.response_mask.sum(-1).tolist() == [6, 6, 6, 6]
     assert state.decode_rows == [4, 4, 4, 4, 2, 2] and state.held == [] and state.queue == []
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_a_look_ahead_group_waits_for_weights_its_own_batch_may_train_on(tiny, versions, hold):
+    """The layout that threw decoded tokens away: call 1 (version 0, bound 0) brings short and long and, as a
+    look-ahead, long2 (OTHER, which runs its 6 tokens), whose own batch (call 2) allows version 1 at the oldest.
+    Without the look-ahead's bound (``hold`` False) long2 takes short's slots at step 1 with version 0, is carried
+    with 5 tokens when long completes, and call 2 restarts it: 1 restart, 2 x 5 tokens thrown away. With it, long2
+    waits in the queue (the decode batch runs on with long's 2 rows), call 2 starts it with version 1 and nothing is
+    thrown away."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    rows, seeds = groups(SHORT, LONG, OTHER)
+    bound = 1 if hold else None
+    r1, keys1, _ = engine.generate_partial(rows, GREEDY, seeds, ["short", "long", "long2"], 2, 0, 1, bound)
+    state = engine.partial_state
+    decode_rows1 = list(state.decode_rows)
+    engine.sync_weights(1, versions[1])
+    r2, keys2, carried2 = call(engine, ["long2", "short2"], [OTHER, SHORT2], want=2, min_version=1)
+    totals = state.totals()
+    assert keys1 == ["short", "long"] and keys2 == ["short2", "long2"]
+    assert r2.token_versions[r2.response_mask].unique().tolist() == [1]  # no trained token older than the bound
+    if hold:
+        assert decode_rows1 == [4, 2, 2, 2, 2, 2] and totals["held_back"] == 1
+        assert totals["restarts"] == 0 and totals["discarded_tokens"] == 0
+    else:
+        assert decode_rows1 == [4, 4, 4, 4, 4, 4] and totals["held_back"] == 0
+        assert totals["restarts"] == 1 and totals["discarded_tokens"] == 2 * 5
+    assert carried2.tolist() == [False] * 4
+
+
+def test_a_held_back_look_ahead_group_starts_after_a_swap_to_weights_its_batch_allows(tiny, versions):
+    """The same layout with version 1 swapped in before decode step 3 of call 1: long2 waits at steps 1-2 and
+    starts at step 3 with version 1, which its own batch allows, so call 2 carries it on (not restarted): its 3
+    tokens of call 1 are kept, carried, all version 1's."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    engine.between_steps = lambda step: step == 3 and engine.sync_weights(1, versions[1]) is None
+    rows, seeds = groups(SHORT, LONG, OTHER)
+    r1, keys1, _ = engine.generate_partial(rows, GREEDY, seeds, ["short", "long", "long2"], 2, 0, 1, 1)
+    state = engine.partial_state
+    decode_rows1 = list(state.decode_rows)
+    engine.between_steps = None
+    r2, keys2, carried2 = call(engine, ["long2", "short2"], [OTHER, SHORT2], want=2, min_version=1)
+    totals = state.totals()
+    assert keys1 == ["short", "long"] and decode_rows1 == [4, 2, 2, 4, 4, 4]
+    assert keys2 == ["short2", "long2"] and carried2.tolist() == [False, False, True, True]
+    assert totals["held_back"] == 1 and totals["restarts"] == 0 and totals["discarded_tokens"] == 0
+    assert r2.token_versions[2:].tolist() == [[1] * 6] * 2
+
+
+def test_a_look_ahead_group_the_batch_cannot_do_without_starts_and_is_trained_in_it(tiny, versions):
+    """A batch that wants 2 groups but brings 1 (the other was delivered early) takes the look-ahead group though
+    its own batch would not allow the engine's version: it is committed to this batch, which waits for it, so it is
+    never carried (and never thrown away)."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    rows, seeds = groups(SHORT, SHORT2)
+    r, keys, carried = engine.generate_partial(rows, GREEDY, seeds, ["short", "short2"], 2, 0, 1, 1)
+    totals = engine.partial_state.totals()
+    assert keys == ["short2", "short"]  # the committed group first
+    assert engine.partial_state.decode_rows == [2, 2] and totals["held_back"] == 0 and totals["restarts"] == 0
+    assert engine.partial_state.held == [] and engine.partial_state.queue == []
 
 
 def test_collect_offers_the_next_steps_groups_as_a_look_ahead(tiny, versions):

@@ -136,11 +136,12 @@ class DecodeLoop:
                 setattr(self, name, value[keep])
 
     # -- one decode step -------------------------------------------------------------------------------------
-    def forward(self, step: int) -> Tensor:
+    def forward(self, step: int, swapped: bool | None = None) -> Tensor:
         """The live rows' next-token logits [B, V] at call-local decode step ``step``: a prefill of their contexts
-        when they (re)join or after an in-flight swap with ``kv_on_update=recompute``, else one cached step."""
+        when they (re)join or after an in-flight swap with ``kv_on_update=recompute``, else one cached step.
+        ``swapped``: whether the caller already took newer weights before this step (None: ask the engine now)."""
         engine = self.engine
-        swapped = engine._swapped(step)
+        swapped = engine._swapped(step) if swapped is None else swapped
         t0, spent = time.perf_counter(), "prefill_s"
         if self.rejoin:
             logits = self._prefill(dedupe=True)
@@ -354,6 +355,9 @@ class _Group:
     seeds: list[int]
     rows: list[int] = field(default_factory=list)  # indices into the loop's rows once admitted
     born: int = -1
+    bound: int | None = None  # the oldest version the batch it was drawn for may train on (None: unknown)
+    committed: bool = False  # admitted with weights too old for a later batch: this call's batch takes it
+    waited: bool = False  # held back once for newer weights (counted once)
 
 
 class PartialRollouts:
@@ -372,6 +376,13 @@ class PartialRollouts:
     with a token older than ``min_version`` is restarted from its first token (same seeds), so no trained token is
     older than the caller's bound (``restarts`` counts them).
 
+    A look-ahead group (one drawn for a later batch, whose bound ``ahead_min_version`` is newer than this call's
+    ``min_version``) is not started with weights older than that bound: it could then be trained only if it completed
+    inside this call, which cannot be known when it starts (its length is sampled), and were it carried it would be
+    restarted and its tokens thrown away. It waits in the queue (``held_back`` counts such groups) until an in-flight
+    swap brings weights its own batch may train on, or until this call's batch cannot be completed without it: it is
+    then started and committed to this batch (the batch waits for it and takes it first), so it is never carried.
+
     ``decode_rows``: the live rows of each decode step of the last call (the refill is visible there).
     """
 
@@ -384,20 +395,24 @@ class PartialRollouts:
         self.restarts = 0
         self.slots = 0  # the decode batch's rows: the most rows one call has brought
         self.discarded_tokens = 0  # tokens of restarted groups, sampled and thrown away
+        self.held_back = 0  # look-ahead groups that waited for weights their own batch may train on
+        self.min_version: int | None = None  # this call's bound
         self.seen: set = set()  # every key ever added: a look-ahead group offered again by its own batch is skipped
         self.decode_rows: list[int] = []
 
     def generate(
-        self, engine, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None, ahead: int = 0
+        self, engine, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None, ahead: int = 0,
+        ahead_min_version=None,
     ):  # fmt: skip
         """Add the groups of ``prompts`` (len(keys) groups of equal size, each group's rows next to each other,
         ``seeds`` one per row, ``keys`` one opaque key per group; a key added by an earlier call is skipped) and
         decode until ``want`` held groups are complete. The last ``ahead`` groups are a look-ahead (the next batch's
         groups: they wait in the queue for slots freed early and do not widen the decode batch, which stays at the
-        most rows the other groups of one call have brought). Returns (``Rollouts`` of those groups' rows, group
-        after group, their keys [want], carried [N] bool: the row was started by an earlier call). Raises ValueError for
-        sizes that do not add up, a ``want``
-        larger than the groups held, or sampling settings other than the first call's."""
+        most rows the other groups of one call have brought); ``ahead_min_version``: the oldest version their own
+        batch may train on (None: not known, they start whenever slots are free). Returns (``Rollouts`` of those
+        groups' rows, group after group, their keys [want], carried [N] bool: the row was started by an earlier
+        call). Raises ValueError for sizes that do not add up, a ``want`` larger than the groups held, or sampling
+        settings other than the first call's."""
         if not keys or len(prompts) % len(keys) or len(seeds) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts, {len(seeds)} seeds and {len(keys)} group keys: need "
                              "one seed per prompt and the same number of prompts in every group")  # fmt: skip
@@ -407,10 +422,16 @@ class PartialRollouts:
             raise ValueError("rollout.partial: the sampling settings must stay those of the first batch")
         size = len(prompts) // len(keys)
         self._restart_older_than(min_version)
+        self.min_version = min_version
+        queued = {g.key: g for g in self.queue}
         for i, key in enumerate(keys):
+            bound = ahead_min_version if i >= len(keys) - ahead else min_version
             if key not in self.seen:
                 self.seen.add(key)
-                self.queue.append(_Group(key, prompts[i * size : (i + 1) * size], seeds[i * size : (i + 1) * size]))
+                rows = slice(i * size, (i + 1) * size)
+                self.queue.append(_Group(key, prompts[rows], seeds[rows], bound=bound))
+            elif key in queued and i < len(keys) - ahead:  # a look-ahead group offered by its own batch
+                queued[key].bound = min_version
         if want > len(self.held) + len(self.queue):
             raise ValueError(f"want {want} groups but only {len(self.held) + len(self.queue)} are held")
         self.slots = max(self.slots, (len(keys) - ahead) * size)
@@ -419,34 +440,62 @@ class PartialRollouts:
             loop.rejoin = True  # newer weights since the carried rows' cache was written: recomputed, as at a swap
         self.decode_rows = []
         step = 0
-        while len(self.complete) < want:
+        while len(self.complete) < want or any(g.committed and g not in self.complete for g in self.held):
             engine._check_cancel()
-            self._admit(slots)
+            swapped = engine._swapped(step)  # before admitting: a group started now samples with the newest weights
+            self._admit(slots, want)
+            if not loop.active.numel():
+                raise RuntimeError(
+                    f"partial rollouts: no row to decode with {len(self.complete)} of {want} groups done"
+                )
             self.decode_rows.append(int(loop.active.numel()))
-            loop.advance(loop.sample(loop.forward(step)))
+            loop.advance(loop.sample(loop.forward(step, swapped)))
             self._mark_complete()
             step += 1
         return self._take(want)
 
     def totals(self) -> dict[str, float]:
         """Running totals over every call: ``restarts`` (groups restarted as too old) and ``discarded_tokens``
-        (their tokens), the decode loop's ``prefill_positions`` (ids fed through prefills, padding included),
-        ``prefill_s``, ``decode_rows`` (rows advanced by cached steps), ``decode_s`` (seconds) and ``joined_rows``
+        (their tokens), ``held_back`` (look-ahead groups that waited for newer weights), the decode loop's
+        ``prefill_positions`` (ids fed through prefills, padding included), ``prefill_s``, ``decode_rows`` (rows
+        advanced by cached steps), ``decode_s`` (seconds) and ``joined_rows``
         (rows whose prompts were prefilled alone beside live rows: a refill)."""
         loop_counts = self.loop.counts if self.loop is not None else {}
-        own = {"restarts": self.restarts, "discarded_tokens": self.discarded_tokens}
+        own = {"restarts": self.restarts, "discarded_tokens": self.discarded_tokens, "held_back": self.held_back}
         return {k: float(v) for k, v in {**own, **loop_counts}.items()}
 
-    def _admit(self, slots: int) -> bool:
-        """Move queued groups into the decode batch, whole, while it has room for them; True when one moved."""
+    def _admit(self, slots: int, want: int) -> bool:
+        """Move queued groups into the decode batch, whole and in order, while it has room for them; a look-ahead
+        group whose own batch may not train on the engine's weights waits (the groups behind it may go), unless
+        this call's ``want`` groups cannot be completed without it (then it is committed to this batch). True when
+        one moved."""
         loop = self.loop
         moved = False
-        while self.queue and loop.active.numel() + len(self.queue[0].prompts) <= slots:
-            group = self.queue.pop(0)
+        for group in list(self.queue):
+            if loop.active.numel() + len(group.prompts) > slots:
+                break
+            if self._waits(group):
+                if not self._needed(want):
+                    self.held_back += not group.waited
+                    group.waited = True
+                    continue
+                group.committed = True
+            self.queue.remove(group)
             group.rows, group.born = loop.add(group.prompts, group.seeds, beside=True).tolist(), self.calls
             self.held.append(group)
             moved = True
         return moved
+
+    def _waits(self, group: _Group) -> bool:
+        """True for a group drawn for a later batch than this call's whose bound the engine's weights are older
+        than: started now, it could only be trained if it completed inside this call."""
+        bound, now = group.bound, self.min_version
+        return bound is not None and now is not None and bound > now and self.loop.engine.version < bound
+
+    def _needed(self, want: int) -> bool:
+        """True when fewer than ``want`` groups could complete this call without the waiting ones: the complete, the
+        admitted and the queued groups that do not wait."""
+        return len(self.held) + sum(not self._waits(g) for g in self.queue) < want  # the complete ones are held
 
     def _finished(self, group: _Group) -> bool:
         rows = torch.tensor(group.rows, dtype=torch.long)
@@ -458,7 +507,9 @@ class PartialRollouts:
                 self.complete.append(group)
 
     def _take(self, want: int):
-        groups, self.complete = self.complete[:want], self.complete[want:]
+        order = [g for g in self.complete if g.committed] + [g for g in self.complete if not g.committed]
+        groups = order[:want]
+        self.complete = [g for g in self.complete if g not in groups]
         rows = torch.tensor([r for g in groups for r in g.rows], dtype=torch.long)
         out = self.loop.rollouts(rows)
         carried = torch.tensor([g.born < self.calls for g in groups for _ in g.rows], dtype=torch.bool)

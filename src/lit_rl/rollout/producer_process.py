@@ -129,7 +129,8 @@ def serve(model, engine_kwargs: dict, store: WeightStore, requests, replies, thr
                 with torch.autocast("cpu", dtype=dtype, enabled=enabled):
                     if partial is None:
                         out = engine.generate(prompts, params, seeds)
-                    else:  # rollout.partial: (group keys, groups wanted, oldest version allowed, look-ahead groups)
+                    else:  # rollout.partial: (group keys, groups wanted, oldest version allowed, look-ahead groups,
+                        # the oldest version the look-ahead's batch allows)
                         out = engine.generate_partial(prompts, params, seeds, *partial)
                 replies.put((rid, "ok", out, engine.last))
             except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
@@ -164,6 +165,7 @@ class ProcessEngine:
         self.in_flight, self.kv_on_update = bool(in_flight), kv_on_update
         self.version, self.own_copy, self.cancel = engine.version, True, None
         self.partial, self.partial_min_version = False, None  # rollout.partial: served by the process's engine
+        self.partial_ahead_min_version = None  # rollout.partial: the look-ahead's batch's bound
         self.store: WeightStore | None = None
         self.process = None
         self.last = GenerationStats()
@@ -232,12 +234,17 @@ class ProcessEngine:
         return self._request(prompts, params, seeds, None)
 
     def generate_partial(
-        self, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None, ahead: int = 0
+        self, prompts, params: SamplingConfig, seeds, keys: list, want: int, min_version=None, ahead: int = 0,
+        ahead_min_version=None,
     ):  # fmt: skip
         """``TorchEngine.generate_partial`` in the rollout process (the carried rows stay there between calls);
-        ``min_version`` None: ``partial_min_version``. Raises as ``generate``."""
+        ``min_version`` None: ``partial_min_version``, ``ahead_min_version`` None: ``partial_ahead_min_version``.
+        Raises as ``generate``."""
         min_version = self.partial_min_version if min_version is None else min_version
-        return self._request(prompts, params, seeds, (list(keys), int(want), min_version, int(ahead)))
+        if ahead_min_version is None:
+            ahead_min_version = self.partial_ahead_min_version
+        partial = (list(keys), int(want), min_version, int(ahead), ahead_min_version)
+        return self._request(prompts, params, seeds, partial)
 
     def _request(self, prompts, params: SamplingConfig, seeds, partial):
         self.start()

@@ -367,6 +367,10 @@ class RolloutProducer:
                             self.engine.sync_weights(version, weights)
                         if getattr(self.engine, "partial", False):  # the oldest version step ``step`` may train
                             self.engine.partial_min_version = (step - self.max_staleness) * self.updates_per_step
+                            # and its look-ahead, the next step's groups
+                            self.engine.partial_ahead_min_version = (
+                                self.engine.partial_min_version + self.updates_per_step
+                            )
                         swaps_before = self._swap_marks()
                         start = time.perf_counter()
                         scored, metrics = self.module.collect(self.module.prompt_batch(step))

@@ -194,6 +194,7 @@ class TorchEngine(InFlightSwaps):
         self.between_steps = None
         self.kv_on_update = "keep"
         self.partial, self.partial_min_version = False, None  # rollout.partial (set by the rollout source)
+        self.partial_ahead_min_version = None  # rollout.partial: the look-ahead's batch's bound (set by the producer)
         self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
         self.continue_kv = True
         self.casts = WeightCasts()  # ``casts.enabled = False``: autocast's own per-step casts (a comparison's baseline)
@@ -293,7 +294,7 @@ class TorchEngine(InFlightSwaps):
     @torch.no_grad()
     def generate_partial(
         self, prompts: list[list[int]], params: SamplingConfig, seeds: list[int], keys: list, want: int,
-        min_version: int | None = None, ahead: int = 0,
+        min_version: int | None = None, ahead: int = 0, ahead_min_version: int | None = None,
     ) -> tuple[Rollouts, list, Tensor]:  # fmt: skip
         """``rollout.partial``: add the groups of ``prompts`` (``keys``: one per group; a group's rows next to each
         other) to the engine's partial rollouts (``decode_loop.PartialRollouts``, kept across calls) and decode until
@@ -301,6 +302,9 @@ class TorchEngine(InFlightSwaps):
         with an older token restart (None: ``partial_min_version``, which the async producer sets to the oldest
         version its next batch may train on). ``ahead``: the last ``ahead`` groups are the next batch's, queued for
         the decode slots this batch's groups free (not counted in the batch's slots; a key already seen is skipped).
+        ``ahead_min_version``: the oldest version the look-ahead's own batch may train on (None:
+        ``partial_ahead_min_version``, which the producer sets); a look-ahead group does not start with older weights
+        unless this batch needs it (``PartialRollouts``).
         Returns (``Rollouts`` of the ``want`` groups' rows, ``carried`` set, their keys, carried [N] bool);
         ``last.tokens`` counts the returned rows' tokens, carried ones included.
         Raises ValueError for max_new_tokens <= 0 and as ``PartialRollouts.generate``."""
@@ -309,7 +313,12 @@ class TorchEngine(InFlightSwaps):
         if self.partial_state is None:
             self.partial_state = PartialRollouts()
         min_version = self.partial_min_version if min_version is None else min_version
-        return self._timed(self.partial_state.generate, self, prompts, params, seeds, keys, want, min_version, ahead)
+        if ahead_min_version is None:
+            ahead_min_version = self.partial_ahead_min_version
+        state = self.partial_state
+        return self._timed(
+            state.generate, self, prompts, params, seeds, keys, want, min_version, ahead, ahead_min_version
+        )
 
     @property
     def partial_totals(self) -> dict[str, float] | None:
