@@ -91,15 +91,19 @@ def measure(overrides: list[str], out: Path) -> dict[str, float]:
     }
 
 
-#: the per-batch partial-rollout counters printed for the partial settings (``PartialRollouts.totals``)
+#: the per-batch partial-rollout counters printed for the partial settings (``PartialRollouts.totals``) and the
+#: recompute's prefill work
 PARTIAL_TAGS = {
     "joined rows": "rollout/partial_joined_rows",
     "prefill positions": "rollout/partial_prefill_positions",
     "prefill s": "time/partial_prefill_s",
     "decode rows": "rollout/partial_decode_rows",
     "decode s": "time/partial_decode_s",
+    "held back": "rollout/partial_held_back",
     "restarts": "rollout/partial_restarts",
     "discarded tokens": "rollout/partial_discarded_tokens",
+    "recompute ids": "rollout/recompute_prefill_tokens",  # a rebuild's ids (shared prompts once) ...
+    "context ids": "rollout/recompute_context_tokens",  # ... and what re-prefilling each row whole would feed
 }
 
 
