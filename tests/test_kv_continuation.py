@@ -121,3 +121,54 @@ def test_rows_finishing_together_or_apart_keep_exactly_their_context(tiny, rows)
             entry = kept.entries[tuple(p + ids[:-1])]
             assert entry.layers[0][0].shape[1] == len(p) + len(ids) - 1
             assert len(entry.layers) == model.config.num_hidden_layers
+
+
+def test_a_shared_prompt_prefill_gives_each_row_the_cache_of_its_whole_context(tiny):
+    """``shared_prompt_prefill`` of 7 rows (two prompts, tails of 0, 1, 2 and 3 ids, two rows with one context) feeds
+    each prompt once and each distinct tail once: 4 + 3 + (1 + 3 + 2 + 2) = 15 ids. Under ``kernels=batch_invariant``
+    every row's next-token logits and its keys and values equal a full prefill of its context, bit for bit, and one
+    cached decode step on top gives the same logits as on the full prefill's cache. A prompt length outside the
+    context is named."""
+    from lit_rl.logprobs import position_ids_from_mask
+    from lit_rl.rollout.kv_continuation import shared_prompt_prefill
+
+    model, tok = tiny
+    x, y = (5, 9, 14, 3), (7, 2, 11)
+    contexts = [x, x + (4,), x + (8, 1, 6), y + (2, 2), y + (3, 5), x + (8, 1, 6), y]
+    lengths = [len(x), len(x), len(x), len(y), len(y), len(x), len(y)]
+    with kernel_mode("batch_invariant", model):
+        engine = TorchEngine(model, tok.pad_token_id, [], own_copy=True)
+        model.eval()
+        with torch.no_grad():
+            logits, cache, mask, last, fed = shared_prompt_prefill(engine, contexts, lengths, steps=4)
+            loop = engine_loop(engine, contexts)
+            full_logits, full_cache, full_mask, full_pos = loop._prefill_rows(list(range(len(contexts))), False)
+            step = torch.tensor([[17]] * len(contexts))
+
+            def decode(c, m, p):
+                m = torch.cat([m, m.new_ones(m.shape[0], 1)], 1)
+                out = engine.model(input_ids=step, attention_mask=m, position_ids=p[:, -1:] + 1, cache=c,
+                                   use_cache=True, logits_to_keep=1)  # fmt: skip
+                return out.logits[:, -1]
+
+            after, full_after = decode(cache, mask, last), decode(full_cache, full_mask, full_pos)
+    assert fed["tokens"] == len(x) + len(y) + 1 + 3 + 2 + 2 == 15
+    assert torch.equal(last[:, 0], torch.tensor([len(c) - 1 for c in contexts]))
+    assert torch.equal(logits, full_logits) and torch.equal(after, full_after)
+    for layer, full in zip(cache.layers, full_cache.layers):  # right-aligned: the context, then the decoded step
+        for row, c in enumerate(contexts):
+            span = slice(-(len(c) + 1), None)
+            assert torch.equal(layer.keys[row][:, span], full.keys[row][:, span])
+            assert torch.equal(layer.values[row][:, span], full.values[row][:, span])
+    assert torch.equal(position_ids_from_mask(mask)[:, -1], last[:, 0])
+    with pytest.raises(ValueError, match="prompt length must be within"):
+        shared_prompt_prefill(engine, [x], [0], steps=4)
+
+
+def engine_loop(engine, contexts):
+    """A ``DecodeLoop`` holding ``contexts`` as bare prompts (its ``_prefill_rows`` prefills each whole)."""
+    from lit_rl.rollout.decode_loop import DecodeLoop
+
+    loop = DecodeLoop(engine, SamplingConfig(temperature=0.0, max_new_tokens=4))
+    loop.add([list(c) for c in contexts], list(range(len(contexts))))
+    return loop
