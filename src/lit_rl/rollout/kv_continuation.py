@@ -16,6 +16,10 @@ KV, from the same context) instead of leaving a padding hole between its kept ke
 continued decode gives the tokens and log-probs of a full re-prefill bit for bit; under torch's kernels the two
 differ by the prefill-vs-decode rounding a re-prefill has too.
 
+The same continuation serves an in-flight swap with ``kv_on_update=recompute`` (``shared_prompt_prefill``): the
+rows' distinct prompts are prefilled once with the new weights and kept for the call, and each row's sampled tokens
+are prefilled on top of its prompt's keys and values.
+
 Hybrid models (Gated DeltaNet layers) are not continued: their conv and recurrent states summarise the context at
 its end and cannot re-compute a tail, so ``TorchEngine.kv_continuation`` keeps nothing for them and every turn
 re-prefills its episode (as engines without the session, e.g. vLLM, do).
