@@ -100,6 +100,8 @@ KERNELS: Registry[str] = Registry(
 FP32_GEMM_CHOICES = ("auto", "aten", "onednn")
 #: ``kernels.linear_attention`` values (``kernels.linear_attention.resolve_linear_attention``)
 LINEAR_ATTENTION_CHOICES = ("auto", "chunked", "recurrent")
+#: ``engine.packed_linear`` values (``kernels.packed_linear.resolve``)
+PACKED_LINEAR_CHOICES = ("auto", True, False)
 
 # -- rollout (lit_rl.rollout) ------------------------------------------------------------------------------------
 #: ``engine.name``: the engines of ``rollout.engines.ENGINES``, and ``auto``, a choice made at start-up

@@ -182,8 +182,8 @@ def check_choices(cfg: DictConfig) -> None:
 
 
 def check_kernels(cfg: DictConfig) -> None:
-    """``kernels`` and ``kernels.fp32_gemm``; batch-invariant kernels keep their own products (no oneDNN) and
-    cover the CPU only (``trainer.accelerator``)."""
+    """``kernels``, ``kernels.fp32_gemm`` and ``engine.packed_linear`` beside them; batch-invariant kernels keep
+    their own products (no oneDNN) and cover the CPU only (``trainer.accelerator``)."""
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     gemm = cfg.kernels.get("fp32_gemm", "auto")
@@ -196,6 +196,14 @@ def check_kernels(cfg: DictConfig) -> None:
         "kernels.fp32_gemm",
         gemm,
         "kernels=batch_invariant runs every product through its own blocked kernels: leave kernels.fp32_gemm at aten",
+    )
+    packed = cfg.engine.get("packed_linear", "auto")
+    _check(
+        not (kernels == "batch_invariant" and packed is True),
+        "engine.packed_linear",
+        packed,
+        "kernels=batch_invariant runs every product through its own blocked kernels: leave engine.packed_linear at "
+        "auto (off under them) or false",
     )
     if kernels == "batch_invariant":
         _check(

@@ -65,6 +65,7 @@ def build_torch_engine(
         keep_float32=None if cfg.keep_float32 is None else tuple(cfg.keep_float32),
         logit_noise=float(cfg.logit_noise),
         temperature_offset=float(cfg.temperature_offset),
+        packed_linear=cfg.packed_linear,
     )
 
 

@@ -198,6 +198,7 @@ class ProcessEngine:
             "int8_roundtrip": e.int8_roundtrip,
             "logit_noise": e.logit_noise,
             "temperature_offset": e.temperature_offset,
+            "packed_linear": e.casts.packed,
             "in_flight": self.in_flight,
             "kv_on_update": self.kv_on_update,
         }

@@ -129,6 +129,10 @@ class TorchEngine(InFlightSwaps):
             ``weights_dtype`` (``engine.keep_float32``); None = the family's defaults (Gated DeltaNet's ``A_log``,
             ``dt_bias`` where the model has them), () = none. A name that matches no parameter of ``model``
             raises ValueError naming it and the model's candidates (``state_cache.float32_names``).
+        packed_linear: ``engine.packed_linear``, "auto" | True | False: under bf16 autocast on the CPU, decode
+            steps' products from weights held in oneDNN's packed layout where ``kernels.packed_linear.resolve``
+            finds the same bits as ``F.linear`` (and, for auto, a faster product) at the first rollout; ValueError
+            naming the field for another value.
 
     With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
@@ -136,7 +140,8 @@ class TorchEngine(InFlightSwaps):
 
     Under ``torch.autocast`` each rollout casts the linear layers' weights to the autocast dtype once and reuses the
     casts at every decode step (``weight_casts.WeightCasts``, ``casts``; the same values autocast's per-step casts
-    give); a sync or any in-place write of a weight makes its cast again.
+    give), under bf16 also packed for oneDNN where ``packed_linear`` says so (the same bits); a sync or any
+    in-place write of a weight makes its cast again.
 
     ``cancel``: a ``threading.Event``, or None; once set, a ``generate`` in progress raises
     ``GenerationCancelled`` at its next decode step (a rollout producer thread is stopped this way).
@@ -169,6 +174,7 @@ class TorchEngine(InFlightSwaps):
         logit_noise: float = 0.0,
         temperature_offset: float = 0.0,
         keep_float32: tuple[str, ...] | None = None,
+        packed_linear="auto",
     ):
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
@@ -197,7 +203,8 @@ class TorchEngine(InFlightSwaps):
         self.partial_ahead_min_version = None  # rollout.partial: the look-ahead's batch's bound (set by the producer)
         self.partial_state: PartialRollouts | None = None  # the rows carried between generate_partial calls
         self.continue_kv = True
-        self.casts = WeightCasts()  # ``casts.enabled = False``: autocast's own per-step casts (a comparison's baseline)
+        # ``casts.enabled = False``: autocast's own per-step casts (a comparison's baseline)
+        self.casts = WeightCasts(packed=packed_linear)
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
         single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
         self.sync_weights(0)

@@ -16,6 +16,13 @@ must stay in the autograd graph (grad mode on and a weight that requires grad), 
 A cast is made again when its weight changes: a weight sync writes the parameters in place, which bumps their
 version counters (``Tensor._version``), and moving or re-assigning a parameter changes its storage; ``clear``
 drops every cast (the engine calls it at each sync too, for writes through ``.data``, which no counter sees).
+
+``packed`` (``engine.packed_linear``: auto | true | false): under bf16 autocast on the CPU, a product of at most
+``kernels.packed_linear.MAX_ROWS`` rows (a decode step's) runs from the weight's cast held in oneDNN's packed layout
+as well (``kernels.packed_linear``), made once like the cast and again when the weight changes; where
+``kernels.packed_linear.resolve`` turns it on for the model at the current thread count (the same bits as
+``F.linear`` on the model's shapes and, for auto, measured faster), never under ``kernels=batch_invariant``. It
+holds a second bf16 copy of each linear weight while a block lasts (the plain cast serves the prefill).
 """
 
 from __future__ import annotations
@@ -26,21 +33,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import BatchInvariantMode, packed_linear
+
 
 class WeightCasts:
     """Casts of linear-layer weights and biases to the autocast dtype, one per (tensor, dtype), kept while the tensor
     is unchanged (same storage, same version counter). ``enabled`` False: ``installed`` does nothing (the per-step
-    casts of autocast itself, a comparison's baseline). ``made``: casts made so far (a test's and a benchmark's
-    count)."""
+    casts of autocast itself, a comparison's baseline). ``packed``: auto | True | False (default), the packed bf16
+    products (module docstring; the engine's follow ``engine.packed_linear``; settable between blocks; ValueError
+    naming ``engine.packed_linear`` for another value). ``made``: casts made so far, ``packed_made``: packed weights
+    made so far (a test's and a benchmark's counts); ``packing``: (setting, threads, id(model)) -> whether
+    ``kernels.packed_linear.resolve`` turned them on."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.made = 0
+    def __init__(self, enabled: bool = True, packed=False):
+        packed_linear.check_setting(packed)
+        self.enabled, self.packed = enabled, packed
+        self.made = self.packed_made = 0
         self._casts: dict[tuple[int, torch.dtype], tuple[Tensor, int, int, Tensor]] = {}
+        self._packed: dict[int, tuple[Tensor, int, int, Tensor]] = {}
+        self.packing: dict[tuple, bool] = {}
+        self._pack_threads: int | None = None  # inside a block with packed products on: the thread count they are for
 
     def clear(self) -> None:
-        """Drop every cast (the next use of each weight casts it again)."""
+        """Drop every cast and packed weight (the next use of each weight makes them again)."""
         self._casts.clear()
+        self._packed.clear()
 
     def cast(self, tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         """``tensor`` as autocast would hand it to a lower-precision op of dtype ``dtype``: ``tensor.to(dtype)`` for
@@ -70,12 +87,59 @@ class WeightCasts:
         dtype = torch.get_autocast_dtype(device)
         return self.cast(weight, dtype), self.cast(bias, dtype)
 
+    def packed_weight(self, weight: Tensor) -> Tensor:
+        """``kernels.packed_linear.pack`` of ``weight``'s bf16 cast, made once and reused while ``weight`` keeps its
+        storage and version counter (as ``cast``)."""
+        entry = self._packed.get(id(weight))
+        if entry is not None and entry[1] == weight.data_ptr() and entry[2] == weight._version:
+            return entry[3]
+        with torch.no_grad():
+            packed = packed_linear.pack(self.cast(weight, torch.bfloat16))
+        self._packed[id(weight)] = (weight, weight.data_ptr(), weight._version, packed)
+        self.packed_made += 1
+        return packed
+
+    def _packs(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+        """Whether this product runs packed: on for this block at the current thread count, no batch-invariant
+        kernels, a bf16 weight (and bias), a contiguous float32 or bf16 2-D/3-D input of 1 to ``MAX_ROWS`` rows
+        that needs no gradient."""
+        return (
+            self._pack_threads is not None
+            and weight.dtype == torch.bfloat16
+            and (bias is None or bias.dtype == torch.bfloat16)
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and x.dim() in (2, 3)
+            and 0 < x.numel() <= packed_linear.MAX_ROWS * x.shape[-1]
+            and x.is_contiguous()
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and BatchInvariantMode._active is None
+            and torch.get_num_threads() == self._pack_threads
+        )
+
     def linear_forward(self, module: torch.nn.Linear, x: Tensor) -> Tensor:
-        """``module(x)`` with the cast weight and bias under autocast (same values as ``nn.Linear.forward``)."""
+        """``module(x)`` with the cast weight and bias under autocast (same values as ``nn.Linear.forward``); a
+        decode-sized product from the packed weight where ``packed`` is on (``_packs``: the same bits)."""
         weight, bias = self.params(module)
         if weight is module.weight:
             return torch.nn.Linear.forward(module, x)
+        if self._packs(x, weight, bias):
+            return packed_linear.linear(x.to(torch.bfloat16), self.packed_weight(module.weight), bias)
         return F.linear(x, weight, bias)
+
+    def _packing_threads(self, model: torch.nn.Module) -> int | None:
+        """The thread count the packed products are on for in a block over ``model`` starting now (None: off):
+        ``packed`` not False, bf16 autocast on the CPU, no batch-invariant kernels, and ``packed_linear.resolve``
+        says on (asked once per setting, thread count and model; it prints why)."""
+        if self.packed is False or BatchInvariantMode._active is not None or not torch.is_autocast_enabled("cpu"):
+            return None
+        if torch.get_autocast_dtype("cpu") != torch.bfloat16:
+            return None
+        key = (self.packed, torch.get_num_threads(), id(model))
+        if key not in self.packing:
+            on, why = packed_linear.resolve(self.packed, model)
+            print(f"lit_rl: {why}", flush=True)
+            self.packing[key] = on
+        return key[1] if self.packing[key] else None
 
     @contextlib.contextmanager
     def installed(self, model: torch.nn.Module, keep: bool = False):
@@ -83,10 +147,12 @@ class WeightCasts:
         ``linear_forward``; on leaving (also on an exception) their forwards are restored and, unless ``keep``, the
         casts dropped, so nothing is held between rollouts. ``keep``: the casts outlive the block (a frozen model's,
         reused by every later block; each still made again if its weight changes). Layers already routed (an
-        enclosing block) are left to it. Nothing changes when ``enabled`` is False."""
+        enclosing block) are left to it. Nothing changes when ``enabled`` is False. The packed products' setting
+        is resolved on entering (``_packing_threads``: autocast must be entered before the block)."""
         if not self.enabled:
             yield
             return
+        outer, self._pack_threads = self._pack_threads, self._packing_threads(model)
         patched = [
             m
             for m in model.modules()
@@ -101,6 +167,7 @@ class WeightCasts:
         finally:
             for m in patched:
                 vars(m).pop("forward", None)
+            self._pack_threads = outer
             if not keep:
                 self.clear()
 

@@ -34,6 +34,11 @@ class EngineConfig:
     #: mismatch dial delta: the sampler samples (and reports log-probs) at T' = T + delta (> 0), the trainer
     #: scores at T; both engines
     temperature_offset: Number = 0.0
+    #: auto | true | false: under bf16 autocast on the CPU, the embedded engine's decode-step products from weights
+    #: held in oneDNN's packed layout, where they give the same bits as F.linear on the model's shapes (checked at
+    #: the first rollout, ``kernels.packed_linear.resolve``) and, for auto, are measured faster; true skips the
+    #: timing, never the bit check; never under kernels=batch_invariant. Embedded engine only (vLLM ignores it)
+    packed_linear: Any = "auto"
 
     def problems(self, run) -> Problems:
         """The mismatch dial's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
@@ -41,6 +46,10 @@ class EngineConfig:
         ``run.sampling.temperature`` + offset > 0. The option's own fields (vLLM's) need CUDA to be checked
         (``config.check_vllm_engine``)."""
         sigma, delta = self.logit_noise, self.temperature_offset
+        packed = self.packed_linear
+        yield from rule(
+            packed == "auto" or isinstance(packed, bool), "engine.packed_linear", packed, "choose auto, true or false"
+        )
         yield from rule(
             math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)"
         )
