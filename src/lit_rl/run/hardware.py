@@ -3,7 +3,7 @@
     set_omp_defaults()                      # before torch is imported: OpenMP threads that spin briefly, then sleep
     precision, reason = resolve_precision("auto", "cpu")   # bf16-mixed where bfloat16 is native, else 32-true
     threads = configure_threads("auto")     # the cores this process may run on
-    peak = peak_flops(precision, "cpu")     # FLOP/s a matrix product reaches here (cached probe)
+    peak = peak_flops(precision, "cpu")     # FLOP/s a matrix product reaches here (best probe seen)
 
 Every decision reads facts about the hardware (what torch reports about the CPU's instruction sets, CUDA's
 bf16 support, the process's CPU affinity and cgroup quota), never a figure measured on one machine. The
@@ -519,10 +519,12 @@ def peak_flops(
     """(peak FLOP/s, where it comes from) that ``perf/mfu`` divides the update's FLOP rate by.
 
     CUDA: the device's nominal dense peak for the precision's dtype (``CUDA_PEAK_TFLOPS``), else a probe on
-    the device. CPU: ``probe_flops`` (about 0.6 s) at the run's dtype and thread count, cached in
-    ``<lit_rl cache>/peak_flops.json`` under the CPU model, torch version, dtype, threads and oneDNN cap; a
-    probe during which other processes used more than a tenth of a core is used for this run only (not
-    cached: a busy machine would understate the peak for every later run). Delete the file to re-probe.
+    the device. CPU: the best of ``probe_flops`` now (about 0.6 s, at every call) and the best probe seen before at
+    the run's dtype and thread count, kept in ``<lit_rl cache>/peak_flops.json`` under the CPU model, torch version,
+    dtype, threads and oneDNN cap (``record_peak``). Other processes' load only ever lowers a probe (a probe on a
+    busy machine read ~30% low, so perf/mfu read high, while it stayed the cached figure), so the highest one
+    seen is the estimate that load cannot have inflated; a probe during which other processes used more than a
+    tenth of a core is said so in the source. Delete the file to forget the best.
     """
     import torch
 
@@ -536,7 +538,19 @@ def peak_flops(
                 return peaks[column] * 1e12, f"nominal peak of {name} ({str(dtype).removeprefix('torch.')})"
         return probe(precision, torch.get_num_threads(), device="cuda"), f"matmul probe on {name}"
     threads = torch.get_num_threads() if threads is None else threads
-    key = "|".join(
+    start = _other_cpu_seconds()
+    t0 = time.perf_counter()
+    flops = probe(precision, threads)
+    others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+    best, source = record_peak(precision, flops, threads, cache)
+    busy = f"; other processes used {others:.1f} cores meanwhile" if others > 0.1 else ""
+    return best, f"matmul probe: {flops / 1e12:.3g} TFLOP/s now{busy}, {source}"
+
+
+def _peak_key(dtype, threads: int) -> str:
+    import torch
+
+    return "|".join(
         [
             cpu_model(),
             f"torch {torch.__version__}",
@@ -545,16 +559,18 @@ def peak_flops(
             f"onednn_cap={onednn_isa_cap() or 'none'}",
         ]
     )
+
+
+def record_peak(precision: str, flops: float, threads: int, cache: Path | None = None) -> tuple[float, str]:
+    """Keep ``flops`` (FLOP/s of a matrix product measured at ``precision``'s dtype on ``threads`` CPU threads) in
+    the peak cache (``peak_flops``) when it beats the best seen there; returns (the best now, where it comes from:
+    this measurement, or the cached one and when it was measured). A read-only cache keeps nothing."""
+    key = _peak_key(precision_dtype(precision), threads)
     cache = _cache_file() if cache is None else cache
     cached = read_cache(cache)
-    if key in cached:
-        return float(cached[key]["flops"]), f"matmul probe (cached {cached[key]['measured']})"
-    start = _other_cpu_seconds()
-    t0 = time.perf_counter()
-    flops = probe(precision, threads)
-    others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
-    if others > 0.1:
-        return flops, f"matmul probe (not cached: other processes used {others:.1f} cores meanwhile)"
+    entry = cached.get(key)
+    if entry is not None and float(entry["flops"]) >= flops:
+        return float(entry["flops"]), f"best seen {float(entry['flops']) / 1e12:.3g} (cached {entry['measured']})"
     cached[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%d %H:%M")}
     write_cache(cache, cached)
-    return flops, "matmul probe"
+    return flops, "the best seen (cached)" if entry is None else "the best seen, replacing a lower cached one"
