@@ -4,6 +4,7 @@
     python benchmarks/decode_roofline.py --batches 64 --profile  # plus the per-op shares of the decode step
     python benchmarks/decode_roofline.py --batches 1,2 --context 16 --steps 4 --repeats 1 --force  # a quick check
     python benchmarks/decode_roofline.py --dtypes bf16 --compare-casts  # weights cast once vs at every step
+    python benchmarks/decode_roofline.py --dtypes bf16 --compare-packed  # oneDNN-packed weights vs the casts alone
 
 For each batch B and compute dtype the engine (``TorchEngine`` on the float32 module, as training runs it: bf16
 under ``torch.autocast`` entered as Lightning's ``bf16-mixed`` enters it, with ``cache_enabled=False``, or plain
@@ -27,7 +28,11 @@ The two bounds, at the mean context C = prompt + S/2 positions:
 ratio = seconds per step / the larger bound (1.0 = at the machine's limit). ``--compare-casts`` (bf16): the engine's
 linear weights cast to bf16 once per rollout (``rollout.weight_casts``, the engine's default) against autocast
 casting them at every decode step (``engine.casts.enabled = False``, the engine before), timed alternately in
-one process (old, new, new, old, ...), each ``--repeats`` times, and the ratio old / new of the best of each.
+one process (old, new, new, old, ...), each ``--repeats`` times, and the ratio old / new of the best of each
+(both with ``engine.packed_linear`` off). ``--compare-packed`` (bf16): the decode steps' products from weights held
+in oneDNN's packed layout (``kernels.packed_linear``, ``engine.packed_linear=true``: used where its start-up check
+finds F.linear's bits) against the casts alone (``false``), timed alternately the same way, with a check that both
+sample the same tokens and log-probs, bit for bit, and the line saying what ``auto`` picks on this machine.
 The process keeps freed memory as a run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves
 glibc's defaults, to see what that saves). The machine must be quiet (the script refuses a busy one like the
 other benchmarks; ``--force`` times anyway).
@@ -44,7 +49,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from _common import ensure_quiet  # noqa: E402
 
-from lit_rl.kernels import kernel_mode  # noqa: E402
+from lit_rl.kernels import kernel_mode, packed_linear  # noqa: E402
 from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
 from lit_rl.rollout.torch_engine import TorchEngine  # noqa: E402
 from lit_rl.rollout.types import SamplingConfig  # noqa: E402
@@ -104,17 +109,42 @@ def seconds_per_step(engine, prompts, steps: int, autocast: bool, repeats: int) 
     return best
 
 
-def compare_casts(engine, prompts, steps: int, repeats: int) -> tuple[float, float]:
-    """bf16 seconds per decode step (best of ``repeats`` each) with the weights cast at every step (the engine's
-    ``casts`` off: autocast's own) and cast once per rollout (on), timed alternately: (per step, once)."""
+def alternately(engine, prompts, steps: int, repeats: int, attribute: str) -> tuple[float, float]:
+    """bf16 seconds per decode step (best of ``repeats`` each) with ``engine.casts.<attribute>`` False and True,
+    timed alternately (False, True, True, False, ...) after a warm-up of each: (False's, True's). Leaves it True."""
     best = {False: float("inf"), True: float("inf")}
-    seconds_per_step(engine, prompts, steps, True, 1)  # warm-up
+    for value in (False, True):  # warm-up (and the packed products' start-up check)
+        setattr(engine.casts, attribute, value)
+        seconds_per_step(engine, prompts, steps, True, 1)
     for r in range(repeats):
-        for enabled in (False, True) if r % 2 == 0 else (True, False):
-            engine.casts.enabled = enabled
-            best[enabled] = min(best[enabled], seconds_per_step(engine, prompts, steps, True, 1))
-    engine.casts.enabled = True
+        for value in (False, True) if r % 2 == 0 else (True, False):
+            setattr(engine.casts, attribute, value)
+            best[value] = min(best[value], seconds_per_step(engine, prompts, steps, True, 1))
+    setattr(engine.casts, attribute, True)
     return best[False], best[True]
+
+
+def compare_casts(engine, prompts, steps: int, repeats: int) -> tuple[float, float]:
+    """bf16 seconds per decode step with the weights cast at every step (the engine's ``casts`` off: autocast's
+    own) and cast once per rollout (on), packed products off, timed alternately: (per step, once)."""
+    engine.casts.packed = False
+    return alternately(engine, prompts, steps, repeats, "enabled")
+
+
+def compare_packed(engine, prompts, steps: int, repeats: int) -> tuple[float, float, bool]:
+    """bf16 seconds per decode step with the casts alone (``engine.packed_linear=false``) and with the packed
+    products (``true``), timed alternately, and whether both sample the same tokens and log-probs bit for bit:
+    (casts alone, packed, same bits)."""
+    old, new = alternately(engine, prompts, steps, repeats, "packed")
+    out = {}
+    for packed in (False, True):
+        engine.casts.packed = packed
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out[packed] = engine.generate(prompts, SamplingConfig(max_new_tokens=1 + steps), list(range(len(prompts))))
+    same = torch.equal(out[False].response_ids, out[True].response_ids) and torch.equal(
+        out[False].rollout_logprobs, out[True].rollout_logprobs
+    )
+    return old, new, same
 
 
 def profile_step(engine, prompts, steps: int, autocast: bool, top: int) -> None:
@@ -159,6 +189,9 @@ def main():
     ap.add_argument(
         "--compare-casts", action="store_true", help="bf16: weights cast once per rollout vs at every step, alternately"
     )
+    ap.add_argument(
+        "--compare-packed", action="store_true", help="bf16: oneDNN-packed weights vs the casts alone, alternately"
+    )
     ap.add_argument("--fp32-gemm", default="auto", help="kernels.fp32_gemm for the float32 products, as a run's")
     ap.add_argument(
         "--glibc-malloc", action="store_true", help="leave glibc's malloc thresholds (a run keeps freed memory)"
@@ -181,7 +214,7 @@ def main():
     print(f"# STREAM-like bandwidth (c = a + s*b, float32, {threads} threads, best of 5): {bandwidth / 1e9:.1f} GB/s")
     gen = torch.Generator().manual_seed(0)
     context = args.context + args.steps / 2
-    rows, casts = [], []
+    rows, casts, packs = [], [], []
     for name in dtypes:
         precision, _, bytes_per = DTYPES[name]
         peak = probe_flops(precision, threads)
@@ -194,6 +227,11 @@ def main():
                     old, step = compare_casts(engine, prompts, args.steps, args.repeats)
                 casts.append((b, old, step))
                 print(f"# bf16 batch {b}: cast every step {old * 1e3:.1f} ms, once {step * 1e3:.1f} ms", flush=True)
+            elif args.compare_packed and autocast:
+                with kernels:
+                    old, step, same = compare_packed(engine, prompts, args.steps, args.repeats)
+                packs.append((b, old, step, same))
+                print(f"# bf16 batch {b}: casts alone {old * 1e3:.1f} ms, packed {step * 1e3:.1f} ms", flush=True)
             else:
                 with kernels:
                     step = seconds_per_step(engine, prompts, args.steps, autocast, args.repeats)
@@ -220,6 +258,14 @@ def main():
         print("| batch | cast every step, ms / step | cast once, ms / step | ratio |\n|---|---|---|---|")
         for b, old, new in casts:
             print(f"| {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x |")
+    if packs:
+        with kernels:
+            print(f"\n# lit_rl: {packed_linear.resolve('auto', model)[1]}")
+        print(f"\n## bf16 products from oneDNN-packed weights / the casts alone, {threads} threads, alternately")
+        print("| batch | casts alone, ms / step | packed, ms / step | ratio | same tokens and log-probs |")
+        print("|---|---|---|---|---|")
+        for b, old, new, same in packs:
+            print(f"| {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ engine's decode steps under bf16 autocast on the CPU, where each product has few
 Under bf16 autocast ``F.linear`` hands a bf16 weight to oneDNN in torch's plain [out, in] layout, and oneDNN
 re-arranges it into the blocked layout its kernel reads at every call. ``pack`` does that once
 (``torch.ops.mkldnn._reorder_linear_weight``, for a batch of ``PACK_ROWS`` rows) and ``linear`` runs the product
-from the packed weight (``torch.ops.mkldnn._linear_pointwise``). Measured on SmolLM2-135M's shapes: 1.85x at 1 row
-and 1.23x at 64 rows on an AMD EPYC with AVX512-BF16, earlier; on this project's Intel Xeon with AMX see
-``benchmarks/README.md`` (issue 34).
+from the packed weight (``torch.ops.mkldnn._linear_pointwise``). Measured on SmolLM2-135M's shapes, the products
+alone at 1 thread: 1.85x at 1 row and 1.23x at 64 rows on an AMD EPYC with AVX512-BF16; 2.09x and 1.67x on an
+Intel Xeon with AMX, a shared machine (``benchmarks/README.md``, issue 34).
 
 Nothing here is assumed about a CPU. Whether the engine uses it is ``resolve``'s call, once per CPU model, torch
 version, thread count and set of shapes (``<lit_rl cache>/packed_linear.json``, like ``kernels.fp32_gemm``):
