@@ -142,10 +142,11 @@ def resolve(
     ``False``: off. ``True``: on where the bits match (``checker``, default ``check_bits``); RuntimeError where
     torch lacks the ops (``available``). ``auto``: on where the bits match and the model's products take at least
     ``MIN_SPEEDUP`` x less time packed (``timer``, default ``measure``); off without oneDNN's ops or on a CPU
-    without native bf16 (``run.hardware.cpu_facts``: there both paths are emulated). The check and the timing
-    (about 1-3 s for SmolLM2-135M) are cached in ``<lit_rl cache>/packed_linear.json`` under the CPU model, torch
-    version, threads, the oneDNN cap and the shapes (delete it to measure again); a timing during which other
-    processes used more than a tenth of a core is not cached (the bits are: they do not depend on load).
+    without native bf16 (``run.hardware.cpu_facts``: there both paths are emulated). The check and the timing (6 s
+    for SmolLM2-135M at 1 thread on a loaded 2-core Xeon) are cached in ``<lit_rl cache>/packed_linear.json`` under
+    the CPU model, torch version, threads, the oneDNN cap and the shapes (delete it to measure again); a timing
+    during which other processes used more than a tenth of a core is not cached (the bits are: they do not depend
+    on load).
     Raises ValueError for another ``setting``."""
     check_setting(setting)
     if setting is False:
