@@ -46,6 +46,10 @@ class ProbeConfig:
     #: expectation from the full μ(h) and π(h): no token noise; token-level corrections) and/or reward (the batch's
     #: own advantages)
     modes: list[str] = field(default_factory=lambda: ["constant"])
+    #: score centering's head sizes k measured beside the rest, one row ``sc@k=K`` each (the ``sc`` correction with
+    #: ``correction.sc.top_k=K``, same rollouts) and their residual against ``none``'s conditional drift
+    #: (``lit_rl.tools.topk_probe``); null: none
+    sc_top_ks: Optional[list[int]] = None
     #: D of the gradients' CountSketch (relative error of a squared norm ~ sqrt(2/D))
     sketch_dim: int = 131072
     sketch_seed: int = 0

@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
 from .probe_plot import plot_rows  # noqa: F401  (the report's figure; importable from here as before)
+from .topk_probe import centring_stats, check_top_ks, format_top_k, plot_top_k, top_k_modules, top_k_rows
 
 # ------------------------------------------------------------------------------------------------ sketches
 
@@ -191,6 +192,7 @@ class Cell:
     norms2: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
     metrics: dict[str, list[float]] = field(default_factory=dict)
     seconds: float = 0.0
+    token_stats: list[dict] = field(default_factory=list)  # per batch, with probe.sc_top_ks (tools.topk_probe)
 
     def add_metrics(self, means: dict[str, float]) -> None:
         for k, v in means.items():
@@ -249,9 +251,11 @@ def run_cells(
     modes=MODES,
     log: Callable[[str], None] = print,
     label: str = "",
+    top_ks=(),
 ) -> dict[str, Cell]:
     """Draw ``batches`` rollout batches of ``examples`` (G each) from ``engine`` and record every module's
-    gradients on each (the same rollouts for every correction). Batch b samples with the seeds of step
+    gradients on each (the same rollouts for every correction; a module listed twice is computed once), with
+    ``top_ks`` the tokens' ``topk_probe.centring_stats`` too. Batch b samples with the seeds of step
     ``step_offset + b``. Returns {correction: Cell}."""
     cells = {name: Cell() for name in modules}
     for b in range(batches):
@@ -259,10 +263,14 @@ def run_cells(
         with torch.no_grad():
             scored = datamodule.collect(engine, examples, sampling, step=step_offset + b)
         t_roll = time.perf_counter() - t0
+        stats = centring_stats(next(iter(modules.values())), scored, top_ks) if top_ks else None
+        cells[next(iter(cells))].token_stats += [stats] if stats else []
+        done = {}
         for name, module in modules.items():
             t1 = time.perf_counter()
-            rb = module.build_batch(scored)
-            grads, means = batch_gradients(module, rb, sketch, modes)
+            if id(module) not in done:
+                done[id(module)] = batch_gradients(module, module.build_batch(scored), sketch, modes)
+            grads, means = done[id(module)]
             cell = cells[name]
             for mode, (sk, sq) in grads.items():
                 cell.sketches[mode].append(sk)
@@ -503,6 +511,7 @@ def check_probe(cfg) -> None:
             "token-level corrections only with probe.modes=[..., conditional] (no opsm / rs / m2po, "
             "correction.tis.level=token, correction.mis.level=token, correction.tis.batch_normalize=false)",
         )
+    check_top_ks(cfg)
     if set(modes) & set(DRIFT_MODES) and cfg.loss.reduction not in ("seq_mean_token_sum", "constant"):
         print(
             f"lit_rl: note: loss.reduction={cfg.loss.reduction} divides by the sampled length, so even the "
@@ -579,6 +588,8 @@ def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[
 
     policy, tok, dm = parts.policy, parts.tokenizer, parts.datamodule
     modules = {name: build_module(with_correction(cfg, name), policy, tok) for name in cfg.probe.corrections}
+    modules.update(top_k_modules(cfg, modules, build_module, policy, tok))  # probe.sc_top_ks: sc@k=K rows
+    top_ks = tuple(cfg.probe.sc_top_ks or ())
     sampling = max((m.sampling for m in modules.values()), key=lambda s: s.logprobs_top_k)
     sketch = GradientSketch(list(policy.parameters()), cfg.probe.sketch_dim, cfg.probe.sketch_seed)
     modes = tuple(cfg.probe.modes)
@@ -609,12 +620,13 @@ def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[
             modes,
             log,
             "reference",
+            top_ks=top_ks,
         )["none"]
         results = {}
         for s in cfg.probe.settings:
             engine = build_module(with_correction(setting_cfgs[s.name], "none"), policy, tok).engine
             results[s.name] = run_cells(
-                modules, engine, dm, examples, sampling, cfg.probe.batches, sketch, 0, modes, log, s.name
+                modules, engine, dm, examples, sampling, cfg.probe.batches, sketch, 0, modes, log, s.name, top_ks=top_ks
             )
             engine.close()
     return reference, results, sketch
@@ -656,12 +668,13 @@ def write_report(cfg, out: Path, reference: Cell, results: dict, sketch, n_promp
         f"{cfg.trainer.precision}. Wall time {wall / 60:.1f} min "
         f"({describe_machine()}).\n\n"
     )
-    text = header + format_rows(rows, ref, ref_drift)
+    top_k = top_k_rows(cfg, reference, results)  # probe.sc_top_ks (tools.topk_probe); [] without
+    text = header + format_rows(rows, ref, ref_drift) + format_top_k(top_k)
     (out / "probe.md").write_text(text)
-    (out / "probe.json").write_text(
-        json.dumps({"reference": ref, "reference_drift": ref_drift, "rows": rows, "wall_s": wall}, indent=2)
-    )
+    report = {"reference": ref, "reference_drift": ref_drift, "rows": rows, "top_k": top_k, "wall_s": wall}
+    (out / "probe.json").write_text(json.dumps(report, indent=2))
     plot_rows(rows, os.fspath(out / "probe.png"))
+    plot_top_k(top_k, os.fspath(out / "topk.png"))
     print(text, flush=True)
     return rows
 
