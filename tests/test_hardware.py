@@ -238,8 +238,8 @@ def test_bad_threads_and_precision_fail_at_start_up(overrides, message):
 
 # -- the peak probe ------------------------------------------------------------------------------------------
 def test_the_peak_is_the_best_probe_seen(tmp_path, monkeypatch):
-    """Every call probes; the cache keeps the highest probe per CPU, torch, dtype, threads and oneDNN cap, and a
-    low probe (a busy machine) neither lowers it nor is returned."""
+    """Each call probes until three quiet probes are kept; the cache keeps the highest probe per CPU, torch, dtype,
+    threads and oneDNN cap, and a low probe (a busy machine) neither lowers it nor is returned."""
     rates = iter([123e9, 100e9, 150e9, 7e9, 8e9])
     calls = []
 
@@ -264,6 +264,10 @@ def test_the_peak_is_the_best_probe_seen(tmp_path, monkeypatch):
     assert hardware.peak_flops("32-true", "cpu", threads=2, probe=probe, cache=cache)[0] == 7e9  # another dtype
     assert hardware.peak_flops("bf16-mixed", "cpu", threads=1, probe=probe, cache=cache)[0] == 8e9  # other threads
     assert len(calls) == 5 and len(json.loads(cache.read_text())) == 3
+    # three quiet probes at bf16 / 2 threads: the next start reads the cache and probes no more
+    flops, source = hardware.peak_flops("bf16-mixed", "cpu", threads=2, probe=probe, cache=cache)
+    assert flops == 150e9 and len(calls) == 5 and source.endswith("3 quiet probes)")
+    assert json.loads(cache.read_text())[key]["quiet_probes"] == 3
 
 
 def test_a_low_cached_peak_is_replaced_by_a_higher_measurement(tmp_path, monkeypatch):
@@ -276,6 +280,10 @@ def test_a_low_cached_peak_is_replaced_by_a_higher_measurement(tmp_path, monkeyp
     assert flops == 1e9 and "other processes used" in source and "replacing a lower cached one" in source
     assert [e["flops"] for e in json.loads(cache.read_text()).values()] == [1e9]
     assert hardware.record_peak("32-true", 0.9e9, threads=1, cache=cache)[0] == 1e9
+    # busy probes never count as quiet ones: a machine always busy keeps probing at each start
+    for _ in range(4):
+        hardware.peak_flops("32-true", "cpu", threads=1, probe=lambda p, t: 1e9, cache=cache)
+    assert [e["quiet_probes"] for e in json.loads(cache.read_text()).values()] == [0]
 
 
 def test_cuda_peak_is_the_nominal_one(monkeypatch):
