@@ -157,3 +157,26 @@ def test_recurrent_rule_blocks_of_heads_change_no_bit(monkeypatch):
     alone, _ = recurrent_rule(q[2:], k[2:], v[2:], g[2:], beta[2:], state[2:], True, True)
     assert torch.equal(alone, whole[2:])
     assert not torch.equal(state, whole_final)  # the caller's initial state is not updated in place
+
+
+def test_lanewise_ops_give_a_row_alone_the_values_it_has_among_eight():
+    """The Gated DeltaNet layer's own elementwise ops (softplus and exp of the decay, sigmoid of the write rate,
+    silu) under ``LanewiseOps``: one decode row's 16 heads get exactly the values the same heads get among 8 rows.
+    Without the mode, on an AVX-512 CPU, 16 floats are torch's scalar remainder and 128 its vector code: softplus,
+    sigmoid and silu differed in the last bit on an Intel Xeon (the hybrid decode-batch test's failure)."""
+    from lit_rl.kernels.linear_attention import LanewiseOps
+
+    x = torch.randn(8, 1, 16, generator=torch.Generator().manual_seed(0)) * 3
+    ops = {
+        "softplus": lambda t: F.softplus(t + 0.5),
+        "softplus beta": lambda t: F.softplus(t, beta=2.0, threshold=10.0),
+        "sigmoid": lambda t: t.sigmoid(),
+        "torch.sigmoid": torch.sigmoid,
+        "exp": lambda t: -t.float().exp(),
+        "silu": F.silu,
+    }
+    with LanewiseOps():
+        for name, op in ops.items():
+            batch = op(x)
+            for row in range(8):
+                assert torch.equal(op(x[row : row + 1]), batch[row : row + 1]), (name, row)

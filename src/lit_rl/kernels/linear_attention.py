@@ -20,6 +20,7 @@ finds (``LinearAttentionKernels``) and puts them back on exit.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -63,6 +64,40 @@ def lanewise(fn, x: Tensor) -> Tensor:
     n = flat.numel()
     pad = -n % (2 * VECTOR_FLOATS * torch.get_num_threads())
     return fn(F.pad(flat, (0, pad)) if pad else flat.contiguous())[:n].view(x.shape)
+
+
+class LanewiseOps(torch.overrides.TorchFunctionMode):
+    """Torch-function mode: the elementwise ops transformers' Gated DeltaNet layers compute outside the replaced
+    functions (softplus and exp of the decay, sigmoid of the write rate, silu) run ``lanewise``, so each value takes
+    torch's vector code whatever the batch. Without it a decode step's [1, 1, heads] values fell in the scalar
+    remainder (on an AVX-512 CPU torch steps 32 floats at a time, so 16 heads were all remainder) while the same
+    row among 8 was vectorised: softplus, sigmoid and silu differ there in the last bit (exp happened not to)."""
+
+    OPS = frozenset({torch.sigmoid, torch.Tensor.sigmoid, torch.exp, torch.Tensor.exp, F.silu, F.softplus})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if (
+            func in self.OPS
+            and isinstance(x, Tensor)
+            and x.device.type == "cpu"
+            and x.is_floating_point()
+            and not kwargs.get("inplace", False)
+            and not any(isinstance(a, Tensor) for a in (*args[1:], *kwargs.values()))
+        ):
+            return lanewise(lambda t: func(t, *args[1:], **kwargs), x)
+        return func(*args, **kwargs)
+
+
+def _lanewise_forward(forward):
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        with LanewiseOps():
+            return forward(*args, **kwargs)
+
+    wrapper.lanewise_of = forward
+    return wrapper
 
 
 def _shift_add_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None, out_len: int) -> Tensor:
@@ -240,9 +275,11 @@ def _recurrent_with_chunked_backward(chunked):
 
 def check_vector_width(*models: torch.nn.Module) -> None:
     """ValueError naming ``linear_num_value_heads`` when a Gated DeltaNet model's value-head count is not a
-    multiple of ``VECTOR_FLOATS``: transformers computes the decay and the write rate (softplus, exp, sigmoid) on
-    [B, T, heads] outside the kernels; a decode step's B x heads values then end in torch's scalar tail while the
-    trainer's are vectorised, and the two differ by an ulp. Every released Qwen3.5 / Qwen3-Next has 16-64."""
+    multiple of ``VECTOR_FLOATS``. The first cause found, the decay and write rate (softplus, exp, sigmoid on
+    [B, T, heads], computed by transformers outside the kernels) ending in torch's scalar tail, is removed by
+    ``LanewiseOps``; a tiny Qwen3.5 with 4 value heads still gave engine log-probs unequal to the trainer's in
+    float32 with it (Intel Xeon, AVX-512, 2026-12-03; 16 heads equal), cause not found, so the refusal stays.
+    Every released Qwen3.5 / Qwen3-Next has 16-64."""
     for model in models:
         config = getattr(model, "config", None)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -253,6 +290,16 @@ def check_vector_width(*models: torch.nn.Module) -> None:
                 f"multiple of {VECTOR_FLOATS} ({type(model).__name__} has {heads}): the decay and write rate of a "
                 "decode step would take torch's scalar path; use kernels=default for this model"
             )
+
+
+def _layer_classes(source) -> list[type]:
+    """The Gated DeltaNet layer classes defined in the modeling module ``source`` (their forward is wrapped in
+    ``LanewiseOps`` by the recurrent mode)."""
+    return [
+        cls
+        for name, cls in vars(source).items()
+        if isinstance(cls, type) and name.endswith("GatedDeltaNet") and issubclass(cls, torch.nn.Module)
+    ]
 
 
 def gated_deltanet_modules(*models: torch.nn.Module) -> list:
@@ -272,7 +319,8 @@ class LinearAttentionKernels:
     """Context manager: ``mode`` (chunked | recurrent, ``resolve_linear_attention``) for the Gated DeltaNet
     layers of ``models``. chunked changes nothing; recurrent installs, in each defining module
     (``gated_deltanet_modules``), the recurrent rule for both rules (with the chunked backward where a gradient
-    is needed) and the conv's shift-and-add form for both conv forms. Every model of the run shares the
+    is needed) and the conv's shift-and-add form for both conv forms, and runs the layer classes' forward under
+    ``LanewiseOps``. Every model of the run shares the
     classes, so an engine's own copy follows. Raises ValueError for another mode."""
 
     def __init__(self, mode: str, *models: torch.nn.Module):
@@ -280,6 +328,7 @@ class LinearAttentionKernels:
             raise ValueError(f"linear-attention mode {mode!r}: choose chunked or recurrent")
         self.mode, self.modules = mode, gated_deltanet_modules(*models) if mode == "recurrent" else []
         self._saved: list[tuple[object, dict]] = []
+        self._classes: list[tuple[type, object]] = []
 
     def __enter__(self) -> "LinearAttentionKernels":
         for source in self.modules:
@@ -290,10 +339,16 @@ class LinearAttentionKernels:
             source.torch_recurrent_gated_delta_rule = rule
             source.causal_conv1d_fn = conv1d_sequence
             source.causal_conv1d_update = conv1d_step
+            for cls in _layer_classes(source):
+                self._classes.append((cls, cls.forward))
+                cls.forward = _lanewise_forward(cls.forward)
         return self
 
     def __exit__(self, *exc) -> None:
         for source, saved in reversed(self._saved):
             for name, value in saved.items():
                 setattr(source, name, value)
+        for cls, forward in reversed(self._classes):
+            cls.forward = forward
         self._saved.clear()
+        self._classes.clear()
