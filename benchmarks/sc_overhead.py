@@ -1,6 +1,7 @@
 """Overhead of score centering (k = 128) on a whole RL step, measured side by side in one run.
 
     python benchmarks/sc_overhead.py                  # SmolLM2-135M, 4 prompts x G=8 x 64 new tokens
+    python benchmarks/sc_overhead.py --tail-samples 4  # and SC with the sampled tail (correction.sc.tail=sampled)
 
 The same GRPO step twice, on identical work (same prompts, same per-row seeds, so the same sampled tokens):
 
@@ -31,8 +32,10 @@ from rollout_throughput import prompts_for  # noqa: E402
 from lit_rl.models import SMOLLM2_ID, ModelConfig, load_policy  # noqa: E402
 
 
-def build(policy, tok, top_k: int, new_tokens: int, group_size: int):
+def build(policy, tok, top_k: int, new_tokens: int, group_size: int, tail_samples: int = 0):
     sc = ["correction=sc", f"correction.sc.top_k={top_k}", "correction.sc.mode=topk"] if top_k > 0 else []
+    if tail_samples:  # the sampled tail: m engine draws per token after the head, scored with it
+        sc += ["correction.sc.tail=sampled", f"correction.sc.tail_samples={tail_samples}"]
     return grpo_module(policy, tok, new_tokens, group_size, *sc)
 
 
@@ -54,6 +57,7 @@ def main():
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=128)
+    ap.add_argument("--tail-samples", type=int, default=0, help="also time correction.sc.tail=sampled with m draws")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     args = ap.parse_args()
@@ -67,6 +71,9 @@ def main():
         "correction=none": build(policy, tok, 0, args.new_tokens, args.group_size),
         f"correction=sc (k={args.top_k})": build(policy, tok, args.top_k, args.new_tokens, args.group_size),
     }
+    if args.tail_samples:
+        name = f"correction=sc (k={args.top_k}, tail=sampled, m={args.tail_samples})"
+        settings[name] = build(policy, tok, args.top_k, args.new_tokens, args.group_size, args.tail_samples)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     times: dict[str, list[tuple[float, float, int]]] = {k: [] for k in settings}
     for r in range(args.repeats + 1):
@@ -87,11 +94,17 @@ def main():
         ro, up = statistics.median(t[0] for t in rows), statistics.median(t[1] for t in rows)
         med[name] = (ro, up, ro + up)
         print(f"| {name} | {ro:.2f} | {up:.2f} | {ro + up:.2f} | {rows[0][2]} |")
-    (a, b) = med.values()
+    a, b = list(med.values())[:2]
     print(
         f"\nSC / none: rollout {b[0] / a[0]:.3f}x, update {b[1] / a[1]:.3f}x, "
         f"whole step {b[2] / a[2]:.3f}x ({100 * (b[2] / a[2] - 1):+.1f}%)"
     )
+    if args.tail_samples:
+        c = list(med.values())[2]
+        print(
+            f"sampled tail / rescaled: rollout {c[0] / b[0]:.3f}x, update {c[1] / b[1]:.3f}x, "
+            f"whole step {c[2] / b[2]:.3f}x ({100 * (c[2] / b[2] - 1):+.1f}%)"
+        )
 
 
 if __name__ == "__main__":

@@ -77,6 +77,14 @@ def cfg_for(*overrides):
             ["engine=vllm", "engine.logit_noise=0.5"],
             r"engine.logit_noise=0.5 is not allowed: is wired for the embedded engine only \(engine=torch\)",
         ),
+        (["correction.sc.tail_samples=0"], r"correction.sc.tail_samples=0 is not allowed: must be an integer >= 1"),
+        (["correction.sc.tail=exact"], r"correction.sc.tail='exact' is not allowed: choose 'rescaled' or 'sampled'"),
+        (["sampling.logprobs_tail_samples=-1"], r"sampling.logprobs_tail_samples=-1 is not allowed: must be >= 0"),
+        (
+            ["engine=vllm", "correction=sc", "correction.sc.tail=sampled"],
+            r"correction.sc.tail='sampled' is not allowed: rescaled with engine=vllm: the sampled tail needs tail "
+            r"tokens drawn",
+        ),
         (
             ["kernels.fp32_gemm=mkl"],
             r"kernels.fp32_gemm='mkl' is not allowed: choose one of \['auto', 'aten', 'onednn'\]",

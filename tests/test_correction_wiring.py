@@ -72,6 +72,29 @@ def test_injected_mismatch_is_measured_and_corrected():
     assert rel(g_tis, g_none) > 1e-4 and m_tis["train/tis_abs"] > 1e-4
 
 
+def test_the_sampled_tail_is_recorded_after_the_head_and_scored_at_its_ids():
+    # correction.sc.tail=sampled: the engine records the top-32 and then 4 tail draws per token; the trainer scores
+    # them at their ids (on-policy float32: its log-probs there are the sampler's), and their centring term, 0 only in
+    # expectation, moves the gradient where the rescaled tail (about exact on-policy) does not
+    cfg = cfg_for("correction=sc", "correction.sc.top_k=32", "correction.sc.tail=sampled")
+    policy, tok = load_policy(ModelConfig("tiny"))
+    module = build_module(cfg, policy, tok)
+    assert (module.sampling.logprobs_top_k, module.sampling.logprobs_tail_samples) == (32, 4)
+    assert module.eval_sampling.logprobs_tail_samples == 0
+    dm = RolloutDataModule(ArithmeticTask(seed=0), tok, 2, 4, seed=0, eval_examples=0)
+    rb = module.build_batch(dm.collect(module.engine, dm.prompts_for(0), module.sampling, step=0))
+    assert rb.topk_ids.shape[-1] == 36
+    with torch.no_grad():
+        scores = module.logprobs_of(policy, rb)
+    m = rb.response_mask
+    torch.testing.assert_close(scores.head_logprobs[..., 32:][m], rb.topk_logprobs[..., 32:][m], rtol=0, atol=1e-4)
+    g_none, _ = gradient("none")
+    g_rescaled, _ = gradient("sc", top_k=32)
+    g_sampled, _ = gradient("sc", top_k=32, tail="sampled")
+    assert rel(g_rescaled, g_none) < 1e-4
+    assert rel(g_sampled, g_none) > 1e-3
+
+
 def test_run_logs_correction_metrics(tmp_path):
     run(
         cfg_for("correction=sc+tis", "engine.dtype=bfloat16", "trainer.max_steps=2", "correction.sc.top_k=32"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lit_rl.corrections import (
+    centering_term,
     exact_score_centering_term,
     importance_weights,
     mis_mask,
@@ -413,3 +414,28 @@ def test_constant_reward_drift_plain_vs_score_centred_vector_14():
     on_policy = monte_carlo_gradients(logits, pi, num_samples, g, centred=False)
     mean, se = mean_and_standard_error_norm(on_policy)
     assert mean < 3 * se
+
+
+def test_sampled_tail_averaged_over_its_draws_is_the_exact_centring_and_the_rescaled_tail_is_not():
+    # V = 6, a head of k = 2, one tail sample: (1 − Σ_H μ) ∇log π_u averaged over u ~ μ_tail is the tail's part of
+    # E_μ[∇log π] exactly, so the head plus the sampled tail is the full centring vector in expectation
+    g = torch.Generator().manual_seed(3)
+    vocab, k = 6, 2
+    logits = torch.randn(1, 1, vocab, generator=g, dtype=torch.float64).requires_grad_()
+    mu = torch.log_softmax(logits.detach() + 0.8 * torch.randn(1, 1, vocab, generator=g, dtype=torch.float64), -1)
+    logpi = torch.log_softmax(logits, -1)
+    head = mu.topk(k, -1).indices
+    tail = [v for v in range(vocab) if v not in head.flatten().tolist()]
+    mu_tail = mu.exp()[0, 0, tail] / mu.exp()[0, 0, tail].sum()
+    (exact,) = torch.autograd.grad(exact_score_centering_term(logits, mu).sum(), logits)
+    average = torch.zeros_like(exact)
+    for u, p in zip(tail, mu_tail.tolist()):
+        ids = torch.cat([head, torch.tensor([[[u]]])], -1)
+        term = centering_term(logpi.gather(-1, ids), mu.gather(-1, ids), tail_samples=1)
+        average += p * torch.autograd.grad(term.sum(), logits)[0]
+    torch.testing.assert_close(average, exact, rtol=0, atol=1e-12)
+    rescaled = score_centering_term(logpi.gather(-1, head), mu.gather(-1, head))
+    (rescaled,) = torch.autograd.grad(rescaled.sum(), logits)
+    assert float((rescaled - exact).abs().max()) > 1e-3  # μ's tail is not proportional to π's here
+    with pytest.raises(ValueError, match=r"tail_samples must lie in \[0, 3\]"):
+        centering_term(logpi.gather(-1, ids), mu.gather(-1, ids), tail_samples=4)

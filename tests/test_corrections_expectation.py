@@ -11,6 +11,8 @@ The identities (SPEC "Composition", test vectors 14-16):
    ``sc``, ``sc+tis`` and ``sc+mis`` (weighted and mask-only) have E[ĝ] = 0 whether or not the cap binds or
    tokens are masked; ``tis`` is 0 until the cap binds and leaks after (the leak pinned to an independent
    formula); ``none`` drifts by E_μ[s̄].
+   With a head k < V, score centering's rescaled tail leaves a residual (pinned to its formula) and the sampled
+   tail (``correction.sc.tail=sampled``, its draws enumerated too) none, alone and under TIS / MIS.
 3. Any reward: untruncated sequence-level importance sampling is unbiased (E_μ[ĝ] = on-policy E_π[ĝ]);
    token-level IS is not, beyond the first token.
 4. SPEC vector 15 (V = 2) exactly; vector 16 (MIS keeps the weight and the denominator).
@@ -341,6 +343,89 @@ def test_top_k_head_with_a_proportional_tail_is_exact_and_otherwise_leaves_a_res
             assert close(sc, torch.zeros_like(sc), scale)
         else:  # the tail's own mismatch is not seen by a top-2 head: a residual, smaller than no correction
             assert 1e-4 < float(sc.abs().max()) < 0.5 * scale
+
+
+# ----------------------------------------------------------------------------------------------
+# 2c. The sampled tail (correction.sc.tail=sampled): exact in expectation for any head
+# ----------------------------------------------------------------------------------------------
+
+SAMPLED = ["correction.sc.tail=sampled"]
+
+
+def rescaled_residual(policy, sampler, head_size):
+    """Independent formula for REINFORCE, A = 1, score centering with the top-k head and the rescaled tail:
+    E_μ[ĝ] wrt the table = Σ_s μ(s) Σ_t [−(e_{y_t} − π_t) + (μ̂_t − π_t)], μ̂ = μ on the head, ρ π off it,
+    ρ = (1 − Σ_H μ) / (1 − Σ_H π) (the rescaled tail; no autograd, no trainer)."""
+    vocab = policy.vocab_size
+    seqs = all_sequences(vocab, policy.length)
+    logpi, logmu = torch.log_softmax(policy.table(), -1), torch.log_softmax(sampler, -1)
+    rows = prefix_rows(seqs, vocab)
+    seq_mu = sequence_logprobs(sampler, seqs).sum(-1).exp()
+    out = torch.zeros_like(logpi)
+    eye = torch.eye(vocab, dtype=torch.float64)
+    for i, s in enumerate(seqs):
+        for t in range(policy.length):
+            h = int(rows[i, t])
+            pi, mu = logpi[h].exp(), logmu[h].exp()
+            head = mu.topk(head_size).indices
+            in_head = torch.zeros(vocab, dtype=torch.bool)
+            in_head[head] = True
+            rho = (1 - mu[in_head].sum()) / (1 - pi[in_head].sum())
+            mu_hat = torch.where(in_head, mu, rho * pi)
+            out[h] += float(seq_mu[i]) * (-(eye[int(s[t])] - pi) + (mu_hat - pi))
+    return out
+
+
+@pytest.mark.parametrize("sampler", ["noise", "stale"])
+def test_sampled_tail_has_no_drift_where_the_rescaled_tail_leaves_one(drift_setup, sampler):
+    # V = 4, L = 2, a head of k = 2 < V: the rescaled tail leaves the residual its formula gives (the sampler's
+    # tail is not proportional to π's); the sampled tail (m draws from μ's own tail at every position,
+    # enumerated with their probabilities) has E[ĝ] = 0 to float32 rounding, for m = 1 and m = 2
+    policy, samplers = drift_setup
+    mu = samplers[sampler]
+    none = expected(policy, "reinforce", "none", mu, head_size=2)
+    scale = float(none.abs().max())
+    rescaled = expected(policy, "reinforce", "sc", mu, head_size=2)
+    ref = rescaled_residual(policy, mu, 2)
+    assert float(ref.abs().max()) > 1e-3  # the formula's residual is not 0: the test can fail
+    assert close(rescaled, ref, scale), float((rescaled - ref).abs().max())
+    for m in (1, 2):
+        overrides = [*SAMPLED, f"correction.sc.tail_samples={m}"]
+        sampled = expected(policy, "reinforce", "sc", mu, overrides, head_size=2, tail_samples=m)
+        assert close(sampled, torch.zeros_like(sampled), scale), (m, float(sampled.abs().max()))
+
+
+@pytest.mark.parametrize("algo", ["reinforce", "grpo", "ppo"])
+def test_sampled_tail_composes_with_tis_and_mis_without_drift(drift_setup, algo):
+    # sc+tis / sc+mis with the cap or the band binding: the tail samples carry their own weight f(π_old/μ_u)
+    # (their μ_u recorded), so the centring stays under the sample's weights with a head of k = 1 and the tail
+    # sampled; the rescaled tail leaves a residual there
+    policy, samplers = drift_setup
+    mu = samplers["noise"]
+    overrides, _ = SETTINGS["binding"]
+    none = expected(policy, algo, "none", mu, overrides, advantages=ONES, head_size=1)
+    scale = float(none.abs().max())
+    for correction in ("sc", "sc+tis", "sc+mis", "sc+mis_mask"):
+        rescaled = expected(policy, algo, correction, mu, overrides, advantages=ONES, head_size=1)
+        assert float(rescaled.abs().max()) > 1e-4, correction
+        sampled = expected(
+            policy, algo, correction, mu, [*overrides, *SAMPLED, "correction.sc.tail_samples=1"],
+            advantages=ONES, head_size=1, tail_samples=1,
+        )  # fmt: skip
+        assert close(sampled, torch.zeros_like(sampled), scale), (correction, float(sampled.abs().max()))
+
+
+def test_sampled_tail_keeps_the_on_policy_identity():
+    # μ = π, real rewards, groups of 2: the sampled tail's centring is 0 in expectation, so E[ĝ] is none's
+    policy = TabularPolicy(3, 2, seed=8)
+    pi = policy.table()
+    kw = dict(reward=reward_first_equals_last, group_size=2)
+    reference = expected(policy, "grpo", "none", pi, **kw)
+    assert reference.abs().max() > 1e-3
+    grad = expected(
+        policy, "grpo", "sc", pi, [*SAMPLED, "correction.sc.tail_samples=1"], head_size=1, tail_samples=1, **kw
+    )
+    assert close(grad, reference, float(reference.abs().max()))
 
 
 # ----------------------------------------------------------------------------------------------

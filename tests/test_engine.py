@@ -5,7 +5,7 @@ import torch
 from helpers import chat_prompts
 
 from lit_rl.logprobs import process_logits, response_logprobs, support_mask
-from lit_rl.rollout.torch_engine import TorchEngine, sample_rows
+from lit_rl.rollout.torch_engine import TorchEngine, sample_rows, sample_tail
 from lit_rl.rollout.types import SamplingConfig, left_pad
 
 QUESTIONS = ["What is 1 + 2?", "What is 7 + 5? Think step by step.", "Hi", "Add 3 and 9, then explain."]
@@ -373,3 +373,60 @@ def test_single_query_attention_groups_decode_heads_and_samples_the_same(tiny, m
         assert torch.equal(grouped.response_ids, own.response_ids)
         assert torch.equal(grouped.rollout_logprobs, own.rollout_logprobs)
         assert torch.equal(grouped.topk_logprobs, own.topk_logprobs)
+
+
+def test_sample_tail_draws_from_the_renormalised_tail_and_records_the_unconditional_log_probs():
+    mu = torch.tensor([[0.4, 0.1, 0.2, 0.0, 0.3]])
+    logp, head = mu.log(), torch.tensor([[0]])
+    gens = [torch.Generator().manual_seed(i) for i in range(3000)]
+    draws = [sample_tail(logp, head, 2, [g]) for g in gens]
+    ids = torch.cat([d[0] for d in draws]).flatten()
+    lps = torch.cat([d[1] for d in draws]).flatten()
+    freq = torch.bincount(ids, minlength=5).double() / len(ids)
+    assert freq[0] == 0 and freq[3] == 0  # the head and a zero-probability token are never drawn
+    assert torch.allclose(freq, torch.tensor([0.0, 1 / 6, 1 / 3, 0.0, 0.5], dtype=torch.float64), atol=0.03)
+    assert torch.equal(lps, mu.log()[0][ids])  # log μ_u, not the renormalised log μ_tail(u)
+    # a tail with no mass (the support inside the head): the first head id, log-prob -inf
+    ids, lps = sample_tail(torch.tensor([[0.5, 0.5, 0.0]]).log(), torch.tensor([[1, 0]]), 3, [gens[0]])
+    assert ids.tolist() == [[1, 1, 1]] and torch.isneginf(lps).all()
+    with pytest.raises(ValueError, match="tail samples m must be >= 1"):
+        sample_tail(logp, head, 0, [gens[0]])
+
+
+def test_tail_samples_come_from_the_tail_on_their_own_stream(tiny):
+    """``sampling.logprobs_tail_samples`` (score centering's sampled tail): m ids per position after the top-k,
+    outside the top-k and inside the sampler's support, with the sampler's own log-probs; the sampled tokens, their
+    log-probs and the top-k are those of a run without them (another stream), and the draws are reproducible."""
+    model, tok = tiny
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompts, seeds = chat_prompts(tok, QUESTIONS), [11, 12, 13, 14]
+    engine = make_engine(model, tok, logit_noise=0.5)
+    base = SamplingConfig(max_new_tokens=6, top_k=50, logprobs_top_k=8)
+    plain = engine.generate(prompts, base, seeds)
+    tail = engine.generate(prompts, SamplingConfig(**{**vars(base), "logprobs_tail_samples": 3}), seeds)
+    again = engine.generate(prompts, SamplingConfig(**{**vars(base), "logprobs_tail_samples": 3}), seeds)
+    full = engine.generate(prompts, SamplingConfig(**{**vars(base), "logprobs_top_k": vocab}), seeds)
+    for name in ("response_ids", "rollout_logprobs", "response_mask"):
+        assert torch.equal(getattr(plain, name), getattr(tail, name)), name
+    assert tail.topk_ids.shape[-1] == 11
+    assert torch.equal(tail.topk_ids[..., :8], plain.topk_ids) and torch.equal(
+        tail.topk_logprobs[..., :8], plain.topk_logprobs
+    )
+    assert torch.equal(tail.topk_ids, again.topk_ids) and torch.equal(tail.topk_logprobs, again.topk_logprobs)
+    m = tail.response_mask
+    ids, lps = tail.topk_ids[..., 8:][m], tail.topk_logprobs[..., 8:][m]  # [tokens, 3]
+    head = tail.topk_ids[..., :8][m]
+    assert not (ids[:, :, None] == head[:, None, :]).any()  # never a head token
+    dense = torch.full((*full.topk_ids.shape[:2], vocab), float("-inf")).scatter(-1, full.topk_ids, full.topk_logprobs)
+    assert torch.isfinite(lps).all()  # 50 tokens in the support, 8 in the head: the tail is never empty here
+    assert torch.equal(lps, dense[m].gather(-1, ids))  # the sampler's log μ_u at the drawn ids
+    assert len(set(ids.flatten().tolist())) > 10  # draws spread over the tail (42 tokens), not one id
+    other = engine.generate(
+        prompts, SamplingConfig(**{**vars(base), "logprobs_tail_samples": 3}), [s + 100 for s in seeds]
+    )
+    assert not torch.equal(other.topk_ids[..., 8:], tail.topk_ids[..., 8:])
+    # the support inside the head (top_k = 5 < 8): no tail, every sample recorded with log-prob -inf
+    empty = engine.generate(
+        prompts, SamplingConfig(max_new_tokens=4, top_k=5, logprobs_top_k=8, logprobs_tail_samples=2), seeds
+    )
+    assert torch.isneginf(empty.topk_logprobs[..., 8:][empty.response_mask]).all()

@@ -495,6 +495,7 @@ def centering_term(
     context_mis: Optional[Tensor] = None,
     head_mask: Optional[Tensor] = None,
     mis_scale: Optional[Tensor] = None,
+    tail_samples: int = 0,
 ) -> Tensor:
     """Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) · log π_v, whose gradient is E_μ[c · w · ∇log π].
 
@@ -513,6 +514,15 @@ def centering_term(
     for weighted MIS, ρ·1[1/high ≤ ρ ≤ 1/low] for mask-only MIS and ρ for plain SC. With the full
     vocabulary as the head (k = V) the term is exact; with k < V it is exact when the engine's tail is
     proportional to the trainer's, and otherwise leaves a residual of the tail's mismatch.
+
+    The sampled tail (``tail_samples`` = m > 0, ``correction.sc.tail=sampled``; beyond the documents, which only
+    rescale): the last m entries are tail tokens u_1..u_m the engine drew i.i.d. from its own tail
+    μ_tail = μ restricted to v ∉ H and renormalised, with their log μ_u (``SamplingConfig.logprobs_tail_samples``).
+    The tail is then estimated without the trainer:
+        Σ_{v∉H} μ_v c_v w_v ∇log π_v ≈ (1 − Σ_H μ) · (1/m) Σ_j c_{u_j} w_{u_j} ∇log π_{u_j},
+    unbiased over the draws for ANY head ((1 − Σ_H μ) E_{u~μ_tail}[g(u)] = Σ_{v∉H} μ_v g(v)), so the centring is
+    exact in expectation where the rescaled tail leaves the tail's mismatch; its cost is the noise the m draws add
+    (docs/results/sampled_tail). w_u = f(π_old,u / μ_u) and c_u = c(π_θ,u / π_old,u) as for a head token, α = 0.
 
     Everything inside sg(·) is computed in float64 from detached inputs (k numbers per token): ρ, α, π_v,
     μ_v w_v in its safe form exp(log μ_v + log f) (= min(π_old,v, C μ_v) for TIS; μ_v = 0 gives 0).
@@ -535,13 +545,16 @@ def centering_term(
         head_mask: optional bool [N, T, k], True for the head entries to use.
         mis_scale: float [N, T] from ``correction_weights`` (geometric MIS: 1/T_i, so a head token's MIS
             ratio is exp(log G_i + (log r_v − log r_y) / T_i)); None = 1.
+        tail_samples: m, the number of trailing entries that are tail samples (0: none, the rescaled tail). An
+            engine with an empty tail (Σ_H μ = 1) writes them with log μ_u = −inf: they are skipped.
 
     Returns:
         float [N, T] (dtype of ``logprobs_head``), gradient through ``logprobs_head`` only; padding
         positions are not masked.
 
     Raises:
-        ValueError: on shape mismatch, inputs that are not [N, T, k], or ``coef`` returning another shape.
+        ValueError: on shape mismatch, inputs that are not [N, T, k], or ``coef`` returning another shape, or
+            ``tail_samples`` outside [0, k].
     """
     if logprobs_head.dim() != 3:
         raise ValueError(f"logprobs_head must be [N, T, k], got shape {tuple(logprobs_head.shape)}")
@@ -553,24 +566,33 @@ def centering_term(
     else:
         _check_same_shape(logprobs_head, old_head_logprobs, "logprobs_head", "old_head_logprobs")
         lp_old = old_head_logprobs.detach().double()
+    width = lp.shape[-1]
+    if not 0 <= tail_samples <= width:
+        raise ValueError(f"tail_samples must lie in [0, {width}] (the recorded entries per token), got {tail_samples}")
     valid = torch.isfinite(lp) & torch.isfinite(lp_old) & ~torch.isnan(lmu)
     if head_mask is not None:
         _check_same_shape(logprobs_head, head_mask, "logprobs_head", "head_mask")
         valid = valid & head_mask.bool()
+    # the tail samples are the last ``tail_samples`` entries, used where μ_u > 0 (an engine writes −inf: no tail)
+    is_sample = (torch.arange(width, device=lp.device) >= width - tail_samples).expand_as(lp)
+    in_head = valid & ~is_sample
+    valid = in_head | (valid & is_sample & torch.isfinite(lmu))
 
     zeros = torch.zeros_like(lp)
-    pi = torch.where(valid, lp.exp(), zeros)
+    pi = torch.where(in_head, lp.exp(), zeros)
     tail_pi = 1.0 - pi.sum(-1, keepdim=True)
-    tail_old = 1.0 - torch.where(valid, lp_old.exp(), zeros).sum(-1, keepdim=True)
-    tail_mu = (1.0 - torch.where(valid, lmu.exp(), zeros).sum(-1, keepdim=True)).clamp(min=0.0)
+    tail_old = 1.0 - torch.where(in_head, lp_old.exp(), zeros).sum(-1, keepdim=True)
+    tail_mu = (1.0 - torch.where(in_head, lmu.exp(), zeros).sum(-1, keepdim=True)).clamp(min=0.0)
     has_tail = (tail_pi > TAIL_EPS) & (tail_old > TAIL_EPS)
     no_tail = torch.full_like(tail_pi, -math.inf)
     safe = lambda x: torch.where(has_tail, x, torch.ones_like(x))  # noqa: E731  (no log of a non-positive tail)
     log_rho = torch.where(has_tail, tail_mu.log() - safe(tail_pi).log(), no_tail)
     log_r_tail = torch.where(has_tail, safe(tail_pi).log() - safe(tail_old).log(), torch.zeros_like(tail_pi))
 
+    # the μ-mass each entry stands for: μ_v on the head, (1 − Σ_H μ) / m for each of the m tail samples
+    log_mass = torch.where(is_sample, (tail_mu / max(tail_samples, 1)).log().expand_as(lmu), lmu)
     if rule is None or rule.is_identity:
-        mu_w = torch.where(valid, lmu.exp(), zeros)
+        mu_w = torch.where(valid, log_mass.exp(), zeros)
         log_alpha = log_rho
     else:
         ctx_t = 0.0 if context_tis is None else context_tis.detach().double().unsqueeze(-1)
@@ -581,11 +603,11 @@ def centering_term(
             return rule.log_weight(log_r + ctx_t, s_m * log_r + ctx_m, log_r)
 
         log_r = lp_old - lmu  # +inf where mu_v = 0: every f maps it to a finite value or to -inf
-        mu_w = torch.where(valid, (lmu + f(log_r)).exp(), zeros)
+        mu_w = torch.where(valid, (log_mass + f(log_r)).exp(), zeros)
         log_r_old_tail = torch.where(has_tail, -(tail_mu.log() - safe(tail_old).log()), no_tail)
         log_alpha = log_rho + f(log_r_old_tail)
         log_alpha = torch.where(has_tail, log_alpha, no_tail)
-    alpha = log_alpha.exp()
+    alpha = log_alpha.exp() if not tail_samples else torch.zeros_like(tail_pi)  # sampled: no rescaled tail
 
     if coef is None:
         c_head, c_tail = 1.0, 1.0
@@ -615,6 +637,7 @@ def corrected_policy_loss(
     rollout_head_logprobs: Optional[Tensor] = None,
     old_head_logprobs: Optional[Tensor] = None,
     head_mask: Optional[Tensor] = None,
+    tail_samples: int = 0,
 ) -> tuple[Tensor, dict]:
     """The corrected per-token policy-gradient loss
     L_t = w_y · ℓ_t − [SC] Σ_{v∈H} sg(c_v μ_v w_v − c_tail α π_v) log π_v.
@@ -635,7 +658,8 @@ def corrected_policy_loss(
         mask: bool or 0/1 float [N, T] of valid tokens.
         rule: the ``WeightFunction`` (identity for ``correction=none|sc``).
         score_centering: subtract the centring term (needs ``logprobs_head``, ``rollout_head_logprobs``).
-        coef, logprobs_head, rollout_head_logprobs, old_head_logprobs, head_mask: see ``centering_term``.
+        coef, logprobs_head, rollout_head_logprobs, old_head_logprobs, head_mask, tail_samples: see
+            ``centering_term``.
 
     Returns:
         (loss [N, T] — 0 where MIS dropped the token and SC is off; padding not masked —, metrics of
@@ -666,6 +690,7 @@ def corrected_policy_loss(
             context_mis=context_mis,
             head_mask=head_mask,
             mis_scale=mis_scale,
+            tail_samples=tail_samples,
         )
     return loss, metrics
 
@@ -791,6 +816,17 @@ def weight_function(correction) -> WeightFunction:
     )
 
 
+def sc_tail_samples(correction) -> int:
+    """m, the tail tokens the engine must draw per generated position for score centering's sampled tail
+    (``correction.sc.tail=sampled``: ``correction.sc.tail_samples``; ``centering_term``), or 0: no score centering,
+    or its rescaled tail (the default). ``correction``: the group as ``schema.CorrectionConfig`` (or anything with
+    its ``sc`` attribute)."""
+    sc = correction.sc
+    if not sc.enabled or getattr(sc, "tail", "rescaled") != "sampled" or getattr(sc, "mode", "topk") == "exact":
+        return 0
+    return int(sc.tail_samples)
+
+
 def batch_weight_scale(correction, rb, reduce: Optional[Callable[[Tensor], Tensor]] = None) -> Optional[Tensor]:
     """1/Z for the batch normalisation of TIS's weights (``correction.tis.batch_normalize``; verl's
     ``rollout_is_batch_normalize``), float64 [N] (the same for every row), or None when it is off.
@@ -828,6 +864,7 @@ def correct_policy_loss(
     score_centering: bool = False,
     logprobs_head: Optional[Tensor] = None,
     score_coefficients: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+    tail_samples: int = 0,
 ) -> tuple[Tensor, dict]:
     """``corrected_policy_loss`` for one micro-batch of a ``RolloutBatch``: what an algorithm's update calls.
 
@@ -842,6 +879,8 @@ def correct_policy_loss(
         logprobs_head: float [n, T, k], log π_θ at the head ids (score centering).
         score_coefficients: ``(log_ratio [n, T, J], sampled_log_ratio [n, T]) -> c [n, T, J]``, the objective's
             coefficient ∂ℓ_t/∂log π had each head token been sampled (``Algorithm.score_coefficients``).
+        tail_samples: m, the tail samples the engine recorded after its head (``sc_tail_samples``; 0: the rescaled
+            tail).
 
     Returns:
         (loss [n, T], metrics of ``correction_weights``), as ``corrected_policy_loss``.
@@ -856,6 +895,7 @@ def correct_policy_loss(
             old_head_logprobs=batch.old_head_logprobs,
             head_mask=torch.isfinite(batch.topk_logprobs),
             coef=lambda log_ratio: score_coefficients(log_ratio, sampled_log_ratio),
+            tail_samples=tail_samples,
         )
     return corrected_policy_loss(token_loss, old_logprobs, batch.rollout_logprobs, batch.response_mask, rule, **kwargs)
 

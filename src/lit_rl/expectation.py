@@ -23,6 +23,7 @@ benchmarks/corrections_in_expectation.py (drift, bias and variance per correctio
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Iterable, Optional
@@ -146,10 +147,13 @@ def prefix_rows(sequences: Tensor, vocab_size: int) -> Tensor:
     return rows
 
 
-def rollouts_from(sequences: Tensor, sampler_table: Tensor, head_size: int = 0) -> Rollouts:
+def rollouts_from(
+    sequences: Tensor, sampler_table: Tensor, head_size: int = 0, tail_ids: Optional[Tensor] = None
+) -> Rollouts:
     """The ``Rollouts`` an engine sampling from the logit table ``sampler_table`` [S, V] would return for these
     ``sequences`` [N, L]: rollout_logprobs = log μ(y_t | y_<t), and with ``head_size`` = k > 0 the engine's top-k
-    ids and log-probs per position (k = V: the whole vocabulary)."""
+    ids and log-probs per position (k = V: the whole vocabulary), followed by the tail samples ``tail_ids``
+    [N, L, m] int64 when given (score centering's sampled tail; their log μ recorded beside them)."""
     n, length = sequences.shape
     vocab = sampler_table.shape[1]
     logmu = torch.log_softmax(sampler_table.double(), -1)
@@ -158,6 +162,9 @@ def rollouts_from(sequences: Tensor, sampler_table: Tensor, head_size: int = 0) 
     if head_size:
         lp_rows = logmu[rows]  # [N, L, V]
         topk_lp, topk_ids = lp_rows.topk(head_size, dim=-1)
+        if tail_ids is not None:
+            topk_ids = torch.cat([topk_ids, tail_ids], dim=-1)
+            topk_lp = torch.cat([topk_lp, lp_rows.gather(-1, tail_ids)], dim=-1)
         topk_lp = topk_lp.float()
     return Rollouts(
         prompt_ids=[[0]] * n,
@@ -227,6 +234,7 @@ def expected_gradient(
     advantages: Optional[Callable[[RolloutBatch], Tensor]] = None,
     before: Optional[Callable[[RolloutBatch], None]] = None,
     per_batch: bool = False,
+    tail_samples: int = 0,
 ) -> Moments:
     """Exact E_μ[ĝ] of one batch of ``group_size`` completions of one prompt, every completion drawn from the
     sampler ``sampler_table`` [S, V], through the module's real update path.
@@ -253,6 +261,9 @@ def expected_gradient(
             a constant reward empty).
         before: optional hook run on each batch just before the gradient (see ``batch_gradient``).
         per_batch: see above.
+        tail_samples: m > 0: the engine also records m tail samples per position after its top-k (score centering's
+            sampled tail, ``correction.sc.tail=sampled``), and the expectation is over their draws too: every group
+            comes once per draw of its rows' samples (``tail_draws``), weighted by the draw's probability.
 
     Returns:
         ``Moments`` of the per-batch gradient.
@@ -262,9 +273,18 @@ def expected_gradient(
     seq_logmu = sequence_logprobs(sampler_table, seqs).sum(-1)
     groups = torch.tensor(list(itertools.product(range(len(seqs)), repeat=group_size)), dtype=torch.long)
     probs = seq_logmu[groups].sum(-1).exp()  # [num_groups]
+    tails = None  # [num_groups, G, L, m]: the engine's tail samples of each group's rows, enumerated too
+    if tail_samples:
+        groups, tails, probs = _with_tail_draws(seqs, groups, probs, sampler_table, head_size, tail_samples)
+
+    def rollouts(index: Tensor, tail: Optional[Tensor]) -> RolloutBatch:
+        batch = seqs[index]
+        tail_ids = None if tail is None else tail.reshape(-1, length, tail_samples)
+        scored = scored_from(rollouts_from(batch, sampler_table, head_size, tail_ids), reward(batch), group_size)
+        return module.build_batch(scored)
+
     if not per_batch:
-        batch = seqs[groups.reshape(-1)]
-        rb = module.build_batch(scored_from(rollouts_from(batch, sampler_table, head_size), reward(batch), group_size))
+        rb = rollouts(groups.reshape(-1), tails)
         scale = (probs * len(groups)).repeat_interleave(group_size).float()
 
         def weighted(rb: RolloutBatch) -> Tensor:
@@ -275,13 +295,49 @@ def expected_gradient(
         return Moments(g, float("nan"), float(probs.sum()))
     mean = torch.zeros_like(policy.table())
     second = 0.0
-    for index, prob in zip(groups, probs.tolist()):
-        batch = seqs[index]
-        rb = module.build_batch(scored_from(rollouts_from(batch, sampler_table, head_size), reward(batch), group_size))
-        g = batch_gradient(module, policy, rb, advantages, before)
+    for i, (index, prob) in enumerate(zip(groups, probs.tolist())):
+        g = batch_gradient(module, policy, rollouts(index, None if tails is None else tails[i]), advantages, before)
         mean += prob * g
         second += prob * float((g**2).sum())
     return Moments(mean, second, float(probs.sum()))
+
+
+def tail_draws(sequence: Tensor, sampler_table: Tensor, head_size: int, m: int) -> tuple[Tensor, Tensor]:
+    """Every way an engine could draw score centering's ``m`` tail samples at each position of ``sequence`` [L]
+    (i.i.d. from μ without its top-``head_size``, renormalised; ``torch_engine.sample_tail``): (ids [A, L, m]
+    int64, log-probabilities [A] float64), A = (V − k)^(L·m). Raises ValueError when the head leaves no tail."""
+    vocab = sampler_table.shape[1]
+    if not 0 <= head_size < vocab:
+        raise ValueError(f"the tail samples need a head smaller than the vocabulary: head_size={head_size}, V={vocab}")
+    logmu = torch.log_softmax(sampler_table.double(), -1)[prefix_rows(sequence[None], vocab)[0]]  # [L, V]
+    head = logmu.topk(head_size, dim=-1).indices if head_size else logmu.new_zeros((len(logmu), 0), dtype=torch.long)
+    per_position = []
+    for t in range(len(logmu)):
+        tail = [v for v in range(vocab) if v not in set(head[t].tolist())]
+        log_tail = logmu[t, tail] - torch.logsumexp(logmu[t, tail], 0)
+        per_position.append([(u, float(log_tail[j])) for j, u in enumerate(tail)])
+    draws = list(itertools.product(*[list(itertools.product(p, repeat=m)) for p in per_position]))
+    ids = torch.tensor([[[u for u, _ in pos] for pos in draw] for draw in draws], dtype=torch.long)
+    logp = torch.tensor([sum(lp for pos in draw for _, lp in pos) for draw in draws], dtype=torch.float64)
+    return ids, logp
+
+
+def _with_tail_draws(seqs, groups, probs, sampler_table, head_size, m) -> tuple[Tensor, Tensor, Tensor]:
+    """The groups [num, G] and their probabilities [num] expanded by every draw of their rows' tail samples:
+    (groups [num', G], tails [num', G, L, m], probabilities [num'])."""
+    draws = {}
+    out_groups, out_tails, out_probs = [], [], []
+    for index, prob in zip(groups.tolist(), probs.tolist()):
+        per_row = [draws.setdefault(i, tail_draws(seqs[i], sampler_table, head_size, m)) for i in index]
+        for combo in itertools.product(*(range(len(lp)) for _, lp in per_row)):
+            out_groups.append(index)
+            out_tails.append(torch.stack([ids[a] for (ids, _), a in zip(per_row, combo)]))
+            out_probs.append(prob * math.exp(sum(float(lp[a]) for (_, lp), a in zip(per_row, combo))))
+    return (
+        torch.tensor(out_groups, dtype=torch.long),
+        torch.stack(out_tails),
+        torch.tensor(out_probs, dtype=torch.float64),
+    )
 
 
 def noisy_table(table: Tensor, sigma: float, seed: int = 0) -> Tensor:

@@ -94,6 +94,8 @@ class LossSettings:
         max_response_length: L_max, ``sampling.max_new_tokens`` (the ``constant`` reduction's denominator).
         weight_rule: the correction's weight function f (``corrections.weight_function`` of ``correction``).
         score_centering: ``correction.sc.enabled``.
+        sc_tail_samples: m, the tail samples the engine records after the head (``corrections.sc_tail_samples``; 0:
+            the rescaled tail).
         entropy_coef: ``loss.entropy_coef`` (0 = no bonus).
         kl_estimator: ``kl.estimator`` (k1 | k2 | k3).
         kl_in_loss: ``kl.mode == "loss"`` (False: the KL went into the rewards, only logged here).
@@ -107,6 +109,7 @@ class LossSettings:
     max_response_length: int
     weight_rule: corr.WeightFunction
     score_centering: bool = False
+    sc_tail_samples: int = 0
     entropy_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_loss: bool = True
@@ -123,6 +126,7 @@ class LossSettings:
             max_response_length=max_response_length,
             weight_rule=corr.weight_function(correction),
             score_centering=correction.sc.enabled,
+            sc_tail_samples=corr.sc_tail_samples(correction),
             entropy_coef=loss.entropy_coef,
             kl_estimator=kl.estimator,
             kl_in_loss=kl.mode == "loss",
@@ -196,6 +200,7 @@ def assemble_loss(
         score_centering=settings.score_centering,
         logprobs_head=scores.head_logprobs,
         score_coefficients=score_coefficients,
+        tail_samples=settings.sc_tail_samples,
     )
     metrics.add_means({f"train/{k}": v for k, v in correction_metrics.items()}, m)
     if mb.weight_scale is not None:  # TIS's batch normalisation: both corrected terms divided by the batch's Z

@@ -42,6 +42,8 @@ class DecodeLoop:
     def __init__(self, engine, params: SamplingConfig, kept: KeptCaches | None = None):
         self.engine, self.params, self.kept = engine, params, kept
         self.steps, self.k = params.max_new_tokens, params.logprobs_top_k
+        self.m = int(getattr(params, "logprobs_tail_samples", 0))  # tail samples recorded after the top-k
+        self.width = self.k + self.m  # the recorded entries per position
         self.device = next(engine.model.parameters()).device
         self.sampling = params.temperature > 0
         self.noisy = self.sampling and engine.logit_noise > 0
@@ -56,12 +58,13 @@ class DecodeLoop:
         self.seeds: list[int] = []
         self.generators: list[torch.Generator] = []
         self.noise_gens: list[torch.Generator] = []
+        self.tail_gens: list[torch.Generator] = []  # the tail samples' own streams (``torch_engine.tail_seed``)
         self.tokens = torch.zeros((0, self.steps), dtype=torch.long)
         self.logprobs = torch.zeros((0, self.steps), dtype=torch.float32)
         self.mask = torch.zeros((0, self.steps), dtype=torch.bool)
         self.versions = torch.zeros((0, self.steps), dtype=torch.long)
-        self.topk_ids = torch.zeros((0, self.steps, self.k), dtype=torch.long) if self.k else None
-        self.topk_lp = torch.zeros((0, self.steps, self.k), dtype=torch.float32) if self.k else None
+        self.topk_ids = torch.zeros((0, self.steps, self.width), dtype=torch.long) if self.width else None
+        self.topk_lp = torch.zeros((0, self.steps, self.width), dtype=torch.float32) if self.width else None
         self.stopped = torch.zeros(0, dtype=torch.bool)
         self.pos = torch.zeros(0, dtype=torch.long)  # tokens sampled so far
         # the decode batch: live rows (indices into the rows), their cache and inputs
@@ -82,7 +85,7 @@ class DecodeLoop:
         can take rows beside it (an attention-only model, no rejoin pending), the next ``forward`` prefills the new
         rows' prompts alone and places their KV beside the live rows' (``kv_cache.merge_rows``) while those take
         one cached step. Returns the new rows' indices [len(prompts)]."""
-        from .torch_engine import noise_seed
+        from .torch_engine import noise_seed, tail_seed
 
         n0, n = len(self.prompts), len(prompts)
         self.prompts += [list(p) for p in prompts]
@@ -90,14 +93,16 @@ class DecodeLoop:
         self.generators += [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
         if self.noisy:
             self.noise_gens += [torch.Generator(device=self.device).manual_seed(noise_seed(s)) for s in seeds]
+        if self.m:
+            self.tail_gens += [torch.Generator(device=self.device).manual_seed(tail_seed(s)) for s in seeds]
         pad = self.engine.pad_token_id
         self.tokens = torch.cat([self.tokens, torch.full((n, self.steps), pad, dtype=torch.long)])
         self.logprobs = torch.cat([self.logprobs, torch.zeros((n, self.steps), dtype=torch.float32)])
         self.mask = torch.cat([self.mask, torch.zeros((n, self.steps), dtype=torch.bool)])
         self.versions = torch.cat([self.versions, torch.full((n, self.steps), self.engine.version, dtype=torch.long)])
-        if self.k:
-            self.topk_ids = torch.cat([self.topk_ids, torch.zeros((n, self.steps, self.k), dtype=torch.long)])
-            self.topk_lp = torch.cat([self.topk_lp, torch.zeros((n, self.steps, self.k), dtype=torch.float32)])
+        if self.width:
+            self.topk_ids = torch.cat([self.topk_ids, torch.zeros((n, self.steps, self.width), dtype=torch.long)])
+            self.topk_lp = torch.cat([self.topk_lp, torch.zeros((n, self.steps, self.width), dtype=torch.float32)])
         self.stopped = torch.cat([self.stopped, torch.zeros(n, dtype=torch.bool)])
         self.pos = torch.cat([self.pos, torch.zeros(n, dtype=torch.long)])
         rows = torch.arange(n0, n0 + n)
@@ -130,6 +135,8 @@ class DecodeLoop:
         self.generators = [self.generators[r] for r in rows]
         if self.noisy:
             self.noise_gens = [self.noise_gens[r] for r in rows]
+        if self.m:
+            self.tail_gens = [self.tail_gens[r] for r in rows]
         for name in ("tokens", "logprobs", "mask", "versions", "topk_ids", "topk_lp", "stopped", "pos"):
             value = getattr(self, name)
             if value is not None:
@@ -286,8 +293,15 @@ class DecodeLoop:
         self.mask[active, cols] = True
         if self.k:
             top = torch.topk(logp, self.k, dim=-1)
-            self.topk_ids[active, cols] = top.indices.cpu()
-            self.topk_lp[active, cols] = top.values.cpu()
+            self.topk_ids[active, cols, : self.k] = top.indices.cpu()
+            self.topk_lp[active, cols, : self.k] = top.values.cpu()
+        if self.m:  # score centering's sampled tail: m draws from μ without its top-k, on their own streams
+            from .torch_engine import sample_tail
+
+            head = top.indices if self.k else logp.new_zeros((logp.shape[0], 0), dtype=torch.long)
+            ids, lp = sample_tail(logp, head, self.m, [self.tail_gens[int(row)] for row in active])
+            self.topk_ids[active, cols, self.k :] = ids.cpu()
+            self.topk_lp[active, cols, self.k :] = lp.cpu()
         return next_tok
 
     def advance(self, next_tok: Tensor) -> Tensor:
@@ -339,8 +353,8 @@ class DecodeLoop:
             rollout_logprobs=self.logprobs[rows, :width],
             finish_reason=["stop" if s else "length" for s in self.stopped[rows].tolist()],
             policy_version=versions[:, 0].clone(),  # the oldest token's: versions only grow
-            topk_ids=self.topk_ids[rows, :width] if self.k else None,
-            topk_logprobs=self.topk_lp[rows, :width] if self.k else None,
+            topk_ids=self.topk_ids[rows, :width] if self.width else None,
+            topk_logprobs=self.topk_lp[rows, :width] if self.width else None,
             token_versions=torch.where(mask[:, :width], versions[:, :width], versions[:, :1]),
         )
 

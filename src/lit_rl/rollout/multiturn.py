@@ -253,7 +253,7 @@ def collect_episodes(
     Raises ValueError for a prompt already at ``max_total_tokens`` or lengths that do not match.
     """
     episodes = _start(examples, prompt_ids, first_messages, seeds, limits)
-    k = params.logprobs_top_k
+    k = params.logprobs_top_k + params.logprobs_tail_samples  # the entries the engine records per token
     live = list(range(len(episodes)))
     version = getattr(engine, "version", 0)
     session = getattr(engine, "kv_continuation", None)  # the embedded engine continues its KV across turns

@@ -67,6 +67,41 @@ def noise_seed(sequence_seed: int) -> int:
     return hash((int(sequence_seed), 0x6E6F697365)) & (2**63 - 1)
 
 
+def tail_seed(sequence_seed: int) -> int:
+    """The seed of a sequence's tail-sample stream (score centering's sampled tail, ``sample_tail``): a 63-bit
+    function of its sampling seed only, apart from the sampling and noise streams, so recording tail samples changes
+    neither the sampled tokens nor the noise."""
+    return hash((int(sequence_seed), 0x7461696C)) & (2**63 - 1)
+
+
+def sample_tail(logp: Tensor, head_ids: Tensor, m: int, generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+    """Draw ``m`` tokens per row i.i.d. (with replacement) from the row's tail: ``logp`` [B, V] (float32 log-probs of
+    the sampling distribution μ) with the ``head_ids`` [B, k] int64 removed and renormalised, μ_tail(v) =
+    μ_v / (1 − Σ_H μ) for v ∉ H. Row r uses ``generators[r]`` only (``m`` uniforms per call), by inverse CDF.
+
+    Returns (ids [B, m] int64, log μ of those ids [B, m] float32, the UNconditional log-probs). A row whose tail
+    has no mass (its support inside the head) gets its first head id with log-prob −inf: score centering skips it.
+    Raises ValueError for ``m`` < 1 or a generator count other than B.
+    """
+    if m < 1:
+        raise ValueError(f"tail samples m must be >= 1, got {m}")
+    if len(generators) != logp.shape[0]:
+        raise ValueError(f"got {logp.shape[0]} rows but {len(generators)} tail generators")
+    tail = logp.float().scatter(-1, head_ids, float("-inf"))
+    cdf = tail.exp().cumsum(-1)  # [B, V]
+    total = cdf[:, -1:]
+    u = torch.stack([torch.rand(m, generator=g, device=logp.device) for g in generators])  # [B, m]
+    idx = torch.searchsorted(cdf, u * total).clamp(max=logp.shape[-1] - 1)
+    lp = tail.gather(-1, idx)
+    bad = torch.isinf(lp) & (total > 0)  # a float tie at a flat CDF step: the nearest tail token above, else below
+    for r, j in bad.nonzero().tolist():
+        support = torch.isfinite(tail[r]).nonzero().squeeze(-1)
+        idx[r, j] = support[torch.searchsorted(support, idx[r, j]).clamp(max=support.numel() - 1)]
+    empty = (total <= 0).expand_as(idx)
+    idx = torch.where(empty, head_ids[:, :1].expand_as(idx) if head_ids.shape[-1] else idx, idx)
+    return idx, torch.where(empty, torch.full_like(lp, float("-inf")), tail.gather(-1, idx))
+
+
 def add_logit_noise(logits: Tensor, sigma: float, generators: list[torch.Generator]) -> Tensor:
     """``logits`` [B, V] plus σ·ε, ε ~ N(0, I) drawn row by row from each row's own generator (float32 [B, V]).
 

@@ -21,7 +21,9 @@ class Rollouts:
     response_mask: [N, T] bool, True on generated tokens (the stop token included).
     rollout_logprobs: [N, T] float32, log-prob (nats) of each sampled token under the distribution it was
         actually sampled from (after temperature and any top-k/top-p truncation); 0 on padding.
-    topk_ids / topk_logprobs: [N, T, k] int64 / float32 of that same distribution, or None when k = 0.
+    topk_ids / topk_logprobs: [N, T, k + m] int64 / float32 of that same distribution, or None when k + m = 0: its
+        top-k (``logprobs_top_k``), then m tail samples (``logprobs_tail_samples``: ids drawn from it with the top-k
+        removed, their unconditional log-probs; −inf where the tail is empty).
     finish_reason: N strings, "stop" (a stop token was sampled) or "length" (hit max_new_tokens).
     policy_version: [N] int64, the weight version that generated each sequence (the oldest of its tokens' when
         they span several: what ``rollout.max_staleness`` bounds).

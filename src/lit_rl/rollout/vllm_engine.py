@@ -397,14 +397,19 @@ class VLLMEngine(InFlightSwaps):
         prompts: N token-id lists (already chat-formatted); seeds: N ints, one per request.
         Returns ``Rollouts`` (shapes in its docstring); log-probs are float32 nats of the processed
         distribution. temperature 0 means greedy decoding.
-        Raises ValueError if len(seeds) != len(prompts), max_new_tokens <= 0, ``logprobs_top_k`` exceeds
-        ``max_logprobs`` or a prompt plus max_new_tokens exceeds ``max_model_len``; RuntimeError if the engine was
-        never synced.
+        Raises ValueError if len(seeds) != len(prompts), max_new_tokens <= 0, ``logprobs_tail_samples`` > 0 (vLLM's
+        log-prob output gives the top-k, not draws from the tail), ``logprobs_top_k`` exceeds ``max_logprobs`` or a
+        prompt plus max_new_tokens exceeds ``max_model_len``; RuntimeError if the engine was never synced.
         """
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds")
         if params.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {params.max_new_tokens}")
+        if getattr(params, "logprobs_tail_samples", 0):
+            raise ValueError(
+                f"logprobs_tail_samples={params.logprobs_tail_samples}: vLLM's log-prob output gives its top-k, not "
+                "draws from the tail (correction.sc.tail=sampled needs engine=torch)"
+            )
         k = params.logprobs_top_k
         if k > self.options["max_logprobs"]:
             raise ValueError(

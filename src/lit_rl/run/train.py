@@ -35,6 +35,7 @@ from ..algorithms import RLModule
 from ..algorithms.base import updates_per_step
 from ..algorithms.evaluation import EVAL_GENERATIONS
 from ..config import ConfigError, check_world_size, validate
+from ..corrections import sc_tail_samples
 from ..kernels import kernel_mode
 from ..logprobs import check_head_parity
 from ..models import (
@@ -125,12 +126,15 @@ def build_module(cfg: TrainConfig | DictConfig, policy, tokenizer, teacher=None)
         if top_k > vocab:
             raise ConfigError(f"correction.sc.top_k={top_k} is larger than the vocabulary ({vocab} tokens)")
         sampling = dataclasses.replace(sampling, logprobs_top_k=max(int(sampling.logprobs_top_k), top_k))
+        # the sampled tail: the engine draws exactly the m tail tokens the correction reads after the head (0: none)
+        sampling = dataclasses.replace(sampling, logprobs_tail_samples=sc_tail_samples(cfg.correction))
     eval_sampling = dataclasses.replace(
         sampling,
         temperature=float(cfg.eval.temperature),
         top_k=0,
         top_p=1.0,
         logprobs_top_k=0,
+        logprobs_tail_samples=0,
         max_new_tokens=cfg.eval.max_new_tokens,
     )
     module = RLModule(

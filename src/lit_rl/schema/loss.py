@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
-from .base import Number, Problems, is_number, rule
+from .base import Number, Problems, int_rule, is_number, rule
 
 
 @dataclass
@@ -44,10 +44,18 @@ class ScConfig:
     """``correction.sc``: score centering, c w_y grad log pi(y) - E_mu[c w grad log pi]."""
 
     enabled: bool = False
-    #: head H: the engine's top-k per token; the tail is filled with the trainer, rescaled
+    #: head H: the engine's top-k per token (the tail: ``tail``)
     top_k: int = 128
     #: topk | exact (the full vocabulary; small models only)
     mode: str = "topk"
+    #: the tail v not in H: rescaled (the trainer's pi, rescaled to the tail's mu-mass; the documents' form) |
+    #: sampled (tail_samples tokens the engine draws per position from its own tail, an estimate exact in
+    #: expectation for any k; embedded engine only: ``corrections.centering_term``)
+    tail: str = "rescaled"
+    #: m >= 1, the tail samples per generated position with tail=sampled
+    tail_samples: int = 4
+    #: ``correction.sc.tail``'s values
+    tails: ClassVar[tuple[str, ...]] = ("rescaled", "sampled")
 
 
 @dataclass
@@ -131,6 +139,7 @@ class CorrectionConfig:
         )
         yield from rule(sc.top_k >= 1, "correction.sc.top_k", sc.top_k, "must be >= 1")
         yield from rule(sc.mode in ("topk", "exact"), "correction.sc.mode", sc.mode, "choose 'topk' or 'exact'")
+        yield from self.tail_problems(run)
         yield from rule(
             tis.level in ("token", "sequence"), "correction.tis.level", tis.level, "choose 'token' or 'sequence'"
         )
@@ -150,6 +159,21 @@ class CorrectionConfig:
             low,
             f"null (no lower bound) or a number in (0, min(1, correction.tis.cap={tis.cap})] (an on-policy token, "
             "weight 1, must keep its weight)",
+        )
+
+    def tail_problems(self, run) -> Problems:
+        """``correction.sc.tail`` and ``tail_samples``: a known tail, m an integer >= 1, and the sampled tail refused
+        with engine=vllm (its log-prob output gives the top-k, not draws from the tail)."""
+        sc = self.sc
+        yield from rule(sc.tail in sc.tails, "correction.sc.tail", sc.tail, "choose 'rescaled' or 'sampled'")
+        yield from int_rule(sc.tail_samples, "correction.sc.tail_samples", 1, " (tail tokens drawn per position)")
+        engine = getattr(getattr(run, "engine", None), "name", None)
+        yield from rule(
+            not (sc.enabled and sc.tail == "sampled" and engine == "vllm"),
+            "correction.sc.tail",
+            sc.tail,
+            "rescaled with engine=vllm: the sampled tail needs tail tokens drawn from the sampler's own distribution "
+            "at every position, which vLLM's log-prob output (its top-k) does not give; use engine=torch",
         )
 
     def bypass_problems(self, run) -> Problems:

@@ -349,6 +349,10 @@ class SamplingConfig:
     #: top-k log-probs of the sampling distribution the engine records per token (score centering raises it to its
     #: head H)
     logprobs_top_k: int = 0
+    #: tail tokens the engine draws per position from its distribution with the top-k removed (renormalised),
+    #: recorded with their log-probs after the top-k (score centering sets it: correction.sc.tail_samples with
+    #: tail=sampled, else 0; the embedded engine only)
+    logprobs_tail_samples: int = 0
 
     def problems(self, run) -> Problems:
         """The sampler's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
@@ -362,3 +366,5 @@ class SamplingConfig:
         yield from rule(0.0 < self.top_p <= 1.0, "sampling.top_p", self.top_p, "must lie in (0, 1]")
         yield from rule(self.top_k >= 0, "sampling.top_k", self.top_k, "must be >= 0 (0 = off)")
         yield from rule(self.logprobs_top_k >= 0, "sampling.logprobs_top_k", self.logprobs_top_k, "must be >= 0")
+        tail = self.logprobs_tail_samples
+        yield from rule(tail >= 0, "sampling.logprobs_tail_samples", tail, "must be >= 0")
