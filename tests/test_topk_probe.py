@@ -80,6 +80,7 @@ def test_paired_fraction_and_interval():
         (["probe.sc_top_ks=[8]", "probe.modes=[constant]"], r"probe.sc_top_ks=\[8\] is not allowed: needs `none`"),
         (["probe.sc_top_ks=[8]", "probe.corrections=[sc]"], r"probe.sc_top_ks=\[8\] is not allowed: needs `none`"),
         (["probe.sc_top_ks=[8]", "correction.sc.mode=exact"], r"needs correction.sc.mode=topk"),
+        (["correction.sc.tail=sampled"], r"correction.sc.tail='sampled' is not allowed: rescaled in the probe"),
     ],
 )
 def test_bad_top_ks_are_refused_before_the_model_loads(tmp_path, overrides, message):

@@ -42,9 +42,18 @@ def row_name(k: int) -> str:
 def check_top_ks(cfg) -> None:
     """ConfigError for a bad ``probe.sc_top_ks`` (null: no top-k rows): a non-empty list of distinct integers
     >= 1, with ``none`` among ``probe.corrections`` (its conditional drift is the denominator), ``conditional``
-    among ``probe.modes`` (the residual is read without token noise there) and ``correction.sc.mode=topk``."""
+    among ``probe.modes`` (the residual is read without token noise there) and ``correction.sc.mode=topk``; and
+    ``correction.sc.tail=rescaled`` whatever the rows (the probe's shared rollouts record no tail draws)."""
     from ..config import _check, is_int
 
+    tail = cfg.correction.sc.get("tail", "rescaled")
+    _check(
+        tail == "rescaled",
+        "correction.sc.tail",
+        tail,
+        "rescaled in the probe: its rollouts are shared by every correction and record no tail draws; the sampled "
+        "tail's noise is measured by benchmarks/sampled_tail_noise.py",
+    )
     ks = cfg.probe.get("sc_top_ks")
     if ks is None:
         return
