@@ -17,7 +17,7 @@ def test_tail_noise_weights_average_to_zero_with_the_multinomial_variance():
     g = torch.Generator().manual_seed(0)
     mu = torch.softmax(torch.randn(2, 8, generator=g, dtype=torch.float64), -1).sort(-1, descending=True).values
     k, m = 3, 4
-    qs = torch.stack([tail_noise_weights(mu.log(), k, m, g) for _ in range(4000)])
+    qs = torch.stack([tail_noise_weights(mu.log(), k, m, g) for _ in range(20000)])
     assert (qs[..., :k] == 0).all()
     mass = 1 - mu[:, :k].sum(-1, keepdim=True)
     p = mu[:, k:] / mass  # μ_tail
@@ -85,5 +85,5 @@ def test_the_tools_noise_is_the_sampled_tails_deviation_from_full_centring():
         for _ in range(1500)
     ]
     stacked = torch.stack(noise)
-    assert float(stacked.mean(0).abs().max()) < 0.05 * math.sqrt(exact)  # 0 in expectation
+    assert float(stacked.mean(0).abs().max()) < 0.1 * math.sqrt(exact)  # 0 in expectation (SE <= 0.026)
     assert float((stacked**2).sum((1, 2)).mean()) == pytest.approx(exact, rel=0.1)
