@@ -328,7 +328,10 @@ def _with_tail_draws(seqs, groups, probs, sampler_table, head_size, m) -> tuple[
     draws = {}
     out_groups, out_tails, out_probs = [], [], []
     for index, prob in zip(groups.tolist(), probs.tolist()):
-        per_row = [draws.setdefault(i, tail_draws(seqs[i], sampler_table, head_size, m)) for i in index]
+        for i in index:
+            if i not in draws:
+                draws[i] = tail_draws(seqs[i], sampler_table, head_size, m)
+        per_row = [draws[i] for i in index]
         for combo in itertools.product(*(range(len(lp)) for _, lp in per_row)):
             out_groups.append(index)
             out_tails.append(torch.stack([ids[a] for (ids, _), a in zip(per_row, combo)]))
