@@ -431,9 +431,11 @@ def test_sampled_tail_averaged_over_its_draws_is_the_exact_centring_and_the_resc
     average = torch.zeros_like(exact)
     for u, p in zip(tail, mu_tail.tolist()):
         ids = torch.cat([head, torch.tensor([[[u]]])], -1)
+        logpi = torch.log_softmax(logits, -1)  # a fresh graph per draw
         term = centering_term(logpi.gather(-1, ids), mu.gather(-1, ids), tail_samples=1)
         average += p * torch.autograd.grad(term.sum(), logits)[0]
     torch.testing.assert_close(average, exact, rtol=0, atol=1e-12)
+    logpi = torch.log_softmax(logits, -1)
     rescaled = score_centering_term(logpi.gather(-1, head), mu.gather(-1, head))
     (rescaled,) = torch.autograd.grad(rescaled.sum(), logits)
     assert float((rescaled - exact).abs().max()) > 1e-3  # μ's tail is not proportional to π's here

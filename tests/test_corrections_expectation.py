@@ -387,12 +387,13 @@ def test_sampled_tail_has_no_drift_where_the_rescaled_tail_leaves_one(drift_setu
     scale = float(none.abs().max())
     rescaled = expected(policy, "reinforce", "sc", mu, head_size=2)
     ref = rescaled_residual(policy, mu, 2)
-    assert float(ref.abs().max()) > 1e-3  # the formula's residual is not 0: the test can fail
+    assert float(ref.abs().max()) > 1e-2 * scale  # the formula's residual is not 0: the test can fail
     assert close(rescaled, ref, scale), float((rescaled - ref).abs().max())
     for m in (1, 2):
         overrides = [*SAMPLED, f"correction.sc.tail_samples={m}"]
         sampled = expected(policy, "reinforce", "sc", mu, overrides, head_size=2, tail_samples=m)
-        assert close(sampled, torch.zeros_like(sampled), scale), (m, float(sampled.abs().max()))
+        # 1e-5: the draws multiply the rows (256 at m = 2) summed in float32; the rescaled residual is 1e3x that
+        assert close(sampled, torch.zeros_like(sampled), scale, rtol=1e-5), (m, float(sampled.abs().max()))
 
 
 @pytest.mark.parametrize("algo", ["reinforce", "grpo", "ppo"])
@@ -412,7 +413,7 @@ def test_sampled_tail_composes_with_tis_and_mis_without_drift(drift_setup, algo)
             policy, algo, correction, mu, [*overrides, *SAMPLED, "correction.sc.tail_samples=1"],
             advantages=ONES, head_size=1, tail_samples=1,
         )  # fmt: skip
-        assert close(sampled, torch.zeros_like(sampled), scale), (correction, float(sampled.abs().max()))
+        assert close(sampled, torch.zeros_like(sampled), scale, rtol=1e-5), (correction, float(sampled.abs().max()))
 
 
 def test_sampled_tail_keeps_the_on_policy_identity():
