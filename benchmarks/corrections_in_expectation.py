@@ -81,7 +81,13 @@ CORRECTIONS = {  # row label -> overrides
     # AReaL's decoupled objective: weight π_prox/μ masked above 5 (at the first update π_prox = π_old = π, so
     # correction.proximal=loglinear gives the same numbers: it differs only on later optimizer steps)
     "decoupled (cap 5)": ["correction=decoupled"],
+    # score centering with a top-2 head: the documents' rescaled tail, and the sampled tail (one draw per position
+    # from the sampler's own tail, enumerated with its probability: exact in expectation)
+    "sc top-2 (rescaled tail)": ["correction=sc"],
+    "sc top-2 (sampled tail m=1)": ["correction=sc", "correction.sc.tail=sampled", "correction.sc.tail_samples=1"],
 }
+#: rows whose engine head is not the whole vocabulary: label -> (k, m tail samples)
+HEADS = {"sc top-2 (rescaled tail)": (2, 0), "sc top-2 (sampled tail m=1)": (2, 1)}
 #: rows whose rule reads the whole batch: Monte Carlo
 BATCH_LEVEL = ("tis (batch-normalised)", "sc+tis (batch-normalised)", "m2po", "sc+m2po")
 
@@ -136,7 +142,7 @@ def row(m, label, policy, mu, reward, g, args) -> tuple[float, float, float, flo
     error of the first three (0 when exact)."""
     ones = lambda rb: torch.ones(len(rb))  # noqa: E731
     minus = lambda rb: -torch.ones(len(rb))  # noqa: E731
-    head, g_norm, se = policy.vocab_size, float(g.norm()), 0.0
+    (head, tail), g_norm, se = HEADS.get(label, (policy.vocab_size, 0)), float(g.norm()), 0.0
     if label in BATCH_LEVEL:
         kw = dict(batch_size=args.batch, num_batches=args.mc_batches, seed=args.seed + 3, head_size=head)
         plus = monte_carlo_gradient(m, policy, mu, reward, advantages=ones, **kw)
@@ -147,10 +153,13 @@ def row(m, label, policy, mu, reward, g, args) -> tuple[float, float, float, flo
         se = max(plus.norm_stderr, neg.norm_stderr, real.norm_stderr) / g_norm
     else:
         drifts = tuple(
-            float(expected_gradient(m, policy, mu, reward, head_size=head, advantages=a).mean.norm())
+            float(expected_gradient(m, policy, mu, reward, head_size=head, advantages=a, tail_samples=tail).mean.norm())
             for a in (ones, minus)
         )
-        mom = expected_gradient(m, policy, mu, reward, head_size=head, advantages=real_advantages(m), per_batch=True)
+        adv = real_advantages(m)
+        mom = expected_gradient(
+            m, policy, mu, reward, head_size=head, advantages=adv, per_batch=True, tail_samples=tail
+        )
         bias, var = float((mom.mean - g).norm()) / g_norm, mom.variance / args.batch / g_norm**2
     return drifts[0] / g_norm, drifts[1] / g_norm, bias, var, se
 
