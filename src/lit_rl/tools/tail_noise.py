@@ -22,7 +22,6 @@ import math
 import torch
 from torch import Tensor
 
-from ..logprobs import response_logprobs
 from ..objectives import reduce_loss
 
 
@@ -77,19 +76,8 @@ def tail_noise_backward(module, rb, head_size: int, tail_samples: int, generator
     for mb in module.micro_batches(rb):
         if not mb.response_mask.any():
             continue
-        logpi = response_logprobs(
-            module.policy,
-            mb.prompt_ids,
-            mb.prompt_mask,
-            mb.response_ids,
-            mb.response_mask,
-            temperature=module.sampling.temperature,
-            top_k=module.sampling.top_k,
-            top_p=module.sampling.top_p,
-            chunk_tokens=module.chunk_tokens,
-            with_entropy=False,
-            head_ids=mb.topk_ids,
-        ).head_logprobs  # [n, T, V] in the engine's order, with gradient
+        scores = module._score(module.policy, mb, mb.topk_ids, {"with_entropy": False, "shared_prefix": False})
+        logpi = scores.head_logprobs  # [n, T, V] in the engine's order, with gradient
         q = tail_noise_weights(mb.topk_logprobs, head_size, tail_samples, generator)
         q = torch.where(mb.response_mask[..., None], q, torch.zeros_like(q)).to(logpi.dtype)
         token = (q * torch.where(q != 0, logpi, torch.zeros_like(logpi))).sum(-1)

@@ -136,26 +136,13 @@ def centring_stats(module, scored, ks) -> dict[str, Tensor] | None:
     """``centring_errors`` of every generated token of one rollout batch (``scored``), the trainer's π from
     ``module``'s policy (no gradient) at the sampler's temperature and support, μ from the engine's record.
     None when the engine did not record the whole vocabulary (the probe records it in the conditional mode)."""
-    from ..logprobs import response_logprobs
 
     rb = module.build_batch(scored)
     vocab = module.policy.get_output_embeddings().weight.shape[0]
     if rb.topk_ids is None or rb.topk_ids.shape[-1] < vocab:
         return None
     with torch.no_grad():
-        scores = response_logprobs(
-            module.policy,
-            rb.prompt_ids,
-            rb.prompt_mask,
-            rb.response_ids,
-            rb.response_mask,
-            temperature=module.sampling.temperature,
-            top_k=module.sampling.top_k,
-            top_p=module.sampling.top_p,
-            chunk_tokens=module.chunk_tokens,
-            with_entropy=False,
-            head_ids=rb.topk_ids,
-        )
+        scores = module._score(module.policy, rb, rb.topk_ids, {"with_entropy": False, "shared_prefix": False})
     mask = rb.response_mask.bool()
     return centring_errors(scores.head_logprobs[mask], rb.topk_logprobs[mask], ks)
 
