@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .fp32_gemm import _best_of
+
 #: the batch-size hint a weight is packed for (oneDNN picks the blocked layout, and with it the kernel, from it)
 PACK_ROWS = 16
 #: the packed product serves inputs of at most this many rows (a decode step's batch); larger ones use F.linear
@@ -93,17 +95,6 @@ def check_bits(shapes: Counter, rows=CHECK_ROWS) -> list[str]:
                 if not torch.equal(F.linear(x[:m], w, b), linear(x[:m], packed, b)):
                     differ.append(f"{out_f}x{in_f}{' with bias' if has_bias else ''}, {m} rows")
     return differ
-
-
-def _best_of(fn, seconds: float) -> float:
-    fn()  # warm-up
-    best, end = float("inf"), time.perf_counter() + seconds
-    while True:
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-        if time.perf_counter() > end:
-            return best
 
 
 def measure(shapes: Counter, rows=MEASURE_ROWS, seconds: float = 0.005) -> tuple[float, float]:
