@@ -103,6 +103,36 @@ def test_top_k_residual_is_the_real_paths_and_zero_with_the_whole_vocabulary(set
     assert float(full.abs().max()) == 0.0  # q is 0 identically with k = V: exactly no residual
 
 
+@pytest.mark.parametrize(
+    "correction,overrides",
+    [("tis", ["correction.tis.cap=1.05"]), ("mis", ["correction.mis.low=0.8", "correction.mis.high=1.25"])],
+)
+def test_conditional_metrics_are_the_trainers_in_expectation(setup, correction, overrides):
+    """The conditional mode's KLs, clip and mask fractions (per-prefix expectations over the vocabulary) equal the
+    trainer's own sampled-token metrics averaged exactly over every sequence, token-weighted."""
+    policy, mu, _ = setup
+    module = module_for(policy, correction, *overrides)
+    seqs = all_sequences(policy.vocab_size, policy.length)
+    probs = sequence_logprobs(mu, seqs).sum(-1).exp()
+    cond, trainer = {}, {}
+    for s, p in zip(seqs, probs.tolist()):
+        rb = module.build_batch(scored_from(rollouts_from(s[None], mu, policy.vocab_size), torch.ones(1), 1))
+        module.start_update(rb)
+        got = {}
+        conditional_backward(module, rb, metrics=got)
+        policy.zero_grad(set_to_none=True)
+        stats, _ = module.accumulate_gradients(rb)
+        tokens = float(rb.response_mask.sum())  # each side is a token mean: weight it by the sequence's tokens
+        for k, v in got.items():
+            cond[k] = cond.get(k, 0.0) + p * tokens * v
+            trainer[k] = trainer.get(k, 0.0) + p * tokens * float(stats.means()[k])
+    fraction = "train/tis_clipfrac" if correction == "tis" else "train/mis_maskfrac"
+    assert set(cond) == {"train/train_inference_kl", "train/train_inference_kl_reverse", fraction}
+    assert cond[fraction] > 0.05 and cond["train/train_inference_kl"] > 1e-3  # the cap or band binds; a real gap
+    for k in cond:
+        assert abs(cond[k] - trainer[k]) <= 1e-6 * max(1.0, abs(trainer[k])), (k, cond[k], trainer[k])
+
+
 def test_tis_conditional_term_is_minus_the_capped_excess():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 6, generator=g, dtype=torch.float64)
@@ -132,3 +162,6 @@ def test_bad_input_is_refused(setup):
         conditional_backward(module_for(policy, "none"), short)
     with pytest.raises(ValueError, match="sequence masks"):
         conditional_backward(module_for(policy, "opsm"), rb)
+    # the sampled tail: no conditional form here (its drift is 0 in expectation over its draws, by construction)
+    with pytest.raises(ValueError, match="correction=sc with sc.tail=sampled: the conditional mode computes the"):
+        conditional_backward(module_for(policy, "sc", "correction.sc.tail=sampled"), rb)

@@ -221,6 +221,10 @@ def test_conditional_mode_on_the_tiny_model(tmp_path, monkeypatch):
         (["probe.batches=2"], r"probe.batches=2 is not allowed: must be an integer >= 3"),
         (["probe.modes=[drift]"], r"probe.modes=\['drift'\] is not allowed"),
         (["probe.modes=[conditional]", "probe.corrections=[none,opsm]"], r"token-level corrections only"),
+        (
+            ["probe.modes=[conditional]", "probe.corrections=[none,sc]", "correction.sc.tail=sampled"],
+            r"correction.sc.tail='sampled' is not allowed: rescaled: the conditional mode computes the rescaled",
+        ),
         (["probe.settings=[{name: a, engine: {logit_noise: -1}}]"], r"engine.logit_noise=-1 is not allowed"),
     ],
 )

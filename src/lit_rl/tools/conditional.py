@@ -34,9 +34,35 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..corrections import TAIL_EPS, WeightFunction
+from ..corrections import CORRECTIONS, TAIL_EPS, WeightFunction
 from ..logprobs import response_logprobs
 from ..objectives import reduce_loss
+
+#: why the sampled tail (``correction.sc.tail=sampled``) has no conditional form here
+SAMPLED_TAIL = (
+    "the conditional mode computes the rescaled tail's residual; the sampled tail's conditional drift is 0 in "
+    "expectation over its draws by construction, and its draws' noise is measured by lit_rl.tools.tail_noise"
+)
+
+
+def check_conditional(correction, corrections: list[str]) -> None:
+    """ConfigError, before any model loads, for a probe whose ``corrections`` (names) under the run's
+    ``correction`` group have no per-prefix conditional expectation: sequence-level weights or masks (opsm, rs,
+    m2po, ``tis.level`` / ``mis.level`` not ``token``), TIS's batch normalisation, or score centering with
+    ``sc.tail=sampled`` (``SAMPLED_TAIL``)."""
+    from ..config import _check
+
+    sequence_level = [c for c in corrections if CORRECTIONS[c] & {"opsm", "rs", "m2po"}]
+    c = correction
+    _check(
+        not sequence_level and c.tis.level == c.mis.level == "token" and not c.tis.batch_normalize,
+        "probe.corrections",
+        corrections,
+        "token-level corrections only with probe.modes=[..., conditional] (no opsm / rs / m2po, "
+        "correction.tis.level=token, correction.mis.level=token, correction.tis.batch_normalize=false)",
+    )
+    centred = any("sc" in CORRECTIONS[name] for name in corrections)
+    _check(not (centred and c.sc.tail == "sampled"), "correction.sc.tail", c.sc.tail, f"rescaled: {SAMPLED_TAIL}")
 
 
 def conditional_weights(
@@ -99,26 +125,39 @@ def conditional_weights(
     return torch.where(in_head | ~valid, zeros, q - c_tail * alpha * pi)
 
 
-def conditional_backward(module, rb, head_size: int | None = None) -> float:
-    """Backward, into the policy's ``.grad``, of the batch's conditional-expectation surrogate for ``module``'s
-    correction under the batch's advantages (the probe sets them to 1; they must not depend on the sampled
-    tokens): Σ_t red_t Σ_v sg(q_{t,v}) log π_{t,v}, whose gradient is Σ_t red_t E_{y_t~μ}[ĝ_t | h_t] of the
-    minimised loss. One pass per micro-batch of ``module.micro_batches``, normalised by the whole batch's totals.
+def conditional_metrics(logpi: Tensor, logmu: Tensor, mask: Tensor, rule: WeightFunction) -> dict[str, Tensor]:
+    """Per-prefix expectations over y ~ μ of the trainer's token metrics (``corrections.mismatch_decomposition``,
+    ``correction_weights``), summed over the valid tokens: the conditional mode's readings of the gap.
 
     Args:
-        module: an ``RLModule`` (its policy, sampling, correction and reduction are used).
-        rb: a ``RolloutBatch`` whose engine recorded its whole distribution: ``topk_ids`` / ``topk_logprobs``
-            [N, T, V] (``sampling.logprobs_top_k`` = V).
-        head_size: score centering's head k (None: the module's ``correction.sc.top_k``, or V with
-            ``sc.mode=exact``); ignored when the correction does not centre.
+        logpi, logmu: float [..., V], log π and log μ over the whole vocabulary (as ``conditional_weights``).
+        mask: bool [...], the valid (response) tokens.
+        rule: the correction's token-level weight function (its cap and band name the clip and mask fractions).
 
     Returns:
-        the surrogate's value (no meaning beyond its gradient).
-
-    Raises:
-        ValueError: the engine's record does not cover the vocabulary, or the correction has no per-prefix form
-        (sequence-level weights, sequence masks, TIS's batch normalisation).
+        float64 0-dim sums over valid tokens (divide by their count for the trainer's token means):
+        ``train_inference_kl`` Σ_v μ_v log(μ_v/π_v) (KL(μ‖π), what the trainer's k3 estimates), ``..._reverse``
+        Σ_v π_v log(π_v/μ_v), with TIS ``tis_clipfrac`` (μ's mass where π/μ > C), with MIS ``mis_maskfrac`` (μ's
+        mass outside the band). Entries where π or μ is 0 add nothing.
     """
+    lp, lmu = logpi.detach().double(), logmu.detach().double()
+    valid = torch.isfinite(lp) & torch.isfinite(lmu) & mask.bool()[..., None]
+    zeros = torch.zeros_like(lp)
+    mu, pi, log_r = torch.where(valid, lmu.exp(), zeros), torch.where(valid, lp.exp(), zeros), lp - lmu
+    out = {
+        "train_inference_kl": torch.where(valid, -mu * log_r, zeros).sum(),
+        "train_inference_kl_reverse": torch.where(valid, pi * log_r, zeros).sum(),
+    }
+    if rule.tis_cap is not None:
+        out["tis_clipfrac"] = torch.where(valid & (log_r.exp() > rule.tis_cap), mu, zeros).sum()
+    if rule.mis_band is not None:
+        out[rule.mask_metric] = torch.where(valid & torch.isneginf(rule.log_weight(log_r, log_r)), mu, zeros).sum()
+    return out
+
+
+def _centring_head(module, rb, head_size: int | None) -> int | None:
+    """Score centering's head size for ``conditional_backward`` (None: the module does not centre), after its
+    checks: the record covers the vocabulary and the correction has a per-prefix form (ValueError otherwise)."""
     settings, correction = module.loss_settings, module.correction
     vocab = module.policy.get_output_embeddings().weight.shape[0]
     if rb.topk_ids is None or rb.topk_ids.shape[-1] < vocab:
@@ -132,14 +171,41 @@ def conditional_backward(module, rb, head_size: int | None = None) -> float:
             f"correction={correction.name}: sequence masks and TIS's batch normalisation have no per-prefix "
             "conditional expectation"
         )
-    if settings.score_centering:
-        k = vocab if getattr(correction.sc, "mode", "topk") == "exact" else int(correction.sc.top_k)
-        head_size = k if head_size is None else head_size
-    else:
-        head_size = None
+    if not settings.score_centering:
+        return None
+    if getattr(correction.sc, "tail", "rescaled") == "sampled":
+        raise ValueError(f"correction={correction.name} with sc.tail=sampled: {SAMPLED_TAIL}")
+    k = vocab if getattr(correction.sc, "mode", "topk") == "exact" else int(correction.sc.top_k)
+    return k if head_size is None else head_size
+
+
+def conditional_backward(module, rb, head_size: int | None = None, metrics: dict | None = None) -> float:
+    """Backward, into the policy's ``.grad``, of the batch's conditional-expectation surrogate for ``module``'s
+    correction under the batch's advantages (the probe sets them to 1; they must not depend on the sampled
+    tokens): Σ_t red_t Σ_v sg(q_{t,v}) log π_{t,v}, whose gradient is Σ_t red_t E_{y_t~μ}[ĝ_t | h_t] of the
+    minimised loss. One pass per micro-batch of ``module.micro_batches``, normalised by the whole batch's totals.
+
+    Args:
+        module: an ``RLModule`` (its policy, sampling, correction and reduction are used).
+        rb: a ``RolloutBatch`` whose engine recorded its whole distribution: ``topk_ids`` / ``topk_logprobs``
+            [N, T, V] (``sampling.logprobs_top_k`` = V).
+        head_size: score centering's head k (None: the module's ``correction.sc.top_k``, or V with
+            ``sc.mode=exact``); ignored when the correction does not centre.
+        metrics: a dict to fill with the batch's token means of ``conditional_metrics`` under the trainer's
+            names (``train/train_inference_kl`` ...), or None.
+
+    Returns:
+        the surrogate's value (no meaning beyond its gradient).
+
+    Raises:
+        ValueError: the engine's record does not cover the vocabulary, or the correction has no per-prefix form
+        (sequence-level weights, sequence masks, TIS's batch normalisation, score centering's sampled tail).
+    """
+    settings = module.loss_settings
+    head_size = _centring_head(module, rb, head_size)
     mask = rb.response_mask
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
-    total = 0.0
+    total, sums = 0.0, {}
     for mb in module.micro_batches(rb):
         if not mb.response_mask.any():
             continue
@@ -161,6 +227,8 @@ def conditional_backward(module, rb, head_size: int | None = None) -> float:
         coef = module.algorithm.score_coefficients(zeros, zeros[..., 0], mb)
         coef_tail = module.algorithm.score_coefficients(zeros[..., :1], zeros[..., 0], mb)
         q = conditional_weights(logpi, mb.topk_logprobs, settings.weight_rule, coef, coef_tail, head_size)
+        for k, v in conditional_metrics(logpi, mb.topk_logprobs, mb.response_mask, settings.weight_rule).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
         q = torch.where(mb.response_mask[..., None], q, torch.zeros_like(q)).to(logpi.dtype)
         token = (q * torch.where(q != 0, logpi, torch.zeros_like(logpi))).sum(-1)
         loss = reduce_loss(
@@ -173,4 +241,6 @@ def conditional_backward(module, rb, head_size: int | None = None) -> float:
         )
         loss.backward()
         total += float(loss.detach())
+    if metrics is not None:
+        metrics.update({f"train/{k}": v / max(float(num_tokens), 1.0) for k, v in sums.items()})
     return total

@@ -220,23 +220,24 @@ def batch_gradients(module, rb, sketch: GradientSketch, modes=MODES):
     """The module's gradient on rollout batch ``rb`` through the real update path (``start_update``, then
     ``accumulate_gradients``), sketched, per mode: "reward" (the batch's own advantages), "constant" (every
     advantage forced to 1) and "conditional" (the same drift's per-prefix conditional expectation from the full
-    μ(h) and π(h), ``tools.conditional``). Returns ({mode: (sketch, ‖g‖²)}, the trainer's train/* metric means)."""
+    μ(h) and π(h), ``tools.conditional``). Returns ({mode: (sketch, ‖g‖²)}, the trainer's train/* metric means;
+    with the conditional mode alone, their per-prefix expectations, ``conditional.conditional_metrics``)."""
     from .conditional import conditional_backward
 
-    out, means = {}, {}
+    out, means, conditional = {}, {}, {}  # the trainer's metrics, else the conditional mode's expectations of them
     own = own_head(rb, module)
     module.start_update(own)
     for mode in modes:
         module.policy.zero_grad(set_to_none=True)
         if mode == "conditional":
-            conditional_backward(module, replace(rb, advantages=torch.ones_like(rb.advantages)))
+            conditional_backward(module, replace(rb, advantages=torch.ones_like(rb.advantages)), None, conditional)
         else:
             batch = own if mode == "reward" else replace(own, advantages=torch.ones_like(own.advantages))
             stats, _ = module.accumulate_gradients(batch)
             means = means or stats.means()
         out[mode] = sketch()
     module.policy.zero_grad(set_to_none=True)
-    return out, means
+    return out, means or conditional
 
 
 def run_cells(
@@ -501,16 +502,10 @@ def check_probe(cfg) -> None:
         modes,
         f"a non-empty list from {list(MODES)}",
     )
-    if "conditional" in modes:  # a per-prefix conditional expectation needs per-token weights (tools.conditional)
-        c = cfg.correction
-        sequence_level = [c for c in p.corrections if CORRECTIONS[c] & {"opsm", "rs", "m2po"}]
-        _check(
-            not sequence_level and c.tis.level == c.mis.level == "token" and not c.tis.batch_normalize,
-            "probe.corrections",
-            list(p.corrections),
-            "token-level corrections only with probe.modes=[..., conditional] (no opsm / rs / m2po, "
-            "correction.tis.level=token, correction.mis.level=token, correction.tis.batch_normalize=false)",
-        )
+    if "conditional" in modes:  # a per-prefix form: per-token weights, the rescaled tail (tools.conditional)
+        from .conditional import check_conditional
+
+        check_conditional(cfg.correction, list(p.corrections))
     check_top_ks(cfg)
     if set(modes) & set(DRIFT_MODES) and cfg.loss.reduction not in ("seq_mean_token_sum", "constant"):
         print(
