@@ -1,0 +1,211 @@
+"""The full conditional-probe run's table, verdicts and figure, from the probe's run folders (sketches.pt, probe.json).
+
+    PYTHONPATH=src python docs/results/conditional_probe_full/analyse.py outputs/exp2 \
+        docs/results/conditional_probe_full
+
+Reads <runs>/{main,cap12}/ (conditional mode; cap12 has no `none` of its own: its rollouts are main's,
+same seeds, checked against the two logs' per-batch token counts and rewards) and
+<runs>/{ref_bf16_default,ref_bf16_bi}/ where present, and writes table.md, table.json and conditional_drift.png
+to the output folder. Per (setting, correction): the conditional drift along u (`none`'s leave-one-out
+direction, in units of its noise-corrected norm ‖E C‖; ``probe.projected_drift``) with its 95% t-interval
+(B − 1 degrees of freedom) and minimum detectable effect (t_.975 + t_.80) × SE, the paired norm fraction
+√(‖E D‖² / ‖E C‖²) with its jackknife SE (``topk_probe.paired_fraction``) and the pilot's verdict rule. The
+bf16 references' on-policy gradients are projected on the float32 run's whole-sample u (one sketch map).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import torch
+from scipy.stats import t as student
+
+from lit_rl.tools.probe import Cell, _drift_estimates, jackknife, projected_drift
+from lit_rl.tools.topk_probe import paired_fraction
+
+MAIN = ("main",)
+CAP = "cap12"
+REFS = {"ref_bf16_default": "bf16-mixed, default kernels", "ref_bf16_bi": "bf16-mixed, batch_invariant"}
+
+
+def mde_factor(n: int) -> float:
+    """(t_{0.975, n−1} + t_{0.80, n−1}): 80% power at a two-sided 5% level, in SEs."""
+    return float(student.ppf(0.975, n - 1) + student.ppf(0.80, n - 1))
+
+
+def verdict(lo: float, hi: float) -> str:
+    """The pilot's rule: drift left when the interval excludes 0; drift-free to 5% when inside [−0.05, 0.05]."""
+    if lo > 0 or hi < 0:
+        return "leaves drift" if not (-0.05 <= lo and hi <= 0.05) else "leaves drift (< 5%)"
+    return "drift-free to 5%" if -0.05 <= lo and hi <= 0.05 else "not settled"
+
+
+def cells_of(sketches: dict[str, list]) -> dict[str, Cell]:
+    out = {}
+    for name, modes in sketches.items():
+        cell = Cell()
+        cell.sketches = {m: list(v) for m, v in modes.items()}
+        out[name] = cell
+    return out
+
+
+def batch_log(path: Path) -> list[str]:
+    """The per-batch "setting batch b/B: ..., N tokens, reward r" of a probe's log (the rollouts' fingerprint)."""
+    pat = re.compile(r"probe: (\S+) batch (\d+)/\d+: rollout [\d.]+ s, (\d+) tokens, reward ([\d.]+)")
+    return [" ".join(m.groups()) for m in map(pat.search, path.read_text().splitlines()) if m]
+
+
+def run_rows(folder: Path, cap: str, nones: dict | None = None) -> tuple[list[dict], dict]:
+    """The rows of one conditional-mode run folder, and {setting: (u, ‖E C‖)} for projecting other runs. ``nones``:
+    {setting: `none`'s sketches} from a run with the same rollouts, for a folder that has no `none`."""
+    saved = torch.load(folder / "sketches.pt")
+    info = {(r["setting"], r["correction"]): r for r in json.loads((folder / "probe.json").read_text())["rows"]}
+    rows, units = [], {}
+    for setting, sk in saved["settings"].items():
+        cells = cells_of(sk if "none" in sk or not nones else {"none": nones[setting], **sk})
+        along = projected_drift(cells, None, "conditional")
+        c = torch.stack(cells["none"].sketches["conditional"]).double()
+        n = c.shape[0]
+        var = max((float(c.pow(2).sum()) - n * float(c.mean(0) @ c.mean(0))) / (n - 1), 0.0)
+        units[setting] = (c.sum(0) / c.sum(0).norm(), math.sqrt(float(c.mean(0) @ c.mean(0)) - var / n))
+        for name, cell in cells.items():
+            d = torch.stack(cell.sketches["conditional"]).double()
+            u, se = along[name]
+            half = float(student.ppf(0.975, n - 1)) * se
+            f, f_se = paired_fraction(d, c)
+            if (setting, name) not in info:  # the borrowed `none`: its row is its own run's
+                continue
+            r = info[(setting, name)]
+            rows.append(
+                {"setting": setting, "correction": name, "cap": cap if "tis" in name else "", "batches": n,
+                 "kl": r["kl"], "tis_clip": r["tis_clipfrac"], "mis_mask": r["mis_maskfrac"],
+                 "along_u": u, "se": se, "lo": u - half, "hi": u + half, "mde": mde_factor(n) * se,
+                 "norm_frac": f, "norm_frac_se": f_se, "drift2": r["cond_drift2"], "drift2_se": r["cond_drift2_se"],
+                 "verdict": verdict(u - half, u + half) if name != "none" else "(the unit)"}
+            )  # fmt: skip
+    return rows, units
+
+
+def reference_rows(folder: Path, units: dict, label: str) -> list[dict]:
+    """The on-policy batches of a reference run, per mode: ‖E ĝ‖² (noise-corrected, jackknife SE) and the
+    projection on each float32 setting's u in units of that setting's ‖E C‖ (mean ± SE over batches)."""
+    saved = torch.load(folder / "sketches.pt")
+    rows = []
+    for mode, sketches in saved["reference"].items():
+        if not sketches:
+            continue
+        y = torch.stack(sketches).double()
+        est, se = jackknife(y, y, _drift_estimates(False))
+        row = {"run": label, "mode": mode, "batches": y.shape[0], "drift2": est["drift2"], "drift2_se": se["drift2"]}
+        for setting, (u, scale) in units.items():
+            p = y @ u
+            m, s = float(p.mean()) / scale, float(p.std() / math.sqrt(p.numel())) / scale
+            half = float(student.ppf(0.975, p.numel() - 1)) * s
+            norm = math.sqrt(max(est["drift2"], 0.0)) / scale  # the whole drift's norm, in the setting's unit
+            row[setting] = {"along_u": m, "se": s, "lo": m - half, "hi": m + half, "norm": norm}
+        rows.append(row)
+    return rows
+
+
+def label(r: dict) -> str:
+    """The correction's name with SC's head (the engine's top-128, rescaled tail) and TIS's cap."""
+    head = " top-128" if r["correction"].startswith("sc") else ""
+    return r["correction"] + head + (f" cap {r['cap']}" if r["cap"] else "")
+
+
+def fmt(v: float, d: int = 4) -> str:
+    return "–" if v is None or not math.isfinite(v) else f"{v:.{d}f}"
+
+
+def table(rows: list[dict], refs: list[dict], settings: list[str]) -> str:
+    lines = [
+        "| setting (KL(μ‖π)/token) | correction | B | cond. drift along u ± SE | 95% interval | MDE | "
+        "norm fraction ± SE | tis clip / mis mask | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        name = label(r)
+        clip = {"tis": r["tis_clip"], "mis": r["mis_mask"]}.get(r["correction"].split("+")[-1], math.nan)
+        lines.append(
+            f"| {r['setting']} ({r['kl']:.3f}) | {name} | {r['batches']} | {fmt(r['along_u'])} ± {fmt(r['se'])} | "
+            f"[{fmt(r['lo'])}, {fmt(r['hi'])}] | {fmt(r['mde'])} | {fmt(r['norm_frac'], 3)} ± "
+            f"{fmt(r['norm_frac_se'], 3)} | {'–' if not math.isfinite(clip) else f'{100 * clip:.1f}%'} | "
+            f"{r['verdict']} |"
+        )
+    if refs:
+        head = "| on-policy reference | mode | R | ‖E ĝ‖² ± SE | " + " | ".join(f"/ ‖E C‖ of {s}" for s in settings)
+        lines += ["", head + " |", "|---|---|---:|---:|" + "---:|" * len(settings)]
+        for r in refs:
+            cols = [
+                f"{fmt(r[s]['along_u'])} ± {fmt(r[s]['se'])} [{fmt(r[s]['lo'])}, {fmt(r[s]['hi'])}]; norm "
+                f"{fmt(r[s]['norm'])}"
+                for s in settings
+            ]
+            lines.append(
+                f"| {r['run']} | {r['mode']} | {r['batches']} | {r['drift2']:.4g} ± {r['drift2_se']:.2g} | "
+                + " | ".join(cols)
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Dot-and-interval (95%) of the conditional drift along u, one panel per setting, one line per correction."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    fig = Figure(figsize=(4.0 * len(settings), 3.6), dpi=110)
+    FigureCanvasAgg(fig)
+    for j, s in enumerate(settings):
+        ax = fig.add_subplot(1, len(settings), j + 1)
+        rs = [r for r in rows if r["setting"] == s and r["correction"] != "none"]
+        labels = [label(r) for r in rs]
+        ys = list(range(len(rs)))[::-1]
+        ax.axvspan(-0.05, 0.05, color="0.9", label="±0.05")
+        ax.axvline(0, color="0.4", lw=0.8)
+        for y, r in zip(ys, rs):
+            color = "C3" if r["verdict"].startswith("leaves") else ("C2" if r["verdict"].startswith("drift") else "C0")
+            ax.errorbar([r["along_u"]], [y], xerr=[[r["along_u"] - r["lo"]], [r["hi"] - r["along_u"]]], fmt="o",
+                        color=color, capsize=3)  # fmt: skip
+        ax.set_yticks(ys, labels, fontsize=8)
+        ax.set_title(f"{s} (KL {rs[0]['kl']:.3f})" if rs else s, fontsize=9)
+        ax.set_xlabel("cond. drift along u / ‖E C‖ (none = 1)", fontsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def main(runs: Path, out: Path) -> None:
+    rows, units = [], {}
+    for name in MAIN:
+        if (runs / name / "probe.json").exists():
+            r, u = run_rows(runs / name, "2")
+            rows += r
+            units.update(u)
+    if (runs / CAP / "probe.json").exists():
+        main_log, cap_log = batch_log(runs / f"{MAIN[0]}.log"), batch_log(runs / f"{CAP}.log")
+        if main_log != cap_log:
+            raise SystemExit(f"{CAP}'s rollouts are not {MAIN[0]}'s: {cap_log} against {main_log}")
+        nones = {k: v["none"] for k, v in torch.load(runs / MAIN[0] / "sketches.pt")["settings"].items()}
+        rows += [r for r in run_rows(runs / CAP, "1.2", nones)[0] if "tis" in r["correction"]]
+    order = {s: i for i, s in enumerate(["delta=+0.3", "sigma=1", "sigma=2", "int8"])}
+    rows.sort(key=lambda r: (order.get(r["setting"], 9), r["correction"] != "none", r["cap"] == "1.2"))
+    refs = []
+    for name, label in REFS.items():
+        if (runs / name / "probe.json").exists():
+            refs += reference_rows(runs / name, units, label)
+    text = table(rows, refs, list(units))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text)
+    (out / "table.json").write_text(json.dumps({"rows": rows, "references": refs}, indent=1))
+    plot(rows, out / "conditional_drift.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
