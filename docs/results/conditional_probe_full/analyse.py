@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from scipy.stats import t as student
+from torch import Tensor
 
 from lit_rl.tools.probe import Cell, _drift_estimates, jackknife, projected_drift
 from lit_rl.tools.topk_probe import paired_fraction
@@ -153,6 +154,56 @@ def table(rows: list[dict], refs: list[dict], settings: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sq(z: Tensor) -> float:
+    """‖E z‖² without its noise floor, from the rows of z [B, D] (float64)."""
+    n, m = z.shape[0], z.mean(0)
+    return float(m @ m) - max((float(z.pow(2).sum()) - n * float(m @ m)) / (n - 1), 0.0) / n
+
+
+def paired(c: Tensor, a: Tensor, b: Tensor) -> dict:
+    """Cell a against cell b on the same rollouts (rows paired by batch; c: `none`'s, the unit): the difference of
+    their drifts along u (leave-one-out u, as ``projected_drift``) and of their norm fractions √(‖E ·‖² / ‖E C‖²)
+    (delete-one jackknife over the batches), each with its SE and 95% t-interval."""
+    n = c.shape[0]
+    total, scale = c.sum(0), math.sqrt(_sq(c))
+    diff = torch.stack([(total - c[i]) @ (a[i] - b[i]) / (total - c[i]).norm() for i in range(n)]) / scale
+    t975 = float(student.ppf(0.975, n - 1))
+
+    def frac_diff(idx: Tensor) -> float:
+        c2 = _sq(c[idx])
+        return math.sqrt(max(_sq(a[idx]), 0.0) / c2) - math.sqrt(max(_sq(b[idx]), 0.0) / c2)
+
+    full = frac_diff(torch.arange(n))
+    reps = [frac_diff(torch.tensor([j for j in range(n) if j != i])) for i in range(n)]
+    mean = sum(reps) / n
+    f_se = math.sqrt((n - 1) / n * sum((r - mean) ** 2 for r in reps))
+    u, u_se = float(diff.mean()), float(diff.std()) / math.sqrt(n)
+    return {"along_u": u, "along_u_se": u_se, "along_u_ci": (u - t975 * u_se, u + t975 * u_se),
+            "norm": full, "norm_se": f_se, "norm_ci": (full - t975 * f_se, full + t975 * f_se)}  # fmt: skip
+
+
+PAIRS = [("tis cap 2", "sc top-128"), ("tis cap 1.2", "sc+tis top-128 cap 1.2"), ("tis cap 1.2", "tis cap 2")]
+
+
+def comparisons(sketches: dict[str, dict[str, Tensor]]) -> str:
+    """The paired table: for each setting and pair of ``PAIRS`` present, a − b along u and in norm fraction."""
+    lines = [
+        "| setting | a − b | along u: a − b ± SE | 95% interval | norm fraction: a − b ± SE | 95% interval |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for setting, cells in sketches.items():
+        for a, b in PAIRS:
+            if a in cells and b in cells:
+                r = paired(cells["none"], cells[a], cells[b])
+                lo, hi = r["along_u_ci"]
+                flo, fhi = r["norm_ci"]
+                lines.append(
+                    f"| {setting} | {a} − {b} | {fmt(r['along_u'])} ± {fmt(r['along_u_se'])} | [{fmt(lo)}, {fmt(hi)}]"
+                    f" | {fmt(r['norm'], 3)} ± {fmt(r['norm_se'], 3)} | [{fmt(flo, 3)}, {fmt(fhi, 3)}] |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Dot-and-interval (95%) of the conditional drift along u, one panel per setting, one line per correction."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -196,10 +247,17 @@ def main(runs: Path, out: Path) -> None:
     order = {s: i for i, s in enumerate(["delta=+0.3", "sigma=1", "sigma=2", "int8"])}
     rows.sort(key=lambda r: (order.get(r["setting"], 9), r["correction"] != "none", r["cap"] == "1.2"))
     refs = []
-    for name, label in REFS.items():
+    for name, what in REFS.items():
         if (runs / name / "probe.json").exists():
-            refs += reference_rows(runs / name, units, label)
-    text = table(rows, refs, list(units))
+            refs += reference_rows(runs / name, units, what)
+    sketches = {}  # {setting: {label: [B, D]}}, every run's cells on the same rollouts
+    for name, cap in ((MAIN[0], "2"), (CAP, "1.2")):
+        if (runs / name / "sketches.pt").exists():
+            for setting, sk in torch.load(runs / name / "sketches.pt")["settings"].items():
+                for corr, modes in sk.items():
+                    key = label({"correction": corr, "cap": cap if "tis" in corr else ""})
+                    sketches.setdefault(setting, {})[key] = torch.stack(modes["conditional"]).double()
+    text = table(rows, refs, list(units)) + "\n" + comparisons(sketches)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
     (out / "table.json").write_text(json.dumps({"rows": rows, "references": refs}, indent=1))
