@@ -30,7 +30,11 @@ from lit_rl.tools.topk_probe import paired_fraction
 
 MAIN = ("main",)
 CAP = "cap12"
-REFS = {"ref_bf16_default": "bf16-mixed, default kernels", "ref_bf16_bi": "bf16-mixed, batch_invariant"}
+REFS = {
+    "main": "float32, default kernels (main's 3 reference batches)",
+    "ref_bf16_default": "bf16-mixed, default kernels",
+    "ref_bf16_bi": "bf16-mixed, batch_invariant",
+}
 
 
 def mde_factor(n: int) -> float:
