@@ -3,7 +3,7 @@
     PYTHONPATH=src python docs/results/conditional_probe_full/analyse.py outputs/exp2 \
         docs/results/conditional_probe_full
 
-Reads <runs>/{main,cap12}/ (conditional mode; cap12 has no `none` of its own: its rollouts are main's,
+Reads <runs>/{main,main2,cap12}/ (conditional mode; cap12 has no `none` of its own: its rollouts are main's,
 same seeds, checked against the two logs' per-batch token counts and rewards) and
 <runs>/{ref_bf16_default,ref_bf16_bi}/ where present, and writes table.md, table.json and conditional_drift.png
 to the output folder. Per (setting, correction): the conditional drift along u (`none`'s leave-one-out
@@ -28,7 +28,7 @@ from torch import Tensor
 from lit_rl.tools.probe import Cell, _drift_estimates, jackknife, projected_drift
 from lit_rl.tools.topk_probe import paired_fraction
 
-MAIN = ("main",)
+MAIN = ("main", "main2")  # δ and σ = 1; σ = 2 and int8
 CAP = "cap12"
 REFS = {
     "main": "float32, default kernels (main's 3 reference batches)",
@@ -255,7 +255,7 @@ def main(runs: Path, out: Path) -> None:
         if (runs / name / "probe.json").exists():
             refs += reference_rows(runs / name, units, what)
     sketches = {}  # {setting: {label: [B, D]}}, every run's cells on the same rollouts
-    for name, cap in ((MAIN[0], "2"), (CAP, "1.2")):
+    for name, cap in [(m, "2") for m in MAIN] + [(CAP, "1.2")]:
         if (runs / name / "sketches.pt").exists():
             for setting, sk in torch.load(runs / name / "sketches.pt")["settings"].items():
                 for corr, modes in sk.items():
