@@ -30,6 +30,8 @@ from lit_rl.tools.topk_probe import paired_fraction
 
 MAIN = ("main", "main2")  # δ and σ = 1; σ = 2 and int8
 CAP = "cap12"
+#: runs without a `none` of their own, on main's rollouts (same seeds): {folder: TIS cap of its tis rows}
+BORROW = {CAP: "1.2", "mis": ""}
 REFS = {
     "main": "float32, default kernels (main's 3 reference batches)",
     "ref_bf16_default": "bf16-mixed, default kernels",
@@ -186,7 +188,13 @@ def paired(c: Tensor, a: Tensor, b: Tensor) -> dict:
             "norm": full, "norm_se": f_se, "norm_ci": (full - t975 * f_se, full + t975 * f_se)}  # fmt: skip
 
 
-PAIRS = [("tis cap 2", "sc top-128"), ("tis cap 1.2", "sc+tis top-128 cap 1.2"), ("tis cap 1.2", "tis cap 2")]
+PAIRS = [
+    ("tis cap 2", "sc top-128"),
+    ("tis cap 1.2", "sc+tis top-128 cap 1.2"),
+    ("tis cap 1.2", "tis cap 2"),
+    ("mis", "sc top-128"),
+    ("mis", "sc+mis top-128"),
+]
 
 
 def comparisons(sketches: dict[str, dict[str, Tensor]]) -> str:
@@ -242,12 +250,14 @@ def main(runs: Path, out: Path) -> None:
             r, u = run_rows(runs / name, "2")
             rows += r
             units.update(u)
-    if (runs / CAP / "probe.json").exists():
-        main_log, cap_log = batch_log(runs / f"{MAIN[0]}.log"), batch_log(runs / f"{CAP}.log")
-        if main_log != cap_log:
-            raise SystemExit(f"{CAP}'s rollouts are not {MAIN[0]}'s: {cap_log} against {main_log}")
+    for name, cap in BORROW.items():
+        if not (runs / name / "probe.json").exists():
+            continue
+        main_log, own_log = batch_log(runs / f"{MAIN[0]}.log"), batch_log(runs / f"{name}.log")
+        if main_log[: len(own_log)] != own_log:
+            raise SystemExit(f"{name}'s rollouts are not {MAIN[0]}'s: {own_log} against {main_log}")
         nones = {k: v["none"] for k, v in torch.load(runs / MAIN[0] / "sketches.pt")["settings"].items()}
-        rows += [r for r in run_rows(runs / CAP, "1.2", nones)[0] if "tis" in r["correction"]]
+        rows += run_rows(runs / name, cap, nones)[0]
     order = {s: i for i, s in enumerate(["delta=+0.3", "sigma=1", "sigma=2", "int8"])}
     rows.sort(key=lambda r: (order.get(r["setting"], 9), r["correction"] != "none", r["cap"] == "1.2"))
     refs = []
@@ -255,7 +265,7 @@ def main(runs: Path, out: Path) -> None:
         if (runs / name / "probe.json").exists():
             refs += reference_rows(runs / name, units, what)
     sketches = {}  # {setting: {label: [B, D]}}, every run's cells on the same rollouts
-    for name, cap in [(m, "2") for m in MAIN] + [(CAP, "1.2")]:
+    for name, cap in [(m, "2") for m in MAIN] + list(BORROW.items()):
         if (runs / name / "sketches.pt").exists():
             for setting, sk in torch.load(runs / name / "sketches.pt")["settings"].items():
                 for corr, modes in sk.items():
