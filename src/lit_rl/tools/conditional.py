@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from ..corrections import CORRECTIONS, TAIL_EPS, WeightFunction
-from ..logprobs import response_logprobs
 from ..objectives import reduce_loss
 
 #: why the sampled tail (``correction.sc.tail=sampled``) has no conditional form here
@@ -203,32 +202,50 @@ def conditional_backward(module, rb, head_size: int | None = None, metrics: dict
     """
     settings = module.loss_settings
     head_size = _centring_head(module, rb, head_size)
-    mask = rb.response_mask
-    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
-    total, sums = 0.0, {}
-    for mb in module.micro_batches(rb):
-        if not mb.response_mask.any():
-            continue
-        scores = response_logprobs(
-            module.policy,
-            mb.prompt_ids,
-            mb.prompt_mask,
-            mb.response_ids,
-            mb.response_mask,
-            temperature=module.sampling.temperature,
-            top_k=module.sampling.top_k,
-            top_p=module.sampling.top_p,
-            chunk_tokens=module.chunk_tokens,
-            with_entropy=False,
-            head_ids=mb.topk_ids,
-        )
-        logpi = scores.head_logprobs  # [n, T, V] in the engine's order, with gradient
+    sums = {}
+
+    def weights(mb, logpi: Tensor) -> Tensor:
         zeros = torch.zeros_like(logpi.detach())
         coef = module.algorithm.score_coefficients(zeros, zeros[..., 0], mb)
         coef_tail = module.algorithm.score_coefficients(zeros[..., :1], zeros[..., 0], mb)
-        q = conditional_weights(logpi, mb.topk_logprobs, settings.weight_rule, coef, coef_tail, head_size)
         for k, v in conditional_metrics(logpi, mb.topk_logprobs, mb.response_mask, settings.weight_rule).items():
             sums[k] = sums.get(k, 0.0) + float(v)
+        return conditional_weights(logpi, mb.topk_logprobs, settings.weight_rule, coef, coef_tail, head_size)
+
+    total = surrogate_backward(module, rb, weights)
+    num_tokens = rb.response_mask.sum()
+    if metrics is not None:
+        metrics.update({f"train/{k}": v / max(float(num_tokens), 1.0) for k, v in sums.items()})
+    return total
+
+
+def surrogate_backward(module, rb, weights) -> float:
+    """Backward, into the policy's ``.grad``, of the soft-target surrogate Σ_t red_t Σ_v sg(q_{t,v}) log π_{t,v} on
+    rollout batch ``rb``, whose gradient is Σ_t red_t Σ_v q_{t,v} ∇log π_{t,v}: the one loop of the probe's
+    per-prefix modes (``conditional_backward``, ``tail_noise.tail_noise_backward``).
+
+    Args:
+        module: an ``RLModule``; its policy scores through ``RLModule._score`` (the trainer's one scoring call, at
+            its sampling settings), over the ids the engine recorded (``rb.topk_ids``), and its reduction
+            (``loss.reduction``) gives red_t, normalised by the whole batch's token and sequence counts.
+        rb: a ``RolloutBatch`` with ``topk_ids`` / ``topk_logprobs`` [N, T, V'].
+        weights: ``weights(mb, logpi) -> q``, float [n, T, V'] for a micro-batch ``mb``, given its log π over the
+            recorded ids (``logpi`` [n, T, V'], with gradient); only valid response tokens' rows count, and entries
+            with q = 0 add nothing (so -inf log-probs there are harmless).
+
+    Returns:
+        the sum of the micro-batches' surrogate values (no meaning beyond its gradient).
+    """
+    settings = module.loss_settings
+    mask = rb.response_mask
+    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
+    total = 0.0
+    for mb in module.micro_batches(rb):
+        if not mb.response_mask.any():
+            continue
+        scores = module._score(module.policy, mb, mb.topk_ids, {"with_entropy": False, "shared_prefix": False})
+        logpi = scores.head_logprobs  # [n, T, V'] in the engine's order, with gradient
+        q = weights(mb, logpi)
         q = torch.where(mb.response_mask[..., None], q, torch.zeros_like(q)).to(logpi.dtype)
         token = (q * torch.where(q != 0, logpi, torch.zeros_like(logpi))).sum(-1)
         loss = reduce_loss(
@@ -241,6 +258,4 @@ def conditional_backward(module, rb, head_size: int | None = None, metrics: dict
         )
         loss.backward()
         total += float(loss.detach())
-    if metrics is not None:
-        metrics.update({f"train/{k}": v / max(float(num_tokens), 1.0) for k, v in sums.items()})
     return total

@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..objectives import reduce_loss
+from .conditional import surrogate_backward
 
 
 def tail_noise_weights(logmu: Tensor, head_size: int, tail_samples: int, generator: torch.Generator) -> Tensor:
@@ -66,30 +66,13 @@ def tail_noise_backward(module, rb, head_size: int, tail_samples: int, generator
     (module docstring), with ``module``'s reduction and sampling; one pass per micro-batch, normalised by the whole
     batch's totals. ``rb``: a ``RolloutBatch`` whose engine recorded its whole distribution (``topk_ids`` /
     ``topk_logprobs`` [N, T, V]). Raises ValueError when the record does not cover the vocabulary."""
-    settings = module.loss_settings
     vocab = module.policy.get_output_embeddings().weight.shape[0]
     if rb.topk_ids is None or rb.topk_ids.shape[-1] < vocab:
         got = None if rb.topk_ids is None else rb.topk_ids.shape[-1]
         raise ValueError(f"the tail's noise needs the sampler's full distribution: top-k of {got}, vocabulary {vocab}")
-    mask = rb.response_mask
-    num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
-    for mb in module.micro_batches(rb):
-        if not mb.response_mask.any():
-            continue
-        scores = module._score(module.policy, mb, mb.topk_ids, {"with_entropy": False, "shared_prefix": False})
-        logpi = scores.head_logprobs  # [n, T, V] in the engine's order, with gradient
-        q = tail_noise_weights(mb.topk_logprobs, head_size, tail_samples, generator)
-        q = torch.where(mb.response_mask[..., None], q, torch.zeros_like(q)).to(logpi.dtype)
-        token = (q * torch.where(q != 0, logpi, torch.zeros_like(logpi))).sum(-1)
-        loss = reduce_loss(
-            token,
-            mb.response_mask,
-            settings.reduction,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            max_response_length=settings.max_response_length,
-        )
-        loss.backward()
+    surrogate_backward(
+        module, rb, lambda mb, logpi: tail_noise_weights(mb.topk_logprobs, head_size, tail_samples, generator)
+    )
 
 
 def noise_ratio(noise_sq: list[float], sc_sq: list[float]) -> tuple[float, float]:
