@@ -21,6 +21,7 @@ from lit_rl.rollout.environments import (
     well_formed_guess,
 )
 from lit_rl.rollout.multiturn import Episode, MultiTurnLimits, _env_steps, episode_metrics
+from lit_rl.tasks import build_task
 from lit_rl.tasks.base import Example
 from lit_rl.tasks.verifier_pool import VerifierPool
 
@@ -52,6 +53,37 @@ def test_the_games_own_outcome_is_logged_apart_from_the_shaped_reward(pool):
     metrics = episode_metrics(eps)
     assert metrics["rollout/solved_rate"] == 0.25 and metrics["rollout/num_turns_mean"] == 1.75
     assert "rollout/solved_rate" not in episode_metrics(eps[3:])  # no step said either way
+
+
+def test_last_takes_the_last_turns_reward_or_the_verifier_never_an_earlier_turns_format_reward(pool):
+    """rollout.episode_reward=last on task=calculator with task.format_reward=0.2: three episodes make a
+    well-formed mul call (the environment's format reward 0.2) and then answer 7 * 2 + 3 wrong (16), right (17),
+    or in a turn cut before its step (None, as the collector appends for it). The answer turns carry no reward
+    of their own, so the episode's reward is the task's verifier on the last turn: 0, 1, 0, not the earlier
+    0.2 (which made a wrong final answer score as much as a right one). Under sum the format reward adds: 0.2,
+    1.2, 0.2."""
+    task = build_task("calculator", num_train=1, num_eval=1, format_reward=0.2)
+    env = task.environment(max_tool_calls=4)
+    call = '<tool_call>\n{"name": "mul", "arguments": {"a": 7, "b": 2}}\n</tool_call>'
+    games = [[call, "#### 16"], [call, "#### 17"], [call, None]]
+    eps = episodes_after(["" for _ in games], answer="17")
+    for turn in range(2):
+        stepped = []
+        for ep, game in zip(eps, games):
+            ep.turns.append((0, 1))
+            if game[turn] is None:
+                ep.messages.append({"role": "assistant", "content": "#### 1"})  # cut mid-answer: "#### 17..."
+                ep.rewards.append(None)
+                continue
+            ep.messages.append({"role": "assistant", "content": game[turn]})
+            stepped.append(ep)
+        _env_steps(pool, env, "test-calculator-steps", stepped, MultiTurnLimits(step_timeout_s=10.0))
+    assert [ep.rewards for ep in eps] == [[0.2, None], [0.2, None], [0.2, None]]
+    assert [ep.tool_calls for ep in eps] == [1, 1, 1] and [ep.reward for ep in eps] == [None, None, None]
+    verdicts = [task.reward(ep.last_turn_text, ep.example) for ep in eps]
+    assert verdicts == [0.0, 1.0, 0.0]
+    assert [ep.score(v, "last") for ep, v in zip(eps, verdicts)] == [0.0, 1.0, 0.0]
+    assert [ep.score(v, "sum") for ep, v in zip(eps, verdicts)] == pytest.approx([0.2, 1.2, 0.2])
 
 
 @pytest.fixture(scope="module")

@@ -516,8 +516,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def collect_episodes(self, engine, rows, prompts, params, seeds, group_ids, examples, split) -> ScoredRollouts:
         """``collect`` of a multi-turn task: one episode per row (``rollout.multiturn.collect_episodes``), each
-        scored by its environment's last reward, else by the rewards (the task's verifier) on its last model turn;
-        the verifier's verdict is its correctness either way."""
+        scored by ``rollout.episode_reward`` (``Episode.score``) from its turns' rewards and the rewards (the task's
+        verifier) on its last model turn; the verifier's verdict is its correctness either way."""
         from .multiturn import collect_episodes
 
         rollouts, episodes = collect_episodes(

@@ -11,8 +11,9 @@ model turn just ended), ``rewards`` (the per-turn rewards so far), and whatever 
 the model turn's text; it returns the observation messages to append (None: the episode is over), the turn's
 reward (None: none) and an info dict (``tool_calls``, ``tool_errors``: counts, summed into the rollout metrics;
 ``solved``: the environment's own verdict on the episode, when it has one, ``rollout/solved_rate``).
-The episode's reward is the last reward given, or the task's verifier on the last model turn when none was
-(per-turn rewards are kept for the logs).
+Under ``rollout.episode_reward=last`` the episode's reward is the last model turn's reward, or the task's verifier
+on that turn when the environment gave it none (an earlier turn's reward never stands in for it; per-turn rewards
+are kept for the logs).
 
 Every ``step`` runs in the verifier pool (``tasks.verifier_pool``), one worker process per call, under the pool's
 time limit: a tool that hangs or crashes its process becomes an observation saying so (counted as a tool error),

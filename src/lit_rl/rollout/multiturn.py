@@ -35,7 +35,7 @@ from .types import Rollouts, SamplingConfig
 
 #: ``rollout.episode_reward``: how an episode's per-turn rewards make its reward (``Episode.score``)
 EPISODE_REWARDS = {
-    "last": "the last reward the environment gave (else the verifier on the last turn)",
+    "last": "the last turn's reward when the environment gave it one, else the verifier on the last turn",
     "sum": "the sum of every reward the environment gave, plus the verifier's when the last turn got none",
 }
 
@@ -117,18 +117,18 @@ class Episode:
 
     @property
     def reward(self) -> float | None:
-        """The last reward the environment gave, None when it gave none (the task's verifier decides)."""
-        given = [r for r in self.rewards if r is not None]
-        return given[-1] if given else None
+        """The last model turn's reward, None when the environment gave it none (the task's verifier decides)."""
+        return self.rewards[-1] if self.rewards else None
 
     def score(self, verifier: float, mode: str = "last") -> float:
         """The episode's reward, ``verifier`` being the task's score of its last turn: ``rollout.episode_reward``
-        ``last`` (the last reward given, else ``verifier``) or ``sum`` (every reward given, plus ``verifier``
-        when the last turn got none): per-turn rewards then feed the advantage."""
-        given = [r for r in self.rewards if r is not None]
+        ``last`` (the last turn's reward when the environment gave it one, else ``verifier``: an earlier turn's
+        reward, a format reward for instance, never stands in for the final verdict) or ``sum`` (every reward
+        given, plus ``verifier`` when the last turn got none): per-turn rewards then feed the advantage."""
+        last = self.reward
         if mode == "sum":
-            return sum(given) + (verifier if not self.rewards or self.rewards[-1] is None else 0.0)
-        return given[-1] if given else verifier
+            return sum(r for r in self.rewards if r is not None) + (verifier if last is None else 0.0)
+        return verifier if last is None else last
 
     @property
     def last_turn_text(self) -> str:

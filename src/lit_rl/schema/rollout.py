@@ -160,7 +160,7 @@ class RolloutConfig:
     max_tool_calls: int = 4
     #: multi-turn tasks: characters of a tool's output kept (the rest cut and marked)
     max_tool_output_chars: int = 2000
-    #: multi-turn tasks: last (the last reward an environment gave, else the verifier's) | sum (every turn's
+    #: multi-turn tasks: last (the last turn's reward, else the verifier's on it) | sum (every turn's
     #: reward feeds the advantage: ``rollout.multiturn.EPISODE_REWARDS``)
     episode_reward: str = "last"
 
