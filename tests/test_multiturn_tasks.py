@@ -189,6 +189,29 @@ def test_the_documented_example_trains_two_steps(tmp_path):
     assert "rollout/num_turns_mean" in metrics
 
 
+def test_example_call_shows_the_problems_own_first_step_as_a_call_the_environment_serves():
+    """task.example_call=true: the same problems (same seed, same answers) with the question ending on its first
+    step as a Hermes call: (8 + 7) * 6 shows add(8, 7), 6 * 6 + 0 shows mul(6, 6); the call, copied as a model
+    turn, parses and the calculator's tools answer it (15, 36)."""
+    from lit_rl.rollout.environments import call_tool, parse_tool_calls
+
+    plain = build_task("calculator", seed=0, num_train=3, num_eval=1, digits=1)
+    shown = build_task("calculator", seed=0, num_train=3, num_eval=1, digits=1, example_call=True)
+    answers = [e.answer for e in shown.train_examples()]
+    assert answers == [e.answer for e in plain.train_examples()] == ["36", "90", "55"]
+    first = shown.train_examples()[1].question
+    assert first.startswith(plain.train_examples()[1].question + " For example, 8 + 7 is computed by the call\n")
+    tools = {fn.__name__: fn for fn in shown.environment().tools}
+    results = []
+    for ex in shown.train_examples()[:2]:
+        (call,) = parse_tool_calls(ex.question[ex.question.index("<tool_call>") :])
+        results.append((call.name, call_tool(tools, call)))
+    assert results == [("mul", ("36", False)), ("add", ("15", False))]
+    cfg = compose_config("model=tiny", "task=calculator", "task.example_call=true")
+    validate(cfg)
+    assert cfg.task.example_call is True
+
+
 def test_per_turn_rewards_feed_the_episode_reward_with_episode_reward_sum():
     from lit_rl.rollout.multiturn import Episode
     from lit_rl.tasks import Example
@@ -198,8 +221,10 @@ def test_per_turn_rewards_feed_the_episode_reward_with_episode_reward_sum():
         ep.rewards = rewards
         return ep
 
-    # a format reward on the tool turn, none on the answer: the verifier scores the answer (here 1)
-    assert episode([0.1, 0.1, None]).score(1.0, "last") == 0.1
+    # a format reward on the tool turns, none on the answer: the verifier scores the answer (here 1), under last
+    # alone (an earlier turn's reward never stands in for it) and added to the turns' under sum
+    assert episode([0.1, 0.1, None]).score(1.0, "last") == 1.0
+    assert episode([0.1, 0.1, None]).score(0.0, "last") == 0.0
     assert episode([0.1, 0.1, None]).score(1.0, "sum") == pytest.approx(1.2)
     assert episode([None, 1.0]).score(0.0, "sum") == 1.0 == episode([None, 1.0]).score(0.0, "last")
     assert episode([None, None]).score(0.5, "last") == 0.5 == episode([None, None]).score(0.5, "sum")

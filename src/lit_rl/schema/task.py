@@ -76,6 +76,8 @@ class CalculatorConfig(TaskConfig):
     num_eval: int = 200
     #: reward of a turn whose tool calls are all well formed (logged per turn; 0 = off)
     format_reward: Number = 0.0
+    #: the question ends with its own first step written as a tool call (a demonstration of the format)
+    example_call: bool = False
     own_environment: ClassVar[bool] = True
 
     def problems(self, run) -> Problems:

@@ -4,6 +4,7 @@ rollout side runs the episodes (``rollout.multiturn``)."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ CALCULATOR_INSTRUCTION = "You may call the tools to compute. Give the final answ
 class CalculatorTask(Task):
     """Two-step arithmetic on ``digits``-digit operands, ``a * b + c`` or ``(a + b) * c``, with the tools ``add``
     and ``mul`` (``rollout.environments``); reward: the final answer (``math_reward`` of the last model turn).
+    ``example_call``: the question ends with its own first step written as a tool call (``example_call_text``),
+    a demonstration of the call's format in the prompt (the second step and the answer are left to the model).
 
     Both splits are generated from ``seed`` (the eval split from ``f"{seed}:eval"``). Raises ValueError for
     ``digits`` < 1, a negative count or an unknown ``answer_format``.
@@ -33,13 +36,14 @@ class CalculatorTask(Task):
         digits: int = 2,
         answer_format: str = "flexible",
         format_reward: float = 0.0,
+        example_call: bool = False,
     ):
         if int(digits) < 1:
             raise ValueError(f"task.digits={digits!r} must be >= 1")
         if int(num_train) < 0 or int(num_eval) < 0:
             raise ValueError(f"task.num_train / num_eval must be >= 0, got {num_train} / {num_eval}")
         self.answer_format = check_answer_format(answer_format)
-        self.digits, self.format_reward = int(digits), float(format_reward)
+        self.digits, self.format_reward, self.example_call = int(digits), float(format_reward), bool(example_call)
         self._train = self._problems(random.Random(seed), int(num_train))
         self._eval = self._problems(random.Random(f"{seed}:eval"), int(num_eval))
 
@@ -48,8 +52,12 @@ class CalculatorTask(Task):
         out = []
         for i in range(count):
             a, b, c = (rng.randint(low, high) for _ in range(3))
-            text, value = (f"{a} * {b} + {c}", a * b + c) if rng.random() < 0.5 else (f"({a} + {b}) * {c}", (a + b) * c)
-            out.append(Example(i, f"What is {text}? {CALCULATOR_INSTRUCTION}", str(value)))
+            times = rng.random() < 0.5
+            text, value = (f"{a} * {b} + {c}", a * b + c) if times else (f"({a} + {b}) * {c}", (a + b) * c)
+            question = f"What is {text}? {CALCULATOR_INSTRUCTION}"
+            if self.example_call:
+                question += " " + example_call_text("mul" if times else "add", a, b)
+            out.append(Example(i, question, str(value)))
         return out
 
     def train_examples(self) -> Sequence[Example]:
@@ -63,6 +71,14 @@ class CalculatorTask(Task):
         from ..rollout.environments import ToolEnvironment, add, mul
 
         return ToolEnvironment([add, mul], max_tool_calls=max_tool_calls, format_reward=self.format_reward)
+
+
+def example_call_text(tool: str, a: int, b: int) -> str:
+    """``task.example_call``'s sentence: the problem's first step, ``tool`` (``add`` or ``mul``) on ``a`` and ``b``,
+    written as the Hermes-format call the model may copy."""
+    sign = "*" if tool == "mul" else "+"
+    call = json.dumps({"name": tool, "arguments": {"a": a, "b": b}})
+    return f"For example, {a} {sign} {b} is computed by the call\n<tool_call>\n{call}\n</tool_call>"
 
 
 class GuessNumberTask(Task):
