@@ -55,6 +55,7 @@ from ..tasks import build_task
 from ..tasks.reward_functions import RewardFunctions
 from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on, step_progress_bar
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
+from .drift_monitor import SamplerDriftMonitor
 from .hardware import peak_flops, precision_dtype, uses_cuda
 from .loggers import build_loggers, finish_loggers
 from .model_checks import check_context, check_episode_context, check_model_support, model_config
@@ -393,6 +394,8 @@ def build_trainer(prepared: Prepared) -> tuple[L.Trainer, RunCheckpoint]:
     if prepared.governor is not None:
         callbacks.append(prepared.governor)
     callbacks.append(SampleLogger(cfg.log.samples_every_n_steps, cfg.log.num_samples, out))
+    if cfg.log.drift_prompts:  # drift/*: the KL from the first weights' sampler to the policy on fixed prefixes
+        callbacks.append(SamplerDriftMonitor(cfg.log.drift_prompts))
     console = plain_lines_on(cfg.log.plain_lines)
     if console or prepared.log is not None:  # the run's log has them even where the console shows a progress bar
         callbacks.append(PlainLines(int(cfg.trainer.get("max_steps", -1) or -1), console, prepared.log))

@@ -126,11 +126,16 @@ class LogConfig:
     #: one plain line per step (step, reward, response length, s/step, tokens/s): auto (when stdout is not a
     #: terminal, which also turns the progress bar off) | true | false
     plain_lines: Any = "auto"
+    #: the drift monitor (``run.drift_monitor``): before step 1 the sampler's whole distribution is recorded on
+    #: the completions of this many of step 1's prompts (G each), and every step logs ``drift/sampler_kl`` (the KL
+    #: from it to the policy), ``drift/sampler_kl_change`` and ``drift/entropy`` there; 0 = off
+    drift_prompts: int = 0
 
     def problems(self, run) -> Problems:
         """The values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the first)."""
         yield from int_rule(self.samples_every_n_steps, "log.samples_every_n_steps", 0, " (0 = never)")
         yield from int_rule(self.num_samples, "log.num_samples", 1)
+        yield from int_rule(self.drift_prompts, "log.drift_prompts", 0, " (0 = off)")
         yield from rule(
             self.plain_lines in ("auto", True, False), "log.plain_lines", self.plain_lines, "auto, true or false"
         )
