@@ -75,13 +75,20 @@ def multirun_first(argv: list[str]) -> list[str]:
 
 
 def refuse_sweep_without_multirun(hydra_cfg) -> None:
-    """ConfigError for a sweep preset (an experiment that sets ``hydra.sweeper.params``) run without ``-m``:
-    Hydra would run one job at the config's defaults, silently."""
+    """ConfigError for a sweep preset (an experiment that sets ``hydra.sweeper.params``) run without ``-m`` while
+    some swept key has no value on the command line: Hydra would run one job at the config's defaults, silently.
+    A command that gives every swept key a value is one job of the sweep (what ``recipes/study.py`` starts, one
+    command per job) and runs."""
     params = hydra_cfg.sweeper.get("params") or {}
-    if params:
+    given = {o.split("=", 1)[0].lstrip("+~") for o in hydra_cfg.overrides.task}
+    missing = {k: v for k, v in params.items() if k not in given}
+    if missing:
         preset = hydra_cfg.runtime.choices.get("experiment") or "this config"
-        swept = ", ".join(f"{k}={v}" for k, v in params.items())
-        raise ConfigError(f"experiment={preset} is a sweep: add -m (it sweeps {swept})")
+        swept = ", ".join(f"{k}={v}" for k, v in missing.items())
+        raise ConfigError(
+            f"experiment={preset} is a sweep: add -m (it sweeps {swept}), or give each of those keys one value "
+            "to run one job"
+        )
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

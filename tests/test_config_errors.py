@@ -7,6 +7,8 @@ import sys
 
 import pytest
 from helpers import ROOT, compose_config
+from helpers.config import FAST
+from omegaconf import OmegaConf
 
 from lit_rl.config import ConfigError, validate
 from lit_rl.run.train import run
@@ -529,9 +531,10 @@ def test_a_sweep_preset_without_m_is_refused_and_m_may_follow_the_overrides(tmp_
         recipe + ["experiment=alpha_sweep", f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 2, res.stderr
-    assert "lit_rl: error: experiment=alpha_sweep is a sweep: add -m (it sweeps advantage.alpha=0,0.25,0.5,1)" in (
-        res.stderr
-    )
+    assert (
+        "lit_rl: error: experiment=alpha_sweep is a sweep: add -m (it sweeps advantage.alpha=0,0.25,0.5,1), or give "
+        "each of those keys one value to run one job"
+    ) in res.stderr
     assert "imported: []" in res.stdout and not run_dir.exists()
     # -m after the overrides: the sweep starts (its jobs' configs are checked first: one is refused, no job runs)
     sweep = [f"hydra.sweep.dir={tmp_path / 'sweep'}"]
@@ -539,3 +542,17 @@ def test_a_sweep_preset_without_m_is_refused_and_m_may_follow_the_overrides(tmp_
     assert res.returncode == 2, res.stderr
     assert "unrecognized arguments" not in res.stderr
     assert "lit_rl: error: 1 of the sweep's 2 jobs have invalid configs; no job was started:" in res.stderr
+
+
+def test_one_job_of_a_sweep_preset_runs_without_m_when_every_swept_key_has_a_value(tmp_path):
+    """recipes/study.py starts a preset's jobs one command each, every swept key given (``experiment=X
+    advantage.alpha=0``): the refusal of a sweep preset without -m stopped every such job with exit 2 (a study of
+    experiment=constant_reward_drift_metric failed at its first job); such a command is one job, and runs."""
+    recipe = [sys.executable, os.path.join(ROOT, "recipes", "train.py")]
+    run_dir = tmp_path / "one_job"
+    fast = [*FAST, "trainer.max_steps=1", "eval.num_examples=0", "log.plain_lines=true"]
+    args = ["experiment=alpha_sweep", "advantage.alpha=0", *fast, f"hydra.run.dir={run_dir}"]
+    res = subprocess.run(recipe + args, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (run_dir / "finished.json").exists()
+    assert OmegaConf.load(run_dir / "config.yaml").advantage.alpha == 0
