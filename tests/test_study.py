@@ -18,13 +18,17 @@ def test_expand_orders_seed_by_seed_and_keeps_fixed_overrides():
     ]
     assert len(jobs) == 8 and all(j.name.endswith("seed=1") for j in jobs[4:])
     assert jobs[0].overrides == ["trainer.max_steps=3", "correction=tis", "rollout.lag=0", "seed=0"]
-    # a command-line sweep replaces the preset's values of that key; a fixed value removes it from the grid
+    # a command-line sweep replaces the preset's values of that key; so does a single value, which stays in the
+    # names: a study split over commands (seed=0,1, then seed=2) names its folders alike, for compare.py's groups
     assert [j.name for j in expand({"correction": "tis,sc"}, ["correction=none,sc"])] == [
         "correction=none",
         "correction=sc",
     ]
     only = expand({"correction": "tis,sc", "seed": "0,1"}, ["correction=sc"])
-    assert [j.name for j in only] == ["seed=0", "seed=1"] and only[0].overrides == ["correction=sc", "seed=0"]
+    assert [j.name for j in only] == ["correction=sc,seed=0", "correction=sc,seed=1"]
+    assert only[0].overrides == ["correction=sc", "seed=0"]
+    split = [j.name for args in (["seed=0,1"], ["seed=2"]) for j in expand({"correction": "sc", "seed": "0,1,2"}, args)]
+    assert split == ["correction=sc,seed=0", "correction=sc,seed=1", "correction=sc,seed=2"]
 
 
 def test_preset_params_are_read_from_the_experiment():

@@ -51,7 +51,8 @@ def sweep_values(arg: str) -> tuple[str, list[str]] | None:
 
 def expand(preset_params: dict[str, str], args: list[str]) -> list[Job]:
     """The jobs of a sweep: ``preset_params`` ({key: "a,b"} from ``hydra.sweeper.params``) and the command
-    line ``args`` (sweeps override the preset's same key; other overrides go to every job). Jobs are ordered
+    line ``args`` (sweeps override the preset's same key, and so does a single value of it, which stays in the
+    jobs' names; other overrides go to every job). Jobs are ordered
     seed by seed (``seed`` outermost), then in the grid's order with the preset's keys first."""
     grid: dict[str, list[str]] = {}
     for key, value in preset_params.items():
@@ -60,10 +61,13 @@ def expand(preset_params: dict[str, str], args: list[str]) -> list[Job]:
     fixed = []
     for arg in args:
         parsed = sweep_values(arg)
-        if parsed is None:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if parsed is None and key in grid:
+            # a fixed value of a key the preset sweeps: that one value, still named, so that a study split over
+            # commands (seed=0,1 in one, seed=2 in another) names its folders alike in one --out
+            grid[key] = [arg.split("=", 1)[1]]
+        elif parsed is None:
             fixed.append(arg)
-            key = arg.split("=", 1)[0].lstrip("+~")
-            grid.pop(key, None)  # a fixed value on the command line replaces the preset's sweep of that key
         else:
             grid[parsed[0]] = parsed[1]
     from ..run.runfolder import job_folder_name
