@@ -519,3 +519,12 @@ def test_eval_tags_are_scores_and_patterns_expand_to_the_logged_tags():
         [],
     )
     assert logged_tags(["eval/*/maj@*", "train/loss"], known) == (["train/loss"], ["eval/*/maj@*"])
+
+
+def test_wald_difference_of_two_proportions_by_hand():
+    """0.1 of 100 -> 0.3 of 100: d 0.2, half-width 1.96 * sqrt(0.09/100 + 0.21/100) = 1.96 * sqrt(0.003)."""
+    from lit_rl.tools.compare.stats import wald_difference
+
+    d, half = wald_difference(0.1, 100, 0.3, 100)
+    assert d == pytest.approx(0.2) and half == pytest.approx(1.96 * math.sqrt(0.003), rel=1e-12)
+    assert wald_difference(0.0, 0, 1.0, 10) == (1.0, 0.0)  # an empty sample counts as one trial; p in {0, 1}: 0

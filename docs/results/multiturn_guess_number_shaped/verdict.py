@@ -6,9 +6,9 @@ minus steps 1-10, with a 95% Wald interval for a difference of proportions (each
 """
 
 import argparse
-import math
 
 from lit_rl.tools.compare.runs import read_scalars
+from lit_rl.tools.compare.stats import wald_difference
 
 
 def window_rate(series: list[tuple[int, float]], first: int, last: int) -> tuple[float, int]:
@@ -28,8 +28,7 @@ def main() -> None:
         series = read_scalars(run).get(args.tag, [])
         (p1, k1), (p2, k2) = window_rate(series, 1, 10), window_rate(series, 21, 30)
         n1, n2 = k1 * args.episodes, k2 * args.episodes
-        d = p2 - p1
-        half = 1.96 * math.sqrt(p1 * (1 - p1) / max(n1, 1) + p2 * (1 - p2) / max(n2, 1))
+        d, half = wald_difference(p1, n1, p2, n2)
         ds.append(d)
         print(
             f"{run}: {args.tag} steps 1-10 {p1:.3f} ({k1} steps) -> 21-30 {p2:.3f} ({k2} steps); "

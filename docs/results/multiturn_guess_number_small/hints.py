@@ -9,9 +9,10 @@ steps 1-10 and 21-30 and d = late - early with a 95% Wald interval for a differe
 
 import argparse
 import json
-import math
 import re
 from pathlib import Path
+
+from lit_rl.tools.compare.stats import wald_difference
 
 HINT = re.compile(r"(-?\d+) is wrong: (higher|lower)")
 
@@ -53,8 +54,7 @@ def main() -> None:
         rows = [json.loads(line) for line in open(Path(run) / "samples.jsonl")]
         (c1, n1), (c2, n2) = window(rows, 1, 10, args.high), window(rows, 21, 30, args.high)
         p1, p2 = c1 / max(n1, 1), c2 / max(n2, 1)
-        d = p2 - p1
-        half = 1.96 * math.sqrt(p1 * (1 - p1) / max(n1, 1) + p2 * (1 - p2) / max(n2, 1))
+        d, half = wald_difference(p1, n1, p2, n2)
         ds.append(d)
         print(
             f"{run}: consistent later guesses, steps 1-10 {c1}/{n1} = {p1:.3f} -> 21-30 {c2}/{n2} = {p2:.3f}; "
