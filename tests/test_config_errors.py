@@ -39,6 +39,10 @@ def cfg_for(*overrides):
         (["optim.grad_clip=-1"], r"optim.grad_clip=-1 is not allowed: must be >= 0 \(0 or null = no clipping\)"),
         (["model.dtype=bfloat16"], r"model.dtype='bfloat16' is not allowed: training keeps float32 weights"),
         (["checkpoint.every_n_steps=-1"], r"checkpoint.every_n_steps=-1 is not allowed: must be an integer >= 1"),
+        (
+            ["checkpoint.export_at_steps=[0,-2]"],
+            r"checkpoint.export_at_steps=\[0, -2\] is not allowed: a list of RL steps",
+        ),
         (["eval.batch_size=0"], r"eval.batch_size=0 is not allowed: must be an integer >= 1"),
         (["eval.every_n_steps=0"], r"eval.every_n_steps=0 is not allowed: must be an integer >= 1"),
         (["eval.num_examples=-1"], r"eval.num_examples=-1 is not allowed: must be an integer >= 0"),

@@ -226,6 +226,7 @@ def test_conditional_mode_on_the_tiny_model(tmp_path, monkeypatch):
             r"correction.sc.tail='sampled' is not allowed: rescaled: the conditional mode computes the rescaled",
         ),
         (["probe.settings=[{name: a, engine: {logit_noise: -1}}]"], r"engine.logit_noise=-1 is not allowed"),
+        (["probe.settings=[{name: a, sampler: /nonexistent/policy_step8}]"], r"settings\[0\].sampler=.*a model folder"),
     ],
 )
 def test_probe_bad_config(tmp_path, overrides, message):

@@ -73,7 +73,11 @@ def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):
 
 
 def test_update_changes_weights_and_is_seeded(tmp_path):
-    a = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "a")
+    # checkpoint.export_at_steps: run a also writes the policy after steps 0 (the initial weights) and 2
+    a = run(
+        cfg_for("trainer.max_steps=2", "eval.num_examples=0", "checkpoint.export_at_steps=[0,2]", *MOVING),
+        tmp_path / "a",
+    )
     b = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "b")
     assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s", "mfu"))}}
     from safetensors.torch import load_file
@@ -86,6 +90,11 @@ def test_update_changes_weights_and_is_seeded(tmp_path):
     initial = load_policy(ModelConfig("tiny"))[0].state_dict()
     changed = sum(int((wa[k] != initial[k]).sum()) for k in wa if k in initial)
     assert changed > 0.9 * sum(v.numel() for k, v in wa.items() if k in initial)
+    w0 = load_file(tmp_path / "a" / "policy_step0" / "model.safetensors")
+    w2 = load_file(tmp_path / "a" / "policy_step2" / "model.safetensors")
+    assert all(torch.equal(w0[k], initial[k]) for k in w0) and all(torch.equal(w2[k], wa[k]) for k in wa)
+    assert (tmp_path / "a" / "policy_step2" / "tokenizer_config.json").is_file()
+    assert not (tmp_path / "a" / "policy_step1").exists() and not (tmp_path / "b" / "policy_step0").exists()
 
 
 # GSM8K's format (question, worked answer ending "#### N"), written by the test: a clone has no ../shared

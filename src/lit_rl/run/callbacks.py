@@ -1,6 +1,7 @@
 """The Lightning callbacks a run adds besides its checkpoints: ``AdaptiveThreads`` (``threads: adaptive``),
 ``SampleLogger`` (a step's samples to TensorBoard and ``samples.jsonl``), ``PlainLines`` (one line per step
-on stdout, for log files) and the progress bar (``step_progress_bar``: RL steps, not epochs).
+on stdout, for log files), ``PolicyExports`` (``checkpoint.export_at_steps``: the policy in save_pretrained format
+at chosen RL steps) and the progress bar (``step_progress_bar``: RL steps, not epochs).
 """
 
 from __future__ import annotations
@@ -127,6 +128,33 @@ class PlainLines(L.Callback):
             print(line, flush=True)  # the run's log takes it from stdout
         elif self.run_log is not None:
             self.run_log.note(line)
+
+
+class PolicyExports(L.Callback):
+    """``checkpoint.export_at_steps``: the policy as it is after RL step n (0 = the initial weights, before the
+    first update), written by global rank 0 to ``<out>/policy_step{n}/`` in save_pretrained format with its
+    tokenizer, like the final ``policy/`` (``export``: a function ``(policy, folder)``; LoRA: the adapter, or
+    merged). A folder that already holds a ``config.json`` is never overwritten (a continued run that passes the
+    step again keeps the first export). Refused under FSDP at start-up (``schema.CheckpointConfig``)."""
+
+    def __init__(self, steps, out: Path, export, tokenizer):
+        self.steps, self.out, self.export, self.tokenizer = {int(s) for s in steps}, out, export, tokenizer
+
+    def _write(self, trainer, pl_module, step: int) -> None:
+        folder = self.out / f"policy_step{step}"
+        if step not in self.steps or not trainer.is_global_zero or (folder / "config.json").exists():
+            return
+        self.export(pl_module.policy, folder)
+        self.tokenizer.save_pretrained(folder)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_step == 0:
+            self._write(trainer, pl_module, 0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        k = pl_module.updates_per_step
+        if trainer.global_step % k == 0:  # the last of the RL step's optimizer steps (PPO: several)
+            self._write(trainer, pl_module, trainer.global_step // k)
 
 
 def plain_lines_on(setting) -> bool:

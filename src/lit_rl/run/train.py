@@ -53,7 +53,7 @@ from ..rollout.sources import RolloutSourceShutdown
 from ..schema import ModelConfig, TrainConfig, train_config
 from ..tasks import build_task
 from ..tasks.reward_functions import RewardFunctions
-from .callbacks import AdaptiveThreads, PlainLines, SampleLogger, plain_lines_on, step_progress_bar
+from .callbacks import AdaptiveThreads, PlainLines, PolicyExports, SampleLogger, plain_lines_on, step_progress_bar
 from .checkpoints import AtomicCheckpointIO, OutputWriteError, find_last
 from .drift_monitor import SamplerDriftMonitor
 from .hardware import peak_flops, precision_dtype, uses_cuda
@@ -606,6 +606,12 @@ def build(prepared: Prepared) -> RunParts:
         write_config = partial(write_run_config, prepared)  # once the data passed its checks, before the weights
     parts = assemble(prepared.cfg, before_weights=write_config, reward_log=prepared.out / REWARD_OUTPUT)
     parts.module.eval_dir = prepared.out / EVAL_GENERATIONS
+    if prepared.cfg.checkpoint.export_at_steps:  # policy_step{n}/ folders: needs the tokenizer, so added here
+        merge = bool(parts.spec.lora.merge_on_export)
+        export = partial(export_policy, merge=merge)
+        trainer.callbacks.append(
+            PolicyExports(prepared.cfg.checkpoint.export_at_steps, prepared.out, export, parts.tokenizer)
+        )
     return RunParts(prepared, trainer, checkpoints, parts)
 
 

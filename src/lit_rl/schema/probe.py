@@ -24,10 +24,13 @@ class ProbeEngineOverrides:
 
 @dataclass
 class ProbeSetting:
-    """One mismatch setting of the probe: a name (its row label) and the engine fields it sets."""
+    """One mismatch setting of the probe: a name (its row label), the engine fields it sets, its sampler's weights."""
 
     name: str = MISSING
     engine: ProbeEngineOverrides = field(default_factory=ProbeEngineOverrides)
+    #: the sampler's weights in this setting: a model folder (a run's ``policy_step{n}/``, from
+    #: ``checkpoint.export_at_steps``: a stale sampler, ``lit_rl.tools.staleness_probe``); null = the policy's own
+    sampler: Optional[str] = None
 
 
 @dataclass

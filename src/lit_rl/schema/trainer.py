@@ -175,10 +175,18 @@ class CheckpointConfig:
     """``checkpoint``: Lightning checkpoints (weights, optimizer, step) in <run>/checkpoints."""
 
     every_n_steps: int = 10
+    #: RL steps after which the policy is also written in save_pretrained format, to <run>/policy_step{n}/
+    #: (0 = the initial weights); e.g. the sampler weights of a staleness probe. [] = none
+    export_at_steps: list[int] = field(default_factory=list)
 
     def problems(self, run) -> Problems:
-        """The value it refuses (``schema.base``: ``config.validate`` raises ConfigError for it)."""
+        """The values it refuses (``schema.base``: ``config.validate`` raises ConfigError for them)."""
         yield from int_rule(self.every_n_steps, "checkpoint.every_n_steps", 1)
+        steps = list(self.export_at_steps)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
+            yield "checkpoint.export_at_steps", steps, "a list of RL steps, integers >= 0 (0 = the initial weights)"
+        elif steps and "fsdp" in str(run.trainer.get("strategy", "")).lower():
+            yield "checkpoint.export_at_steps", steps, "[] under FSDP (the final policy/ is gathered; these are not)"
 
 
 def _trainer_defaults() -> dict[str, Any]:

@@ -44,54 +44,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor
 
 from .probe_plot import plot_rows  # noqa: F401  (the report's figure; importable from here as before)
+from .sketch import GradientSketch  # noqa: F401  (importable from here as before)
+from .staleness_probe import load_sampler_policy
 from .topk_probe import centring_stats, check_top_ks, format_top_k, plot_top_k, top_k_modules, top_k_rows
-
-# ------------------------------------------------------------------------------------------------ sketches
-
-
-class GradientSketch:
-    """A fixed CountSketch of the gradient of ``params``: bucket i mod ``dim`` with a random sign per coordinate.
-
-    Args:
-        params: the parameters whose ``.grad`` is sketched, in a fixed order (n coordinates in all).
-        dim: D, the number of buckets (>= 1).
-        seed: seed of the signs (the same map for every gradient of a probe).
-
-    ``__call__()`` returns (sketch float32 [D], exact ‖g‖² float) of the current gradients (None grads
-    count as 0). Memory: n bits as a bool sign mask (135 MB for SmolLM2-135M) plus one flat copy of the
-    gradient while sketching. Raises ValueError for dim < 1.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], dim: int = 1 << 17, seed: int = 0):
-        if dim < 1:
-            raise ValueError(f"sketch dim must be >= 1, got {dim}")
-        self.params, self.dim = list(params), int(dim)
-        gen = torch.Generator().manual_seed(seed)
-        self.negative = [
-            torch.randint(0, 2, (p.numel(),), generator=gen, dtype=torch.uint8).bool() for p in self.params
-        ]
-        self.numel = sum(p.numel() for p in self.params)
-
-    def flat(self, vectors: list[Tensor | None]) -> Tensor:
-        """The signed, concatenated float32 vector of per-parameter tensors (None = zeros)."""
-        parts = []
-        for p, neg, v in zip(self.params, self.negative, vectors):
-            x = torch.zeros(p.numel(), dtype=torch.float32) if v is None else v.detach().reshape(-1).float().cpu()
-            parts.append(torch.where(neg, -x, x))
-        return torch.cat(parts)
-
-    def of(self, vectors: list[Tensor | None]) -> tuple[Tensor, float]:
-        """(sketch [D] float32, exact squared norm) of one vector given per parameter."""
-        flat = self.flat(vectors)
-        sq = float(flat.double().pow(2).sum())
-        pad = (-flat.numel()) % self.dim
-        if pad:
-            flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(-1, self.dim).sum(0, dtype=torch.float64).float(), sq
-
-    def __call__(self) -> tuple[Tensor, float]:
-        return self.of([p.grad for p in self.params])
-
 
 # ---------------------------------------------------------------------------------------------- statistics
 
@@ -494,6 +449,10 @@ def check_probe(cfg) -> None:
     for i, s in enumerate(p.settings):
         _check(not OmegaConf.is_missing(s, "name"), f"probe.settings[{i}]", s, "needs a name")
         names.append(s.name)
+        if s.sampler is not None:  # a stale sampler's weights: the folder must be there before any model loads
+            _check(
+                Path(s.sampler, "config.json").is_file(), f"probe.settings[{i}].sampler", s.sampler, "a model folder"
+            )
     _check(len(set(names)) == len(names), "probe.settings", names, "names must be distinct")
     modes = list(p.modes)
     _check(
@@ -618,8 +577,13 @@ def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[
             top_ks=top_ks,
         )["none"]
         results = {}
-        for s in cfg.probe.settings:
-            engine = build_module(with_correction(setting_cfgs[s.name], "none"), policy, tok).engine
+        for i, s in enumerate(cfg.probe.settings):  # a setting's own sampler weights: staleness_probe
+            sampler = (
+                policy
+                if s.sampler is None
+                else load_sampler_policy(parts.spec, s.sampler, policy, tok, f"probe.settings[{i}].sampler")
+            )
+            engine = build_module(with_correction(setting_cfgs[s.name], "none"), sampler, tok).engine
             results[s.name] = run_cells(
                 modules, engine, dm, examples, sampling, cfg.probe.batches, sketch, 0, modes, log, s.name, top_ks=top_ks
             )

@@ -1,0 +1,95 @@
+"""The staleness form of the gradient-bias probe: a sampler holding earlier weights, and the statistics that read it.
+
+A probe setting with ``sampler: <folder>`` (``probe.settings[i].sampler``) samples with that folder's weights — an
+earlier ``policy_step{n}/`` of the same run (``checkpoint.export_at_steps``) — while every correction's gradient is
+taken at the probe's policy θ_s: the rollout log-probs are μ = π_{s−k}'s, so the ratio each correction reads is the
+staleness ratio π_s / π_{s−k}, as a lagged or async run of lag k has it. The reference g is the on-policy gradient
+at θ_s (``tools.probe``).
+
+Read-outs, from the probe's gradient sketches (``sketches.pt``; every statistic relative to ‖g‖², with a delete-one
+jackknife SE over the batches of both samples, the cell's batches deleted as pairs where two corrections share them):
+
+* ``progress``: the progress ratio ⟨E ĝ_c, g⟩ / ‖g‖² (1 = the on-policy step along g): ⟨ḡ_c, ḡ_π⟩ is unbiased for
+  ⟨E ĝ_c, g⟩ (independent samples), and ‖g‖² is the reference's noise-corrected squared norm;
+* ``paired_gap``: T(a, b) = ‖E ĝ_a − g‖² − ‖E ĝ_b − g‖² for two corrections on the same rollouts:
+  ‖ḡ_a − ḡ_π‖² − ‖ḡ_b − ḡ_π‖² − (tr Σ_a − tr Σ_b) / B is unbiased for it (the reference's noise cancels), and the
+  pairing removes the token-sampling noise the two share: T < 0 means a is closer to g than b.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def _var(x: Tensor) -> float:
+    """tr Σ of the rows of x [n, D] (unbiased, n − 1)."""
+    m = x.mean(0)
+    return max((float(x.pow(2).sum()) - x.shape[0] * float(m @ m)) / (x.shape[0] - 1), 0.0)
+
+
+def _g2(y: Tensor) -> float:
+    """‖g‖²: the reference's squared mean without its noise, ‖ȳ‖² − tr Σ_y / R."""
+    m = y.mean(0)
+    return float(m @ m) - _var(y) / y.shape[0]
+
+
+def progress(x: Tensor, y: Tensor) -> float:
+    """⟨E ĝ_x, g⟩ / ‖g‖² from a cell's batch gradients ``x`` [B, D] and the on-policy reference's ``y`` [R, D]
+    (independent samples; float64 inside). nan when the reference has no signal (‖g‖² ≤ 0)."""
+    x, y = x.double(), y.double()
+    g2 = _g2(y)
+    return float(x.mean(0) @ y.mean(0)) / g2 if g2 > 0 else math.nan
+
+
+def paired_gap(xa: Tensor, xb: Tensor, y: Tensor) -> float:
+    """T(a, b) / ‖g‖²: (‖E ĝ_a − g‖² − ‖E ĝ_b − g‖²) / ‖g‖², unbiased in the numerator, from two corrections'
+    gradients on the same B rollout batches ``xa``, ``xb`` [B, D] (row b of each from batch b) and the reference
+    ``y`` [R, D]. nan when the reference has no signal."""
+    xa, xb, y = xa.double(), xb.double(), y.double()
+    g2 = _g2(y)
+    ma, mb, my = xa.mean(0), xb.mean(0), y.mean(0)
+    t = float((ma - mb) @ (ma + mb - 2 * my)) - (_var(xa) - _var(xb)) / xa.shape[0]
+    return t / g2 if g2 > 0 else math.nan
+
+
+def jackknife_groups(fn: Callable[..., float], *samples: Tensor, paired: int = 1) -> tuple[float, float]:
+    """(fn(*samples), its delete-one jackknife SE) where the first ``paired`` samples share their rows (row b of
+    each is batch b: deleted together) and each later sample is independent (its rows deleted one at a time);
+    SE² = Σ_groups (n − 1)/n Σ_i (θ_(−i) − θ̄)² (Efron & Stein 1981). Every group needs >= 3 rows."""
+    full = fn(*samples)
+    groups = [list(range(paired))] + [[i] for i in range(paired, len(samples))]
+    var = 0.0
+    for group in groups:
+        n = samples[group[0]].shape[0]
+        if n < 3:
+            raise ValueError(f"the jackknife needs >= 3 rows per sample, got {n}")
+        reps = []
+        for i in range(n):
+            keep = torch.arange(n) != i
+            reps.append(fn(*(s[keep] if j in group else s for j, s in enumerate(samples))))
+        mean = sum(reps) / n
+        var += (n - 1) / n * sum((r - mean) ** 2 for r in reps)
+    return full, math.sqrt(var)
+
+
+def load_sampler_policy(spec, folder: str, policy, tokenizer, field: str):
+    """The sampler's model: ``spec`` (the run's ``model`` config: dtype, attention) with the weights of ``folder``,
+    in eval mode without gradients. Raises ConfigError naming ``field`` when its parameters do not match the
+    policy's names and shapes (another architecture or vocabulary), FileNotFoundError for a missing folder."""
+    import dataclasses
+
+    from ..config import ConfigError
+    from ..models import load_policy
+
+    sampler, _ = load_policy(dataclasses.replace(spec, name_or_path=str(folder)), tokenizer)
+    mine = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in sampler.state_dict().items()}
+    if mine != theirs:
+        odd = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        raise ConfigError(f"{field}={folder}: its weights do not fit the policy's names and shapes (e.g. {odd})")
+    sampler.eval().requires_grad_(False)
+    return sampler

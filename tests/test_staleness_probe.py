@@ -1,0 +1,108 @@
+"""The staleness probe (lit_rl.tools.staleness_probe): its read-outs against known values on Gaussians, and a stale
+sampler's weights on the tiny model through the real probe."""
+
+import math
+
+import pytest
+import torch
+from helpers import compose_config
+
+from lit_rl.config import ConfigError
+from lit_rl.models import ModelConfig, load_policy, tiny_config
+from lit_rl.tools.probe import run_probe
+from lit_rl.tools.staleness_probe import jackknife_groups, load_sampler_policy, paired_gap, progress
+
+
+def gaussian_cells(n: int, seed: int = 0):
+    """g = e_0 (‖g‖ = 1); cell a has mean 0.8 g + 0.3 e_1, cell b g + 0.5 e_2, on the same batches: they share
+    one noise draw per batch (variance trace 2 over D = 200) plus a small own part (trace 0.02)."""
+    d, gen = 200, torch.Generator().manual_seed(seed)
+    g, ea, eb = (torch.zeros(d, dtype=torch.float64) for _ in range(3))
+    g[0], ea[1], eb[2] = 1.0, 0.3, 0.5
+    shared = 0.1 * torch.randn(n, d, generator=gen, dtype=torch.float64)
+
+    def own():
+        return 0.01 * torch.randn(n, d, generator=gen, dtype=torch.float64)
+
+    xa, xb = 0.8 * g + ea + shared + own(), g + eb + shared + own()
+    y = g + 0.1 * torch.randn(n, d, generator=gen, dtype=torch.float64)
+    return xa, xb, y
+
+
+def test_progress_and_paired_gap_recover_known_values():
+    # by hand: progress(a) = <0.8 g + 0.3 e1, g> / |g|^2 = 0.8; progress(b) = 1;
+    # T(a, b) = |-0.2 g + 0.3 e1|^2 - |0.5 e2|^2 = 0.04 + 0.09 - 0.25 = -0.12
+    xa, xb, y = gaussian_cells(400)
+    p, p_se = jackknife_groups(progress, xa, y)
+    t, t_se = jackknife_groups(paired_gap, xa, xb, y, paired=2)
+    assert 0 < p_se < 0.02 and abs(p - 0.8) < 4 * p_se
+    assert 0 < t_se < 0.02 and abs(t - (-0.12)) < 4 * t_se
+    assert progress(xb, y) == pytest.approx(1.0, abs=0.02)
+    # unbiased: the noise floors are removed (averaged over 200 small samples of 8 batches, far from the naive
+    # |mean_a - mean_y|^2 - |mean_b - mean_y|^2, whose expectation is -0.12 + (2.02 - 2.02) / 8 ... and whose
+    # per-cell noise a wrong pairing would leave in)
+    ts = [paired_gap(*gaussian_cells(8, seed=s)) for s in range(200)]
+    ps = [progress(*gaussian_cells(8, seed=s)[::2]) for s in range(200)]
+    assert sum(ts) / len(ts) == pytest.approx(-0.12, abs=0.02)
+    assert sum(ps) / len(ps) == pytest.approx(0.8, abs=0.03)
+    # T(a, a) = 0 exactly; a reference without signal gives nan, not a ratio of noise
+    assert paired_gap(xa, xa, y) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(progress(xa, torch.zeros_like(y)))
+    with pytest.raises(ValueError, match=">= 3 rows"):
+        jackknife_groups(progress, xa[:2], y)
+
+
+def save_tiny(folder, shift: float = 0.0, **config):
+    """The tiny model's weights (its seeded init, every parameter + ``shift`` * N(0, 1) when asked) as a folder."""
+    policy, tok = load_policy(ModelConfig("tiny"))
+    if config:
+        from transformers import LlamaForCausalLM
+
+        policy = LlamaForCausalLM(tiny_config(len(tok), config))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(shift * torch.randn(p.shape, generator=gen))
+    policy.save_pretrained(folder)
+    return folder, tok
+
+
+def test_a_stale_sampler_samples_with_its_own_weights(tmp_path):
+    """``probe.settings[i].sampler``: the policy's own weights as the sampler give an on-policy setting (KL 0, TIS's
+    weights 1: its gradient equals none's); other weights give the staleness ratio (KL > 0)."""
+    same, _ = save_tiny(tmp_path / "same")
+    other, _ = save_tiny(tmp_path / "other", shift=0.05)
+    rows = run_probe(
+        compose_config(
+            "model=tiny",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "sampling.max_new_tokens=6",
+            "probe.batches=3",
+            "probe.reference_batches=3",
+            "probe.sketch_dim=4096",
+            "probe.corrections=[none,tis]",
+            "probe.modes=[constant]",
+            "trainer.precision=32-true",
+            f"probe.settings=[{{name: same, sampler: {same}}}, {{name: stale, sampler: {other}}}]",
+            config_name="probe",
+        ),
+        tmp_path / "p",
+    )
+    by = {(r["setting"], r["correction"]): r for r in rows}
+    assert by[("same", "none")]["kl"] < 1e-7 and by[("same", "tis")]["tis_clipfrac"] == 0
+    assert by[("stale", "none")]["kl"] > 1e-3
+    sketches = torch.load(tmp_path / "p" / "sketches.pt")["settings"]
+    for a, b in zip(sketches["same"]["tis"]["constant"], sketches["same"]["none"]["constant"]):
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm())
+    assert any(
+        float((a - b).norm()) > 1e-4 * float(b.norm())
+        for a, b in zip(sketches["stale"]["tis"]["constant"], sketches["stale"]["none"]["constant"])
+    )
+
+
+def test_a_sampler_of_another_shape_is_refused_by_name(tmp_path):
+    policy, tok = load_policy(ModelConfig("tiny"))
+    folder, _ = save_tiny(tmp_path / "wide", hidden_size=96)
+    with pytest.raises(ConfigError, match=r"probe.settings\[1\].sampler=.*wide: its weights do not fit"):
+        load_sampler_policy(ModelConfig("tiny"), folder, policy, tok, "probe.settings[1].sampler")
