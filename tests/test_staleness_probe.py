@@ -106,3 +106,37 @@ def test_a_sampler_of_another_shape_is_refused_by_name(tmp_path):
     folder, _ = save_tiny(tmp_path / "wide", hidden_size=96)
     with pytest.raises(ConfigError, match=r"probe.settings\[1\].sampler=.*wide: its weights do not fit"):
         load_sampler_policy(ModelConfig("tiny"), folder, policy, tok, "probe.settings[1].sampler")
+
+
+def test_seed_offset_continues_a_probe_with_new_rollouts(tmp_path):
+    """``probe.seed_offset=1`` with 3 batches draws exactly batches 1-3 of a 4-batch probe (settings and reference):
+    a later probe adds batches to an earlier one, its sketches on the same map."""
+
+    def probe(out, *extra):
+        run_probe(
+            compose_config(
+                "model=tiny",
+                "algo.baseline=none",
+                "task.constant_reward=1",
+                "rollout.prompts_per_step=2",
+                "rollout.group_size=2",
+                "sampling.max_new_tokens=4",
+                "probe.sketch_dim=1024",
+                "probe.corrections=[none]",
+                "probe.modes=[reward]",
+                "trainer.precision=32-true",
+                "probe.settings=[{name: s, engine: {logit_noise: 1.0}}]",
+                *extra,
+                config_name="probe",
+            ),
+            tmp_path / out,
+        )
+        return torch.load(tmp_path / out / "sketches.pt")
+
+    whole = probe("whole", "probe.batches=4", "probe.reference_batches=4")
+    later = probe("later", "probe.batches=3", "probe.reference_batches=3", "probe.seed_offset=1")
+    for a, b in zip(later["settings"]["s"]["none"]["reward"], whole["settings"]["s"]["none"]["reward"][1:]):
+        assert torch.equal(a, b)
+    for a, b in zip(later["reference"]["reward"], whole["reference"]["reward"][1:]):
+        assert torch.equal(a, b)
+    assert not torch.equal(whole["reference"]["reward"][0], whole["reference"]["reward"][1])

@@ -56,6 +56,9 @@ class ProbeConfig:
     #: D of the gradients' CountSketch (relative error of a squared norm ~ sqrt(2/D))
     sketch_dim: int = 131072
     sketch_seed: int = 0
+    #: batch b samples with the seeds of step seed_offset + b (the reference's: 10^6 + seed_offset + b): a probe with
+    #: offset B continues one of B batches with new rollouts, its sketches on the same map (sketch_dim, sketch_seed)
+    seed_offset: int = 0
     #: output folder; null = the Hydra run folder
     out: Optional[str] = None
 

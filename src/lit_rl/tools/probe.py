@@ -444,6 +444,7 @@ def check_probe(cfg) -> None:
     for key, low in (("batches", 3), ("reference_batches", 3)):
         _check_int(p[key], f"probe.{key}", low, " (the jackknife leaves one batch out)")
     _check_int(p.sketch_dim, "probe.sketch_dim", 1)
+    _check_int(p.seed_offset, "probe.seed_offset", 0)
     _check(len(p.settings) >= 1, "probe.settings", p.settings, "a non-empty list of {name, engine: {...}}")
     names = []
     for i, s in enumerate(p.settings):
@@ -570,7 +571,7 @@ def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[
             sampling,
             cfg.probe.reference_batches,
             sketch,
-            REFERENCE_STEP,
+            REFERENCE_STEP + cfg.probe.seed_offset,
             modes,
             log,
             "reference",
@@ -585,7 +586,18 @@ def measure(cfg, parts, setting_cfgs: dict[str, DictConfig], examples) -> tuple[
             )
             engine = build_module(with_correction(setting_cfgs[s.name], "none"), sampler, tok).engine
             results[s.name] = run_cells(
-                modules, engine, dm, examples, sampling, cfg.probe.batches, sketch, 0, modes, log, s.name, top_ks=top_ks
+                modules,
+                engine,
+                dm,
+                examples,
+                sampling,
+                cfg.probe.batches,
+                sketch,
+                cfg.probe.seed_offset,
+                modes,
+                log,
+                s.name,
+                top_ks=top_ks,
             )
             engine.close()
     return reference, results, sketch
