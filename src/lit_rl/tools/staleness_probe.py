@@ -14,6 +14,12 @@ jackknife SE over the batches of both samples, the cell's batches deleted as pai
 * ``paired_gap``: T(a, b) = ‖E ĝ_a − g‖² − ‖E ĝ_b − g‖² for two corrections on the same rollouts:
   ‖ḡ_a − ḡ_π‖² − ‖ḡ_b − ḡ_π‖² − (tr Σ_a − tr Σ_b) / B is unbiased for it (the reference's noise cancels), and the
   pairing removes the token-sampling noise the two share: T < 0 means a is closer to g than b.
+
+Coupled forms (``coupled_*``): the on-policy batches drawn with the same seeds as the cell's (a setting without a
+sampler in a probe with the same ``probe.seed_offset``). The engine samples by inverse CDF, one uniform per row and
+step from the row's own seed, so a sampler θ_{s−k} close to θ_s writes mostly the same tokens as θ_s would with the
+same seed: the difference d_b = ĝ_c(stale, b) − ĝ_none(on-policy, b) carries little of the token noise, and the
+bias, progress ratio and T are read from d̄ (common random numbers) with the independent reference only scaling them.
 """
 
 from __future__ import annotations
@@ -54,6 +60,32 @@ def paired_gap(xa: Tensor, xb: Tensor, y: Tensor) -> float:
     ma, mb, my = xa.mean(0), xb.mean(0), y.mean(0)
     t = float((ma - mb) @ (ma + mb - 2 * my)) - (_var(xa) - _var(xb)) / xa.shape[0]
     return t / g2 if g2 > 0 else math.nan
+
+
+def coupled_bias2(x: Tensor, z: Tensor, y: Tensor) -> float:
+    """‖E ĝ_x − g‖² / ‖g‖² from a cell's gradients ``x`` [B, D] and on-policy gradients ``z`` [B, D] drawn with the
+    same seeds (row b of each from seed b: coupled rollouts), unbiased in the numerator: ‖d̄‖² − tr Σ_d / B with
+    d = x − z; ‖g‖² from the independent reference ``y`` [R, D]. nan when the reference has no signal."""
+    d = x.double() - z.double()
+    g2 = _g2(y.double())
+    m = d.mean(0)
+    return (float(m @ m) - _var(d) / d.shape[0]) / g2 if g2 > 0 else math.nan
+
+
+def coupled_progress(x: Tensor, z: Tensor, y: Tensor) -> float:
+    """The progress ratio ⟨E ĝ_x, g⟩ / ‖g‖² = 1 + ⟨E ĝ_x − g, g⟩ / ‖g‖² from coupled ``x``, ``z`` [B, D] (as
+    ``coupled_bias2``) and the independent reference ``y`` [R, D]: ⟨d̄, ȳ⟩ is unbiased for ⟨E ĝ_x − g, g⟩, and with
+    coupled rollouts d = x − z has a small variance where the sampler is near the policy. nan without a signal."""
+    y = y.double()
+    g2 = _g2(y)
+    return 1.0 + float((x.double() - z.double()).mean(0) @ y.mean(0)) / g2 if g2 > 0 else math.nan
+
+
+def coupled_gap(xa: Tensor, xb: Tensor, z: Tensor, y: Tensor) -> float:
+    """T(a, b) / ‖g‖² from two corrections' gradients on the same rollouts ``xa``, ``xb`` and the coupled on-policy
+    ``z`` (all [B, D], row b from seed b): ‖d̄_a‖² − ‖d̄_b‖² − (tr Σ_{d_a} − tr Σ_{d_b}) / B with d = x − z, unbiased
+    in the numerator; ‖g‖² from ``y`` [R, D]. nan without a signal."""
+    return coupled_bias2(xa, z, y) - coupled_bias2(xb, z, y)
 
 
 def jackknife_groups(fn: Callable[..., float], *samples: Tensor, paired: int = 1) -> tuple[float, float]:
