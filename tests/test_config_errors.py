@@ -40,6 +40,10 @@ def cfg_for(*overrides):
         (["model.dtype=bfloat16"], r"model.dtype='bfloat16' is not allowed: training keeps float32 weights"),
         (["checkpoint.every_n_steps=-1"], r"checkpoint.every_n_steps=-1 is not allowed: must be an integer >= 1"),
         (
+            ["checkpoint.export_at_steps=[0,31]"],
+            r"checkpoint.export_at_steps=\[0, 31\] is not allowed: steps <= trainer.max_steps=30",
+        ),
+        (
             ["checkpoint.export_at_steps=[0,-2]"],
             r"checkpoint.export_at_steps=\[0, -2\] is not allowed: a list of RL steps",
         ),

@@ -185,6 +185,13 @@ class CheckpointConfig:
         steps = list(self.export_at_steps)
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in steps):
             yield "checkpoint.export_at_steps", steps, "a list of RL steps, integers >= 0 (0 = the initial weights)"
+        elif steps and 0 < int(run.trainer.get("max_steps", -1) or -1) < max(steps):
+            max_steps = run.trainer.get("max_steps")
+            yield (
+                "checkpoint.export_at_steps",
+                steps,
+                f"steps <= trainer.max_steps={max_steps} (a later one is never reached)",
+            )
         elif steps and "fsdp" in str(run.trainer.get("strategy", "")).lower():
             yield "checkpoint.export_at_steps", steps, "[] under FSDP (the final policy/ is gathered; these are not)"
 
