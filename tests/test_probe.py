@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import CONF, ROOT, compose_config
+from helpers import CONF, ROOT, probe_config
 from hydra.errors import ConfigCompositionException
 
 from lit_rl.config import ConfigError
@@ -85,21 +85,6 @@ def test_correction_config_switches_components_and_keeps_fields():
     assert not any(correction_config(base, "none")[k]["enabled"] for k in ("tis", "mis", "sc"))
 
 
-def probe_cfg(*overrides, conf_dir=CONF):
-    return compose_config(
-        "model=tiny",
-        "rollout.prompts_per_step=2",
-        "rollout.group_size=4",
-        "sampling.max_new_tokens=6",
-        "probe.batches=4",
-        "probe.reference_batches=4",
-        "probe.sketch_dim=16384",
-        *overrides,
-        config_name="probe",
-        conf_dir=conf_dir,
-    )
-
-
 def test_probe_on_the_tiny_model(tmp_path, monkeypatch):
     """The whole recipe on the tiny model through the real update path: an on-policy control setting, where
     on the same rollouts every correction's gradient equals the uncorrected one (TIS weights are 1, the SC
@@ -120,7 +105,7 @@ def test_probe_on_the_tiny_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe, "run_cells", spy)
     rows = run_probe(
-        probe_cfg(
+        probe_config(
             "probe.corrections=[none,tis,sc]",
             "probe.batches=3",
             "probe.reference_batches=3",
@@ -162,7 +147,7 @@ def test_probe_on_the_tiny_model(tmp_path, monkeypatch):
     assert "| s1 |" in text and "Reference (on-policy" in text
     assert (tmp_path / "p" / "probe.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ConfigError, match="already holds a probe"):
-        run_probe(probe_cfg("probe.corrections=[none]"), tmp_path / "p")
+        run_probe(probe_config("probe.corrections=[none]"), tmp_path / "p")
 
 
 @pytest.mark.slow  # ~45 s on 2 cores: the engine records all 49 152 log-probs per token
@@ -184,7 +169,7 @@ def test_conditional_mode_on_the_tiny_model(tmp_path, monkeypatch):
 
     monkeypatch.setattr(probe, "run_cells", spy)
     rows = run_probe(
-        probe_cfg(
+        probe_config(
             "probe.corrections=[none,tis,sc]",
             "probe.batches=3",
             "probe.reference_batches=3",
@@ -231,7 +216,7 @@ def test_conditional_mode_on_the_tiny_model(tmp_path, monkeypatch):
 )
 def test_probe_bad_config(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
-        run_probe(probe_cfg(*overrides), tmp_path / "p")
+        run_probe(probe_config(*overrides), tmp_path / "p")
     assert not (tmp_path / "p").exists()
 
 
@@ -244,7 +229,7 @@ def test_probe_bad_config(tmp_path, overrides, message):
 )
 def test_probe_unknown_key_is_refused_at_compose(overrides, key):
     with pytest.raises(ConfigCompositionException, match=key):
-        probe_cfg(*overrides)
+        probe_config(*overrides)
 
 
 def test_a_typo_in_the_probe_file_fails_naming_the_key(tmp_path):
@@ -255,7 +240,7 @@ def test_a_typo_in_the_probe_file_fails_naming_the_key(tmp_path):
     text = (conf / "probe.yaml").read_text().replace("  sketch_seed: 0", "  sketch_sed: 0")
     (conf / "probe.yaml").write_text(text)
     with pytest.raises(ConfigCompositionException) as err:
-        probe_cfg(conf_dir=conf)
+        probe_config(conf_dir=conf)
     assert "In 'probe'" in str(err.value) and "Key 'sketch_sed' not in" in str(err.value), str(err.value)
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import compose_config
+from helpers import probe_config
 
 from lit_rl.config import ConfigError
 from lit_rl.models import ModelConfig, load_policy, tiny_config
@@ -119,11 +119,7 @@ def test_a_stale_sampler_samples_with_its_own_weights(tmp_path):
     same, _ = save_tiny(tmp_path / "same")
     other, _ = save_tiny(tmp_path / "other", shift=0.05)
     rows = run_probe(
-        compose_config(
-            "model=tiny",
-            "rollout.prompts_per_step=2",
-            "rollout.group_size=4",
-            "sampling.max_new_tokens=6",
+        probe_config(
             "probe.batches=3",
             "probe.reference_batches=3",
             "probe.sketch_dim=4096",
@@ -131,7 +127,6 @@ def test_a_stale_sampler_samples_with_its_own_weights(tmp_path):
             "probe.modes=[constant]",
             "trainer.precision=32-true",
             f"probe.settings=[{{name: same, sampler: {same}}}, {{name: stale, sampler: {other}}}]",
-            config_name="probe",
         ),
         tmp_path / "p",
     )
@@ -160,11 +155,9 @@ def test_seed_offset_continues_a_probe_with_new_rollouts(tmp_path):
 
     def probe(out, *extra):
         run_probe(
-            compose_config(
-                "model=tiny",
+            probe_config(
                 "algo.baseline=none",
                 "task.constant_reward=1",
-                "rollout.prompts_per_step=2",
                 "rollout.group_size=2",
                 "sampling.max_new_tokens=4",
                 "probe.sketch_dim=1024",
@@ -173,7 +166,6 @@ def test_seed_offset_continues_a_probe_with_new_rollouts(tmp_path):
                 "trainer.precision=32-true",
                 "probe.settings=[{name: s, engine: {logit_noise: 1.0}}]",
                 *extra,
-                config_name="probe",
             ),
             tmp_path / out,
         )

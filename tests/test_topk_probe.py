@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import compose_config
+from helpers import probe_config
 
 from lit_rl.config import ConfigError
 from lit_rl.tools.probe import run_probe
@@ -16,20 +16,14 @@ V_TINY = 49152  # the tiny model has SmolLM2's tokenizer
 
 
 def cfg(*overrides):
-    return compose_config(
-        "model=tiny",
-        "rollout.prompts_per_step=2",
-        "rollout.group_size=4",
-        "sampling.max_new_tokens=6",
+    return probe_config(
         "probe.batches=3",
         "probe.reference_batches=3",
-        "probe.sketch_dim=16384",
         "probe.corrections=[none,sc]",
         "probe.modes=[conditional]",
         "trainer.precision=32-true",
         "probe.settings=[{name: s1, engine: {logit_noise: 1.0}}]",
         *overrides,
-        config_name="probe",
     )
 
 

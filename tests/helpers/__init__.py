@@ -36,8 +36,19 @@ import torch  # noqa: E402
 THREADS = int(os.environ.get("LIT_RL_TEST_THREADS", 0)) or min(2, os.cpu_count() or 1)
 torch.set_num_threads(THREADS)
 
-from .config import CONF, FAST, MOVING, ROOT, compose_config, fast_config  # noqa: E402
+from .config import CONF, FAST, MOVING, ROOT, compose_config, fast_config, probe_config  # noqa: E402
 from .prompts import chat_prompts  # noqa: E402
 from .runs import write_run  # noqa: E402
 
-__all__ = ["CONF", "FAST", "MOVING", "ROOT", "THREADS", "chat_prompts", "compose_config", "fast_config", "write_run"]
+__all__ = [
+    "CONF",
+    "FAST",
+    "MOVING",
+    "ROOT",
+    "THREADS",
+    "chat_prompts",
+    "compose_config",
+    "fast_config",
+    "probe_config",
+    "write_run",
+]

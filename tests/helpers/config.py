@@ -53,6 +53,23 @@ def _compose_repo_config(config_name: str, overrides: tuple[str, ...]) -> DictCo
     return _compose(config_name, overrides, CONF)
 
 
+#: a probe of seconds on the tiny model: 2 prompts x 4 completions of 6 tokens, 4 batches and 4 reference batches
+PROBE_FAST = [
+    "model=tiny",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "sampling.max_new_tokens=6",
+    "probe.batches=4",
+    "probe.reference_batches=4",
+    "probe.sketch_dim=16384",
+]
+
+
+def probe_config(*overrides: str, conf_dir: str = CONF) -> DictConfig:
+    """``conf/probe.yaml`` composed with ``PROBE_FAST`` plus ``overrides`` (later ones win)."""
+    return compose_config(*PROBE_FAST, *overrides, config_name="probe", conf_dir=conf_dir)
+
+
 def fast_config(*overrides: str) -> DictConfig:
     """``compose_config`` of ``FAST`` plus ``overrides`` (later ones win)."""
     return compose_config(*FAST, *overrides)
