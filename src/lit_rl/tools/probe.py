@@ -45,7 +45,7 @@ from torch import Tensor
 
 from .probe_plot import plot_rows  # noqa: F401  (the report's figure; importable from here as before)
 from .sketch import GradientSketch  # noqa: F401  (importable from here as before)
-from .staleness_probe import load_sampler_policy
+from .staleness_probe import batch_variance, load_sampler_policy, noise_free_norm2
 from .topk_probe import centring_stats, check_top_ks, format_top_k, plot_top_k, top_k_modules, top_k_rows
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -120,10 +120,7 @@ def reference_summary(y: Tensor) -> dict[str, float]:
     """The on-policy reference's own precision: ‖g‖ (noise-corrected), the root-mean-square error of its mean
     √(tr Σ / R) relative to ‖g‖, and R."""
     y = y.double()
-    n = y.shape[0]
-    my = y.mean(0)
-    var = max((float(y.pow(2).sum()) - n * float(my @ my)) / (n - 1), 0.0)
-    g2 = float(my @ my) - var / n
+    n, var, g2 = y.shape[0], batch_variance(y), noise_free_norm2(y)
     if g2 <= 0:  # the reference's mean is noise only (or zero: every advantage 0): no relative scale
         return {"norm": 0.0, "se_rel": math.nan, "var_rel": math.nan, "batches": n, "se": math.sqrt(var / n)}
     return {

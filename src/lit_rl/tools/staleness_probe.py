@@ -31,23 +31,23 @@ import torch
 from torch import Tensor
 
 
-def _var(x: Tensor) -> float:
-    """tr Σ of the rows of x [n, D] (unbiased, n − 1)."""
+def batch_variance(x: Tensor) -> float:
+    """tr Σ of the rows of x [n, D]: one batch's gradient variance E‖x_b − E x‖² (unbiased, n − 1; clipped at 0)."""
     m = x.mean(0)
     return max((float(x.pow(2).sum()) - x.shape[0] * float(m @ m)) / (x.shape[0] - 1), 0.0)
 
 
-def _g2(y: Tensor) -> float:
-    """‖g‖²: the reference's squared mean without its noise, ‖ȳ‖² − tr Σ_y / R."""
+def noise_free_norm2(y: Tensor) -> float:
+    """‖E y‖² without the noise of the mean: ‖ȳ‖² − tr Σ_y / R (unbiased), for the rows y [R, D]."""
     m = y.mean(0)
-    return float(m @ m) - _var(y) / y.shape[0]
+    return float(m @ m) - batch_variance(y) / y.shape[0]
 
 
 def progress(x: Tensor, y: Tensor) -> float:
     """⟨E ĝ_x, g⟩ / ‖g‖² from a cell's batch gradients ``x`` [B, D] and the on-policy reference's ``y`` [R, D]
     (independent samples; float64 inside). nan when the reference has no signal (‖g‖² ≤ 0)."""
     x, y = x.double(), y.double()
-    g2 = _g2(y)
+    g2 = noise_free_norm2(y)
     return float(x.mean(0) @ y.mean(0)) / g2 if g2 > 0 else math.nan
 
 
@@ -56,9 +56,9 @@ def paired_gap(xa: Tensor, xb: Tensor, y: Tensor) -> float:
     gradients on the same B rollout batches ``xa``, ``xb`` [B, D] (row b of each from batch b) and the reference
     ``y`` [R, D]. nan when the reference has no signal."""
     xa, xb, y = xa.double(), xb.double(), y.double()
-    g2 = _g2(y)
+    g2 = noise_free_norm2(y)
     ma, mb, my = xa.mean(0), xb.mean(0), y.mean(0)
-    t = float((ma - mb) @ (ma + mb - 2 * my)) - (_var(xa) - _var(xb)) / xa.shape[0]
+    t = float((ma - mb) @ (ma + mb - 2 * my)) - (batch_variance(xa) - batch_variance(xb)) / xa.shape[0]
     return t / g2 if g2 > 0 else math.nan
 
 
@@ -67,9 +67,8 @@ def coupled_bias2(x: Tensor, z: Tensor, y: Tensor) -> float:
     same seeds (row b of each from seed b: coupled rollouts), unbiased in the numerator: ‖d̄‖² − tr Σ_d / B with
     d = x − z; ‖g‖² from the independent reference ``y`` [R, D]. nan when the reference has no signal."""
     d = x.double() - z.double()
-    g2 = _g2(y.double())
-    m = d.mean(0)
-    return (float(m @ m) - _var(d) / d.shape[0]) / g2 if g2 > 0 else math.nan
+    g2 = noise_free_norm2(y.double())
+    return noise_free_norm2(d) / g2 if g2 > 0 else math.nan
 
 
 def coupled_progress(x: Tensor, z: Tensor, y: Tensor) -> float:
@@ -77,7 +76,7 @@ def coupled_progress(x: Tensor, z: Tensor, y: Tensor) -> float:
     ``coupled_bias2``) and the independent reference ``y`` [R, D]: ⟨d̄, ȳ⟩ is unbiased for ⟨E ĝ_x − g, g⟩, and with
     coupled rollouts d = x − z has a small variance where the sampler is near the policy. nan without a signal."""
     y = y.double()
-    g2 = _g2(y)
+    g2 = noise_free_norm2(y)
     return 1.0 + float((x.double() - z.double()).mean(0) @ y.mean(0)) / g2 if g2 > 0 else math.nan
 
 
