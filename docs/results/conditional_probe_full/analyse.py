@@ -2,15 +2,18 @@
 
     PYTHONPATH=src python docs/results/conditional_probe_full/analyse.py outputs/exp2 \
         docs/results/conditional_probe_full
+    PYTHONPATH=src python docs/results/conditional_probe_full/analyse.py outputs/exp2b \
+        docs/results/conditional_probe_full rest     # the second sitting: table_rest.md, conditional_drift_rest.png
 
-Reads <runs>/{main,main2,cap12}/ (conditional mode; cap12 has no `none` of its own: its rollouts are main's,
-same seeds, checked against the two logs' per-batch token counts and rewards) and
-<runs>/{ref_bf16_default,ref_bf16_bi}/ where present, and writes table.md, table.json and conditional_drift.png
-to the output folder. Per (setting, correction): the conditional drift along u (`none`'s leave-one-out
-direction, in units of its noise-corrected norm ‖E C‖; ``probe.projected_drift``) with its 95% t-interval
-(B − 1 degrees of freedom) and minimum detectable effect (t_.975 + t_.80) × SE, the paired norm fraction
-√(‖E D‖² / ‖E C‖²) with its jackknife SE (``topk_probe.paired_fraction``) and the pilot's verdict rule. The
-bf16 references' on-policy gradients are projected on the float32 run's whole-sample u (one sketch map).
+Reads the run folders of ``MAIN`` and ``BORROW`` under <runs> where present (conditional mode; a ``BORROW`` folder
+has no `none` of its own: its rollouts are its source's, same seeds, checked against the two logs' per-batch token
+counts and rewards) and <runs>/{ref_bf16_default,ref_bf16_bi}/, and writes table.md, table.json and
+conditional_drift.png to the output folder (table_<suffix>.md ... with a suffix). Per (setting, correction): the
+conditional drift along u (`none`'s leave-one-out direction, in units of its noise-corrected norm ‖E C‖;
+``probe.projected_drift``) with its 95% t-interval (B − 1 degrees of freedom) and minimum detectable effect
+(t_.975 + t_.80) × SE, the paired norm fraction √(‖E D‖² / ‖E C‖²) with its jackknife SE
+(``topk_probe.paired_fraction``) and the pilot's verdict rule. The bf16 references' on-policy gradients are
+projected on the float32 run's whole-sample u (one sketch map).
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from torch import Tensor
 from lit_rl.tools.probe import Cell, _drift_estimates, jackknife, projected_drift
 from lit_rl.tools.topk_probe import paired_fraction
 
-MAIN = ("main", "main2")  # δ and σ = 1; σ = 2 and int8
-CAP = "cap12"
-#: runs without a `none` of their own, on main's rollouts (same seeds): {folder: TIS cap of its tis rows}
-BORROW = {CAP: "1.2", "mis": ""}
+#: runs with a `none` of their own: the first sitting's (δ and σ = 1; σ = 2 and int8), the second's (the same)
+MAIN = ("main", "main2", "main3", "main4")
+#: runs without a `none` of their own, on another run's rollouts (same seeds): {folder: (TIS cap, source run)}
+BORROW = {"cap12": ("1.2", "main"), "mis": ("", "main"), "cap12b": ("1.2", "main4")}
 REFS = {
     "main": "float32, default kernels (main's 3 reference batches)",
     "ref_bf16_default": "bf16-mixed, default kernels",
@@ -194,6 +197,7 @@ PAIRS = [
     ("tis cap 1.2", "tis cap 2"),
     ("mis", "sc top-128"),
     ("mis", "sc+mis top-128"),
+    ("tis cap 2", "sc+tis top-128 cap 2"),
 ]
 
 
@@ -243,20 +247,20 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, format="png")
 
 
-def main(runs: Path, out: Path) -> None:
+def main(runs: Path, out: Path, suffix: str = "") -> None:
     rows, units = [], {}
     for name in MAIN:
         if (runs / name / "probe.json").exists():
             r, u = run_rows(runs / name, "2")
             rows += r
             units.update(u)
-    for name, cap in BORROW.items():
+    for name, (cap, source) in BORROW.items():
         if not (runs / name / "probe.json").exists():
             continue
-        main_log, own_log = batch_log(runs / f"{MAIN[0]}.log"), batch_log(runs / f"{name}.log")
+        main_log, own_log = batch_log(runs / f"{source}.log"), batch_log(runs / f"{name}.log")
         if main_log[: len(own_log)] != own_log:
-            raise SystemExit(f"{name}'s rollouts are not {MAIN[0]}'s: {own_log} against {main_log}")
-        nones = {k: v["none"] for k, v in torch.load(runs / MAIN[0] / "sketches.pt")["settings"].items()}
+            raise SystemExit(f"{name}'s rollouts are not {source}'s: {own_log} against {main_log}")
+        nones = {k: v["none"] for k, v in torch.load(runs / source / "sketches.pt")["settings"].items()}
         rows += run_rows(runs / name, cap, nones)[0]
     order = {s: i for i, s in enumerate(["delta=+0.3", "sigma=1", "sigma=2", "int8"])}
     rows.sort(key=lambda r: (order.get(r["setting"], 9), r["correction"] != "none", r["cap"] == "1.2"))
@@ -265,7 +269,7 @@ def main(runs: Path, out: Path) -> None:
         if (runs / name / "probe.json").exists():
             refs += reference_rows(runs / name, units, what)
     sketches = {}  # {setting: {label: [B, D]}}, every run's cells on the same rollouts
-    for name, cap in [(m, "2") for m in MAIN] + list(BORROW.items()):
+    for name, cap in [(m, "2") for m in MAIN] + [(k, v[0]) for k, v in BORROW.items()]:
         if (runs / name / "sketches.pt").exists():
             for setting, sk in torch.load(runs / name / "sketches.pt")["settings"].items():
                 for corr, modes in sk.items():
@@ -273,11 +277,12 @@ def main(runs: Path, out: Path) -> None:
                     sketches.setdefault(setting, {})[key] = torch.stack(modes["conditional"]).double()
     text = table(rows, refs, list(units)) + "\n" + comparisons(sketches)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(text)
-    (out / "table.json").write_text(json.dumps({"rows": rows, "references": refs}, indent=1))
-    plot(rows, out / "conditional_drift.png")
+    end = f"_{suffix}" if suffix else ""
+    (out / f"table{end}.md").write_text(text)
+    (out / f"table{end}.json").write_text(json.dumps({"rows": rows, "references": refs}, indent=1))
+    plot(rows, out / f"conditional_drift{end}.png")
     print(text)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4])
