@@ -145,8 +145,31 @@ def test_a_stale_sampler_samples_with_its_own_weights(tmp_path):
 def test_a_sampler_of_another_shape_is_refused_by_name(tmp_path):
     policy, tok = load_policy(ModelConfig("tiny"))
     folder, _ = save_tiny(tmp_path / "wide", hidden_size=96)
-    with pytest.raises(ConfigError, match=r"probe.settings\[1\].sampler=.*wide: its weights do not fit"):
+    with pytest.raises(ConfigError, match=r"probe.settings\[1\].sampler=.*wide: its weights do not fit the policy's "
+                       r"names and shapes \(.*: sampler \(\d+, 96\), policy \(\d+, 64\)"):  # fmt: skip
         load_sampler_policy(ModelConfig("tiny"), folder, policy, tok, "probe.settings[1].sampler")
+
+
+def test_a_sampler_folder_is_checked_before_any_model_loads(tmp_path, monkeypatch):
+    # a bug report: a folder of another shape, or with config.json and no weights, passed the start-up check and
+    # failed after the reference batches (minutes on SmolLM2)
+    import lit_rl.run.train as train_module
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model loaded before the sampler folder was checked")
+
+    monkeypatch.setattr(train_module, "assemble", no_loading)
+    wide, _ = save_tiny(tmp_path / "wide", hidden_size=96)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((wide / "config.json").read_text())
+    for folder, message in [
+        (wide, r"wide: a model of another shape than model.name_or_path=tiny \(hidden_size: sampler 96, policy 64\)"),
+        (empty, r"empty: config.json but no weights \(none of model.safetensors"),
+    ]:
+        with pytest.raises(ConfigError, match=r"probe.settings\[0\].sampler=.*" + message):
+            run_probe(probe_config(f"probe.settings=[{{name: a, sampler: {folder}}}]"), tmp_path / "p")
+        assert not (tmp_path / "p").exists()
 
 
 def test_seed_offset_continues_a_probe_with_new_rollouts(tmp_path):

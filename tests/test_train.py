@@ -72,11 +72,16 @@ def test_tiny_run_writes_scalars_checkpoint_and_policy(tmp_path):
 # (on the tiny model the arithmetic reward is always 0, and GRPO's update would be exactly zero)
 
 
-def test_update_changes_weights_and_is_seeded(tmp_path):
+def test_update_changes_weights_and_is_seeded(tmp_path, capsys):
     # checkpoint.export_at_steps: run a also writes the policy after steps 0 (the initial weights) and 2
     a = run(
         cfg_for("trainer.max_steps=2", "eval.num_examples=0", "checkpoint.export_at_steps=[0,2]", *MOVING),
         tmp_path / "a",
+    )
+    said = capsys.readouterr().out
+    assert (
+        f"the policy after RL step 2 written to {tmp_path / 'a' / 'policy_step2'}" in said
+        and "RL step 1 written" not in said
     )
     b = run(cfg_for("trainer.max_steps=2", "eval.num_examples=0", *MOVING), tmp_path / "b")
     assert a == {**a, **{k: b[k] for k in a if not k.startswith(("time/", "perf/", "tok/s", "mfu"))}}

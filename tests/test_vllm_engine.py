@@ -532,6 +532,20 @@ def test_engine_auto_picks_vllm_where_it_is_installed():
     assert cfg.engine.kv_cache_gb == (None if torch.cuda.is_available() else 1.0)
 
 
+def test_engine_auto_picks_the_embedded_engine_for_the_sampled_tail(capsys):
+    # a bug report: engine=auto chose vLLM for correction.sc.tail=sampled, which only the embedded engine records,
+    # and the run failed at its first rollout instead of at start-up
+    from lit_rl.run.resolve import resolve_engine
+
+    cfg = compose_config("model=tiny", "engine=auto", "correction=sc", "correction.sc.tail=sampled")
+    resolve_engine(cfg)
+    assert cfg.engine.name == "torch"
+    assert "engine=auto -> torch (correction.sc.tail=sampled draws tail tokens" in capsys.readouterr().out
+    cfg = compose_config("model=tiny", "engine=auto", "correction=sc")  # the rescaled tail: vLLM serves it
+    resolve_engine(cfg)
+    assert cfg.engine.name == "vllm"
+
+
 @pytest.mark.slow  # 19 s: the lagged split is covered with the embedded engine in test_staleness
 def test_lagged_rollouts_with_vllm_keep_the_engine_gap_apart_from_staleness(tmp_path):
     """rollout.mode=lagged loads older versions into vLLM: staleness 0, 1, 2, 2; the version gap shows in

@@ -166,8 +166,8 @@ def context_length(config) -> int | None:
 def load_model_config(name_or_path: str, trust_remote_code: bool = False):
     """The transformers config of ``name_or_path`` without its weights (``tiny``: ``tiny_config``), for checks
     that run before the model loads. Raises FileNotFoundError like ``resolve_model_path``."""
-    if name_or_path == TINY_ID:
-        return tiny_config(1)
+    if name_or_path == TINY_ID:  # its vocabulary is its tokenizer's, as load_policy builds it
+        return tiny_config(len(load_tokenizer(TINY_ID)))
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(resolve_model_path(name_or_path), trust_remote_code=trust_remote_code)

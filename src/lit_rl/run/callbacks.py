@@ -146,6 +146,7 @@ class PolicyExports(L.Callback):
             return
         self.export(pl_module.policy, folder)
         self.tokenizer.save_pretrained(folder)
+        print(f"lit_rl: the policy after RL step {step} written to {folder} (checkpoint.export_at_steps)", flush=True)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_step == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import ConfigError, check_lora_kernels, static_world_size
+from ..corrections import sc_tail_samples
 from ..rollout.engines import on_cuda, resolve_auto
 from .callbacks import AdaptiveThreads, adaptive_threads
 from .hardware import (
@@ -26,13 +27,19 @@ from .model_checks import vllm_refusal
 def resolve_engine(cfg: DictConfig) -> None:
     """Fill what ``engine`` leaves to the run, in place: ``name=auto`` becomes vllm (installed, and the model's
     head_dim as vLLM builds it fits, ``model_checks.vllm_refusal``: >= 32 on CPU, and equal to the config's for
-    the architectures vLLM derives it for) or torch (printed, with the reason); vLLM's ``dtype: null``
+    the architectures vLLM derives it for, and no correction needs what only the embedded engine records:
+    ``correction.sc.tail=sampled``'s tail draws) or torch (printed, with the reason); vLLM's ``dtype: null``
     becomes bfloat16 under a bf16 trainer precision (``auto`` resolved as ``resolve_hardware`` does), else
     ``model.dtype``, its ``kv_cache_gb: null`` 1 GiB on CPU, and its ``prefix_caching: auto`` on for a
     multi-turn task, else off; ``engine.seed`` = ``seed``. Raises ConfigError for ``engine=vllm`` with a model
     vLLM cannot run (``vllm_refusal``), before any weight loads."""
     with open_dict(cfg):
         refusal = vllm_refusal(cfg.model, on_cuda()) if cfg.engine.name in ("auto", "vllm") else None
+        if refusal is None and cfg.engine.name in ("auto", "vllm") and sc_tail_samples(cfg.correction):
+            refusal = (
+                "correction.sc.tail=sampled draws tail tokens from the sampler's own distribution at every "
+                "position, which vLLM's log-prob output (its top-k) does not give"
+            )
         if cfg.engine.name == "auto":
             cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), refusal)
             why = f" ({refusal})" if refusal and cfg.engine.name == "torch" else ""

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from .probe_plot import plot_rows  # noqa: F401  (the report's figure; importable from here as before)
 from .sketch import GradientSketch  # noqa: F401  (importable from here as before)
-from .staleness_probe import batch_variance, load_sampler_policy, noise_free_norm2
+from .staleness_probe import batch_variance, check_sampler_folder, load_sampler_policy, noise_free_norm2
 from .topk_probe import centring_stats, check_top_ks, format_top_k, plot_top_k, top_k_modules, top_k_rows
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -447,10 +447,8 @@ def check_probe(cfg) -> None:
     for i, s in enumerate(p.settings):
         _check(not OmegaConf.is_missing(s, "name"), f"probe.settings[{i}]", s, "needs a name")
         names.append(s.name)
-        if s.sampler is not None:  # a stale sampler's weights: the folder must be there before any model loads
-            _check(
-                Path(s.sampler, "config.json").is_file(), f"probe.settings[{i}].sampler", s.sampler, "a model folder"
-            )
+        if s.sampler is not None:  # a stale sampler's weights: checked before any model loads
+            check_sampler_folder(s.sampler, cfg.model, f"probe.settings[{i}].sampler")
     _check(len(set(names)) == len(names), "probe.settings", names, "names must be distinct")
     modes = list(p.modes)
     _check(
@@ -625,6 +623,11 @@ def write_report(cfg, out: Path, reference: Cell, results: dict, sketch, n_promp
         ref_drift = {"drift2": est["drift2"], "drift2_se": se["drift2"]}
     wall = time.perf_counter() - t_start
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    samplers = {s.name: str(s.sampler) for s in cfg.probe.settings if s.sampler is not None}  # stale samplers
+    runs_on = "".join(
+        [f"; batches from seed offset {cfg.probe.seed_offset}" if cfg.probe.seed_offset else ""]
+        + [f"; setting {k} samples with the weights of {v}" for k, v in samplers.items()]
+    )
     header = (
         f"# Gradient-bias probe: {cfg.model.name_or_path}, algo={cfg.algo.name}, task={cfg.task.name}\n\n"
         f"{n_prompts} fixed prompts x G={cfg.rollout.group_size} = {n_seq} sequences per batch, "
@@ -633,13 +636,14 @@ def write_report(cfg, out: Path, reference: Cell, results: dict, sketch, n_promp
         f"{cfg.probe.reference_batches} on-policy batches ({cfg.probe.reference_batches * n_seq} sequences); "
         f"gradients sketched to D = {sketch.dim} of {sketch.numel} parameters; ± = one jackknife standard "
         f"error; drift = the gradient with every advantage forced to 1; trainer precision "
-        f"{cfg.trainer.precision}. Wall time {wall / 60:.1f} min "
+        f"{cfg.trainer.precision}{runs_on}. Wall time {wall / 60:.1f} min "
         f"({describe_machine()}).\n\n"
     )
     top_k = top_k_rows(cfg, reference, results)  # probe.sc_top_ks (tools.topk_probe); [] without
     text = header + format_rows(rows, ref, ref_drift) + format_top_k(top_k)
     (out / "probe.md").write_text(text)
-    report = {"reference": ref, "reference_drift": ref_drift, "rows": rows, "top_k": top_k, "wall_s": wall}
+    report = {"reference": ref, "reference_drift": ref_drift, "rows": rows, "top_k": top_k, "wall_s": wall,
+              "seed_offset": int(cfg.probe.seed_offset), "samplers": samplers}  # fmt: skip
     (out / "probe.json").write_text(json.dumps(report, indent=2))
     plot_rows(rows, os.fspath(out / "probe.png"))
     plot_top_k(top_k, os.fspath(out / "topk.png"))

@@ -107,6 +107,56 @@ def jackknife_groups(fn: Callable[..., float], *samples: Tensor, paired: int = 1
     return full, math.sqrt(var)
 
 
+#: a save_pretrained folder's weight files, one of which a sampler folder must hold
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+#: the config fields that fix a causal LM's parameter shapes (compared where both configs have them)
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+def check_sampler_folder(folder: str, model, field: str) -> None:
+    """Before any model loads: ``folder`` (``probe.settings[i].sampler``) is a save_pretrained folder (config.json
+    and one of ``WEIGHT_FILES``) whose config has the shapes of ``model`` (the run's ``model`` group:
+    ``SHAPE_FIELDS`` equal where both configs set them). Raises ConfigError naming ``field``, the folder and the
+    first fields that differ, as "sampler X, policy Y"."""
+    from pathlib import Path
+
+    from ..config import ConfigError
+    from ..models import load_model_config
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{field}={folder}: not a model folder (no config.json); use a save_pretrained folder, e.g. "
+                          "<run>/policy_step{n}/ of a run with checkpoint.export_at_steps")  # fmt: skip
+    if not any((path / f).is_file() for f in WEIGHT_FILES):
+        raise ConfigError(f"{field}={folder}: config.json but no weights (none of {', '.join(WEIGHT_FILES)})")
+    from transformers import AutoConfig
+
+    theirs = AutoConfig.from_pretrained(str(path)).to_dict()
+    mine = load_model_config(model.name_or_path, bool(model.get("trust_remote_code", False))).to_dict()
+    odd = [f"{k}: sampler {theirs[k]}, policy {mine[k]}" for k in SHAPE_FIELDS
+           if k in theirs and k in mine and theirs[k] != mine[k]]  # fmt: skip
+    if odd:
+        raise ConfigError(
+            f"{field}={folder}: a model of another shape than model.name_or_path={model.name_or_path} "
+            f"({'; '.join(odd)}); the sampler must be an earlier policy of this model"
+        )
+
+
 def load_sampler_policy(spec, folder: str, policy, tokenizer, field: str):
     """The sampler's model: ``spec`` (the run's ``model`` config: dtype, attention) with the weights of ``folder``,
     in eval mode without gradients. Raises ConfigError naming ``field`` when its parameters do not match the
@@ -120,7 +170,8 @@ def load_sampler_policy(spec, folder: str, policy, tokenizer, field: str):
     mine = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
     theirs = {k: tuple(v.shape) for k, v in sampler.state_dict().items()}
     if mine != theirs:
-        odd = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
-        raise ConfigError(f"{field}={folder}: its weights do not fit the policy's names and shapes (e.g. {odd})")
+        odd = [f"{k}: sampler {theirs.get(k)}, policy {mine.get(k)}" for k in sorted(set(mine) | set(theirs))
+               if mine.get(k) != theirs.get(k)][:3]  # fmt: skip
+        raise ConfigError(f"{field}={folder}: its weights do not fit the policy's names and shapes ({'; '.join(odd)})")
     sampler.eval().requires_grad_(False)
     return sampler
