@@ -1,0 +1,41 @@
+"""benchmarks/main_job_speed.py's read-outs on hand-made scalars (no training): the median after the first step,
+the ratios against the issue's targets, and the batch-invariant fingerprint's step-by-step comparison."""
+
+import importlib.util
+import sys
+
+from helpers import ROOT
+
+sys.path.insert(0, f"{ROOT}/benchmarks")
+_spec = importlib.util.spec_from_file_location("main_job_speed", f"{ROOT}/benchmarks/main_job_speed.py")
+speed = importlib.util.module_from_spec(_spec)
+sys.modules["main_job_speed"] = speed
+_spec.loader.exec_module(speed)
+
+
+def test_median_leaves_out_the_first_step():
+    assert speed.median_after_first([(1, 10.0), (2, 3.0), (3, 5.0), (4, 4.0)]) == 4.0
+    assert speed.median_after_first([(1, 7.0)]) == 7.0
+
+
+def test_timing_table_reads_the_ratios_against_the_targets():
+    base = {"time/rollout_s": [(1, 9.0), (2, 8.0), (3, 8.0)], "time/train_s": [(1, 5.0), (2, 4.0), (3, 4.0)],
+            "time/step_s": [(1, 14.0), (2, 12.0), (3, 12.0)], "perf/mfu": [(1, 0.5), (2, 0.5), (3, 0.5)]}  # fmt: skip
+    head = {"time/rollout_s": [(1, 9.0), (2, 4.0), (3, 4.0)], "time/train_s": [(1, 5.0), (2, 4.0), (3, 4.0)],
+            "time/step_s": [(1, 14.0), (2, 9.0), (3, 9.0)], "perf/mfu": [(1, 0.5), (2, 0.6), (3, 0.6)]}  # fmt: skip
+    rows = {line.split(" | ")[0].strip("| "): line for line in speed.timing_table({"base": base, "head": head})}
+    assert "| 8.000 | 4.000 | 0.500x | <= 0.5x: met |" in rows["time/rollout_s"]
+    assert "| 12.000 | 9.000 | 0.750x | <= 0.7x: not met |" in rows["time/step_s"]
+    assert "| 0.500 | 0.600 | 1.200x | >= 0.7: not met |" in rows["perf/mfu"]
+
+
+def test_fingerprint_differences_name_the_tag_and_first_step():
+    base = {"rollout/reward_mean": [(1, 0.25), (2, 0.5), (3, 0.5)], "perf/rollout_flops": [(1, 1e12), (2, 2e12)]}
+    assert speed.fingerprint_differences(base, dict(base)) == []
+    head = {"rollout/reward_mean": [(1, 0.25), (2, 0.5), (3, 0.5625)], "perf/rollout_flops": [(1, 1e12)]}
+    assert speed.fingerprint_differences(base, head) == [
+        "rollout/reward_mean: step 3: base 0.5, working tree 0.5625",
+        "perf/rollout_flops: steps [1, 2] against [1]",
+    ]
+    # a tag only one side logs is not compared
+    assert speed.fingerprint_differences({**base, "rollout/truncation_rate": [(1, 0.0)]}, dict(base)) == []
