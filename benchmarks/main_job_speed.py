@@ -50,6 +50,8 @@ from bit_identity import (  # noqa: E402
     git,
     read_scalars,
     same_value,
+    shift_steps,
+    step_origin,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,10 +61,14 @@ GAP = "train/logprob_abs_diff"
 TARGETS = {"time/rollout_s": ("<=", 0.5), "time/step_s": ("<=", 0.7)}
 
 
-def run_main_job(checkout: Path, run: Path, steps: int, kernels: str, timeout: float) -> dict:
+def run_main_job(checkout: Path, run: Path, steps: int, kernels: str, timeout: float, reuse: bool = False) -> dict:
     """``checkout``'s ``recipes/train.py``: the main job for ``steps`` RL steps in ``run`` (must not exist), under
-    ``kernels`` (deterministic mode for batch_invariant). Returns its scalars (``read_scalars``). Raises RunFailed
+    ``kernels`` (deterministic mode for batch_invariant). Returns its scalars (``read_scalars``). ``reuse``: a
+    finished run already in ``run`` (``--keep`` of an earlier invocation) is read, not run again. Raises RunFailed
     with the log's tail."""
+    if reuse and (run / "finished.json").is_file():
+        print(f"  {run.name}: read from {run} (--reuse)", flush=True)
+        return read_scalars(run)
     env = child_env(checkout, 0)
     env.pop("OMP_NUM_THREADS", None)  # threads=auto, as the main job runs
     env.update({k: v for k, v in os.environ.items() if k == "OMP_NUM_THREADS"})
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds a run may take")
     ap.add_argument("--keep", default=None, help="keep the run folders and logs here")
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
+    ap.add_argument("--reuse", action="store_true", help="read finished runs already under --keep instead of rerunning")
     args = ap.parse_args(argv)
     modes = [m for m in args.kernels.split(",") if m]
     bad = [m for m in modes if m not in ("default", "batch_invariant")]
@@ -147,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
             sides = {}
             try:
                 for side, checkout in (("base", base_src()), ("head", ROOT)):
-                    sides[side] = run_main_job(checkout, work / f"{mode}_{side}", args.steps, mode, args.timeout)
+                    run = work / f"{mode}_{side}"
+                    sides[side] = run_main_job(checkout, run, args.steps, mode, args.timeout, args.reuse)
             except RunFailed as e:
                 print(f"run failed: {e}")
                 failed = True
                 continue
+            # a base that numbers its first RL step 0 is compared step for step with a tree that numbers it 1
+            sides["base"] = shift_steps(sides["base"], step_origin(None) - step_origin(sha))
             note = " (deterministic mode: not the targets' timing)" if mode == "batch_invariant" else ""
             print(f"\nmedian of steps 2-{args.steps}{note}:")
             print("\n".join(timing_table(sides)))
