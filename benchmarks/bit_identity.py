@@ -387,6 +387,28 @@ def check_imports_own_code(python: str, checkout: Path, env: dict[str, str]) -> 
         raise RunFailed(f"{checkout}: lit_rl is imported from {where}, not {checkout / 'src'}: {out.stderr[-400:]}")
 
 
+def run_logged(argv: list[str], checkout: Path, env: dict[str, str], log: Path, timeout: float, label: str) -> float:
+    """Run ``argv`` in ``checkout`` with ``env``, its output appended to ``log`` after the command line (BOOTSTRAP
+    abbreviated); prints ``label`` as it starts and ends. Returns its wall seconds; raises RunFailed (a non-zero exit
+    or past ``timeout`` seconds) with the log's tail."""
+    print(f"  {label}: started", flush=True)
+    t0 = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"$ {shlex.join(argv).replace(shlex.quote(BOOTSTRAP), '<BOOTSTRAP>')}\n")
+        f.flush()
+        try:
+            proc = subprocess.run(argv, cwd=checkout, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            rc = f"exit {proc.returncode}" if proc.returncode else ""
+        except subprocess.TimeoutExpired:
+            rc = f"timeout after {timeout:.0f} s"
+    dt = time.perf_counter() - t0
+    print(f"  {label}: finished in {dt:.1f} s" + (f" ({rc})" if rc else ""), flush=True)
+    if rc:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise RunFailed(f"{label}: {rc}; the end of {log}:\n{tail}")
+    return dt
+
+
 def run_case(
     case: Case, side: str, checkout: Path, run: Path, python: str, threads: int, timeout: float
 ) -> tuple[dict[str, list[tuple[int, float]]], float]:
@@ -401,22 +423,7 @@ def run_case(
     for i, args in enumerate(commands, 1):
         argv = [python, "-c", BOOTSTRAP, str(checkout / "recipes" / "train.py"), *_fill(args, run)]
         part = f" part {i}/{len(commands)}" if len(commands) > 1 else ""
-        print(f"  {case.name} [{side}]{part}: started", flush=True)
-        t0 = time.perf_counter()
-        with open(log, "a") as f:
-            f.write(f"$ {shlex.join(argv).replace(shlex.quote(BOOTSTRAP), '<BOOTSTRAP>')}\n")
-            f.flush()
-            try:
-                proc = subprocess.run(argv, cwd=checkout, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-                rc = f"exit {proc.returncode}" if proc.returncode else ""
-            except subprocess.TimeoutExpired:
-                rc = f"timeout after {timeout:.0f} s"
-        dt = time.perf_counter() - t0
-        seconds += dt
-        print(f"  {case.name} [{side}]{part}: finished in {dt:.1f} s" + (f" ({rc})" if rc else ""), flush=True)
-        if rc:
-            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-            raise RunFailed(f"{case.name} [{side}]: {rc}; the end of {log}:\n{tail}")
+        seconds += run_logged(argv, checkout, env, log, timeout, f"{case.name} [{side}]{part}")
     return read_scalars(run), seconds
 
 

@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -49,6 +47,7 @@ from bit_identity import (  # noqa: E402
     child_env,
     git,
     read_scalars,
+    run_logged,
     same_value,
     shift_steps,
     step_origin,
@@ -69,28 +68,17 @@ def run_main_job(checkout: Path, run: Path, steps: int, kernels: str, timeout: f
     if reuse and (run / "finished.json").is_file():
         print(f"  {run.name}: read from {run} (--reuse)", flush=True)
         return read_scalars(run)
-    env = child_env(checkout, 0)
-    env.pop("OMP_NUM_THREADS", None)  # threads=auto, as the main job runs
-    env.update({k: v for k, v in os.environ.items() if k == "OMP_NUM_THREADS"})
+    env = child_env(checkout, 1)
+    del env["OMP_NUM_THREADS"]  # threads=auto, as the main job runs; an exported OMP_NUM_THREADS is kept
+    env.update({k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ})
     check_imports_own_code(sys.executable, checkout, env)
     args = [str(checkout / "recipes" / "train.py"), f"trainer.max_steps={steps}", "eval.num_examples=0", "seed=0",
             f"hydra.run.dir={run}"]  # fmt: skip
     if kernels != "default":
         args.append(f"kernels={kernels}")
     argv = [sys.executable, "-c", BOOTSTRAP, *args] if kernels == "batch_invariant" else [sys.executable, *args]
-    log = run.parent / f"{run.name}.log"
     run.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            proc = subprocess.run(argv, cwd=checkout, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-            rc = f"exit {proc.returncode}" if proc.returncode else ""
-        except subprocess.TimeoutExpired:
-            rc = f"timeout after {timeout:.0f} s"
-    print(f"  {run.name}: {time.perf_counter() - t0:.0f} s" + (f" ({rc})" if rc else ""), flush=True)
-    if rc:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        raise RunFailed(f"{run.name}: {rc}; the end of {log}:\n{tail}")
+    run_logged(argv, checkout, env, run.parent / f"{run.name}.log", timeout, run.name)
     return read_scalars(run)
 
 

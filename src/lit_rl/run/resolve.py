@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from ..config import ConfigError, check_lora_kernels, static_world_size
 from ..corrections import sc_tail_samples
 from ..rollout.engines import on_cuda, resolve_auto
+from ..schema.loss import TAIL_DRAWS_NOT_FROM_VLLM
 from .callbacks import AdaptiveThreads, adaptive_threads
 from .hardware import (
     auto_threads,
@@ -36,10 +37,7 @@ def resolve_engine(cfg: DictConfig) -> None:
     with open_dict(cfg):
         refusal = vllm_refusal(cfg.model, on_cuda()) if cfg.engine.name in ("auto", "vllm") else None
         if refusal is None and cfg.engine.name in ("auto", "vllm") and sc_tail_samples(cfg.correction):
-            refusal = (
-                "correction.sc.tail=sampled draws tail tokens from the sampler's own distribution at every "
-                "position, which vLLM's log-prob output (its top-k) does not give"
-            )
+            refusal = f"correction.sc.tail=sampled draws tail tokens {TAIL_DRAWS_NOT_FROM_VLLM}"
         if cfg.engine.name == "auto":
             cfg.engine.name = resolve_auto(OmegaConf.to_container(cfg.engine), refusal)
             why = f" ({refusal})" if refusal and cfg.engine.name == "torch" else ""

@@ -8,6 +8,11 @@ from typing import ClassVar, Optional
 
 from .base import Number, Problems, int_rule, is_number, rule
 
+#: why vLLM cannot serve ``correction.sc.tail=sampled`` (the refusal here, ``engine=auto``'s choice in run.resolve)
+TAIL_DRAWS_NOT_FROM_VLLM = (
+    "from the sampler's own distribution at every position, which vLLM's log-prob output (its top-k) does not give"
+)
+
 
 @dataclass
 class TisConfig:
@@ -172,8 +177,8 @@ class CorrectionConfig:
             not (sc.enabled and sc.tail == "sampled" and engine == "vllm"),
             "correction.sc.tail",
             sc.tail,
-            "rescaled with engine=vllm: the sampled tail needs tail tokens drawn from the sampler's own distribution "
-            "at every position, which vLLM's log-prob output (its top-k) does not give; use engine=torch",
+            f"rescaled with engine=vllm: the sampled tail needs tail tokens drawn {TAIL_DRAWS_NOT_FROM_VLLM}; "
+            "use engine=torch",
         )
 
     def bypass_problems(self, run) -> Problems:

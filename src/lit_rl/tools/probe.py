@@ -624,9 +624,9 @@ def write_report(cfg, out: Path, reference: Cell, results: dict, sketch, n_promp
     wall = time.perf_counter() - t_start
     n_seq = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     samplers = {s.name: str(s.sampler) for s in cfg.probe.settings if s.sampler is not None}  # stale samplers
+    notes = [f"batches from seed offset {cfg.probe.seed_offset}"] if cfg.probe.seed_offset else []
     runs_on = "".join(
-        [f"; batches from seed offset {cfg.probe.seed_offset}" if cfg.probe.seed_offset else ""]
-        + [f"; setting {k} samples with the weights of {v}" for k, v in samplers.items()]
+        f"; {n}" for n in notes + [f"setting {k} samples with the weights of {v}" for k, v in samplers.items()]
     )
     header = (
         f"# Gradient-bias probe: {cfg.model.name_or_path}, algo={cfg.algo.name}, task={cfg.task.name}\n\n"

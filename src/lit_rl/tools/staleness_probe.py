@@ -107,13 +107,6 @@ def jackknife_groups(fn: Callable[..., float], *samples: Tensor, paired: int = 1
     return full, math.sqrt(var)
 
 
-#: a save_pretrained folder's weight files, one of which a sampler folder must hold
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 #: the config fields that fix a causal LM's parameter shapes (compared where both configs have them)
 SHAPE_FIELDS = (
     "model_type",
@@ -130,24 +123,27 @@ SHAPE_FIELDS = (
 
 def check_sampler_folder(folder: str, model, field: str) -> None:
     """Before any model loads: ``folder`` (``probe.settings[i].sampler``) is a save_pretrained folder (config.json
-    and one of ``WEIGHT_FILES``) whose config has the shapes of ``model`` (the run's ``model`` group:
+    and one of transformers' weight files) whose config has the shapes of ``model`` (the run's ``model`` group:
     ``SHAPE_FIELDS`` equal where both configs set them). Raises ConfigError naming ``field``, the folder and the
     first fields that differ, as "sampler X, policy Y"."""
     from pathlib import Path
 
-    from ..config import ConfigError
-    from ..models import load_model_config
+    from transformers import AutoConfig
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
+    from ..config import ConfigError
+    from ..run.model_checks import model_config
+
+    weight_files = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{field}={folder}: not a model folder (no config.json); use a save_pretrained folder, e.g. "
                           "<run>/policy_step{n}/ of a run with checkpoint.export_at_steps")  # fmt: skip
-    if not any((path / f).is_file() for f in WEIGHT_FILES):
-        raise ConfigError(f"{field}={folder}: config.json but no weights (none of {', '.join(WEIGHT_FILES)})")
-    from transformers import AutoConfig
-
+    if not any((path / f).is_file() for f in weight_files):
+        raise ConfigError(f"{field}={folder}: config.json but no weights (none of {', '.join(weight_files)})")
     theirs = AutoConfig.from_pretrained(str(path)).to_dict()
-    mine = load_model_config(model.name_or_path, bool(model.get("trust_remote_code", False))).to_dict()
+    policy = model_config(model)  # None when unreadable: the policy's own load reports that, by name
+    mine = policy.to_dict() if policy is not None else {}
     odd = [f"{k}: sampler {theirs[k]}, policy {mine[k]}" for k in SHAPE_FIELDS
            if k in theirs and k in mine and theirs[k] != mine[k]]  # fmt: skip
     if odd:
