@@ -384,22 +384,37 @@ ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 128 * 1024
 logits = torch.randn(64, 49152).to(torch.bfloat16)  # a decode step's logits at 64 rows, SmolLM2's vocabulary
 
 
-def faults_per_call(pick, calls=5, rounds=3):
+# the tied output layer's weight of SmolLM2 as the update's bf16 products leave its gradient: [49152, 576], 113 MB
+# in float32 once cast back (and the [512, 49152] float32 logits of a scoring chunk, 100 MB, alike)
+head_grad = torch.randn(49152, 576).to(torch.bfloat16)
+
+
+def decode_step():
+    torch.log_softmax(logits.float() / 0.7, -1)  # the sampler's log-probs (``logprobs.process_logits``)
+
+
+def update_chunk():
+    head_grad.float().mul_(2)
+
+
+def faults_per_call(pick, call, calls=5, rounds=3):
     # `pick` (max or min) of the minor page faults per call over `rounds` rounds of `calls` calls, after a warm-up
     for _ in range(2):  # warm-up: the heap grows to what a call needs
-        torch.log_softmax(logits.float() / 0.7, -1)  # the sampler's log-probs (``logprobs.process_logits``)
+        call()
     counts = []
     for _ in range(rounds):
         start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(calls):
-            torch.log_softmax(logits.float() / 0.7, -1)
+            call()
         counts.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start) / calls)
     return pick(counts)
 
 
-before = faults_per_call(max)  # glibc's default threshold: the pages come back round after round
+before = faults_per_call(max, decode_step)  # glibc's default threshold: the pages come back round after round
+big_before = faults_per_call(max, update_chunk)  # a fresh mmap every call (above any threshold glibc sets itself)
 line = keep_freed_memory({})
-print(before, faults_per_call(min), line)  # kept: a round without a fault once the heap holds a call's buffers
+# kept: a round without a fault once the heap holds a call's buffers
+print(before, faults_per_call(min, decode_step), big_before, faults_per_call(min, update_chunk), line)
 """
 
 
@@ -418,10 +433,12 @@ def test_keep_freed_memory_ends_the_page_faults_of_each_decode_steps_buffers():
     out = subprocess.run(
         [sys.executable, "-c", FAULTS_SCRIPT], capture_output=True, text=True, check=True, env={**os.environ}
     )
-    before, after, line = out.stdout.split(" ", 2)
+    before, after, big_before, big_after, line = out.stdout.split(" ", 4)
     assert float(before) > 1000, out.stdout  # a 12.6 MB buffer is 3,072 pages: faulted in again, call after call
     assert float(after) < float(before) / 10, out.stdout
-    assert line.startswith("malloc: freed memory kept (mmap threshold 64 MiB, trim threshold 256 MiB)")
+    assert float(big_before) > 20000, out.stdout  # 113 MB: 27,648 pages
+    assert float(big_after) < 1000, out.stdout
+    assert line.startswith("malloc: freed memory kept (mmap threshold 1024 MiB, trim threshold 2048 MiB)")
 
 
 def test_keep_freed_memory_leaves_a_users_malloc_settings_alone():

@@ -93,8 +93,13 @@ def set_omp_defaults(environ=None) -> dict[str, str]:
 #: to the kernel and every step faults them in again: 2,930 minor page faults per decode step under bf16
 #: autocast, 120 with these settings; the sampler's log-probs of [64, 49152] bf16 logits took 54 ms with 9,184
 #: faults per call, 3.5 ms with 614 (AMD EPYC, 1 thread, a shared machine: the counts are the robust figures).
-MALLOC_MMAP_THRESHOLD = 64 << 20
-MALLOC_TRIM_THRESHOLD = 256 << 20
+#: The update's largest buffers are bigger: the tied output layer's float32 gradient ([49152, 576], 113 MB, cast
+#: back from each chunk's bf16 product) and the [512, 49152] float32 logits of a ``logprob_chunk_tokens`` chunk
+#: (100 MB). At a 64 MiB threshold each was a fresh mmap: 480,000-800,000 minor page faults and 14.2-14.6 s for
+#: one GRPO update of the main job's shape under bf16 autocast as Lightning enters it; at 1 GiB / 2 GiB, 0 faults
+#: and 9.4 s after the first update (AMD EPYC with AVX512-BF16, 2 threads, alone; benchmarks/README.md, issue 34).
+MALLOC_MMAP_THRESHOLD = 1 << 30
+MALLOC_TRIM_THRESHOLD = 2 << 30
 #: exported variables that already say how glibc returns memory: when one is set, keep_freed_memory changes nothing
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
@@ -120,7 +125,8 @@ def keep_freed_memory(environ=None) -> str:
         return "malloc: glibc refused the thresholds, left as it is"
     return (
         f"malloc: freed memory kept (mmap threshold {MALLOC_MMAP_THRESHOLD >> 20} MiB, trim threshold "
-        f"{MALLOC_TRIM_THRESHOLD >> 20} MiB): no page faults for the buffers each decode step frees and takes again"
+        f"{MALLOC_TRIM_THRESHOLD >> 20} MiB): no page faults for the buffers each decode step and micro-batch "
+        "frees and takes again"
     )
 
 
