@@ -51,6 +51,47 @@ def test_values_and_gradients_equal_the_generic_path(temperature, with_head, ent
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6 * float(a.abs().max()))
 
 
+def chunked(chunk_tokens, autocast, entropy_grad=True):
+    """Values and gradients of one call over every row in chunks of ``chunk_tokens`` (None: one call per chunk of
+    5 rows, as the caller ran before), with the [V, H] weight casts counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden, weight, bias, targets, head, (w_lp, w_en, w_hd) = inputs()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
+            if chunk_tokens is None:
+                parts = [
+                    FusedChunkLogprobs.apply(
+                        hidden[s : s + 5], weight, bias, targets[s : s + 5], head[s : s + 5], 0.7, True, entropy_grad
+                    )  # fmt: skip
+                    for s in range(0, R, 5)
+                ]
+                lp, en, hd = (torch.cat(p) for p in zip(*parts))
+            else:
+                lp, en, hd = FusedChunkLogprobs.apply(hidden, weight, bias, targets, head, 0.7, True, entropy_grad,
+                                                      chunk_tokens)  # fmt: skip
+        ((lp * w_lp).sum() + (hd * w_hd).sum() + (en * w_en).sum()).backward()
+    casts = sum(e.count for e in prof.key_averages(group_by_input_shape=True)
+                if e.key == "aten::_to_copy" and e.input_shapes and e.input_shapes[0] == [V, H])  # fmt: skip
+    return [lp, en, hd], [hidden.grad, weight.grad, bias.grad], casts
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_chunks_in_one_call_give_the_values_of_one_call_per_chunk_with_the_weight_cast_once_each_way(autocast):
+    values, grads, casts = chunked(None, autocast)
+    values_1, grads_1, casts_1 = chunked(5, autocast)
+    for a, b in zip(values, values_1):
+        assert torch.equal(a, b)  # each chunk's forward is the same computation
+    for a, b in zip(grads, grads_1):  # the weight's gradient summed over chunks in another order
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7 * float(a.abs().max()))
+    assert torch.equal(grads[0], grads_1[0])  # the hidden states' gradients are per row: the same bits
+    chunks = -(-R // 5)
+    # bf16 autocast: a call per chunk cast the [V, H] weight three times a chunk (the forward's product, the
+    # backward's input gradient, its gradient back to float32; the backward's recomputed product hits custom_bwd's
+    # cast cache); one call casts the weight once each way and converts each chunk's gradient once as it adds it
+    assert (casts, casts_1) == ((3 * chunks, 2 + chunks) if autocast else (0, 0))
+
+
 def test_entropy_is_a_detached_diagnostic_unless_asked():
     hidden, weight, bias, targets, _, _ = inputs()
     _, entropy, _ = FusedChunkLogprobs.apply(hidden, weight, bias, targets, None, 1.0, True, False)

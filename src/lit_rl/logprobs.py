@@ -205,33 +205,50 @@ class FusedChunkLogprobs(torch.autograd.Function):
     the passes over the [rows, V] logits.
 
     forward(hidden [R, H], weight [V, H], bias [V] or None, targets [R] int64, head_ids [R, k] int64 or None,
-    temperature > 0, with_entropy, entropy_grad) -> (token log-probs [R], entropies [R], head log-probs [R, k]),
-    float32. z = (hidden W^T + b) / T in float32 (the product in the autocast dtype, as the model's own
-    forward); log p(y) = z_y - logsumexp(z); H = logsumexp(z) - sum_v p_v z_v. Only hidden, the ids and the
-    [R] log-sum-exp are kept; the backward recomputes z (one product, as activation checkpointing did) and
-    applies d log p(y) / dz = onehot(y) - p and dH / dz = -p (log p + H) (the latter only with
-    ``entropy_grad``; otherwise the entropy is a detached diagnostic), then the two products of the linear
-    layer's backward. Autocast is restored in the backward as it was in the forward (``torch.amp.custom_bwd``).
+    temperature > 0, with_entropy, entropy_grad, chunk_tokens (rows per chunk; None: all R at once)) ->
+    (token log-probs [R], entropies [R], head log-probs [R, k]), float32. z = (hidden W^T + b) / T in float32
+    (the product in the autocast dtype, as the model's own forward); log p(y) = z_y - logsumexp(z);
+    H = logsumexp(z) - sum_v p_v z_v. Only hidden, the ids and the [R] log-sum-exp are kept; the backward
+    recomputes z (one product, as activation checkpointing did) and applies d log p(y) / dz = onehot(y) - p and
+    dH / dz = -p (log p + H) (the latter only with ``entropy_grad``; otherwise the entropy is a detached
+    diagnostic), then the two products of the linear layer's backward. Autocast is restored in the backward as it
+    was in the forward (``torch.amp.custom_bwd``).
+
+    The rows run in chunks of ``chunk_tokens`` (the [chunk, V] float32 logits alive at once), all in one call:
+    under autocast the weight is cast once for the forward's chunks and once for the backward's (a call per chunk
+    under autocast as Lightning enters it, ``cache_enabled=False``, cast the [V, H] weight three times a chunk:
+    113 MB each in float32 for SmolLM2), and the weight's gradient is summed over the chunks in float32 in one
+    buffer (each chunk's bf16 product converted and added, as autograd summed one float32 gradient per chunk
+    before). The same values and gradients as one call per chunk, up to the order of that float32 sum.
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
-    def forward(ctx, hidden, weight, bias, targets, head_ids, temperature, with_entropy, entropy_grad):
-        z = F.linear(hidden, weight, bias).float()
-        if temperature != 1.0:
-            z = z / temperature
-        lse = torch.logsumexp(z, dim=-1)
+    def forward(
+        ctx, hidden, weight, bias, targets, head_ids, temperature, with_entropy, entropy_grad, chunk_tokens=None
+    ):
+        w = _autocast_weight(weight)
         ids = targets.unsqueeze(-1) if head_ids is None else torch.cat([targets.unsqueeze(-1), head_ids], dim=-1)
-        picked = z.gather(-1, ids) - lse.unsqueeze(-1)
-        if with_entropy:
-            # sum_v p_v z_v as an elementwise product and a sum: float32 under autocast too (a dot product would be
-            # cast to bf16)
-            entropy = lse - (z - lse.unsqueeze(-1)).exp_().mul_(z).sum(-1)
-        else:
-            entropy = torch.zeros_like(lse)
+        rows = hidden.shape[0]
+        step = max(1, chunk_tokens or rows)
+        lse = hidden.new_empty(rows, dtype=torch.float32)
+        picked = hidden.new_empty(ids.shape, dtype=torch.float32)
+        entropy = hidden.new_zeros(rows, dtype=torch.float32)
+        for start in range(0, rows, step):
+            part = slice(start, start + step)
+            z = F.linear(hidden[part], w, bias).float()
+            if temperature != 1.0:
+                z = z / temperature
+            lse[part] = torch.logsumexp(z, dim=-1)
+            picked[part] = z.gather(-1, ids[part]) - lse[part].unsqueeze(-1)
+            if with_entropy:
+                # sum_v p_v z_v as an elementwise product and a sum: float32 under autocast too (a dot product
+                # would be cast to bf16)
+                entropy[part] = lse[part] - (z - lse[part].unsqueeze(-1)).exp_().mul_(z).sum(-1)
         ctx.entropy_grad = bool(with_entropy and entropy_grad)
         ctx.temperature = float(temperature)
         ctx.has_bias = bias is not None
+        ctx.step = step
         ctx.save_for_backward(hidden, weight, bias if bias is not None else weight.new_empty(0), ids, lse, entropy)
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -241,28 +258,52 @@ class FusedChunkLogprobs(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, g_token, g_entropy, g_head):
         hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
-        logits = F.linear(hidden, weight, bias if ctx.has_bias else None)
-        z = logits.float()
-        if ctx.temperature != 1.0:
-            z = z / ctx.temperature  # (else z is the recomputed product itself: only its dtype is read below)
+        bias = bias if ctx.has_bias else None
+        w = _autocast_weight(weight)
         g_ids = g_token.unsqueeze(-1) if g_head is None else torch.cat([g_token.unsqueeze(-1), g_head], dim=-1)
-        g_sum = g_ids.sum(-1, keepdim=True)
-        logp = z.sub_(lse.unsqueeze(-1))
-        if ctx.entropy_grad and g_entropy is not None:
-            p = logp.exp()
-            # -g_sum p - g_H p (log p + H), in place over log p
-            grad = p.mul_(logp.add_(entropy.unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1)).add_(g_sum)).neg_()
-        else:
-            grad = logp.exp_().mul_(-g_sum)
-        grad.scatter_add_(-1, ids, g_ids)
-        if ctx.temperature != 1.0:
-            grad = grad.div_(ctx.temperature)
-        grad = grad.to(logits.dtype)
-        w = weight.to(logits.dtype)
-        grad_hidden = (grad @ w).to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_weight = (grad.t() @ hidden.to(logits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0).to(bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = grad_bias = None
+        for start in range(0, hidden.shape[0], ctx.step):
+            part = slice(start, start + ctx.step)
+            logits = F.linear(hidden[part], w, bias)
+            grad = _logit_grad(ctx, logits, lse[part], entropy[part], ids[part], g_ids[part], g_entropy, part)
+            if want_hidden:
+                grad_hidden[part] = grad @ w.to(logits.dtype)
+            if want_weight:
+                chunk = grad.t() @ hidden[part].to(logits.dtype)
+                grad_weight = chunk.to(weight.dtype) if grad_weight is None else grad_weight.add_(chunk)
+            if ctx.has_bias and want_bias:
+                chunk = grad.sum(0)
+                grad_bias = chunk.to(bias.dtype) if grad_bias is None else grad_bias.add_(chunk)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _autocast_weight(weight: Tensor) -> Tensor:
+    """``weight`` as autocast's ``F.linear`` would cast it (to the CPU autocast dtype when autocast is on and the
+    weight is float32), cast here once: the same values, so the same products."""
+    if torch.is_autocast_enabled("cpu") and weight.dtype == torch.float32:
+        return weight.to(torch.get_autocast_dtype("cpu"))
+    return weight
+
+
+def _logit_grad(ctx, logits, lse, entropy, ids, g_ids, g_entropy, part) -> Tensor:
+    """The gradient of ``FusedChunkLogprobs``' outputs with respect to one chunk's logits, in their dtype."""
+    z = logits.float()
+    if ctx.temperature != 1.0:
+        z = z / ctx.temperature  # (else z is the recomputed product itself: only its dtype is read below)
+    g_sum = g_ids.sum(-1, keepdim=True)
+    logp = z.sub_(lse.unsqueeze(-1))
+    if ctx.entropy_grad and g_entropy is not None:
+        p = logp.exp()
+        # -g_sum p - g_H p (log p + H), in place over log p
+        grad = p.mul_(logp.add_(entropy.unsqueeze(-1)).mul_(g_entropy[part].unsqueeze(-1)).add_(g_sum)).neg_()
+    else:
+        grad = logp.exp_().mul_(-g_sum)
+    grad.scatter_add_(-1, ids, g_ids)
+    if ctx.temperature != 1.0:
+        grad = grad.div_(ctx.temperature)
+    return grad.to(logits.dtype)
 
 
 def fused_head_applies(top_k: int, top_p: float, transform: "HeadTransform | None") -> bool:
@@ -513,6 +554,16 @@ def response_logprobs(
     ent = hidden.new_zeros(n * t, dtype=torch.float32)
     head = hidden.new_zeros(n * t, k, dtype=torch.float32)
     fused = fused_head_applies(top_k, top_p, transform)
+    if torch.is_grad_enabled() and fused:  # one call for every chunk: the weight cast once each way
+        lp, en, hd = FusedChunkLogprobs.apply(
+            flat_h[rows], head_weight, head_bias, flat_y[rows], flat_head[rows] if k else None,
+            temperature, with_entropy, entropy_grad, chunk_tokens,
+        )  # fmt: skip
+        logp, ent = logp.index_put((rows,), lp), ent.index_put((rows,), en)
+        head = head.index_put((rows,), hd) if k else head
+        return TokenScores(
+            logp.view(n, t), ent.view(n, t), head.view(n, t, k) if k else None, hidden if return_hidden else None
+        )
     for start in range(0, rows.numel(), chunk_tokens):
         idx = rows[start : start + chunk_tokens]
         args = (
@@ -528,9 +579,7 @@ def response_logprobs(
             transform,
             entropy_grad,
         )
-        if torch.is_grad_enabled() and fused:
-            lp, en, hd = FusedChunkLogprobs.apply(*args[:4], args[6], temperature, with_entropy, entropy_grad)
-        elif torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, en, hd = _chunk_logprobs(*args)
