@@ -145,3 +145,73 @@ def test_with_grad_tracked_the_layer_keeps_autocasts_cast_in_the_graph():
         expected = layer(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
     assert "forward" not in vars(layer)
+
+
+def test_tracked_casts_give_autocasts_values_and_gradients_with_one_cast_per_weight():
+    """``track=True`` (the update's forwards): a layer used three times in one graph gets the cast made once, and the
+    output and the float32 weight's gradient are autocast's own bit for bit (each use converts its gradient, summed
+    in float32 as with autocast's cast at every use)."""
+    layer = torch.nn.Linear(16, 8)
+    xs = [torch.randn(3, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def run(casts):
+        layer.zero_grad(set_to_none=True)
+        block = casts.installed(layer) if casts is not None else torch.enable_grad()
+        with block, lightning_autocast():
+            out = torch.cat([layer(x) for x in xs])
+            (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), layer.weight.grad.clone(), layer.bias.grad.clone()
+
+    expected = run(None)
+    casts = WeightCasts(track=True)
+    got = run(casts)
+    assert casts.made == 2  # weight and bias, once for the three uses
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert layer.weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kernels", ["default", "batch_invariant"])
+def test_the_update_casts_each_weight_once_with_the_loss_and_gradients_unchanged(tiny, monkeypatch, kernels):
+    """``RLModule.accumulate_gradients`` under Lightning's autocast: the policy's linear weights are cast once for
+    the whole update (``update_casts``), and the loss and every gradient equal those of autocast casting at every
+    forward, bit for bit, under either kernel mode."""
+    import contextlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from _common import as_rollout_batch, grpo_module
+
+    from lit_rl.algorithms.module import RLModule
+
+    model, tokenizer = tiny
+    module = grpo_module(model, tokenizer, 8, 4)
+    prompts = [p for p in chat_prompts(tokenizer, QUESTIONS[:2]) for _ in range(4)]
+    rb = as_rollout_batch(module, module.engine.generate(prompts, module.sampling, list(range(8))), 4)
+
+    def update():
+        model.zero_grad(set_to_none=True)
+        mode = BatchInvariantMode(model) if kernels == "batch_invariant" else contextlib.nullcontext()
+        with mode, lightning_autocast():
+            _, loss = module.accumulate_gradients(rb)
+        return loss, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    made, uses = [], []
+    real = WeightCasts.cast
+
+    def counted(self, tensor, dtype):
+        before = self.made
+        out = real(self, tensor, dtype)
+        uses.append(tensor is not None)
+        made.extend([id(tensor)] * (self.made - before))
+        return out
+
+    monkeypatch.setattr(WeightCasts, "cast", counted)
+    loss, grads = update()
+    # every linear weight but the output layer's (it casts its own, once each way) cast once, though used more often
+    assert len(made) == len(set(made)) == linear_weights(model) - 1 and sum(uses) >= 2 * len(made)
+    monkeypatch.setattr(RLModule, "update_casts", lambda self: contextlib.nullcontext())
+    loss_per_forward, grads_per_forward = update()
+    assert loss == loss_per_forward
+    assert len(grads) == len(grads_per_forward) and all(map(torch.equal, grads, grads_per_forward))

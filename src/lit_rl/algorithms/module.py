@@ -432,22 +432,23 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
             num_tokens, num_seqs = gathered[:, 0].sum(), gathered[:, 1].sum()
             passes = int(gathered[:, 2].max())
         loss_total = 0.0
-        for i in range(passes):
-            real = i < len(parts)
-            mb = parts[i] if real else self.padding_micro_batch(rb)
-            mb_stats = stats if real else MetricSums()
-            sync = world == 1 or i == passes - 1
-            with contextlib.nullcontext() if sync else self.trainer.strategy.block_backward_sync():
-                loss = self.micro_batch_loss(mb, mb_stats, num_tokens=num_tokens, num_seqs=num_seqs)
-                scaled = loss if world == 1 else loss * (world if real else 0.0)
-                if self._trainer is not None:
-                    self.manual_backward(scaled)
+        with self.update_casts():
+            for i in range(passes):
+                real = i < len(parts)
+                mb = parts[i] if real else self.padding_micro_batch(rb)
+                mb_stats = stats if real else MetricSums()
+                sync = world == 1 or i == passes - 1
+                with contextlib.nullcontext() if sync else self.trainer.strategy.block_backward_sync():
+                    loss = self.micro_batch_loss(mb, mb_stats, num_tokens=num_tokens, num_seqs=num_seqs)
+                    scaled = loss if world == 1 else loss * (world if real else 0.0)
+                    if self._trainer is not None:
+                        self.manual_backward(scaled)
+                    else:
+                        scaled.backward()
+                if real:
+                    loss_total += float(loss.detach())
                 else:
-                    scaled.backward()
-            if real:
-                loss_total += float(loss.detach())
-            else:
-                stats.touch(mb_stats)  # the same metric names on every rank, with nothing added
+                    stats.touch(mb_stats)  # the same metric names on every rank, with nothing added
         return stats, loss_total
 
     def micro_batches(self, rb: RolloutBatch) -> list[RolloutBatch]:
@@ -496,6 +497,15 @@ class RLModule(OptimizationMixin, OldPolicyMixin, StepLoggingMixin, EvaluationMi
         if isinstance(model, FullyShardedDataParallel):  # FSDP: score inside the unit's forward (its weights whole)
             return parallel.run_as_forward(model, self._score, mb, head_ids, kwargs)
         return self._score(model, mb, head_ids, kwargs)
+
+    def update_casts(self) -> contextlib.AbstractContextManager:
+        """The block of the update's micro-batches, in which each of the policy's linear weights is cast to
+        the autocast dtype once per update (its weights change only at the optimizer step), not at every forward as
+        autocast does under Lightning's ``bf16-mixed`` (``cache_enabled=False``): ``WeightCasts(track=True)``, the
+        same values and gradients (``TrackedCast``). Nothing is cast outside autocast or under FSDP."""
+        if self.sharded or isinstance(self.policy, FullyShardedDataParallel):
+            return contextlib.nullcontext()
+        return WeightCasts(track=True).installed(self.policy)
 
     def scoring_pass(self, model: torch.nn.Module | None = None) -> contextlib.AbstractContextManager:
         """A block of no-gradient forwards of ``model`` (default: the policy) in which each linear weight is cast to

@@ -1,4 +1,5 @@
-"""The engine's linear-layer weights cast to the autocast dtype once per rollout, not once per decode step.
+"""The engine's linear-layer weights cast to the autocast dtype once per rollout, not once per decode step; the
+update's once per update (``track``), not once per forward.
 
 Under ``torch.autocast`` every ``F.linear`` casts its float32 weight (and bias) to the autocast dtype. Autocast keeps
 such a cast only for a leaf tensor that requires grad, and only until its context exits, and only when the context
@@ -16,6 +17,12 @@ must stay in the autograd graph (grad mode on and a weight that requires grad), 
 A cast is made again when its weight changes: a weight sync writes the parameters in place, which bumps their
 version counters (``Tensor._version``), and moving or re-assigning a parameter changes its storage; ``clear``
 drops every cast (the engine calls it at each sync too, for writes through ``.data``, which no counter sees).
+
+The update (``RLModule.update_casts``, ``track=True``): its forwards need the cast in the autograd graph, so autocast
+cast every weight at every forward (a micro-batch's shared prompt forward and each completion bucket's, ~20 times a
+weight per update of the main job) and converted each use's gradient back. ``TrackedCast`` hands ``F.linear`` the
+cast made once, as a graph node per use whose backward converts that use's gradient as autocast's cast does: the same
+values and gradients bit for bit (``tests/test_weight_casts.py``, default and batch-invariant kernels).
 
 ``packed`` (``engine.packed_linear``: auto | true | false): under bf16 autocast on the CPU, a product of at most
 ``kernels.packed_linear.MAX_ROWS`` rows (a decode step's) runs from the weight's cast held in oneDNN's packed layout
@@ -41,13 +48,16 @@ class WeightCasts:
     is unchanged (same storage, same version counter). ``enabled`` False: ``installed`` does nothing (the per-step
     casts of autocast itself, a comparison's baseline). ``packed``: auto | True | False (default), the packed bf16
     products (module docstring; the engine's follow ``engine.packed_linear``; settable between blocks; ValueError
-    naming ``engine.packed_linear`` for another value). ``made``: casts made so far, ``packed_made``: packed weights
+    naming ``engine.packed_linear`` for another value). ``track``: where the cast must stay in the autograd graph (the
+    update's forwards), hand ``F.linear`` the cast made once through ``TrackedCast`` (one graph node per use, whose
+    backward is the cast's own) instead of leaving the cast to autocast at every forward. ``made``: casts made so
+    far, ``packed_made``: packed weights
     made so far (a test's and a benchmark's counts); ``packing``: (setting, threads, id(model)) -> whether
     ``kernels.packed_linear.resolve`` turned them on."""
 
-    def __init__(self, enabled: bool = True, packed=False):
+    def __init__(self, enabled: bool = True, packed=False, track: bool = False):
         packed_linear.check_setting(packed)
-        self.enabled, self.packed = enabled, packed
+        self.enabled, self.packed, self.track = enabled, packed, track
         self.made = self.packed_made = 0
         self._casts: dict[tuple[int, torch.dtype], tuple[Tensor, int, int, Tensor]] = {}
         self._packed: dict[int, tuple[Tensor, int, int, Tensor]] = {}
@@ -75,17 +85,30 @@ class WeightCasts:
         self.made += 1
         return cast
 
-    def params(self, module: torch.nn.Linear) -> tuple[Tensor, Tensor | None]:
+    def params(self, module: torch.nn.Linear, track: bool = True) -> tuple[Tensor, Tensor | None]:
         """(weight, bias) as ``linear_forward`` hands them to ``F.linear`` now: the casts under autocast, the layer's
-        own tensors outside it or where the cast must stay in the autograd graph (grad mode on and a weight or bias
-        that requires grad)."""
+        own tensors outside it; where the cast must stay in the autograd graph (grad mode on and a weight or bias
+        that requires grad), the layer's own tensors, or with ``self.track`` (and ``track``) the casts through
+        ``TrackedCast``."""
         weight, bias = module.weight, module.bias
         device = weight.device.type
-        tracked = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
-        if tracked or not torch.is_autocast_enabled(device):
+        if not torch.is_autocast_enabled(device):
             return weight, bias
+        tracked = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
         dtype = torch.get_autocast_dtype(device)
-        return self.cast(weight, dtype), self.cast(bias, dtype)
+        if not tracked:
+            return self.cast(weight, dtype), self.cast(bias, dtype)
+        if not (self.track and track):
+            return weight, bias
+        return self.tracked_cast(weight, dtype), self.tracked_cast(bias, dtype)
+
+    def tracked_cast(self, tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+        """``cast(tensor, dtype)`` as a node of the autograd graph when ``tensor`` requires grad
+        (``TrackedCast``): the same values as autocast's cast at this use, and the same gradient."""
+        cast = self.cast(tensor, dtype)
+        if cast is tensor or not tensor.requires_grad:
+            return cast
+        return TrackedCast.apply(tensor, cast)
 
     def packed_weight(self, weight: Tensor) -> Tensor:
         """``kernels.packed_linear.pack`` of ``weight``'s bf16 cast, made once and reused while ``weight`` keeps its
@@ -174,12 +197,30 @@ class WeightCasts:
 
 def linear_params(module: torch.nn.Module) -> tuple[Tensor, Tensor | None]:
     """(weight, bias) of a linear layer as its forward hands them to ``F.linear`` now: the casts of the
-    ``WeightCasts`` installed on it (``WeightCasts.params``), else its own tensors. For a caller that runs the layer's
-    product itself (the trainer's chunked output layer, ``logprobs.response_logprobs``)."""
+    ``WeightCasts`` installed on it (``WeightCasts.params``), else its own tensors; with the gradient tracked, its own
+    tensors (the caller casts once itself and sums the weight's gradient over its chunks in float32). For a caller
+    that runs the layer's product itself (the trainer's chunked output layer, ``logprobs.response_logprobs``)."""
     bound = vars(module).get("forward")
     if isinstance(bound, _Bound):
-        return bound.casts.params(module)
+        return bound.casts.params(module, track=False)
     return module.weight, module.bias
+
+
+class TrackedCast(torch.autograd.Function):
+    """``tensor.to(cast.dtype)`` for one use, its value ``cast`` (made once, outside the graph): forward returns a view
+    of ``cast``, backward returns the gradient in ``tensor``'s dtype, as autocast's own cast (``aten::_to_copy``)
+    does. Each use is its own node, so each use's gradient reaches ``tensor`` converted on its own and autograd sums
+    them in ``tensor``'s dtype, as with autocast's cast at every use: the same values and gradients, one cast
+    (``apply(tensor, cast)``)."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, cast: Tensor) -> Tensor:
+        ctx.dtype = tensor.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad.to(ctx.dtype), None
 
 
 class _Bound:
