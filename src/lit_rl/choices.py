@@ -100,6 +100,8 @@ KERNELS: Registry[str] = Registry(
 FP32_GEMM_CHOICES = ("auto", "aten", "onednn")
 #: ``kernels.linear_attention`` values (``kernels.linear_attention.resolve_linear_attention``)
 LINEAR_ATTENTION_CHOICES = ("auto", "chunked", "recurrent")
+#: ``kernels.attention_backward`` values (``kernels.attention_backward.resolve``)
+ATTENTION_BACKWARD_CHOICES = ("auto", "flash", "explicit")
 #: ``engine.packed_linear`` values (``kernels.packed_linear.resolve``)
 PACKED_LINEAR_CHOICES = ("auto", True, False)
 

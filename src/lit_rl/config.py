@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from .choices import (
     ALGO_CONFIGS,
     ALGORITHMS,
+    ATTENTION_BACKWARD_CHOICES,
     CORRECTIONS,
     FP32_GEMM_CHOICES,
     KERNELS,
@@ -182,8 +183,9 @@ def check_choices(cfg: DictConfig) -> None:
 
 
 def check_kernels(cfg: DictConfig) -> None:
-    """``kernels``, ``kernels.fp32_gemm`` and ``engine.packed_linear`` beside them; batch-invariant kernels keep
-    their own products (no oneDNN) and cover the CPU only (``trainer.accelerator``)."""
+    """``kernels``, ``kernels.fp32_gemm``, ``kernels.attention_backward`` and ``engine.packed_linear`` beside them;
+    batch-invariant kernels keep their own products and attention (no oneDNN) and cover the CPU only
+    (``trainer.accelerator``)."""
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     gemm = cfg.kernels.get("fp32_gemm", "auto")
@@ -191,6 +193,16 @@ def check_kernels(cfg: DictConfig) -> None:
     la = cfg.kernels.get("linear_attention", "auto")
     choices = f"choose one of {list(LINEAR_ATTENTION_CHOICES)}"
     _check(la in LINEAR_ATTENTION_CHOICES, "kernels.linear_attention", la, choices)
+    ab = cfg.kernels.get("attention_backward", "flash")
+    choices = f"choose one of {list(ATTENTION_BACKWARD_CHOICES)}"
+    _check(ab in ATTENTION_BACKWARD_CHOICES, "kernels.attention_backward", ab, choices)
+    _check(
+        not (kernels == "batch_invariant" and ab != "flash"),
+        "kernels.attention_backward",
+        ab,
+        "kernels=batch_invariant runs its own attention, forward and backward: leave kernels.attention_backward "
+        "at flash",
+    )
     _check(
         not (kernels == "batch_invariant" and gemm == "onednn"),
         "kernels.fp32_gemm",

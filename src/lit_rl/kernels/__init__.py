@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 
-from ..choices import KERNELS
+from ..choices import ATTENTION_BACKWARD_CHOICES, KERNELS
+from .attention_backward import active as attention_backward_active
+from .attention_backward import resolve as resolve_attention_backward
 from .batch_invariant import BatchInvariantMode
 from .fp32_gemm import OneDNNGemm
 from .fp32_gemm import resolve as resolve_fp32_gemm
@@ -36,18 +38,36 @@ class Stacked:
             mode.__exit__(*exc)
 
 
-def kernel_mode(name: str, *models, fp32_gemm: str = "aten", linear_attention: str = "auto"):
+def kernel_mode(
+    name: str,
+    *models,
+    fp32_gemm: str = "aten",
+    linear_attention: str = "auto",
+    attention_backward: str = "flash",
+    attention_dtype=None,
+):
     """``_base_mode(name, *models, fp32_gemm=...)`` together with ``LinearAttentionKernels`` for the Gated
     DeltaNet layers of ``models`` in ``resolve_linear_attention(linear_attention, name)`` (printed when the models
-    have such layers). Raises ValueError for a value outside the choices, naming the field."""
+    have such layers), and under ``default`` the trainer's attention backward ``attention_backward`` resolved for
+    ``models[0]`` at ``attention_dtype`` (``attention_backward.resolve``, printed unless flash). Raises ValueError
+    for a value outside the choices, naming the field."""
     from .linear_attention import check_vector_width, gated_deltanet_modules
 
     la = resolve_linear_attention(linear_attention, name)
-    if not gated_deltanet_modules(*models):
-        return _base_mode(name, *models, fp32_gemm=fp32_gemm)
-    if name == "batch_invariant" and la == "recurrent":
+    hybrid = bool(gated_deltanet_modules(*models))
+    if hybrid and name == "batch_invariant" and la == "recurrent":
         check_vector_width(*models)
     base = _base_mode(name, *models, fp32_gemm=fp32_gemm)
+    if name == "default" and models and attention_backward != "flash":
+        import torch
+
+        threshold, why = resolve_attention_backward(attention_backward, models[0], attention_dtype or torch.float32)
+        print(f"lit_rl: {why}", flush=True)
+        base = Stacked(base, attention_backward_active(threshold))
+    elif attention_backward not in ATTENTION_BACKWARD_CHOICES:
+        raise ValueError(f"kernels.attention_backward={attention_backward!r} is not allowed")
+    if not hybrid:
+        return base
     print(
         f"lit_rl: kernels.linear_attention={linear_attention} -> {la}: Gated DeltaNet layers run the {la} "
         + (

@@ -60,14 +60,14 @@ def attention(
 
 
 def install() -> None:
-    """Serve transformers' ``sdpa`` attention through ``attention`` (idempotent; process-wide, like transformers'
-    own registry: only single-query grouped calls change path)."""
+    """Serve transformers' ``sdpa`` attention through ``attention``, delegating to what was registered under it
+    (once per process; like transformers' own registry: only single-query grouped calls change path; other
+    wrappers, ``attention_backward``, may be registered before or after it)."""
     global _sdpa
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if current is attention:
+    if _sdpa is not None:  # registered once per process: a second wrap would make the chain a cycle
         return
-    _sdpa = current
+    _sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     AttentionInterface.register("sdpa", attention)

@@ -551,15 +551,24 @@ def enter_kernel_mode(cfg: TrainConfig, policy):
     """The run's kernel mode (``kernels``) for ``policy``, entered: it wraps the whole fit (rollouts, update,
     eval), and copies of the policy made by the module (engine.dtype, the KL reference) inherit it. float32
     products go through oneDNN or torch's BLAS, whichever is measured faster on the policy's shapes (on the CPU
-    at 32-true; under bf16-mixed autocast the products are bf16 and oneDNN's already). Raises ConfigError for a
-    model the mode does not cover (e.g. a norm layer the batch-invariant kernels do not know). ``fit`` leaves it
-    at the end of the run."""
+    at 32-true; under bf16-mixed autocast the products are bf16 and oneDNN's already); on the CPU the trainer's
+    attention backward is ``kernels.attention_backward``'s, resolved at the precision's compute dtype. Raises
+    ConfigError for a model the mode does not cover (e.g. a norm layer the batch-invariant kernels do not know).
+    ``fit`` leaves it at the end of the run."""
     precision = cfg.trainer.get("precision")
     gemm = cfg.kernels.fp32_gemm
     if gemm == "auto" and (uses_cuda(cfg.trainer.get("accelerator")) or precision_dtype(precision) != torch.float32):
         gemm = "aten"
+    backward = "flash" if uses_cuda(cfg.trainer.get("accelerator")) else cfg.kernels.attention_backward
     try:
-        mode = kernel_mode(cfg.kernels.name, policy, fp32_gemm=gemm, linear_attention=cfg.kernels.linear_attention)
+        mode = kernel_mode(
+            cfg.kernels.name,
+            policy,
+            fp32_gemm=gemm,
+            linear_attention=cfg.kernels.linear_attention,
+            attention_backward=backward,
+            attention_dtype=precision_dtype(precision),
+        )
         mode.__enter__()
     except ValueError as err:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r}: {err}") from err

@@ -107,6 +107,10 @@ class KernelsConfig:
     #: (transformers' split: chunked full forwards, recurrent decode) | recurrent (the recurrent algorithm on every
     #: forward, the chunked one's backward: ``kernels.linear_attention``)
     linear_attention: str = "auto"
+    #: the trainer's attention backward on the CPU under kernels=default: flash (torch's) | explicit (a float32
+    #: explicit-softmax backward) | auto (explicit where measured faster, by Lq x Lk: ``kernels.attention_backward``);
+    #: the forward, and so the log-probs, are unchanged; kernels=batch_invariant: flash
+    attention_backward: str = "flash"
 
 
 @dataclass

@@ -1,0 +1,319 @@
+"""The trainer's attention with torch's forward and an explicit-softmax backward (``kernels.attention_backward``).
+
+In the update every transformer layer's attention runs transformers' ``sdpa`` path: torch's
+``scaled_dot_product_attention``, on the CPU its flash kernel, forward and backward. The CPU flash backward is
+built for long sequences; at the update's shapes (micro-batches of 16 rows, 40-300 positions, 9 query heads on 3
+key/value heads of 64) it took 11x its forward (benchmarks/README.md, issue 34: 19% of the main job's update on an
+Intel Xeon). ``ExplicitBackward`` keeps the forward exactly as it was (the same call of transformers' ``sdpa``
+attention, so the same output bits: the log-probs, the loss and the engine-trainer gap do not change) and computes
+the backward from the saved inputs as batched float32 products:
+
+    S = scale * Q K^T (+ mask),  P = softmax(S),  dV = P^T dO,  dP = dO V^T,
+    dS = P * (dP - rowsum(P * dP)),  dQ = scale * dS K,  dK = scale * dS^T Q
+
+(the softmax's standard backward; Dao et al. 2022, Algorithm 2 without the tiling). The query heads that share a
+key/value head are one problem of H / KVH x Lq rows, so dK and dV sum over them inside the products. Under autocast
+the forward reads its inputs in the autocast dtype; the backward differentiates at those values, in float32, and
+returns each gradient in its input's dtype. Its gradients are not the flash backward's bits: on bf16 inputs they
+are closer to the float64 gradient (relative error ~1e-7 against the bf16 flash backward's ~3e-3,
+``tests/test_attention_backward.py``). It holds a [rows, H, Lq, Lk] float32 score block per chunk of rows
+(``CHUNK_BYTES``), so it wins where Lq x Lk is small and loses to the flash kernel's tiling at long sequences.
+
+``kernels.attention_backward``: ``flash`` (the default: torch's backward everywhere), ``explicit`` (this
+backward for every trainer attention call with a gradient), ``auto`` (this backward for calls with Lq x Lk at most a
+threshold that ``resolve`` measures once per CPU model, torch version, thread count, compute dtype and head shape and
+caches in ``<lit_rl cache>/attention_backward.json``, like ``kernels.fp32_gemm``; 0 where it never wins). Only under
+``kernels=default`` (the batch-invariant attention has its own backward) and on the CPU (on CUDA torch's flash
+backward is the fast one). Calls without a gradient (the engine, scoring passes), with dropout, soft-capping or a
+position bias keep transformers' path unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..choices import ATTENTION_BACKWARD_CHOICES as CHOICES
+
+#: float32 score bytes the backward holds at once: rows are taken in chunks of at most this much of S
+#: (a block that stays in the CPU's caches; one batch row at least)
+CHUNK_BYTES = 4 << 20
+#: ``auto`` uses the explicit backward up to the largest measured Lq x Lk where it takes at most
+#: 1 / MIN_SPEEDUP of the flash backward's time
+MIN_SPEEDUP = 1.1
+#: square lengths L (Lq = Lk = L) ``measure`` times, at ``MEASURE_ROWS`` rows of a causal, left-padded batch
+MEASURE_LENGTHS = (32, 64, 96, 128, 192, 256, 384, 512)
+MEASURE_ROWS = 16
+
+_delegate = None  # the ``sdpa`` attention found in transformers' registry at ``install``
+_threshold: int | None = None  # Lq x Lk up to which the explicit backward runs; None: not active
+
+
+def _scores_mask(mask: Tensor | None, causal: bool, lq: int, lk: int, device) -> Tensor | None:
+    """A boolean [B or 1, 1, Lq, Lk] mask of the keys each query row reads (True: read), or None for all."""
+    if mask is not None:
+        mask = mask[..., :lk]
+        return mask if mask.dtype == torch.bool else None
+    if causal:
+        return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)[None, None]
+    return None
+
+
+def explicit_grads(
+    query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dQ, dK, dV) in float32 of attention ``softmax(scale * Q K^T + mask) V`` at the given values.
+
+    query [B, H, Lq, d], key/value [B, KVH, Lk, d] (H a multiple of KVH), grad_out [B, H, Lq, d] (any float
+    dtype). ``mask``: None, a boolean [B or 1, 1, Lq, >= Lk] mask (True: the key is read) or a float additive one
+    of that shape; ``causal`` (with ``mask`` None): query i reads keys up to i + Lk - Lq. A query row that reads
+    no key has output 0 and gradient 0 (the flash kernel's convention). Rows are processed in chunks of at most
+    ``CHUNK_BYTES`` of scores. Returns dQ [B, H, Lq, d], dK and dV [B, KVH, Lk, d]."""
+    b, h, lq, d = query.shape
+    kvh, lk = key.shape[1], key.shape[2]
+    step = max(1, CHUNK_BYTES // max(1, h * lq * lk * 4))
+    boolean = _scores_mask(mask, causal, lq, lk, query.device)
+    additive = mask[..., :lk].float() if mask is not None and mask.dtype != torch.bool else None
+    grads = []
+    for i in range(0, b, step):
+        rows = slice(i, min(b, i + step))
+        sub_bool = boolean if boolean is None or boolean.shape[0] == 1 else boolean[rows]
+        sub_add = additive if additive is None or additive.shape[0] == 1 else additive[rows]
+        grads.append(
+            _chunk_grads(query[rows], key[rows], value[rows], grad_out[rows], sub_bool, sub_add, scale, h // kvh)
+        )
+    return tuple(torch.cat(parts) for parts in zip(*grads))
+
+
+def _chunk_grads(q, k, v, go, boolean, additive, scale, groups):
+    """``explicit_grads`` on one chunk of rows (masks already sliced to it)."""
+    b, h, lq, d = q.shape
+    kvh, lk = k.shape[1], k.shape[2]
+    qf = q.float().reshape(b, kvh, groups * lq, d)
+    kf, vf = k.float(), v.float()
+    dof = go.float().reshape(b, kvh, groups * lq, d)
+    s = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale).view(b, kvh, groups, lq, lk)
+    if additive is not None:
+        s = s + additive[:, :, None]
+    if boolean is not None:
+        s = s.masked_fill(~boolean[:, :, None], float("-inf"))
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    p = s.sub_(top).exp_()
+    p = p.div_(p.sum(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)).view(b, kvh, groups * lq, lk)
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    dp = torch.matmul(dof, vf.transpose(-1, -2))
+    ds = dp.sub_((p * dp).sum(-1, keepdim=True)).mul_(p)
+    dq = torch.matmul(ds, kf).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), qf).mul_(scale)
+    return dq.view(b, h, lq, d), dk, dv
+
+
+class ExplicitBackward(torch.autograd.Function):
+    """transformers' ``sdpa`` attention forward (``_delegate``, unchanged) with ``explicit_grads`` as its
+    backward. ``apply(module, query, key, value, attention_mask, scaling, is_causal, kwargs)`` returns the output
+    [B, Lq, H, d] the delegate returns."""
+
+    @staticmethod
+    def forward(ctx, module, query, key, value, attention_mask, scaling, is_causal, kwargs):
+        out, _ = _delegate(module, query, key, value, attention_mask, scaling=scaling, is_causal=is_causal, **kwargs)
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        read = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in (query, key, value)]
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        ctx.causal = bool(attention_mask is None and query.shape[2] > 1 and causal)
+        ctx.scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        ctx.dtypes = (query.dtype, key.dtype, value.dtype)
+        ctx.save_for_backward(*read, attention_mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, mask = ctx.saved_tensors
+        with torch.autocast(query.device.type, enabled=False):
+            dq, dk, dv = explicit_grads(query, key, value, grad_out.transpose(1, 2), mask, ctx.causal, ctx.scale)
+        dq, dk, dv = (g.to(dt) for g, dt in zip((dq, dk, dv), ctx.dtypes))
+        return None, dq, dk, dv, None, None, None, None
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention-interface contract (query [B, H, Lq, d], key/value [B, KVH, Lk, d]; returns
+    ([B, Lq, H, d], None)). Inside an ``active`` block, a call that records a gradient with Lq > 1, Lq x Lk at
+    most the threshold, no dropout, soft-capping or position bias runs ``ExplicitBackward``; every other call is
+    the delegate's (transformers' ``sdpa``, or whatever was registered under it at ``install``)."""
+    lq, lk = query.shape[2], key.shape[2]
+    if (
+        _threshold is None
+        or lq * lk > _threshold
+        or lq == 1
+        or dropout
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("output_attentions")
+        or not torch.is_grad_enabled()
+        or not any(t.requires_grad for t in (query, key, value))
+    ):
+        return _delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)  # fmt: skip
+    return ExplicitBackward.apply(module, query, key, value, attention_mask, scaling, is_causal, kwargs), None
+
+
+def install() -> None:
+    """Register ``attention`` as transformers' ``sdpa`` attention, delegating to the one registered before
+    (once per process, like transformers' registry; inert outside ``active``)."""
+    global _delegate
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if _delegate is not None:  # registered once per process: a second wrap would make the chain a cycle
+        return
+    _delegate = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register("sdpa", attention)
+
+
+class active:
+    """A context manager: the body runs with the explicit backward for trainer attention calls of
+    Lq x Lk <= ``threshold`` (``install``ed first; 0: none); leaving restores the threshold before. Re-enterable
+    (a run enters its kernel mode more than once), nestable."""
+
+    def __init__(self, threshold: int):
+        self.threshold = threshold
+        self._before: list[int | None] = []
+
+    def __enter__(self) -> "active":
+        global _threshold
+        install()
+        self._before.append(_threshold)
+        _threshold = self.threshold
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _threshold
+        _threshold = self._before.pop()
+
+
+def _operands(length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int = MEASURE_ROWS):
+    """Seeded query/key/value/grad tensors and a causal left-padded boolean mask of a micro-batch."""
+    gen = torch.Generator().manual_seed(length)
+    shape = (rows, heads, length, head_dim)
+    q = torch.randn(shape, generator=gen).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, length, head_dim, generator=gen).to(dtype) for _ in range(2))
+    go = torch.randn(shape, generator=gen).to(dtype)
+    pad = torch.randint(0, max(1, length // 4), (rows,), generator=gen)
+    keys = torch.arange(length)[None] >= pad[:, None]
+    mask = torch.ones(length, length, dtype=torch.bool).tril()[None] & keys[:, None]
+    return q, k, v, go, (mask | torch.eye(length, dtype=torch.bool)[None])[:, None]
+
+
+def measure(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, lengths=MEASURE_LENGTHS) -> dict:
+    """{L: flash backward seconds / explicit backward seconds} at ``MEASURE_ROWS`` rows of L positions (a causal,
+    left-padded boolean mask; keys and values repeated to the query heads as transformers passes them with a
+    mask), best of a few timings each. Stops after the first two lengths where the explicit one is slower."""
+    from .fp32_gemm import _best_of
+
+    ratios, slower = {}, 0
+    for length in lengths:
+        q, k, v, go, mask = _operands(length, heads, kv_heads, head_dim, dtype)
+        reps = heads // kv_heads
+        leaves = [t.requires_grad_() for t in (q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1))]
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask)
+
+        def flash(out=out, leaves=leaves):
+            torch.autograd.grad(out, leaves, go, retain_graph=True)
+
+        def explicit(q=q, k=k, v=v, go=go, mask=mask):
+            explicit_grads(q, k, v, go, mask, False, head_dim**-0.5)
+
+        seconds = max(0.02, 0.002 * length * length / 1024)
+        ratios[length] = _best_of(flash, seconds) / max(_best_of(explicit, seconds), 1e-12)
+        slower = slower + 1 if ratios[length] < MIN_SPEEDUP else 0
+        if slower >= 2:
+            break
+    return ratios
+
+
+def threshold_from(ratios: dict) -> int:
+    """Lq x Lk up to which ``auto`` runs the explicit backward: L^2 of the longest L before the first one where
+    it is not ``MIN_SPEEDUP`` faster (0 when the shortest is not)."""
+    best = 0
+    for length in sorted(ratios):
+        if ratios[length] < MIN_SPEEDUP:
+            break
+        best = length * length
+    return best
+
+
+def _cache_file() -> Path:
+    from ..models import cache_dir
+
+    return cache_dir() / "attention_backward.json"
+
+
+def head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head_dim) of ``model``'s attention (its text config), or None when it
+    does not say."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return int(heads), int(kv_heads), int(head_dim)
+
+
+def _serves(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs its attention through transformers' ``sdpa`` on the CPU (what ``attention`` serves)."""
+    params = next(iter(model.parameters()), None)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return params is not None and params.device.type == "cpu" and impl == "sdpa"
+
+
+def resolve(
+    setting: str, model: torch.nn.Module, dtype: torch.dtype, cache: Path | None = None, timer=measure
+) -> tuple[int, str]:
+    """(threshold on Lq x Lk, why) for ``kernels.attention_backward`` = ``setting``, ``model`` and the compute
+    dtype of its attention (bf16 under bf16-mixed autocast). ``flash``: 0. ``explicit``: unbounded. ``auto``:
+    ``threshold_from`` the ratios ``timer`` (default ``measure``, 2-10 s) gives on the model's head shape at the
+    current thread count, cached in ``<lit_rl cache>/attention_backward.json`` under the CPU model, torch
+    version, threads, dtype and head shape (delete it to measure again); a timing during which other processes
+    used more than a tenth of a core is not cached. Raises ValueError for another ``setting``."""
+    if setting not in CHOICES:
+        raise ValueError(f"kernels.attention_backward={setting!r} is not allowed: choose one of {list(CHOICES)}")
+    if setting == "flash":
+        return 0, "kernels.attention_backward=flash"
+    if setting == "explicit" and _serves(model):
+        return 1 << 62, "kernels.attention_backward=explicit: the explicit-softmax backward for every length"
+    if not _serves(model):
+        return 0, f"kernels.attention_backward={setting}: flash (it serves transformers' sdpa attention on the CPU)"
+    shape = head_shape(model)
+    if shape is None:
+        return 0, "kernels.attention_backward=auto: flash (the model's config gives no attention head shape)"
+    from ..run.hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
+
+    key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
+                    str(dtype).removeprefix("torch."), "heads={}/{}x{}".format(*shape)])  # fmt: skip
+    cache = _cache_file() if cache is None else cache
+    cached = read_cache(cache)
+    if key in cached:
+        ratios, when = {int(k): v for k, v in cached[key]["ratios"].items()}, f"measured {cached[key]['measured']}"
+    else:
+        start, t0 = _other_cpu_seconds(), time.perf_counter()
+        ratios = timer(*shape, dtype)
+        others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+        when = "measured now"
+        if others > 0.1:
+            when += f"; not cached: other processes used {others:.1f} cores meanwhile"
+        else:
+            cached[key] = {"ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M")}
+            write_cache(cache, cached)
+    threshold = threshold_from(ratios)
+    shown = ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratios.items()))
+    where = f"Lq x Lk <= {threshold} ({int(threshold**0.5)}^2)" if threshold else "no length (flash everywhere)"
+    return (
+        threshold,
+        f"kernels.attention_backward=auto: explicit backward for {where}; speed over flash {shown}; {when}",
+    )
