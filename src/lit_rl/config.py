@@ -188,35 +188,21 @@ def check_kernels(cfg: DictConfig) -> None:
     (``trainer.accelerator``)."""
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
-    gemm = cfg.kernels.get("fp32_gemm", "auto")
-    _check(gemm in FP32_GEMM_CHOICES, "kernels.fp32_gemm", gemm, f"choose one of {list(FP32_GEMM_CHOICES)}")
-    la = cfg.kernels.get("linear_attention", "auto")
-    choices = f"choose one of {list(LINEAR_ATTENTION_CHOICES)}"
-    _check(la in LINEAR_ATTENTION_CHOICES, "kernels.linear_attention", la, choices)
-    ab = cfg.kernels.get("attention_backward", "flash")
-    choices = f"choose one of {list(ATTENTION_BACKWARD_CHOICES)}"
-    _check(ab in ATTENTION_BACKWARD_CHOICES, "kernels.attention_backward", ab, choices)
-    _check(
-        not (kernels == "batch_invariant" and ab != "flash"),
-        "kernels.attention_backward",
-        ab,
-        "kernels=batch_invariant runs its own attention, forward and backward: leave kernels.attention_backward "
-        "at flash",
-    )
-    _check(
-        not (kernels == "batch_invariant" and gemm == "onednn"),
-        "kernels.fp32_gemm",
-        gemm,
-        "kernels=batch_invariant runs every product through its own blocked kernels: leave kernels.fp32_gemm at aten",
-    )
+    fields = {"fp32_gemm": ("auto", FP32_GEMM_CHOICES), "linear_attention": ("auto", LINEAR_ATTENTION_CHOICES),
+              "attention_backward": ("flash", ATTENTION_BACKWARD_CHOICES)}  # fmt: skip
+    value = {name: cfg.kernels.get(name, default) for name, (default, _) in fields.items()}
+    for name, (_, allowed) in fields.items():
+        _check(value[name] in allowed, f"kernels.{name}", value[name], f"choose one of {list(allowed)}")
+    own = "kernels=batch_invariant runs every product through its own blocked kernels: leave"
     packed = cfg.engine.get("packed_linear", "auto")
-    _check(
-        not (kernels == "batch_invariant" and packed is True),
-        "engine.packed_linear",
-        packed,
-        "kernels=batch_invariant runs every product through its own blocked kernels: leave engine.packed_linear at "
-        "auto (off under them) or false",
-    )
+    for field, got, bad, leave in (
+        ("kernels.fp32_gemm", value["fp32_gemm"], value["fp32_gemm"] == "onednn", f"{own} kernels.fp32_gemm at aten"),
+        ("engine.packed_linear", packed, packed is True,
+         f"{own} engine.packed_linear at auto (off under them) or false"),
+        ("kernels.attention_backward", value["attention_backward"], value["attention_backward"] != "flash",
+         "kernels=batch_invariant runs its own attention, forward and backward: leave it at flash"),
+    ):  # fmt: skip
+        _check(not (kernels == "batch_invariant" and bad), field, got, leave)
     if kernels == "batch_invariant":
         _check(
             cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"),
