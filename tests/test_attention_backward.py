@@ -24,8 +24,8 @@ def reference_grads(q, k, v, go, mask, causal, scale):
         s = s.masked_fill(~mask[..., :lk], float("-inf"))
     elif mask is not None:
         s = s + mask[..., :lk].double()
-    elif causal:
-        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    elif causal:  # SDPA's is_causal: aligned top-left (transformers cuts the keys to Lq first: the same function)
+        s = s.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)  # a row that reads no key: output 0
     (p @ vv).backward(go.double())
     return [t.grad for t in leaves]
@@ -184,6 +184,7 @@ def test_kernel_mode_enters_and_leaves_the_explicit_backward(tiny, tmp_path, mon
     model, _ = tiny
     monkeypatch.setattr(ab, "_cache_file", lambda: tmp_path / "attention_backward.json")
     monkeypatch.setattr(ab, "_threshold", None)
+    monkeypatch.setattr(ab, "_entered", [])
     mode = kernel_mode("default", model, attention_backward="explicit")
     for _ in range(2):  # a run enters its mode more than once
         with mode:
@@ -218,3 +219,66 @@ def test_sdpa_flash_forward_is_what_the_wrapper_returns():
         out, _ = ab.attention(module, q.requires_grad_(), k, v, None, scaling=0.5)
     want = F.scaled_dot_product_attention(q.detach(), k, v, is_causal=True, scale=0.5).transpose(1, 2)
     assert torch.equal(out.detach(), want)
+
+
+def transformers_module(groups: int, causal: bool = True) -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, causal
+    return module
+
+
+@pytest.mark.parametrize(
+    "case", ["causal, no mask, Lq < Lk", "per-head boolean", "2-D boolean", "3-D boolean", "additive needing grad"]
+)
+def test_the_wrapped_attention_gives_the_gradients_of_transformers_own(case):
+    """Through ``attention`` (the explicit backward on) and through transformers' ``sdpa`` attention itself, on the
+    same float32 inputs: the same outputs bit for bit and the same gradients (a mask that needs a gradient falls back
+    to transformers' path). The first case is the continuation transformers cuts to a square causal block."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, kvh, lq, lk, d = 2, 4, 2, 5, 5, 8
+    if case.startswith("causal"):
+        lk = 9
+    gen = torch.Generator().manual_seed(1)
+    base = [torch.randn(b, h, lq, d, generator=gen)] + [torch.randn(b, kvh, lk, d, generator=gen) for _ in range(2)]
+    go = torch.randn(b, lq, h, d, generator=gen)
+    keep = torch.rand(b, h, lq, lk, generator=gen) > 0.3
+    keep[..., 0] = True
+    mask = {
+        "causal, no mask, Lq < Lk": None,
+        "per-head boolean": keep,
+        "2-D boolean": keep[0, 0],
+        "3-D boolean": keep[0],  # [H, Lq, Lk]: SDPA aligns a mask's dimensions from the right
+        "additive needing grad": torch.randn(b, 1, lq, lk, generator=gen).requires_grad_(),
+    }[case]
+    module = transformers_module(h // kvh)
+    results = []
+    for wrapped in (True, False):
+        leaves = [t.clone().requires_grad_() for t in base]
+        m = mask.detach().clone().requires_grad_() if mask is not None and mask.requires_grad else mask
+        if wrapped:
+            ab.install()
+            with ab.active(1 << 62):
+                out, _ = ab.attention(module, *leaves, m, scaling=0.3)
+        else:
+            out, _ = sdpa_attention_forward(module, *leaves, m, scaling=0.3)
+        out.backward(go)
+        results.append((out.detach(), [t.grad for t in leaves], m.grad if m is not None and m.requires_grad else None))
+    (out, grads, mask_grad), (want, want_grads, want_mask_grad) = results
+    assert torch.equal(out, want)
+    for g, w in zip(grads, want_grads):
+        assert ((g - w).norm() / w.norm()).item() < 1e-5
+    assert (mask_grad is None) == (want_mask_grad is None)
+    if mask_grad is not None:
+        assert torch.equal(mask_grad, want_mask_grad)
+
+
+def test_blocks_left_out_of_order_leave_the_innermost_still_entered():
+    a, b = ab.active(100), ab.active(200)
+    before = ab._threshold
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert ab._threshold == 200
+    b.__exit__(None, None, None)
+    assert ab._threshold == before

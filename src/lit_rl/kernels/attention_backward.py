@@ -52,14 +52,20 @@ _delegate = None  # the ``sdpa`` attention found in transformers' registry at ``
 _threshold: int | None = None  # Lq x Lk up to which the explicit backward runs; None: not active
 
 
-def _scores_mask(mask: Tensor | None, causal: bool, lq: int, lk: int, device) -> Tensor | None:
-    """A boolean [B or 1, 1, Lq, Lk] mask of the keys each query row reads (True: read), or None for all."""
-    if mask is not None:
-        mask = mask[..., :lk]
-        return mask if mask.dtype == torch.bool else None
-    if causal:
-        return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)[None, None]
-    return None
+def _grouped_mask(mask: Tensor, kv_heads: int, groups: int, lq: int, lk: int) -> Tensor:
+    """``mask`` ([Lq, Lk], [H or 1, Lq, Lk] or [B or 1, H or 1, Lq, >= Lk]: aligned from the right, as SDPA
+    broadcasts it) as a 5-D
+    [B or 1, KVH or 1, groups or 1, Lq, Lk] view matching the scores' grouped layout (query head h = kv * groups + j,
+    as transformers' ``repeat_kv`` pairs them)."""
+    mask = mask[..., :lk]
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    elif mask.dim() == 3:
+        mask = mask[None]
+    heads = mask.shape[1]
+    if heads == 1:
+        return mask[:, :, None]
+    return mask.reshape(mask.shape[0], kv_heads, groups, lq, lk)
 
 
 def explicit_grads(
@@ -68,38 +74,39 @@ def explicit_grads(
     """(dQ, dK, dV) in float32 of attention ``softmax(scale * Q K^T + mask) V`` at the given values.
 
     query [B, H, Lq, d], key/value [B, KVH, Lk, d] (H a multiple of KVH), grad_out [B, H, Lq, d] (any float
-    dtype). ``mask``: None, a boolean [B or 1, 1, Lq, >= Lk] mask (True: the key is read) or a float additive one
-    of that shape; ``causal`` (with ``mask`` None): query i reads keys up to i + Lk - Lq. A query row that reads
-    no key has output 0 and gradient 0 (the flash kernel's convention). Rows are processed in chunks of at most
-    ``CHUNK_BYTES`` of scores. Returns dQ [B, H, Lq, d], dK and dV [B, KVH, Lk, d]."""
+    dtype). ``mask``: None, or a boolean (True: the key is read) or float additive mask that broadcasts as SDPA's
+    does ([Lq, Lk], [H or 1, Lq, Lk], [B or 1, H or 1, Lq, >= Lk]); ``causal`` (with ``mask`` None): SDPA's
+    ``is_causal``, query i reads keys up to i (aligned top-left; transformers cuts the keys to Lq first, the same
+    function). A query row that reads no key has output 0 and gradient 0 (the flash kernel's convention). Rows are
+    processed in chunks of at most ``CHUNK_BYTES`` of scores. Returns dQ [B, H, Lq, d], dK and dV [B, KVH, Lk, d].
+    Raises RuntimeError for a mask that does not broadcast so."""
     b, h, lq, d = query.shape
     kvh, lk = key.shape[1], key.shape[2]
+    groups = h // kvh
     step = max(1, CHUNK_BYTES // max(1, h * lq * lk * 4))
-    boolean = _scores_mask(mask, causal, lq, lk, query.device)
-    additive = mask[..., :lk].float() if mask is not None and mask.dtype != torch.bool else None
+    if mask is None and causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+    mask = _grouped_mask(mask, kvh, groups, lq, lk) if mask is not None else None
     grads = []
     for i in range(0, b, step):
         rows = slice(i, min(b, i + step))
-        sub_bool = boolean if boolean is None or boolean.shape[0] == 1 else boolean[rows]
-        sub_add = additive if additive is None or additive.shape[0] == 1 else additive[rows]
-        grads.append(
-            _chunk_grads(query[rows], key[rows], value[rows], grad_out[rows], sub_bool, sub_add, scale, h // kvh)
-        )
+        sub = mask if mask is None or mask.shape[0] == 1 else mask[rows]
+        grads.append(_chunk_grads(query[rows], key[rows], value[rows], grad_out[rows], sub, scale, groups))
     return tuple(torch.cat(parts) for parts in zip(*grads))
 
 
-def _chunk_grads(q, k, v, go, boolean, additive, scale, groups):
-    """``explicit_grads`` on one chunk of rows (masks already sliced to it)."""
+def _chunk_grads(q, k, v, go, mask, scale, groups):
+    """``explicit_grads`` on one chunk of rows (the mask grouped, ``_grouped_mask``, and sliced to it)."""
     b, h, lq, d = q.shape
     kvh, lk = k.shape[1], k.shape[2]
     qf = q.float().reshape(b, kvh, groups * lq, d)
     kf, vf = k.float(), v.float()
     dof = go.float().reshape(b, kvh, groups * lq, d)
     s = torch.matmul(qf, kf.transpose(-1, -2)).mul_(scale).view(b, kvh, groups, lq, lk)
-    if additive is not None:
-        s = s + additive[:, :, None]
-    if boolean is not None:
-        s = s.masked_fill(~boolean[:, :, None], float("-inf"))
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        s = s + mask.float()
     top = s.amax(-1, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     p = s.sub_(top).exp_()
@@ -142,7 +149,8 @@ class ExplicitBackward(torch.autograd.Function):
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention-interface contract (query [B, H, Lq, d], key/value [B, KVH, Lk, d]; returns
     ([B, Lq, H, d], None)). Inside an ``active`` block, a call that records a gradient with Lq > 1, Lq x Lk at
-    most the threshold, no dropout, soft-capping or position bias runs ``ExplicitBackward``; every other call is
+    most the threshold, no dropout, soft-capping, position bias or mask that needs a gradient runs
+    ``ExplicitBackward``; every other call is
     the delegate's (transformers' ``sdpa``, or whatever was registered under it at ``install``)."""
     lq, lk = query.shape[2], key.shape[2]
     if (
@@ -154,6 +162,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         or kwargs.get("position_bias") is not None
         or kwargs.get("output_attentions")
         or not torch.is_grad_enabled()
+        or (attention_mask is not None and attention_mask.requires_grad)
         or not any(t.requires_grad for t in (query, key, value))
     ):
         return _delegate(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -176,23 +185,32 @@ def install() -> None:
 
 class active:
     """A context manager: the body runs with the explicit backward for trainer attention calls of
-    Lq x Lk <= ``threshold`` (``install``ed first; 0: none); leaving restores the threshold before. Re-enterable
-    (a run enters its kernel mode more than once), nestable."""
+    Lq x Lk <= ``threshold`` (``install``ed first; 0: none). Re-enterable (a run enters its kernel mode more than
+    once) and nestable; the innermost block still entered decides, whatever order blocks are left in."""
 
     def __init__(self, threshold: int):
         self.threshold = threshold
-        self._before: list[int | None] = []
 
     def __enter__(self) -> "active":
-        global _threshold
         install()
-        self._before.append(_threshold)
-        _threshold = self.threshold
+        _entered.append(self)
+        _refresh()
         return self
 
     def __exit__(self, *exc) -> None:
-        global _threshold
-        _threshold = self._before.pop()
+        for i in range(len(_entered) - 1, -1, -1):
+            if _entered[i] is self:
+                del _entered[i]
+                break
+        _refresh()
+
+
+_entered: list[active] = []  # the blocks entered and not yet left, innermost last
+
+
+def _refresh() -> None:
+    global _threshold
+    _threshold = _entered[-1].threshold if _entered else None
 
 
 def _operands(length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int = MEASURE_ROWS):
@@ -211,7 +229,8 @@ def _operands(length: int, heads: int, kv_heads: int, head_dim: int, dtype: torc
 def measure(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, lengths=MEASURE_LENGTHS) -> dict:
     """{L: flash backward seconds / explicit backward seconds} at ``MEASURE_ROWS`` rows of L positions (a causal,
     left-padded boolean mask; keys and values repeated to the query heads as transformers passes them with a
-    mask), best of a few timings each. Stops after the first two lengths where the explicit one is slower."""
+    mask), best of a few timings each. Stops after two lengths in a row where the explicit one is not ``MIN_SPEEDUP``
+    faster."""
     from .fp32_gemm import _best_of
 
     ratios, slower = {}, 0
@@ -288,7 +307,11 @@ def resolve(
     if setting == "explicit" and _serves(model):
         return 1 << 62, "kernels.attention_backward=explicit: the explicit-softmax backward for every length"
     if not _serves(model):
-        return 0, f"kernels.attention_backward={setting}: flash (it serves transformers' sdpa attention on the CPU)"
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        return 0, (
+            f"kernels.attention_backward={setting}: not used (it serves transformers' sdpa attention on the CPU; "
+            f"this model's attention is {impl!r}, model.attn_implementation)"
+        )
     shape = head_shape(model)
     if shape is None:
         return 0, "kernels.attention_backward=auto: flash (the model's config gives no attention head shape)"
@@ -312,7 +335,7 @@ def resolve(
             write_cache(cache, cached)
     threshold = threshold_from(ratios)
     shown = ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratios.items()))
-    where = f"Lq x Lk <= {threshold} ({int(threshold**0.5)}^2)" if threshold else "no length (flash everywhere)"
+    where = f"Lq x Lk <= {threshold} ({int(threshold**0.5)}^2)" if threshold else "no call (flash everywhere)"
     return (
         threshold,
         f"kernels.attention_backward=auto: explicit backward for {where}; speed over flash {shown}; {when}",

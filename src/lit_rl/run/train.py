@@ -559,7 +559,12 @@ def enter_kernel_mode(cfg: TrainConfig, policy):
     gemm = cfg.kernels.fp32_gemm
     if gemm == "auto" and (uses_cuda(cfg.trainer.get("accelerator")) or precision_dtype(precision) != torch.float32):
         gemm = "aten"
-    backward = "flash" if uses_cuda(cfg.trainer.get("accelerator")) else cfg.kernels.attention_backward
+    backward = cfg.kernels.attention_backward
+    if backward != "flash" and uses_cuda(cfg.trainer.get("accelerator")):
+        print(
+            f"lit_rl: kernels.attention_backward={backward}: flash on CUDA (torch's is the fast one there)", flush=True
+        )
+        backward = "flash"
     try:
         mode = kernel_mode(
             cfg.kernels.name,
