@@ -553,36 +553,24 @@ def response_logprobs(
     logp = hidden.new_zeros(n * t, dtype=torch.float32)
     ent = hidden.new_zeros(n * t, dtype=torch.float32)
     head = hidden.new_zeros(n * t, k, dtype=torch.float32)
-    fused = fused_head_applies(top_k, top_p, transform)
-    if torch.is_grad_enabled() and fused:  # one call for every chunk: the weight cast once each way
-        lp, en, hd = FusedChunkLogprobs.apply(
-            flat_h[rows], head_weight, head_bias, flat_y[rows], flat_head[rows] if k else None,
-            temperature, with_entropy, entropy_grad, chunk_tokens,
-        )  # fmt: skip
-        logp, ent = logp.index_put((rows,), lp), ent.index_put((rows,), en)
-        head = head.index_put((rows,), hd) if k else head
-        return TokenScores(
-            logp.view(n, t), ent.view(n, t), head.view(n, t, k) if k else None, hidden if return_hidden else None
-        )
-    for start in range(0, rows.numel(), chunk_tokens):
-        idx = rows[start : start + chunk_tokens]
-        args = (
-            flat_h[idx],
-            head_weight,
-            head_bias,
-            flat_y[idx],
-            temperature,
-            with_entropy,
-            flat_head[idx] if flat_head is not None else None,
-            top_k,
-            top_p,
-            transform,
-            entropy_grad,
-        )
-        if torch.is_grad_enabled():
-            lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+    fused = torch.is_grad_enabled() and fused_head_applies(top_k, top_p, transform)
+    # the fused head takes every row in one call and chunks them itself (the weight cast once each way)
+    step = max(rows.numel(), 1) if fused else chunk_tokens
+    for start in range(0, rows.numel(), step):
+        idx = rows[start : start + step]
+        head_idx = flat_head[idx] if flat_head is not None else None
+        if fused:
+            lp, en, hd = FusedChunkLogprobs.apply(
+                flat_h[idx], head_weight, head_bias, flat_y[idx], head_idx, temperature, with_entropy, entropy_grad,
+                chunk_tokens,
+            )  # fmt: skip
         else:
-            lp, en, hd = _chunk_logprobs(*args)
+            args = (flat_h[idx], head_weight, head_bias, flat_y[idx], temperature, with_entropy, head_idx, top_k,
+                    top_p, transform, entropy_grad)  # fmt: skip
+            if torch.is_grad_enabled():
+                lp, en, hd = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+            else:
+                lp, en, hd = _chunk_logprobs(*args)
         logp = logp.index_put((idx,), lp)
         ent = ent.index_put((idx,), en)
         if k:

@@ -54,9 +54,8 @@ _threshold: int | None = None  # Lq x Lk up to which the explicit backward runs;
 
 def _grouped_mask(mask: Tensor, kv_heads: int, groups: int, lq: int, lk: int) -> Tensor:
     """``mask`` ([Lq, Lk], [H or 1, Lq, Lk] or [B or 1, H or 1, Lq, >= Lk]: aligned from the right, as SDPA
-    broadcasts it) as a 5-D
-    [B or 1, KVH or 1, groups or 1, Lq, Lk] view matching the scores' grouped layout (query head h = kv * groups + j,
-    as transformers' ``repeat_kv`` pairs them)."""
+    broadcasts it) as a 5-D [B or 1, KVH or 1, groups or 1, Lq, Lk] view matching the scores' grouped layout
+    (query head h = kv * groups + j, as transformers' ``repeat_kv`` pairs them)."""
     mask = mask[..., :lk]
     if mask.dim() == 2:
         mask = mask[None, None]
