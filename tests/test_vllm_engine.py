@@ -294,6 +294,34 @@ def test_stop_tokens_end_sequences(tiny):
         VLLMEngine(model, tok.pad_token_id, [0]).generate([[1]], SamplingConfig(max_new_tokens=0), [0])
 
 
+def test_only_the_listed_stop_tokens_end_a_sequence_as_in_the_embedded_engine(tiny):
+    """vLLM adds the model's EOS to the stops unless told ``ignore_eos``; the embedded engine stops at
+    ``stop_token_ids`` only. With EOS made likely (its output row scaled) and not listed, both decode to the cap
+    (the fixed-length rollouts of benchmarks/rollout_throughput.py); listed, both stop early."""
+    from lit_rl.rollout.torch_engine import TorchEngine
+
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # tied: the EOS row is the pad's zero embedding; give it a scaled copy of another row
+        model.lm_head.weight[tok.eos_token_id] = 30 * model.lm_head.weight[100]
+    prompts = [[5 + i, 17 * i + 3, 100 + i] for i in range(8)]
+    params, seeds = SamplingConfig(max_new_tokens=40), list(range(8))
+    for stops in ([], [tok.eos_token_id]):
+        embedded = TorchEngine(model, tok.pad_token_id, stops).generate(prompts, params, seeds)
+        engine = VLLMEngine(model, tok.pad_token_id, stops, dtype="float32", kv_cache_gb=0.25, max_model_len=512)
+        try:
+            engine.sync_weights(0)
+            r = engine.generate(prompts, params, seeds)
+        finally:
+            engine.close()
+        for out in (embedded, r):
+            lengths = out.response_length.tolist()
+            if stops:
+                assert min(lengths) < 40 and "stop" in out.finish_reason
+            else:
+                assert lengths == [40] * 8 and out.finish_reason == ["length"] * 8
+
+
 def train_one_step(model, tok, r, lr=1e-2):
     """One AdamW step that raises the log-prob of the engine's tokens (a stand-in RL update)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

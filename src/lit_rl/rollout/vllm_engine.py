@@ -135,7 +135,9 @@ class VLLMEngine(InFlightSwaps):
         model: the trainer's policy (a transformers causal LM); its ``config`` starts the engine and its
             ``state_dict()`` (every tensor, tied output embeddings included) is what each sync pushes.
         pad_token_id: id used for padding outputs.
-        stop_token_ids: ids that end a sequence (EOS / chat end-of-turn); vLLM is told them explicitly.
+        stop_token_ids: ids that end a sequence (EOS / chat end-of-turn); vLLM is told them explicitly and
+            stops at no other (``ignore_eos``: the model's EOS ends a sequence only if listed, as in the
+            embedded engine; an empty list decodes every row to ``max_new_tokens``).
         dtype: "float32" | "bfloat16" | "float16", the engine's weights and activations.
         max_logprobs: the largest ``logprobs_top_k`` a request may ask for (score centering's head size).
         gpu_memory_utilization: fraction of GPU memory vLLM may take (on CPU vLLM reads it as a fraction of
@@ -442,6 +444,7 @@ class VLLMEngine(InFlightSwaps):
                 seed=int(s),
                 logprobs=k,
                 stop_token_ids=self.stop_token_ids,
+                ignore_eos=True,  # the model's EOS ends a sequence only if listed, as in the embedded engine
                 detokenize=False,
                 flat_logprobs=True,
                 skip_special_tokens=False,
