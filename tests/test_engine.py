@@ -357,8 +357,9 @@ def test_single_query_attention_groups_decode_heads_and_samples_the_same(tiny, m
 
     for autocast in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            engine = TorchEngine(model, tok.pad_token_id, [])  # no stop token; installs single_query.attention
-            # in the chain under ``sdpa`` (the trainer's attention_backward wrapper may sit above it, inert here)
+            # no stop token; SDPA's path (the decode kernel off: tests/test_decode_attention.py); installs single_query
+            engine = TorchEngine(model, tok.pad_token_id, [], decode_attention=False)
+            # .attention in the chain under ``sdpa`` (the trainer's attention_backward wrapper may sit above it, inert)
             served = ALL_ATTENTION_FUNCTIONS["sdpa"]
             assert served is single_query.attention or (
                 served is attention_backward.attention and attention_backward._delegate is single_query.attention

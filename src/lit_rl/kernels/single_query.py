@@ -13,6 +13,10 @@ there the per-problem packing is what the grouping saves (5x less attention time
 bf16 keys in isolation), while float32 has no packing to save and its several-row inner products sum in another
 order (a few ulp from the one-row form, torch 2.13 on an AMD EPYC: float32 calls keep transformers' path).
 
+Inside ``decode_attention.active`` (the embedded engine's rollouts, ``engine.decode_attention``), a single-query
+step computed in a dtype the decode kernel serves, with no mask or a boolean one, runs that kernel instead
+(``kernels/decode_attention.py``), grouped the same way.
+
 ``install()`` puts ``attention`` in transformers' ``AttentionInterface`` under ``sdpa``, where it hands every
 call but an unmasked reduced-precision single-query grouped one (prefill and the trainer's forwards, q_len > 1;
 float32; a mask, which transformers packs itself; dropout; soft-capping; a position bias; H == KVH) to
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import decode_attention
 
 _sdpa = None  # transformers' own ``sdpa`` attention, kept by ``install``
 
@@ -50,6 +56,14 @@ def attention(
     device = query.device.type
     computed = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     reduced = computed in (torch.bfloat16, torch.float16)
+    extras = dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+    if lq == 1 and not h % kvh and not extras and device == "cpu" and decode_attention.serves(computed):
+        rows = _row_mask(attention_mask, b, key.shape[2])
+        if rows is not False:  # lit_rl's decode kernel (``engine.decode_attention``)
+            grouped = query.reshape(b, kvh, h // kvh, d).to(computed)
+            scale = d**-0.5 if scaling is None else scaling
+            out = decode_attention.attention(grouped, key.to(computed), value.to(computed), rows, scale)
+            return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
     plain = attention_mask is None and not dropout and kwargs.get("softcap") is None
     if lq != 1 or h == kvh or h % kvh or not (plain and reduced) or kwargs.get("position_bias") is not None:
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -57,6 +71,17 @@ def attention(
     grouped = query.reshape(b, kvh, h // kvh, d)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, scale=scaling)
     return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
+
+
+def _row_mask(attention_mask: Tensor | None, rows: int, length: int) -> Tensor | None | bool:
+    """A single-query step's mask as the decode kernel reads it: None (no mask), a bool [rows, length] view
+    (True = attend), or False for a mask it does not take (additive, or one per head)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return False
+    mask = attention_mask[:, 0, -1, :length]
+    return mask.expand(rows, length) if mask.shape[0] != rows else mask
 
 
 def install() -> None:

@@ -66,6 +66,7 @@ def build_torch_engine(
         logit_noise=float(cfg.logit_noise),
         temperature_offset=float(cfg.temperature_offset),
         packed_linear=cfg.packed_linear,
+        decode_attention=cfg.decode_attention,
     )
 
 

@@ -199,6 +199,7 @@ class ProcessEngine:
             "logit_noise": e.logit_noise,
             "temperature_offset": e.temperature_offset,
             "packed_linear": e.casts.packed,
+            "decode_attention": e.decode_attention,
             "in_flight": self.in_flight,
             "kv_on_update": self.kv_on_update,
         }

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from ..kernels import attention_kv_dtype, single_query
+from ..kernels import BatchInvariantMode, attention_kv_dtype, single_query
+from ..kernels import decode_attention as decode_kernel
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
@@ -168,6 +169,10 @@ class TorchEngine(InFlightSwaps):
             steps' products from weights held in oneDNN's packed layout where ``kernels.packed_linear.resolve``
             finds the same bits as ``F.linear`` (and, for auto, a faster product) at the first rollout; ValueError
             naming the field for another value.
+        decode_attention: ``engine.decode_attention``, "auto" | True | False: decode steps' attention through
+            lit_rl's CPU kernel (``kernels.decode_attention``) where ``resolve`` turns it on for the model at the
+            first rollout (auto: measured faster than SDPA, per dtype); never under batch-invariant kernels;
+            ValueError naming the field for another value.
 
     With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
@@ -210,6 +215,7 @@ class TorchEngine(InFlightSwaps):
         temperature_offset: float = 0.0,
         keep_float32: tuple[str, ...] | None = None,
         packed_linear="auto",
+        decode_attention="auto",
     ):
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
@@ -240,6 +246,9 @@ class TorchEngine(InFlightSwaps):
         self.continue_kv = True
         # ``casts.enabled = False``: autocast's own per-step casts (a comparison's baseline)
         self.casts = WeightCasts(packed=packed_linear)
+        decode_kernel.check_setting(decode_attention)
+        self.decode_attention = decode_attention
+        self._decode_dtypes: dict[tuple, tuple] = {}  # (threads, model) -> the dtypes the decode kernel serves
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
         single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
         self.sync_weights(0)
@@ -376,7 +385,7 @@ class TorchEngine(InFlightSwaps):
         model.eval()
         self._swaps = [0, 0.0]
         try:
-            with self.casts.installed(model):
+            with self.casts.installed(model), decode_kernel.active(self._decode_kernel(model)):
                 result = run(*args)
         finally:
             model.train(was_training)
@@ -388,6 +397,19 @@ class TorchEngine(InFlightSwaps):
         self.swap_totals[0] += self._swaps[0]
         self.swap_totals[1] += self._swaps[1]
         return result
+
+    def _decode_kernel(self, model: torch.nn.Module) -> tuple:
+        """The dtypes whose decode steps run lit_rl's decode attention kernel in this rollout: none under
+        batch-invariant kernels or with ``decode_attention`` false; else ``kernels.decode_attention.resolve``'s
+        answer, asked once per thread count and model (it prints why)."""
+        if self.decode_attention is False or BatchInvariantMode._active is not None:
+            return ()
+        key = (torch.get_num_threads(), id(model))
+        if key not in self._decode_dtypes:
+            on, why = decode_kernel.resolve(self.decode_attention, model)
+            print(f"lit_rl: {why}", flush=True)
+            self._decode_dtypes[key] = on
+        return self._decode_dtypes[key]
 
     def _new_cache(self, capacity: int) -> DynamicCache:
         """An empty cache for ``capacity`` positions: KV reserved up front, in the dtype the attention reads it in

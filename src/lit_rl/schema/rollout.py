@@ -39,6 +39,11 @@ class EngineConfig:
     #: the first rollout, ``kernels.packed_linear.resolve``) and, for auto, are measured faster; true skips the
     #: timing, never the bit check; never under kernels=batch_invariant. Embedded engine only (vLLM ignores it)
     packed_linear: Any = "auto"
+    #: auto | true | false: the embedded engine's decode-step attention on the CPU through lit_rl's kernel
+    #: (``kernels.decode_attention``: built for the machine at the first rollout, needs a C++ compiler); auto where
+    #: it is measured faster than torch's SDPA on the model's heads, per dtype; true without the timing; never under
+    #: kernels=batch_invariant. Embedded engine only (vLLM ignores it)
+    decode_attention: Any = "auto"
 
     def problems(self, run) -> Problems:
         """The mismatch dial's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
@@ -47,9 +52,9 @@ class EngineConfig:
         (``config.check_vllm_engine``)."""
         sigma, delta = self.logit_noise, self.temperature_offset
         packed = self.packed_linear
-        yield from rule(
-            packed == "auto" or isinstance(packed, bool), "engine.packed_linear", packed, "choose auto, true or false"
-        )
+        for name, value in (("packed_linear", packed), ("decode_attention", self.decode_attention)):
+            allowed = value == "auto" or isinstance(value, bool)
+            yield from rule(allowed, f"engine.{name}", value, "choose auto, true or false")
         yield from rule(
             math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)"
         )

@@ -1,0 +1,217 @@
+"""One decode step's attention on the CPU from a kernel of lit_rl's own (``engine.decode_attention``).
+
+In a cached decode step each sequence has one query row per head; the H / KVH query heads of a key/value head
+read the same cached keys and values. torch's CPU flash kernel (what ``sdpa`` runs) sets up blocking and, in
+bf16, packs each problem's keys and values before two small matrix products; for one to a few query rows
+against ~100 keys that setup is most of the time: 0.90 ms a layer for [64 rows, 3 KV heads, 3 grouped query
+heads, 107 keys, head_dim 64] in bf16 at 2 threads, where streaming the 5.3 MB of keys and values takes ~0.1 ms
+(AMD EPYC with AVX512-BF16, ``benchmarks/decode_roofline.py``; the issue-34 sections of benchmarks/README.md).
+
+``csrc/decode_attention.cpp`` (``torch.ops.lit_rl.decode_attention``) reads each (row, key/value head)'s cache
+once: scores s = scale * q . k in float32 from the cache's dtype (bf16 widens exactly), masked positions -inf,
+p = exp(s - max s) with its float32 sum, p rounded to the cache's dtype (as torch's flash kernel rounds the
+weights of its second product), out = sum_l p_l v_l / sum in float32, stored in the query's dtype; a row that sees
+no key gets zeros. On a CPU with AVX-512 (head_dim 32 / 64 / 128 / 256, up to 8 query heads per key/value head)
+the query rows and accumulators stay in registers; elsewhere portable loops run (slow: ``auto`` then measures
+torch's SDPA faster and keeps it). The values are not SDPA's bits (another summation order): the engine's
+log-probs move by rounding, as between any two attention kernels; the default-kernel gap is measured against the
+trainer in benchmarks/README.md. Never under ``kernels=batch_invariant`` (its attention is its own).
+
+The kernel is compiled for the machine at hand (``-march=native``) with torch's C++ extension builder on first
+use (``build``; about 10-20 s on 2 cores, once per CPU, torch and source: ``<lit_rl cache>/ext/``;
+``scripts/setup.sh`` builds it). Without a C++ compiler ``auto`` is off with a message and ``true`` raises.
+``resolve`` decides for a model: ``auto`` times both kernels on the model's decode shapes (``measure``) and
+caches the result per CPU model, torch, threads, dtype and shape like ``kernels.fp32_gemm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .fp32_gemm import _best_of
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+#: rows and context lengths ``measure`` times (a full and a small decode batch; a short and a long context)
+MEASURE = ((64, 64), (64, 256), (8, 128))
+#: ``auto`` uses the kernel when it takes at most 1 / MIN_SPEEDUP of SDPA's time over ``MEASURE``
+MIN_SPEEDUP = 1.1
+#: the dtypes the kernel reads (the cache's and the query's)
+DTYPES = (torch.bfloat16, torch.float32)
+
+_built: str | None = None  # None: not tried; "": loaded; else why it cannot be
+_on: tuple[torch.dtype, ...] = ()  # the dtypes the kernel serves inside ``active``
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Where the kernel is built: ``<lit_rl cache>/ext/decode_attention-<key>``, the key a hash of the source, the
+    flags, the CPU's instruction-set flags and torch's version (another machine or torch builds its own)."""
+    from ..models import cache_dir
+
+    key = hashlib.sha1(
+        "|".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__]).encode()
+    ).hexdigest()[:12]
+    return cache_dir() / "ext" / f"decode_attention-{key}"
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (first time) and load the kernel; returns "" when ``torch.ops.lit_rl.decode_attention`` is
+    usable, else why not (no C++ compiler, a failed build: the compiler's message). Once per process."""
+    global _built
+    if _built is not None:
+        return _built
+    if hasattr(torch.ops.lit_rl, "decode_attention"):
+        _built = ""
+        return _built
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        _built = "no C++ compiler (c++ / g++) on PATH"
+        return _built
+    from torch.utils.cpp_extension import load
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        load("lit_rl_decode_attention", [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+             build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
+        _built = ""
+    except (RuntimeError, OSError, ImportError) as err:  # a compiler or loader error: keep SDPA, say why
+        _built = f"the build in {directory} failed: {str(err).strip().splitlines()[-1][:200]}"
+    return _built
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """The kernel (module docstring): query [B, KVH, G, D], key and value [B, KVH, L, D] (head_dim contiguous;
+    other strides free, e.g. slices of a reserved cache), all bf16 or all float32; mask None or bool [B, L]
+    (True = attend; any strides); returns [B, KVH, G, D] in the query's dtype. ``build`` first. Raises
+    RuntimeError for other shapes or dtypes (naming the operand)."""
+    return torch.ops.lit_rl.decode_attention(query, key, value, mask, float(scale))
+
+
+def serves(dtype: torch.dtype) -> bool:
+    """Inside an ``active`` block that turned the kernel on for ``dtype`` (the dtype the attention computes in)."""
+    return dtype in _on
+
+
+@contextlib.contextmanager
+def active(dtypes: tuple[torch.dtype, ...]):
+    """Decode steps inside the block whose attention computes in one of ``dtypes`` run the kernel
+    (``single_query.attention`` asks ``serves``); () = none. Re-entrant: the innermost block decides."""
+    global _on
+    before, _on = _on, tuple(dtypes)
+    try:
+        yield
+    finally:
+        _on = before
+
+
+def _operands(rows: int, kvh: int, group: int, dim: int, length: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, kvh, group, dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kvh, length, dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def measure(kvh: int, group: int, dim: int, dtype: torch.dtype, shapes=MEASURE, seconds: float = 0.01):
+    """(SDPA seconds, kernel seconds): the best of repeated timings of one layer's decode attention at each
+    (rows, context) of ``shapes``, summed; SDPA as ``single_query`` calls it (grouped query heads, no mask)."""
+    sdpa = kernel = 0.0
+    scale = dim**-0.5
+    with torch.no_grad():
+        for rows, length in shapes:
+            q, k, v = _operands(rows, kvh, group, dim, length, dtype)
+            sdpa += _best_of(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), seconds)
+            kernel += _best_of(lambda: attention(q, k, v, None, scale), seconds)
+    return sdpa, kernel
+
+
+def check_setting(setting) -> None:
+    """Raise ValueError naming ``engine.decode_attention`` for a value other than auto, true or false."""
+    if not (setting == "auto" or isinstance(setting, bool)):
+        raise ValueError(f"engine.decode_attention={setting!r} is not allowed: choose auto, true or false")
+
+
+def head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
+    """(key/value heads, query heads per key/value head, head_dim) of ``model``'s attention, from its config;
+    None when the config does not say."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not heads:
+        return None
+    kvh = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kvh, heads // kvh, dim
+
+
+def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=measure) -> tuple[tuple, str]:
+    """(the dtypes the kernel serves, why) for ``engine.decode_attention`` = ``setting`` and ``model`` at the
+    current thread count.
+
+    ``False``: none. ``True``: bf16 and float32; RuntimeError when the kernel cannot be built (``build``'s
+    reason). ``auto``: each dtype where the kernel is measured at least ``MIN_SPEEDUP`` x faster than SDPA on the
+    model's head shape (``timer``, default ``measure``); none without a compiler. The timing (a few seconds) is
+    cached in ``<lit_rl cache>/decode_attention.json`` under the CPU model, torch, threads and head shape (delete
+    it to measure again); a timing during which other processes used more than a tenth of a core is not cached.
+    Raises ValueError for another ``setting``."""
+    check_setting(setting)
+    if setting is False:
+        return (), "engine.decode_attention=false"
+    why = build()
+    if why:
+        if setting is True:
+            raise RuntimeError(f"engine.decode_attention=true: the kernel is not available: {why}")
+        return (), f"engine.decode_attention=auto: off ({why})"
+    if setting is True:
+        return DTYPES, "engine.decode_attention=true: on (bf16 and float32 decode steps)"
+    shape = head_shape(model)
+    if shape is None:
+        return (), "engine.decode_attention=auto: off (the model's config names no attention heads)"
+    from ..models import cache_dir
+    from ..run.hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
+
+    cache = cache_dir() / "decode_attention.json" if cache is None else cache
+    cached = read_cache(cache)
+    on, parts, when = [], [], "cached"
+    for dtype in DTYPES:
+        key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
+                        str(dtype).removeprefix("torch."), "kvh={} group={} dim={}".format(*shape)])  # fmt: skip
+        if key not in cached:
+            start, t0 = _other_cpu_seconds(), time.perf_counter()
+            sdpa, kernel = timer(*shape, dtype)
+            others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+            entry = {"speedup": sdpa / max(kernel, 1e-12), "measured": time.strftime("%Y-%m-%d %H:%M")}
+            if others > 0.1:
+                when = f"timed now; not cached: other processes used {others:.1f} cores meanwhile"
+            else:
+                when = "timed now"
+                cached[key] = entry
+                write_cache(cache, cached)
+        else:
+            entry = cached[key]
+        if entry["speedup"] >= MIN_SPEEDUP:
+            on.append(dtype)
+        parts.append(f"{str(dtype).removeprefix('torch.')} {entry['speedup']:.2f}x")
+    state = "on for " + " and ".join(str(d).removeprefix("torch.") for d in on) if on else "off"
+    return tuple(on), (
+        f"engine.decode_attention=auto: {state} (the kernel's speed against torch's SDPA on this model's decode "
+        f"attention: {', '.join(parts)}; {when})"
+    )
