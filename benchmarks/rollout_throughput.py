@@ -2,16 +2,21 @@
 
     python benchmarks/rollout_throughput.py            # SmolLM2-135M, 64 prompts x 64 new tokens
     python benchmarks/rollout_throughput.py --no-vllm  # without the vLLM rows
+    python benchmarks/rollout_throughput.py --fixed-length  # no stop token: every row decodes 64 tokens
 
 vLLM (``engine=vllm``; here the CPU build) runs as lit_rl runs it: in-process, eager, weights pushed from the
 trainer's model, per-request seeds, log-probs of the sampled token returned; its start-up (once per run) is
 printed apart and not in the timings.
 
 Both sample at temperature 1 (no top-k/top-p) until the stop token or 64 new tokens; tokens/s counts the
-generated tokens (up to and including the stop token) per second of wall time. Each system runs once as
+generated tokens (up to and including the stop token) per second of wall time. With ``--fixed-length`` no token
+stops a row (the engines get no stop tokens, ``generate`` gets ``min_new_tokens`` = the cap), so every system
+generates exactly prompts x new tokens and the timings compare the same work, not samples that stopped at
+different lengths. Each system runs once as
 warm-up and then ``--repeats`` times; the best time is reported. Ratios are engine / generate at the same
 precision: float32 weights, and bfloat16 (the engine under bf16 autocast, as training runs it with
-``trainer.precision=bf16-mixed``; generate with bf16 weights).
+``trainer.precision=bf16-mixed``: the run's own module, built by ``lit_rl.run.train.build_module``, its engine
+with the run's options; generate with bf16 weights).
 
 Two scenarios: 64 distinct prompts, and the RL layout, 8 prompts x G = 8 samples each, where the engine
 prefills each prompt once and shares its KV cache across the group (generate prefills all 64 rows).
@@ -59,15 +64,30 @@ def best_generate(eng, prompts, new_tokens, repeats, autocast=False):
     return best
 
 
-def time_engine(model, tok, prompts, new_tokens, autocast, repeats):
-    eng = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
-    return best_generate(eng, prompts, new_tokens, repeats, autocast)
+def stops(tok, fixed_length):
+    return [] if fixed_length else [tok.eos_token_id]
 
 
-def time_vllm(model, tok, prompts, new_tokens, dtype, repeats):
+def time_engine(model, tok, prompts, args, autocast):
+    eng = TorchEngine(model, tok.pad_token_id, stops(tok, args.fixed_length))
+    return best_generate(eng, prompts, args.new_tokens, args.repeats, autocast)
+
+
+def time_trainer_engine(model, tok, prompts, args):
+    """The engine of the run's own GRPO module (as ``recipes/train.py`` builds it) under bf16 autocast."""
+    from _common import grpo_module
+
+    eng = grpo_module(model, tok, args.new_tokens, args.group_size).engine
+    eng.stop_token_ids = stops(tok, args.fixed_length)
+    return best_generate(eng, prompts, args.new_tokens, args.repeats, autocast=True)
+
+
+def time_vllm(model, tok, prompts, args, dtype):
     from lit_rl.rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(model, tok.pad_token_id, [tok.eos_token_id], dtype=dtype, kv_cache_gb=2.0, max_model_len=1024)
+    new_tokens, repeats = args.new_tokens, args.repeats
+    stop_ids = stops(tok, args.fixed_length)
+    eng = VLLMEngine(model, tok.pad_token_id, stop_ids, dtype=dtype, kv_cache_gb=2.0, max_model_len=1024)
     try:
         eng.sync_weights(0)
         print(f"# vLLM {dtype}: start-up {eng.start_seconds:.1f} s, weight sync {eng.sync_seconds:.2f} s", flush=True)
@@ -76,7 +96,8 @@ def time_vllm(model, tok, prompts, new_tokens, dtype, repeats):
         eng.close()
 
 
-def time_generate(model, tok, prompts, new_tokens, repeats):
+def time_generate(model, tok, prompts, args):
+    new_tokens, repeats = args.new_tokens, args.repeats
     ids, mask = left_pad(prompts, tok.pad_token_id)
     best = None
     for r in range(repeats + 1):
@@ -91,6 +112,7 @@ def time_generate(model, tok, prompts, new_tokens, repeats):
                 top_k=0,
                 top_p=1.0,
                 max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens if args.fixed_length else 0,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )
@@ -114,6 +136,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     ap.add_argument("--no-vllm", action="store_true", help="leave out the vLLM rows")
+    ap.add_argument("--fixed-length", action="store_true", help="no stop token: every row decodes --new-tokens")
     args = ap.parse_args()
     ensure_quiet(args.force)
     print(f"# {keep_freed_memory()}")  # as a run's process does (``lit_rl.run.resolve``)
@@ -141,22 +164,19 @@ def main():
 
 def report(title, model, bf16, tok, prompts, args):
     rows = [
-        ("embedded engine", "float32", time_engine(model, tok, prompts, args.new_tokens, False, args.repeats)),
-        ("transformers generate", "float32", time_generate(model, tok, prompts, args.new_tokens, args.repeats)),
-        ("embedded engine", "bf16 autocast", time_engine(model, tok, prompts, args.new_tokens, True, args.repeats)),
-        ("embedded engine", "bf16 weights", time_engine(bf16, tok, prompts, args.new_tokens, False, args.repeats)),
-        ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args.new_tokens, args.repeats)),
+        ("embedded engine", "float32", time_engine(model, tok, prompts, args, False)),
+        ("transformers generate", "float32", time_generate(model, tok, prompts, args)),
+        ("embedded engine", "bf16 autocast", time_trainer_engine(model, tok, prompts, args)),
+        ("embedded engine", "bf16 weights", time_engine(bf16, tok, prompts, args, False)),
+        ("transformers generate", "bf16 weights", time_generate(bf16, tok, prompts, args)),
     ]
     if not args.no_vllm:
         rows += [
-            ("vLLM (colocated)", "float32", time_vllm(model, tok, prompts, args.new_tokens, "float32", args.repeats)),
-            (
-                "vLLM (colocated)",
-                "bf16 weights",
-                time_vllm(model, tok, prompts, args.new_tokens, "bfloat16", args.repeats),
-            ),
+            ("vLLM (colocated)", "float32", time_vllm(model, tok, prompts, args, "float32")),
+            ("vLLM (colocated)", "bf16 weights", time_vllm(model, tok, prompts, args, "bfloat16")),
         ]
-    print(f"\n## {args.model}: {title}")
+    fixed = ", fixed length (no stop token)" if args.fixed_length else ""
+    print(f"\n## {args.model}: {title}{fixed}")
     print("| system | precision | seconds | tokens | tokens/s |\n|---|---|---|---|---|")
     tps = {}
     for name, prec, (dt, tokens) in rows:
@@ -175,6 +195,7 @@ def report(title, model, bf16, tok, prompts, args):
             f"ratio vLLM/embedded engine, float32: {v32 / tps[('embedded engine', 'float32')]:.2f}x; "
             f"vLLM (bf16 weights)/engine (bf16 autocast): {vbf / tps[('embedded engine', 'bf16 autocast')]:.2f}x"
         )
+        print(f"ratio engine (bf16 autocast, the run's)/vLLM (bf16 weights): {engine_bf16 / vbf:.2f}x")
 
 
 if __name__ == "__main__":
