@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import compose_config
 
 from lit_rl.kernels import decode_attention as da
@@ -106,6 +107,39 @@ def test_single_query_routes_decode_steps_to_the_kernel_inside_active(dtype):
     assert not [e for e in prof.key_averages() if e.key == "lit_rl::decode_attention"]
 
 
+def test_calls_the_kernel_does_not_take_fall_back_to_sdpa():
+    """A value head_dim other than the key's (MLA-style), a mask shorter than the keys or of another batch: SDPA's
+    path, not an error mid-rollout."""
+    single_query.install()
+    q, k, v = operands(2, 2, 1, 32, 10, torch.float32)
+    layer = types.SimpleNamespace(num_key_value_groups=1, is_causal=True)
+    query = transformers_layout(q)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with da.active((torch.float32,)):
+            out, _ = single_query.attention(layer, query, k, v[..., :16], None, scaling=0.125)
+            assert out.shape == (2, 1, 2, 16)
+            short = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+            assert single_query._row_mask(short, 2, 10) is False
+            assert single_query._row_mask(torch.ones(3, 1, 1, 10, dtype=torch.bool), 2, 10) is False
+            assert single_query._row_mask(torch.ones(1, 1, 1, 12, dtype=torch.bool), 2, 10).shape == (2, 10)
+    assert not [e for e in prof.key_averages() if e.key == "lit_rl::decode_attention"]
+
+
+def test_masked_keys_weigh_nothing_even_when_not_finite():
+    """A masked position's weight is exactly 0 (not exp(-103.9) = 2^-149), so a huge value there adds nothing, and
+    an infinite key there is masked out before the softmax."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = operands(2, 1, 2, 64, 33, dtype)
+        mask = torch.ones(2, 33, dtype=torch.bool)
+        mask[:, [0, 3, 20, 32]] = False  # in a 16-key block and in the tail
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, [0, 3, 20, 32]] = float("inf")
+        v2[:, :, [0, 3, 20, 32]] = 3e38 if dtype == torch.float32 else 1e38
+        out = da.attention(q, k2, v2, mask, 0.125)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, da.attention(q, k, v, mask, 0.125))
+
+
 def test_the_engine_runs_it_with_the_trainers_logprobs(tiny):
     """A rollout with the kernel on: the decode steps call it, and the rollout log-probs stay within float32
     rounding of the trainer's (as they do through SDPA)."""
@@ -127,10 +161,14 @@ def test_the_engine_runs_it_with_the_trainers_logprobs(tiny):
     assert (s.logprobs - r.rollout_logprobs).abs()[r.response_mask].max() < 2e-5
 
 
-def test_resolve_per_dtype_and_cached(tmp_path, tiny):
+def test_resolve_per_dtype_and_cached(tmp_path, tiny, monkeypatch):
+    from lit_rl.run import hardware
+
     model, _ = tiny
     cache = tmp_path / "decode_attention.json"
     timed = []
+    others = [0.0]  # CPU seconds other processes used while it timed (the suite's other worker: set here)
+    monkeypatch.setattr(hardware, "_other_cpu_seconds", lambda start=None: (others[0] if start else 0.0, 0.0))
 
     def timer(kvh, group, dim, dtype):
         timed.append((kvh, group, dim, dtype))
@@ -144,6 +182,30 @@ def test_resolve_per_dtype_and_cached(tmp_path, tiny):
     assert da.resolve(False, model, cache=cache, timer=timer) == ((), "engine.decode_attention=false")
     with pytest.raises(ValueError, match="engine.decode_attention='fast' is not allowed: choose auto, true or false"):
         da.resolve("fast", model)
+    others[0] = 50.0  # a busy machine: timed, used, not cached
+    busy = tmp_path / "busy.json"
+    on, why = da.resolve("auto", model, cache=busy, timer=timer)
+    assert on == (torch.bfloat16,) and "not cached: other processes used" in why and not busy.exists()
+
+
+def test_measure_times_float32_as_float32_under_autocast(tiny):
+    """resolve may run inside the rollout's bf16 autocast: the float32 timing must still time float32 SDPA (the
+    kernel has no autocast rule), so ``measure`` leaves autocast."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        out = sdpa(q, *args, **kwargs)
+        seen.append(out.dtype)
+        return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        F.scaled_dot_product_attention = spy
+        try:
+            da.measure(1, 2, 32, torch.float32, shapes=((2, 8),), seconds=0.0)
+        finally:
+            F.scaled_dot_product_attention = sdpa
+    assert seen and set(seen) == {torch.float32}
 
 
 def test_config_refuses_it_on_under_batch_invariant_kernels_and_bad_values():

@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import platform
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +50,11 @@ MIN_SPEEDUP = 1.1
 DTYPES = (torch.bfloat16, torch.float32)
 
 _built: str | None = None  # None: not tried; "": loaded; else why it cannot be
-_on: tuple[torch.dtype, ...] = ()  # the dtypes the kernel serves inside ``active``
+#: per thread (a rollout producer thread and the trainer's own rollouts enter and leave ``active`` apart): the
+#: dtypes the kernel serves there
+_state = threading.local()
+#: a build lock (torch's ``FileBaton``) older than this is left by a killed build: removed, not waited on forever
+STALE_LOCK_S = 600
 
 
 def _cpu_flags() -> str:
@@ -89,12 +94,16 @@ def build(verbose: bool = False) -> str:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)  # a build killed mid-way left it; the next one would wait on it forever
     try:
         load("lit_rl_decode_attention", [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
         _built = ""
     except (RuntimeError, OSError, ImportError) as err:  # a compiler or loader error: keep SDPA, say why
-        _built = f"the build in {directory} failed: {str(err).strip().splitlines()[-1][:200]}"
+        last = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        _built = f"the build in {directory} failed: {last[:200]}"
     return _built
 
 
@@ -107,20 +116,21 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, sc
 
 
 def serves(dtype: torch.dtype) -> bool:
-    """Inside an ``active`` block that turned the kernel on for ``dtype`` (the dtype the attention computes in)."""
-    return dtype in _on
+    """Inside an ``active`` block of this thread that turned the kernel on for ``dtype`` (the dtype the attention
+    computes in)."""
+    return dtype in getattr(_state, "on", ())
 
 
 @contextlib.contextmanager
 def active(dtypes: tuple[torch.dtype, ...]):
-    """Decode steps inside the block whose attention computes in one of ``dtypes`` run the kernel
-    (``single_query.attention`` asks ``serves``); () = none. Re-entrant: the innermost block decides."""
-    global _on
-    before, _on = _on, tuple(dtypes)
+    """Decode steps inside the block, in this thread, whose attention computes in one of ``dtypes`` run the
+    kernel (``single_query.attention`` asks ``serves``); () = none. Re-entrant: the innermost block decides."""
+    before = getattr(_state, "on", ())
+    _state.on = tuple(dtypes)
     try:
         yield
     finally:
-        _on = before
+        _state.on = before
 
 
 def _operands(rows: int, kvh: int, group: int, dim: int, length: int, dtype: torch.dtype):
@@ -135,7 +145,9 @@ def measure(kvh: int, group: int, dim: int, dtype: torch.dtype, shapes=MEASURE, 
     (rows, context) of ``shapes``, summed; SDPA as ``single_query`` calls it (grouped query heads, no mask)."""
     sdpa = kernel = 0.0
     scale = dim**-0.5
-    with torch.no_grad():
+    # outside autocast: under the rollout's bf16 autocast SDPA would time bf16 where the kernel (no autocast rule)
+    # times ``dtype``
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for rows, length in shapes:
             q, k, v = _operands(rows, kvh, group, dim, length, dtype)
             sdpa += _best_of(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), seconds)
@@ -169,8 +181,8 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
     ``False``: none. ``True``: bf16 and float32; RuntimeError when the kernel cannot be built (``build``'s
     reason). ``auto``: each dtype where the kernel is measured at least ``MIN_SPEEDUP`` x faster than SDPA on the
     model's head shape (``timer``, default ``measure``); none without a compiler. The timing (a few seconds) is
-    cached in ``<lit_rl cache>/decode_attention.json`` under the CPU model, torch, threads and head shape (delete
-    it to measure again); a timing during which other processes used more than a tenth of a core is not cached.
+    cached in ``<lit_rl cache>/decode_attention.json`` under the CPU model, torch, threads, head shape and the
+    build (delete it to measure again); a timing during which other processes used more than a tenth of a core is not cached.
     Raises ValueError for another ``setting``."""
     check_setting(setting)
     if setting is False:
@@ -193,7 +205,8 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
     on, parts, when = [], [], "cached"
     for dtype in DTYPES:
         key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
-                        str(dtype).removeprefix("torch."), "kvh={} group={} dim={}".format(*shape)])  # fmt: skip
+                        str(dtype).removeprefix("torch."), "kvh={} group={} dim={}".format(*shape),
+                        build_dir().name])  # fmt: skip  (the build's name: another kernel source is timed again)
         if key not in cached:
             start, t0 = _other_cpu_seconds(), time.perf_counter()
             sdpa, kernel = timer(*shape, dtype)

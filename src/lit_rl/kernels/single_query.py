@@ -57,7 +57,8 @@ def attention(
     computed = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     reduced = computed in (torch.bfloat16, torch.float16)
     extras = dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
-    if lq == 1 and not h % kvh and not extras and device == "cpu" and decode_attention.serves(computed):
+    same_dims = value.shape == key.shape and key.shape[-1] == d
+    if lq == 1 and not h % kvh and same_dims and not extras and device == "cpu" and decode_attention.serves(computed):
         rows = _row_mask(attention_mask, b, key.shape[2])
         if rows is not False:  # lit_rl's decode kernel (``engine.decode_attention``)
             grouped = query.reshape(b, kvh, h // kvh, d).to(computed)
@@ -75,10 +76,14 @@ def attention(
 
 def _row_mask(attention_mask: Tensor | None, rows: int, length: int) -> Tensor | None | bool:
     """A single-query step's mask as the decode kernel reads it: None (no mask), a bool [rows, length] view
-    (True = attend), or False for a mask it does not take (additive, or one per head)."""
+    (True = attend), or False for a mask it does not take (additive, one per head, shorter than the keys, or of
+    another batch than ``rows`` or 1)."""
     if attention_mask is None:
         return None
-    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+    shape = attention_mask.shape
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or shape[1] != 1 or shape[-1] < length:
+        return False
+    if shape[0] not in (1, rows):
         return False
     mask = attention_mask[:, 0, -1, :length]
     return mask.expand(rows, length) if mask.shape[0] != rows else mask

@@ -198,8 +198,11 @@ float softmax_numerators(float* s, int64_t L) {
 #if defined(__AVX512F__)
   __m512 vsum = _mm512_setzero_ps();
   const __m512 vm = _mm512_set1_ps(m);
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf);
   for (; l + kLanes <= L; l += kLanes) {
-    __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), vm));
+    const __m512 x = _mm512_loadu_ps(s + l);
+    // a masked position weighs exactly 0 (exp16 would give 2^-149 for -inf), as in the scalar tail
+    __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ), exp16(_mm512_sub_ps(x, vm)));
     vsum = _mm512_add_ps(vsum, p);
     if constexpr (!std::is_same_v<T, float>) p = round_bf16(p);
     _mm512_storeu_ps(s + l, p);
