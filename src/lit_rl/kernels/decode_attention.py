@@ -182,8 +182,8 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
     reason). ``auto``: each dtype where the kernel is measured at least ``MIN_SPEEDUP`` x faster than SDPA on the
     model's head shape (``timer``, default ``measure``); none without a compiler. The timing (a few seconds) is
     cached in ``<lit_rl cache>/decode_attention.json`` under the CPU model, torch, threads, head shape and the
-    build (delete it to measure again); a timing during which other processes used more than a tenth of a core is not cached.
-    Raises ValueError for another ``setting``."""
+    build (delete it to measure again); a timing during which other processes used more than a tenth of a core is
+    not cached. Raises ValueError for another ``setting``."""
     check_setting(setting)
     if setting is False:
         return (), "engine.decode_attention=false"
@@ -204,9 +204,16 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
     cached = read_cache(cache)
     on, parts, when = [], [], "cached"
     for dtype in DTYPES:
-        key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
-                        str(dtype).removeprefix("torch."), "kvh={} group={} dim={}".format(*shape),
-                        build_dir().name])  # fmt: skip  (the build's name: another kernel source is timed again)
+        key = "|".join(
+            [
+                cpu_model(),
+                f"torch {torch.__version__}",
+                f"threads={torch.get_num_threads()}",
+                str(dtype).removeprefix("torch."),
+                "kvh={} group={} dim={}".format(*shape),
+                build_dir().name,
+            ]
+        )  # the build's name: another kernel source is timed again
         if key not in cached:
             start, t0 = _other_cpu_seconds(), time.perf_counter()
             sdpa, kernel = timer(*shape, dtype)
