@@ -216,3 +216,35 @@ def test_config_refuses_it_on_under_batch_invariant_kernels_and_bad_values():
     with pytest.raises(ConfigError, match="engine.decode_attention"):
         validate(compose_config("model=tiny", "engine.decode_attention=fast"))
     validate(compose_config("model=tiny", "kernels=batch_invariant"))  # auto: off under them, allowed
+
+
+def test_no_toolchain_auto_says_why_and_true_is_refused_at_start_up(monkeypatch, tmp_path):
+    from lit_rl.config import ConfigError, validate
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler, no ninja
+    monkeypatch.delenv("CXX", raising=False)
+    assert da.toolchain_missing() == "no C++ compiler (c++ / g++) on PATH"
+    monkeypatch.setenv("CXX", "clang-from-nowhere++")
+    assert da.toolchain_missing() == "no C++ compiler ($CXX=clang-from-nowhere++) on PATH"
+    with pytest.raises(ConfigError, match=r"engine.decode_attention.*needs its C\+\+ build: no C\+\+ compiler"):
+        validate(compose_config("model=tiny", "engine.decode_attention=true"))
+    validate(compose_config("model=tiny"))  # auto: allowed, off at the first rollout with the reason
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path, capsys):
+    import os
+    import threading
+    import time
+
+    stale = tmp_path / "stale.lock"
+    stale.touch()
+    old = time.time() - da.STALE_LOCK_S - 5
+    os.utime(stale, (old, old))
+    da._wait_for_lock(stale)
+    assert not stale.exists() and "did not finish" in capsys.readouterr().out
+    live = tmp_path / "live.lock"
+    live.touch()
+    threading.Timer(0.7, live.unlink).start()  # another process's build ends
+    t = time.perf_counter()
+    da._wait_for_lock(live)
+    assert time.perf_counter() - t >= 0.6 and "waiting for another process" in capsys.readouterr().out

@@ -17,9 +17,10 @@ torch's SDPA faster and keeps it). The values are not SDPA's bits (another summa
 log-probs move by rounding, as between any two attention kernels; the default-kernel gap is measured against the
 trainer in benchmarks/README.md. Never under ``kernels=batch_invariant`` (its attention is its own).
 
-The kernel is compiled for the machine at hand (``-march=native``) with torch's C++ extension builder on first
-use (``build``; about 10-20 s on 2 cores, once per CPU, torch and source: ``<lit_rl cache>/ext/``;
-``scripts/setup.sh`` builds it). Without a C++ compiler ``auto`` is off with a message and ``true`` raises.
+The kernel is compiled for the machine at hand (``-march=native``) with torch's C++ extension builder (ninja) on
+first use (``build``; about 13 s on 2 cores, once per CPU, torch and source: ``<lit_rl cache>/ext/``;
+``scripts/setup.sh`` builds it). Without a C++ compiler ``auto`` is off with a message and ``true`` is refused at
+start-up (``schema.rollout``: ``toolchain_missing``).
 ``resolve`` decides for a model: ``auto`` times both kernels on the model's decode shapes (``measure``) and
 caches the result per CPU model, torch, threads, dtype and shape like ``kernels.fp32_gemm``.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import platform
 import shutil
 import threading
@@ -53,8 +55,9 @@ _built: str | None = None  # None: not tried; "": loaded; else why it cannot be
 #: per thread (a rollout producer thread and the trainer's own rollouts enter and leave ``active`` apart): the
 #: dtypes the kernel serves there
 _state = threading.local()
-#: a build lock (torch's ``FileBaton``) older than this is left by a killed build: removed, not waited on forever
-STALE_LOCK_S = 600
+#: a build lock (torch's ``FileBaton``) older than this was left by a killed build (a build takes ~15 s): removed, not
+#: waited on forever
+STALE_LOCK_S = 120
 
 
 def _cpu_flags() -> str:
@@ -78,25 +81,59 @@ def build_dir() -> Path:
     return cache_dir() / "ext" / f"decode_attention-{key}"
 
 
+def toolchain_missing() -> str:
+    """ "" when a C++ compiler (``$CXX``, else ``c++`` / ``g++``) and ninja (torch's extension builder runs it; the
+    ``ninja`` package is a lit_rl dependency) are found, else what is missing."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cxx = os.environ.get("CXX")
+    if not (shutil.which(cxx) if cxx else shutil.which("c++") or shutil.which("g++")):
+        return f"no C++ compiler ({'$CXX=' + cxx if cxx else 'c++ / g++'}) on PATH"
+    if not is_ninja_available():
+        return "no ninja on PATH (pip install ninja)"
+    return ""
+
+
+def _wait_for_lock(lock: Path) -> None:
+    """Wait while another process builds (torch's builder holds ``lock``); a lock older than ``STALE_LOCK_S`` was
+    left by a build that was killed: removed (torch's builder would otherwise wait on it forever)."""
+    said = False
+    while lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            print(f"lit_rl: removed {lock}, left {age:.0f} s ago by a decode attention build that did not finish")
+            return
+        if not said:
+            print(f"lit_rl: waiting for another process's decode attention build ({lock}; at most {STALE_LOCK_S} s)",
+                  flush=True)  # fmt: skip
+            said = True
+        time.sleep(0.5)
+
+
 def build(verbose: bool = False) -> str:
-    """Compile (first time) and load the kernel; returns "" when ``torch.ops.lit_rl.decode_attention`` is
-    usable, else why not (no C++ compiler, a failed build: the compiler's message). Once per process."""
+    """Compile (first time: ~13 s on 2 cores, with a line saying so) and load the kernel; returns "" when
+    ``torch.ops.lit_rl.decode_attention`` is usable, else why not (``toolchain_missing``, a failed build: the
+    compiler's last line). Once per process."""
     global _built
     if _built is not None:
         return _built
     if hasattr(torch.ops.lit_rl, "decode_attention"):
         _built = ""
         return _built
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        _built = "no C++ compiler (c++ / g++) on PATH"
+    _built = toolchain_missing()
+    if _built:
         return _built
     from torch.utils.cpp_extension import load
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)  # a build killed mid-way left it; the next one would wait on it forever
+    _wait_for_lock(directory / "lock")
+    if not (directory / "lit_rl_decode_attention.so").exists():
+        print(f"lit_rl: compiling the decode attention kernel for this CPU (once, ~15 s) in {directory}", flush=True)
     try:
         load("lit_rl_decode_attention", [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
@@ -180,7 +217,7 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
 
     ``False``: none. ``True``: bf16 and float32; RuntimeError when the kernel cannot be built (``build``'s
     reason). ``auto``: each dtype where the kernel is measured at least ``MIN_SPEEDUP`` x faster than SDPA on the
-    model's head shape (``timer``, default ``measure``); none without a compiler. The timing (a few seconds) is
+    model's head shape (``timer``, default ``measure``); none without a compiler. The timing (under a second) is
     cached in ``<lit_rl cache>/decode_attention.json`` under the CPU model, torch, threads, head shape and the
     build (delete it to measure again); a timing during which other processes used more than a tenth of a core is
     not cached. Raises ValueError for another ``setting``."""

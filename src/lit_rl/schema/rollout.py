@@ -55,6 +55,11 @@ class EngineConfig:
         for name, value in (("packed_linear", packed), ("decode_attention", self.decode_attention)):
             allowed = value == "auto" or isinstance(value, bool)
             yield from rule(allowed, f"engine.{name}", value, "choose auto, true or false")
+        if self.decode_attention is True:  # the kernel is built at the first rollout: its toolchain checked now
+            from ..kernels.decode_attention import toolchain_missing
+
+            missing = toolchain_missing()
+            yield from rule(not missing, "engine.decode_attention", True, f"needs its C++ build: {missing}; use auto")
         yield from rule(
             math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)"
         )
