@@ -468,3 +468,16 @@ def test_ctrl_c_checkpoints_the_step_exits_130_with_the_continue_hint(tmp_path):
     assert m.group(2) == str(out / "checkpoints" / f"step={step}.ckpt")
     assert torch.load(m.group(2), weights_only=False)["global_step"] == step
     assert not (out / "finished.json").exists()
+
+
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["term", "usr1", "int"])
+def test_ctrl_c_after_any_stop_signal_stops_at_once(first, capfd):
+    """A run that a stop signal did not end (stuck before its next safe point) stops on Ctrl-C: a SIGINT after
+    SIGTERM or SIGUSR1 used to be noted again and nothing happened (a new user had to kill -9 such a run)."""
+    from lit_rl.run.preemption import RunCheckpoint
+
+    cb = RunCheckpoint()
+    cb._on_signal(first, None)
+    assert cb.signum == first and f"received {first.name}" in capfd.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        cb._on_signal(signal.SIGINT, None)

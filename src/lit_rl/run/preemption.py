@@ -140,15 +140,16 @@ class RunCheckpoint(ModelCheckpoint):
             self._previous_handlers = {}
 
     def _on_signal(self, signum, frame) -> None:
-        """SIGTERM, SIGINT or the requeue signal (a second SIGINT raises ``KeyboardInterrupt``: stop at once,
-        without this step's checkpoint). On one process: Lightning's flag (``trainer.received_sigterm``), so
-        its loops stop at their next safe point. Under data parallelism the signal is only noted here: the
-        ranks raise the flag together where they agree (``agree``, at the end of each step). A flag raised
-        on one rank at any other moment -- as Lightning's own SIGTERM handler does, which also runs a
-        collective inside the handler -- lets that rank leave the loop while the others enter the next
-        step's collectives, and the run hangs. Nothing else happens inside the handler."""
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # Ctrl-C twice: Lightning's shutdown, exit 1, the earlier checkpoints kept
+        """SIGTERM, SIGINT or the requeue signal (a SIGINT after any of them raises ``KeyboardInterrupt``: stop at
+        once, without this step's checkpoint; a run stuck after a scheduler's SIGTERM still stops on Ctrl-C). On one
+        process: Lightning's flag (``trainer.received_sigterm``), so its loops stop at their next safe point. Under
+        data parallelism the signal is only noted here: the ranks raise the flag together where they agree
+        (``agree``, at the end of each step). A flag raised on one rank at any other moment -- as Lightning's own
+        SIGTERM handler does, which also runs a collective inside the handler -- lets that rank leave the loop
+        while the others enter the next step's collectives, and the run hangs. Nothing else happens inside the
+        handler."""
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt  # Ctrl-C after a stop signal: Lightning's shutdown, exit 1, checkpoints kept
         self.signum = self.signum or int(signum)
         rank = self._trainer.global_rank if self._trainer is not None else 0
         what = (
