@@ -21,7 +21,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // values per vector step (one AVX-512 register of float32); head_dim % 16 == 0
+constexpr int64_t kLanes = 16;  // values per vector step (one AVX-512 register of float32)
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
