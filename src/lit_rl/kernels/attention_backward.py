@@ -314,7 +314,7 @@ def resolve(
     shape = head_shape(model)
     if shape is None:
         return 0, "kernels.attention_backward=auto: flash (the model's config gives no attention head shape)"
-    from ..run.hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
+    from ..run.hardware import cpu_model, keep_if_alone, read_cache, timed_alone
 
     key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
                     str(dtype).removeprefix("torch."), "heads={}/{}x{}".format(*shape)])  # fmt: skip
@@ -323,15 +323,9 @@ def resolve(
     if key in cached:
         ratios, when = {int(k): v for k, v in cached[key]["ratios"].items()}, f"measured {cached[key]['measured']}"
     else:
-        start, t0 = _other_cpu_seconds(), time.perf_counter()
-        ratios = timer(*shape, dtype)
-        others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
-        when = "measured now"
-        if others > 0.1:
-            when += f"; not cached: other processes used {others:.1f} cores meanwhile"
-        else:
-            cached[key] = {"ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M")}
-            write_cache(cache, cached)
+        ratios, others = timed_alone(timer, *shape, dtype)
+        entry = {"ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M")}
+        when = keep_if_alone(cache, cached, key, entry, others, verb="measured")
     threshold = threshold_from(ratios)
     shown = ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratios.items()))
     where = f"Lq x Lk <= {threshold} ({int(threshold**0.5)}^2)" if threshold else "no call (flash everywhere)"

@@ -235,7 +235,7 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
     if shape is None:
         return (), "engine.decode_attention=auto: off (the model's config names no attention heads)"
     from ..models import cache_dir
-    from ..run.hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
+    from ..run.hardware import cpu_model, keep_if_alone, read_cache, timed_alone
 
     cache = cache_dir() / "decode_attention.json" if cache is None else cache
     cached = read_cache(cache)
@@ -252,16 +252,9 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
             ]
         )  # the build's name: another kernel source is timed again
         if key not in cached:
-            start, t0 = _other_cpu_seconds(), time.perf_counter()
-            sdpa, kernel = timer(*shape, dtype)
-            others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+            (sdpa, kernel), others = timed_alone(timer, *shape, dtype)
             entry = {"speedup": sdpa / max(kernel, 1e-12), "measured": time.strftime("%Y-%m-%d %H:%M")}
-            if others > 0.1:
-                when = f"timed now; not cached: other processes used {others:.1f} cores meanwhile"
-            else:
-                when = "timed now"
-                cached[key] = entry
-                write_cache(cache, cached)
+            when = keep_if_alone(cache, cached, key, entry, others)
         else:
             entry = cached[key]
         if entry["speedup"] >= MIN_SPEEDUP:

@@ -194,7 +194,7 @@ def resolve(setting: str, model: torch.nn.Module, cache: Path | None = None, tim
     shapes = linear_shapes(model)
     if not shapes or not available():
         return False, "no float32 CPU linear layers" if shapes or available() else "no oneDNN in this torch build"
-    from ..run.hardware import _other_cpu_seconds, cpu_model, read_cache, write_cache
+    from ..run.hardware import cpu_model, keep_if_alone, read_cache, timed_alone
 
     signature = ",".join(f"{o}x{i}*{c}" for (o, i), c in sorted(shapes.items()))
     key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}", signature])
@@ -203,17 +203,10 @@ def resolve(setting: str, model: torch.nn.Module, cache: Path | None = None, tim
     if key in cached:
         speedup, when = float(cached[key]["speedup"]), f"measured {cached[key]['measured']}, cached"
     else:
-        start = _other_cpu_seconds()
-        t0 = time.perf_counter()
-        aten, onednn = timer(shapes)
-        others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+        (aten, onednn), others = timed_alone(timer, shapes)
         speedup = aten / max(onednn, 1e-12)
-        if others > 0.1:
-            when = f"measured now; not cached: other processes used {others:.1f} cores meanwhile"
-        else:
-            when = "measured now"
-            cached[key] = {"speedup": speedup, "measured": time.strftime("%Y-%m-%d %H:%M")}
-            write_cache(cache, cached)
+        entry = {"speedup": speedup, "measured": time.strftime("%Y-%m-%d %H:%M")}
+        when = keep_if_alone(cache, cached, key, entry, others, verb="measured")
     on = speedup >= MIN_SPEEDUP
     verdict = "oneDNN" if on else "torch's BLAS"
     return on, (

@@ -146,7 +146,7 @@ def resolve(
         if setting is True:
             raise RuntimeError("engine.packed_linear=true: this torch build lacks oneDNN's packed linear kernel")
         return False, "engine.packed_linear=auto: off (no oneDNN packed linear kernel in this torch build)"
-    from ..run.hardware import _other_cpu_seconds, cpu_facts, cpu_model, onednn_isa_cap, read_cache, write_cache
+    from ..run.hardware import cpu_facts, cpu_model, keep_if_alone, onednn_isa_cap, read_cache, timed_alone, write_cache
 
     if setting == "auto" and not cpu_facts()["bf16_native"]:
         return False, "engine.packed_linear=auto: off (bf16 products are emulated on this CPU)"
@@ -173,17 +173,9 @@ def resolve(
     if setting is True:
         return True, f"engine.packed_linear=true: on (the same bits as F.linear on this model's shapes, {when})"
     if "speedup" not in entry:
-        start = _other_cpu_seconds()
-        t0 = time.perf_counter()
-        plain, packed = timer(shapes)
-        others = _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+        (plain, packed), others = timed_alone(timer, shapes)
         entry = dict(entry, speedup=plain / max(packed, 1e-12))
-        if others > 0.1:
-            when = f"timed now; not cached: other processes used {others:.1f} cores meanwhile"
-        else:
-            when = "timed now"
-            cached[key] = entry
-            write_cache(cache, cached)
+        when = keep_if_alone(cache, cached, key, entry, others)
     on = entry["speedup"] >= MIN_SPEEDUP
     return on, (
         f"engine.packed_linear=auto: {'on' if on else 'off'} (packed bf16 products {entry['speedup']:.2f}x the "

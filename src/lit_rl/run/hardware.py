@@ -456,6 +456,29 @@ def _other_cpu_seconds(start: tuple[float, float] | None = None) -> tuple[float,
     return (busy - start[0]) - (mine - start[1]), 0.0
 
 
+#: a timing during which other processes used more than this many cores on average is used but not cached
+BUSY_CORES = 0.1
+
+
+def timed_alone(timer, *args):
+    """(``timer(*args)``, the cores other processes used on average meanwhile): a start-up timing that picks a
+    kernel (``kernels.*.resolve``) is cached only when that is at most ``BUSY_CORES`` (``keep_if_alone``)."""
+    start, t0 = _other_cpu_seconds(), time.perf_counter()
+    result = timer(*args)
+    return result, _other_cpu_seconds(start)[0] / max(time.perf_counter() - t0, 1e-9)
+
+
+def keep_if_alone(cache: Path, cached: dict, key: str, entry: dict, others: float, verb: str = "timed") -> str:
+    """Store ``entry`` under ``key`` in ``cached`` and write it to ``cache`` unless other processes used more than
+    ``BUSY_CORES`` cores during the timing (``others``, from ``timed_alone``); returns what the start-up line says:
+    "<verb> now", or why it was not cached."""
+    if others > BUSY_CORES:
+        return f"{verb} now; not cached: other processes used {others:.1f} cores meanwhile"
+    cached[key] = entry
+    write_cache(cache, cached)
+    return f"{verb} now"
+
+
 def probe_flops(
     precision: str, threads: int, seconds: float = PROBE_SECONDS, size: int = PROBE_SIZE, device: str = "cpu"
 ) -> float:
