@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention_backward import head_shape
 from .fp32_gemm import _best_of
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
@@ -198,19 +199,6 @@ def check_setting(setting) -> None:
         raise ValueError(f"engine.decode_attention={setting!r} is not allowed: choose auto, true or false")
 
 
-def head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
-    """(key/value heads, query heads per key/value head, head_dim) of ``model``'s attention, from its config;
-    None when the config does not say."""
-    cfg = getattr(model, "config", None)
-    cfg = getattr(cfg, "text_config", None) or cfg
-    heads = getattr(cfg, "num_attention_heads", None)
-    if not heads:
-        return None
-    kvh = getattr(cfg, "num_key_value_heads", None) or heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return kvh, heads // kvh, dim
-
-
 def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=measure) -> tuple[tuple, str]:
     """(the dtypes the kernel serves, why) for ``engine.decode_attention`` = ``setting`` and ``model`` at the
     current thread count.
@@ -231,9 +219,10 @@ def resolve(setting, model: torch.nn.Module, cache: Path | None = None, timer=me
         return (), f"engine.decode_attention=auto: off ({why})"
     if setting is True:
         return DTYPES, "engine.decode_attention=true: on (bf16 and float32 decode steps)"
-    shape = head_shape(model)
-    if shape is None:
+    heads = head_shape(model)  # (query heads, key/value heads, head_dim)
+    if heads is None:
         return (), "engine.decode_attention=auto: off (the model's config names no attention heads)"
+    shape = (heads[1], heads[0] // heads[1], heads[2])  # key/value heads, query heads per one, head_dim
     from ..models import cache_dir
     from ..run.hardware import cpu_model, keep_if_alone, read_cache, timed_alone
 
