@@ -33,14 +33,7 @@ from _common import ensure_quiet  # noqa: E402
 
 from lit_rl.kernels import decode_attention as da  # noqa: E402
 from lit_rl.run.hardware import keep_freed_memory  # noqa: E402
-
-# two-sided 95% Student t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-       11: 2.201, 12: 2.179, 14: 2.145, 15: 2.131, 19: 2.093, 24: 2.064, 29: 2.045}  # fmt: skip
-
-
-def t95(df: int) -> float:
-    return T95.get(df) or T95[max(k for k in T95 if k <= df)]
+from lit_rl.tools.compare.stats import t_interval  # noqa: E402
 
 
 def layer_timings(dtype: torch.dtype, rows: int, length: int, layers: int = 30, repeats: int = 5):
@@ -97,12 +90,9 @@ def gap_study(blocks: int) -> None:
                     s = response_logprobs(model, ids, mask, r.response_ids, r.response_mask, with_entropy=False)
             gaps[on].append((s.logprobs.float() - r.rollout_logprobs).abs()[r.response_mask].mean().item())
         print(f"# block {b + 1}/{blocks}: gap SDPA {gaps[False][-1]:.4e}, kernel {gaps[True][-1]:.4e}", flush=True)
-    d = [a - b for a, b in zip(gaps[True], gaps[False])]
+    ci = t_interval([a - b for a, b in zip(gaps[True], gaps[False])])  # the paired differences, 95%
     off = sum(gaps[False]) / blocks
-    mean = sum(d) / blocks
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (blocks - 1))
-    half = t95(blocks - 1) * sd / math.sqrt(blocks)
-    lo, hi = (mean - half) / off, (mean + half) / off
+    mean, lo, hi = ci.mean, ci.lo / off, ci.hi / off
     verdict = "no larger (the interval lies below +5%)" if hi < 0.05 else "not settled (the interval reaches +5%)"
     print(f"\n## engine-trainer gap, {blocks} paired blocks of 64 rollouts (bf16 autocast)")
     print(f"SDPA {off:.4e}, kernel {sum(gaps[True]) / blocks:.4e}; kernel - SDPA {mean / off:+.1%} "
