@@ -43,6 +43,15 @@ def busy_processes(window_s: float = 2.0, threshold: float = 0.2) -> list[tuple[
     return busy
 
 
+def after_first(series: list[tuple[int, float]]) -> list[float]:
+    """A tag's values (``read_scalars``' [(step, value), ...]) in step order without the first logged step's (the
+    start-up step: compile, first-use timings, a rollout process starting), or all of them when it has one step.
+    By position, not by step number: steps are logged from 1 (as Lightning's ``global_step``), so a filter such as
+    ``step > 0`` keeps the first step."""
+    values = [v for _, v in sorted(series)]
+    return values[1:] if len(values) > 1 else values
+
+
 def ensure_quiet(force: bool = False) -> None:
     """Print the machine (``machine()``) at the top of the output, then exit with a message if other processes
     are using the CPU (timings would be 7-30x off)."""

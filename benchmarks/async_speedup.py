@@ -56,7 +56,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import ensure_quiet, machine  # noqa: E402
+from _common import after_first, ensure_quiet, machine  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from lit_rl.run.train import run  # noqa: E402
@@ -66,27 +66,30 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def measure(overrides: list[str], out: Path) -> dict[str, float]:
-    """Run the recipe with ``overrides`` into ``out``; mean step/rollout/train seconds after the first step."""
+    """Run the recipe with ``overrides`` into ``out``; its ``summary``."""
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     run(cfg, out)
-    s = read_scalars(out)
-    after_first = lambda tag: [v for step, v in s.get(tag, []) if step > 0] or [0.0]  # noqa: E731
+    return summary(read_scalars(out))
+
+
+def summary(s: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """One setting's means over its steps after the first (``_common.after_first``) from its scalars (``read_scalars``);
+    0 for a tag the setting does not log."""
+    after = lambda tag: after_first(s.get(tag, [])) or [0.0]  # noqa: E731
     return {
-        "step": statistics.mean(after_first("time/step_s")),
-        "rollout": statistics.mean(after_first("time/rollout_s")),
-        "train": statistics.mean(after_first("time/train_s")),
-        "tokens": statistics.mean(
-            v * t for v, t in zip(after_first("perf/rollout_tokens_per_s"), after_first("time/generate_s"))
-        ),
-        "staleness": statistics.mean(after_first("rollout/staleness_mean")),
-        "staleness_max": max(after_first("rollout/staleness_max")),
-        "trainer_wait": statistics.mean(after_first("time/trainer_wait_frac")),  # 0: sync
-        "producer_idle": statistics.mean(after_first("time/producer_idle_frac")),
-        "partial": statistics.mean(after_first("rollout/partial_fraction")),  # 0: partial rollouts off
-        "generate": statistics.mean(after_first("time/generate_s")),
+        "step": statistics.mean(after("time/step_s")),
+        "rollout": statistics.mean(after("time/rollout_s")),
+        "train": statistics.mean(after("time/train_s")),
+        "tokens": statistics.mean(v * t for v, t in zip(after("perf/rollout_tokens_per_s"), after("time/generate_s"))),
+        "staleness": statistics.mean(after("rollout/staleness_mean")),
+        "staleness_max": max(after("rollout/staleness_max")),
+        "trainer_wait": statistics.mean(after("time/trainer_wait_frac")),  # 0: sync
+        "producer_idle": statistics.mean(after("time/producer_idle_frac")),
+        "partial": statistics.mean(after("rollout/partial_fraction")),  # 0: partial rollouts off
+        "generate": statistics.mean(after("time/generate_s")),
         **{  # partial rollouts: what each batch prefilled, decoded and threw away (0: off)
-            name: statistics.mean(after_first(tag)) for name, tag in PARTIAL_TAGS.items()
+            name: statistics.mean(after(tag)) for name, tag in PARTIAL_TAGS.items()
         },
     }
 
@@ -129,6 +132,13 @@ def main():
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="rollout.max_staleness of every async setting (RL steps; a long answer carried over more than one "
+        "batch by partial rollouts needs >= 2)",
+    )
     ap.add_argument("--model", default="smollm2-135m", help="the model group (smollm2-135m, tiny)")
     ap.add_argument(
         "--layout",
@@ -171,7 +181,11 @@ def main():
         "eval.num_examples=0",
         "trainer.enable_progress_bar=false",
     ]
-    one_each = ["rollout.mode=async", "rollout.max_staleness=1", "threads=1"]  # 1 + 1 threads in every async setting
+    one_each = [
+        "rollout.mode=async",
+        f"rollout.max_staleness={args.max_staleness}",
+        "threads=1",
+    ]  # 1 + 1 threads in every async setting
     settings = {
         "sync, 1 thread": ["rollout.mode=sync", "threads=1"],
         "async, thread producer, 1+1": [*one_each, "rollout.producer=thread", "rollout.behaviour_logprobs=false"],
@@ -214,8 +228,7 @@ def main():
     print(f"\n# {machine()}")
     print(
         f"\n## {args.model}, {args.layout} layout: {args.prompts} prompts x G={args.group_size} x <= {args.new_tokens} "
-        "new tokens, "
-        f"GRPO, bf16-mixed, mean of steps 2-{args.steps}"
+        f"new tokens, GRPO, bf16-mixed, async max_staleness={args.max_staleness}, mean of steps 2-{args.steps}"
     )
     print(
         "| setting | step s | RL steps / min | rollout (or wait) s | update s | generated tokens / step "

@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import ensure_quiet  # noqa: E402
+from _common import after_first, ensure_quiet  # noqa: E402
 from bit_identity import (  # noqa: E402
     BOOTSTRAP,
     RunFailed,
@@ -84,8 +84,8 @@ def run_main_job(checkout: Path, run: Path, steps: int, kernels: str, timeout: f
 
 def median_after_first(series: list[tuple[int, float]]) -> float:
     """The median of a tag's values over its steps after the first (all of them when it has one step)."""
-    values = [v for _, v in sorted(series)]
-    return statistics.median(values[1:] if len(values) > 1 else values) if values else float("nan")
+    values = after_first(series)
+    return statistics.median(values) if values else float("nan")
 
 
 def timing_table(sides: dict[str, dict]) -> list[str]:

@@ -43,6 +43,7 @@ EXPLICIT = ("bf16-mixed", "32-true")
 def measure(precision: str, args, out: Path) -> dict:
     """Mean step, rollout and update seconds over steps 2..N of one run, the precision it used and the cores
     other processes used meanwhile."""
+    from _common import after_first
     from hydra import compose, initialize_config_dir
 
     from lit_rl.run.hardware import cpu_busy_seconds
@@ -66,7 +67,7 @@ def measure(precision: str, args, out: Path) -> dict:
     end = cpu_busy_seconds()
     others = ((end[0] - start[0]) - (end[1] - start[1])) / (end[2] - start[2])
     s = read_scalars(out)
-    mean = lambda tag: statistics.mean(v for step, v in s[tag] if step >= 1)  # noqa: E731
+    mean = lambda tag: statistics.mean(after_first(s[tag]))  # noqa: E731
     return {
         "used": cfg.trainer.precision,
         "step_s": mean("time/step_s"),

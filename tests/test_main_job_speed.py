@@ -39,3 +39,21 @@ def test_fingerprint_differences_name_the_tag_and_first_step():
     ]
     # a tag only one side logs is not compared
     assert speed.fingerprint_differences({**base, "rollout/truncation_rate": [(1, 0.0)]}, dict(base)) == []
+
+
+def test_async_speedup_leaves_out_the_first_step():
+    """Steps are logged from 1: the first step (a rollout process starting, first-use timings) is left out by
+    position. (A ``step > 0`` filter kept it, and with it the process producer's start-up, from 2026-12-02 on.)"""
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    import _common
+    import async_speedup
+
+    assert _common.after_first([(2, 3.0), (1, 30.0), (3, 5.0)]) == [3.0, 5.0]
+    assert _common.after_first([(1, 7.0)]) == [7.0]
+    s = {
+        "time/step_s": [(1, 30.0), (2, 4.0), (3, 6.0)], "time/train_s": [(1, 3.0), (2, 3.0), (3, 5.0)],
+        "time/rollout_s": [(1, 27.0), (2, 1.0), (3, 1.0)], "rollout/staleness_max": [(1, 0.0), (2, 1.0), (3, 1.0)],
+    }  # fmt: skip
+    r = async_speedup.summary(s)
+    assert (r["step"], r["train"], r["rollout"], r["staleness_max"]) == (5.0, 4.0, 1.0, 1.0)
+    assert r["partial"] == 0.0  # a tag the setting does not log
