@@ -37,7 +37,13 @@ the batch with the next step's prompts) exist to use. This layout adds one setti
   versions) and the freed decode slots take the next prompts' groups, so the decode batch stays at P x G rows.
   Its ``rollout/partial_fraction`` (the share of trained rows started by an earlier batch) is printed, and its
   RL steps per minute against the between-batches async (``async, process producer, 1+1``) and against
-  ``sync, 2 threads``, the two ratios the long tail is judged by.
+  ``sync, 2 threads``, the two ratios the long tail is judged by, each beside the ratio of trained tokens per
+  second. Over a window of a few steps the two differ: partial batches are due with whichever groups finish first,
+  so while long groups are still in flight at the window's end the window trained more short groups than the
+  prompts drawn, and fewer tokens per step; in a long run every drawn group is trained once, so the steps' mix is
+  the prompts' and the tokens-per-second ratio is the one the steps-per-minute ratio tends to. ``--max-staleness``
+  (every async setting's bound) must let a long answer span the steps it takes: with 1, a group not done by the
+  end of its batch is restarted.
 
 The tiny model never stops early (random weights), so with ``--model tiny`` the layout only checks that it runs.
 
@@ -54,6 +60,8 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import after_first, ensure_quiet, machine  # noqa: E402
@@ -88,10 +96,35 @@ def summary(s: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
         "producer_idle": statistics.mean(after("time/producer_idle_frac")),
         "partial": statistics.mean(after("rollout/partial_fraction")),  # 0: partial rollouts off
         "generate": statistics.mean(after("time/generate_s")),
+        "step_series": after("time/step_s"),  # per step, for ``ratio_interval``
+        "token_series": [v * t for v, t in zip(after("perf/rollout_tokens_per_s"), after("time/generate_s"))],
         **{  # partial rollouts: what each batch prefilled, decoded and threw away (0: off)
             name: statistics.mean(after(tag)) for name, tag in PARTIAL_TAGS.items()
         },
     }
+
+
+def ratio_interval(a: dict, b: dict, measure: str, confidence: float = 0.95) -> tuple[float, float, float]:
+    """``a``'s rate over ``b``'s (two ``summary`` results) and a percentile bootstrap interval over their steps
+    (``scipy.stats.bootstrap``, each setting's steps resampled apart, seeded). ``measure``: ``steps`` (RL steps per
+    minute: b's mean step over a's) or ``tokens`` (trained tokens per second: each side's tokens over its seconds,
+    summed over the steps). The steps are resampled as if independent, which a partial run's are not (a carried
+    group ties neighbouring steps): a rough guide to the spread, not an exact interval."""
+    from scipy.stats import bootstrap
+
+    def rate(r, idx):
+        t = [r["step_series"][i] for i in idx]
+        return len(t) / sum(t) if measure == "steps" else sum(r["token_series"][i] for i in idx) / sum(t)
+
+    def stat(ia, ib):
+        return rate(a, ia.astype(int)) / rate(b, ib.astype(int))
+
+    ia, ib = np.arange(len(a["step_series"])), np.arange(len(b["step_series"]))
+    res = bootstrap(
+        (ia, ib), stat, vectorized=False, paired=False, n_resamples=2000, method="percentile",
+        confidence_level=confidence, rng=np.random.default_rng(0),
+    )  # fmt: skip
+    return stat(ia, ib), float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 #: the per-batch partial-rollout counters printed for the partial settings (``PartialRollouts.totals``) and the
@@ -258,7 +291,12 @@ def main():
         partial = results.get(label)
         for name in ("async, process producer, 1+1", "sync, 2 threads"):
             if partial is not None and name in results:  # RL steps per minute, the partial setting's over the other's
-                print(f"{label} vs {name}: RL steps / min {results[name]['step'] / partial['step']:.2f}x")
+                steps = ratio_interval(partial, results[name], "steps")
+                tokens = ratio_interval(partial, results[name], "tokens")
+                print(
+                    f"{label} vs {name}: RL steps / min {steps[0]:.2f}x (95% bootstrap over steps {steps[1]:.2f}-"
+                    f"{steps[2]:.2f}), trained tokens / s {tokens[0]:.2f}x ({tokens[1]:.2f}-{tokens[2]:.2f})"
+                )
 
 
 if __name__ == "__main__":

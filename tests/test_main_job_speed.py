@@ -57,3 +57,19 @@ def test_async_speedup_leaves_out_the_first_step():
     r = async_speedup.summary(s)
     assert (r["step"], r["train"], r["rollout"], r["staleness_max"]) == (5.0, 4.0, 1.0, 1.0)
     assert r["partial"] == 0.0  # a tag the setting does not log
+
+
+def test_async_speedup_ratio_interval():
+    """RL steps per minute and trained tokens per second of one setting over another, with a bootstrap interval over
+    the steps: hand-computed values, an interval that holds them, a point interval for constant steps."""
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    import async_speedup
+
+    a = {"step_series": [5.0, 5.0, 5.0], "token_series": [100.0, 100.0, 100.0]}
+    b = {"step_series": [10.0, 10.0, 10.0], "token_series": [400.0, 400.0, 400.0]}
+    assert async_speedup.ratio_interval(a, b, "steps") == (2.0, 2.0, 2.0)
+    assert async_speedup.ratio_interval(a, b, "tokens") == (0.5, 0.5, 0.5)  # 20 against 40 tokens a second
+    a = {"step_series": [4.0, 6.0, 5.0, 5.0], "token_series": [80.0, 120.0, 100.0, 100.0]}
+    point, low, high = async_speedup.ratio_interval(a, b, "steps")
+    assert point == 2.0 and low < 2.0 < high and low > 1.5 and high < 2.6
+    assert async_speedup.ratio_interval(a, b, "tokens")[0] == 0.5  # every step of a at 20 tokens a second
