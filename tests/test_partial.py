@@ -337,7 +337,8 @@ def test_a_look_ahead_group_the_batch_cannot_do_without_starts_and_is_trained_in
     rows, seeds = groups(SHORT, SHORT2)
     r, keys, carried = engine.generate_partial(rows, GREEDY, seeds, ["short", "short2"], 2, 0, 1, 1)
     totals = engine.partial_state.totals()
-    assert keys == ["short2", "short"]  # the committed group first
+    assert keys == ["short", "short2"]  # both committed (started with version 0, which the next batch does not
+    # allow: short as one of this batch's own groups, short2 as the look-ahead the batch needs), in completion order
     assert engine.partial_state.decode_rows == [2, 2] and totals["held_back"] == 0 and totals["restarts"] == 0
     assert engine.partial_state.held == [] and engine.partial_state.queue == []
 
@@ -419,3 +420,24 @@ def test_the_producer_logs_a_batchs_partial_counters(tiny):
     assert metrics["rollout/partial_joined_rows"] == 2 * G and metrics["rollout/partial_restarts"] == 0
     assert metrics["rollout/partial_decode_rows"] == 4 * 5 - 4  # 5 steps of 4 rows; the 4 joined rows prefilled
     assert metrics["time/partial_prefill_s"] > 0 and metrics["time/partial_decode_s"] > 0
+
+
+def test_a_carried_group_in_its_last_allowed_batch_is_trained_in_it_not_restarted(tiny, versions):
+    """The long tail's starvation: call 1 (version 0, no bounds) carries long with one version-0 token. Call 2
+    (version 1) allows version 0 (``min_version`` 0) but its look-ahead's batch, the next, does not
+    (``ahead_min_version`` 1): long is committed, so the batch waits for its 5 remaining tokens and takes it (though
+    short2 is done first), instead of carrying it into call 3, which would restart it and throw its 6 tokens away
+    (as a run whose long answers never fit the bound restarted them at every batch and trained short groups only).
+    Call 3 then delivers short2 with no restart."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    call(engine, ["short", "long"], [SHORT, LONG], want=1)
+    engine.sync_weights(1, versions[1])
+    rows, seeds = groups(SHORT2)
+    r2, keys2, carried2 = engine.generate_partial(rows, GREEDY, seeds, ["short2"], 1, 0, 0, 1)
+    state = engine.partial_state
+    assert keys2 == ["long"] and carried2.tolist() == [True, True]
+    assert r2.response_mask.sum(-1).tolist() == [6, 6] and r2.token_versions[:, 0].tolist() == [0, 0]
+    assert r2.token_versions[:, 1:].unique().tolist() == [1]
+    r3, keys3, _ = call(engine, ["other"], [OTHER], want=1, min_version=1)
+    assert keys3 == ["short2"] and state.totals()["restarts"] == 0 and state.totals()["discarded_tokens"] == 0
