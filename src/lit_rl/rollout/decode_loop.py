@@ -516,9 +516,9 @@ class PartialRollouts:
         """Commit to this call's batch the ``groups`` (held) whose oldest token the next batch may not train on
         (older than ``ahead_min_version``): carried on, they would be restarted at the next call and their tokens
         thrown away, and a long answer that never fits the bound would be restarted at every call and never trained
-        (measured: a 4 x G = 2 long-tail run restarted its long groups in 5 of 9 batches and trained short groups
-        only). The batch waits for them instead, as between-batches rollouts wait for every group. Oldest first, at
-        most ``want`` committed groups in all; beyond that a group may still be restarted."""
+        (measured: a 4 x G = 2 long-tail run restarted long groups in 5 of its last 9 batches, 226-925 sampled
+        tokens thrown away each time). The batch waits for them instead, as between-batches rollouts wait for every
+        group. Oldest first, at most ``want`` committed groups in all; beyond that a group may still be restarted."""
         if self.ahead_min_version is None:
             return
         room = want - sum(g.committed for g in self.held)
