@@ -41,9 +41,10 @@ the batch with the next step's prompts) exist to use. This layout adds one setti
   second. Over a window of a few steps the two differ: partial batches are due with whichever groups finish first,
   so while long groups are still in flight at the window's end the window trained more short groups than the
   prompts drawn, and fewer tokens per step; in a long run every drawn group is trained once, so the steps' mix is
-  the prompts' and the tokens-per-second ratio is the one the steps-per-minute ratio tends to. ``--max-staleness``
-  (every async setting's bound) must let a long answer span the steps it takes: with 1, a group not done by the
-  end of its batch is restarted.
+  the prompts' and the two ratios meet. Both are biased over a short window (work carried in from the first,
+  excluded step, or still in flight at the end), so read them with the tokens per step beside them.
+  ``--max-staleness`` (every async setting's bound) sets how many batches a long answer may span: with 1, a group
+  started with the previous step's weights is due in its own batch, which waits for it.
 
 The tiny model never stops early (random weights), so with ``--model tiny`` the layout only checks that it runs.
 
@@ -97,7 +98,12 @@ def summary(s: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
         "partial": statistics.mean(after("rollout/partial_fraction")),  # 0: partial rollouts off
         "generate": statistics.mean(after("time/generate_s")),
         "step_series": after("time/step_s"),  # per step, for ``ratio_interval``
-        "token_series": [v * t for v, t in zip(after("perf/rollout_tokens_per_s"), after("time/generate_s"))],
+        "token_series": [
+            v * t
+            for v, t in zip(
+                after_first(s.get("perf/rollout_tokens_per_s", [])), after_first(s.get("time/generate_s", []))
+            )
+        ],
         **{  # partial rollouts: what each batch prefilled, decoded and threw away (0: off)
             name: statistics.mean(after(tag)) for name, tag in PARTIAL_TAGS.items()
         },
@@ -108,9 +114,14 @@ def ratio_interval(a: dict, b: dict, measure: str, confidence: float = 0.95) -> 
     """``a``'s rate over ``b``'s (two ``summary`` results) and a percentile bootstrap interval over their steps
     (``scipy.stats.bootstrap``, each setting's steps resampled apart, seeded). ``measure``: ``steps`` (RL steps per
     minute: b's mean step over a's) or ``tokens`` (trained tokens per second: each side's tokens over its seconds,
-    summed over the steps). The steps are resampled as if independent, which a partial run's are not (a carried
-    group ties neighbouring steps): a rough guide to the spread, not an exact interval."""
+    summed over the steps); the interval is NaN with fewer than two steps a side. Raises ValueError when a
+    setting's token counts do not match its steps. The steps are resampled as if independent, which a partial
+    run's are not (a carried group ties neighbouring steps): a rough guide to the spread, not an exact interval."""
     from scipy.stats import bootstrap
+
+    for r in (a, b):
+        if len(r["token_series"]) != len(r["step_series"]):
+            raise ValueError(f"{len(r['token_series'])} token counts for {len(r['step_series'])} steps")
 
     def rate(r, idx):
         t = [r["step_series"][i] for i in idx]
@@ -120,6 +131,8 @@ def ratio_interval(a: dict, b: dict, measure: str, confidence: float = 0.95) -> 
         return rate(a, ia.astype(int)) / rate(b, ib.astype(int))
 
     ia, ib = np.arange(len(a["step_series"])), np.arange(len(b["step_series"]))
+    if min(len(ia), len(ib)) < 2:  # one timed step a side (--steps 2): no spread to resample
+        return stat(ia, ib), float("nan"), float("nan")
     res = bootstrap(
         (ia, ib), stat, vectorized=False, paired=False, n_resamples=2000, method="percentile",
         confidence_level=confidence, rng=np.random.default_rng(0),
@@ -169,8 +182,8 @@ def main():
         "--max-staleness",
         type=int,
         default=1,
-        help="rollout.max_staleness of every async setting (RL steps; a long answer carried over more than one "
-        "batch by partial rollouts needs >= 2)",
+        help="rollout.max_staleness of every async setting (RL steps; partial rollouts carry a long answer over "
+        "more than one batch only with >= 2)",
     )
     ap.add_argument("--model", default="smollm2-135m", help="the model group (smollm2-135m, tiny)")
     ap.add_argument(

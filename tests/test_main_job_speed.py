@@ -73,3 +73,23 @@ def test_async_speedup_ratio_interval():
     point, low, high = async_speedup.ratio_interval(a, b, "steps")
     assert point == 2.0 and low < 2.0 < high and low > 1.5 and high < 2.6
     assert async_speedup.ratio_interval(a, b, "tokens")[0] == 0.5  # every step of a at 20 tokens a second
+
+
+def test_async_speedup_ratio_interval_with_one_step_a_side_or_missing_tokens():
+    """One timed step a side (``--steps 2``): the ratio with a NaN interval, not scipy's error after every run; token
+    counts that do not match the steps are named."""
+    import math
+
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    import async_speedup
+    import pytest
+
+    point, low, high = async_speedup.ratio_interval(
+        {"step_series": [5.0], "token_series": [100.0]}, {"step_series": [10.0], "token_series": [100.0]}, "steps"
+    )
+    assert point == 2.0 and math.isnan(low) and math.isnan(high)
+    with pytest.raises(ValueError, match="0 token counts for 2 steps"):
+        async_speedup.ratio_interval(
+            {"step_series": [5.0, 5.0], "token_series": []}, {"step_series": [1.0, 1.0], "token_series": [1.0, 1.0]},
+            "tokens",
+        )  # fmt: skip

@@ -426,7 +426,7 @@ def test_a_carried_group_in_its_last_allowed_batch_is_trained_in_it_not_restarte
     """The long tail's starvation: call 1 (version 0, no bounds) carries long with one version-0 token. Call 2
     (version 1) allows version 0 (``min_version`` 0) but its look-ahead's batch, the next, does not
     (``ahead_min_version`` 1): long is committed, so the batch waits for its 5 remaining tokens and takes it (though
-    short2 is done first), instead of carrying it into call 3, which would restart it and throw its 6 tokens away
+    short2 is done first), instead of carrying it into call 3, which would restart it and throw its tokens away
     (as a run whose long answers never fit the bound restarted them at every batch and trained short groups only).
     Call 3 then delivers short2 with no restart."""
     model, tok = tiny
@@ -441,3 +441,23 @@ def test_a_carried_group_in_its_last_allowed_batch_is_trained_in_it_not_restarte
     assert r2.token_versions[:, 1:].unique().tolist() == [1]
     r3, keys3, _ = call(engine, ["other"], [OTHER], want=1, min_version=1)
     assert keys3 == ["short2"] and state.totals()["restarts"] == 0 and state.totals()["discarded_tokens"] == 0
+
+
+def test_a_group_started_in_its_last_allowed_batch_is_waited_for_and_one_past_the_batch_is_not_started(tiny, versions):
+    """Version 0 held, the next batch allows version 1 at the oldest: long, admitted first, is due in this batch and
+    committed, so the batch (want 1) waits its 6 tokens though short would be done at step 0; short, due as well but
+    past the batch's one group, is not started (started, it could only be restarted at the next call): the decode
+    batch runs long's 2 rows alone. The next call (version 1) starts short with version 1 and delivers it; nothing is
+    restarted."""
+    model, tok = tiny
+    engine = engine_at(model, tok, versions[0], 0)
+    rows, seeds = groups(LONG, SHORT)
+    r1, keys1, _ = engine.generate_partial(rows, GREEDY, seeds, ["long", "short"], 1, 0, 0, 1)
+    state = engine.partial_state
+    assert keys1 == ["long"] and r1.response_mask.sum(-1).tolist() == [6, 6]
+    assert state.decode_rows == [2] * 6 and [g.key for g in state.queue] == ["short"]
+    engine.sync_weights(1, versions[1])
+    r2, keys2, carried2 = call(engine, ["other"], [OTHER], want=1, min_version=1)
+    assert keys2 == ["short"] and carried2.tolist() == [False, False]
+    assert r2.token_versions[r2.response_mask].unique().tolist() == [1]
+    assert state.totals()["restarts"] == 0 and state.totals()["discarded_tokens"] == 0

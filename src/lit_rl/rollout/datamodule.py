@@ -488,7 +488,8 @@ class RolloutDataModule(L.LightningDataModule):
         """``collect``'s generation under ``rollout.partial``: this batch's groups (keys (step, round, index)) and,
         for round 0, the next step's groups of this rank as a look-ahead (the same keys, prompts and seeds that step
         will offer, so the engine skips them then): slots freed by this batch's short groups take them while a long
-        group runs on, and the batch is due once ``len(examples)`` groups are complete, whichever they are.
+        group runs on, and the batch is due once ``len(examples)`` groups are complete, whichever they are (groups in
+        the last batch their tokens allow first: ``PartialRollouts._commit_due``).
         Returns (the rollouts, the examples of the groups returned, in order)."""
         g = len(prompts) // max(len(examples), 1)
         keys = [(step, round, first_index + p) for p in range(len(examples))]

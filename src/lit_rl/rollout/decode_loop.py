@@ -424,7 +424,8 @@ class PartialRollouts:
     ):  # fmt: skip
         """Add the groups of ``prompts`` (len(keys) groups of equal size, each group's rows next to each other,
         ``seeds`` one per row, ``keys`` one opaque key per group; a key added by an earlier call is skipped) and
-        decode until ``want`` held groups are complete. The last ``ahead`` groups are a look-ahead (the next batch's
+        decode until ``want`` held groups are complete and every committed one (in the last batch its tokens allow,
+        ``_commit_due``; taken first) is. The last ``ahead`` groups are a look-ahead (the next batch's
         groups: they wait in the queue for slots freed early and do not widen the decode batch, which stays at the
         most rows the other groups of one call have brought); ``ahead_min_version``: the oldest version their own
         batch may train on (None: not known, they start whenever slots are free). Returns (``Rollouts`` of those
@@ -486,8 +487,9 @@ class PartialRollouts:
     def _admit(self, slots: int, want: int) -> bool:
         """Move queued groups into the decode batch, whole and in order, while it has room for them; a look-ahead
         group whose own batch may not train on the engine's weights waits (the groups behind it may go), unless
-        this call's ``want`` groups cannot be completed without it (then it is committed to this batch). True when
-        one moved."""
+        this call's ``want`` groups cannot be completed without it (then it is committed to this batch). A group that
+        would be due in this batch (the engine's weights older than the next batch's bound) waits too once the batch
+        has its ``want`` committed groups: started, it could only be restarted. True when one moved."""
         loop = self.loop
         moved = False
         for group in list(self.queue):
@@ -499,12 +501,24 @@ class PartialRollouts:
                     group.waited = True
                     continue
                 group.committed = True
+            elif self._due_now() and self._room(want) <= 0 and not self._needed(want):
+                continue  # due in this batch, which has its groups: started now it could only be restarted
             self.queue.remove(group)
             group.rows, group.born = loop.add(group.prompts, group.seeds, beside=True).tolist(), self.calls
             self.held.append(group)
             self._commit_due([group], want)  # started with weights the next batch may not train on
             moved = True
         return moved
+
+    def _due_now(self) -> bool:
+        """True when a group started now would be due in this call's batch: the engine's weights are older than the
+        next batch's bound (``ahead_min_version``)."""
+        bound = self.ahead_min_version
+        return bound is not None and self.loop.engine.version < bound
+
+    def _room(self, want: int) -> int:
+        """How many more groups this call's batch can take committed (``want`` less those committed already)."""
+        return want - sum(g.committed for g in self.held)
 
     def _oldest(self, group: _Group) -> int:
         """The version of ``group``'s oldest token (the engine's, for a group admitted but not yet sampled)."""
@@ -521,7 +535,7 @@ class PartialRollouts:
         group. Oldest first, at most ``want`` committed groups in all; beyond that a group may still be restarted."""
         if self.ahead_min_version is None:
             return
-        room = want - sum(g.committed for g in self.held)
+        room = self._room(want)
         due = sorted(
             (g for g in groups if not g.committed and self._oldest(g) < self.ahead_min_version), key=self._oldest
         )
@@ -585,6 +599,6 @@ class PartialRollouts:
         if stale:
             self._forget(stale)
             for g in stale:
-                g.rows, g.born = [], -1
+                g.rows, g.born, g.committed = [], -1, False
             self.queue = stale + self.queue
             self.restarts += len(stale)
