@@ -520,10 +520,14 @@ class PartialRollouts:
         """How many more groups this call's batch can take committed (``want`` less those committed already)."""
         return want - sum(g.committed for g in self.held)
 
+    def _written(self, group: _Group) -> Tensor:
+        """The versions of ``group``'s sampled tokens (int64, flat; empty before its first token)."""
+        rows = torch.tensor(group.rows, dtype=torch.long)
+        return self.loop.versions[rows][self.loop.mask[rows]]
+
     def _oldest(self, group: _Group) -> int:
         """The version of ``group``'s oldest token (the engine's, for a group admitted but not yet sampled)."""
-        rows = torch.tensor(group.rows, dtype=torch.long)
-        written = self.loop.versions[rows][self.loop.mask[rows]]
+        written = self._written(group)
         return int(written.min()) if written.numel() else int(self.loop.engine.version)
 
     def _commit_due(self, groups: list[_Group], want: int) -> None:
@@ -589,10 +593,9 @@ class PartialRollouts:
         """Held groups with a token sampled before ``min_version`` go back to the queue's front, unstarted."""
         if min_version is None or self.loop is None:
             return
-        loop, stale = self.loop, []
+        stale = []
         for g in self.held:
-            rows = torch.tensor(g.rows, dtype=torch.long)
-            written = loop.versions[rows][loop.mask[rows]]
+            written = self._written(g)
             if written.numel() and int(written.min()) < min_version:
                 stale.append(g)
                 self.discarded_tokens += written.numel()
