@@ -5,6 +5,7 @@
     python benchmarks/decode_roofline.py --batches 1,2 --context 16 --steps 4 --repeats 1 --force  # a quick check
     python benchmarks/decode_roofline.py --dtypes bf16 --compare-casts  # weights cast once vs at every step
     python benchmarks/decode_roofline.py --dtypes bf16 --compare-packed  # oneDNN-packed weights vs the casts alone
+    python benchmarks/decode_roofline.py --dtypes bf16 --compare-llama-step  # lit_rl's Llama step vs transformers'
 
 For each batch B and compute dtype the engine (``TorchEngine`` on the float32 module, as training runs it: bf16
 under ``torch.autocast`` entered as Lightning's ``bf16-mixed`` enters it, with ``cache_enabled=False``, or plain
@@ -33,6 +34,9 @@ one process (old, new, new, old, ...), each ``--repeats`` times, and the ratio o
 in oneDNN's packed layout (``kernels.packed_linear``, ``engine.packed_linear=true``: used where its start-up check
 finds F.linear's bits) against the casts alone (``false``), timed alternately the same way, with a check that both
 sample the same tokens and log-probs, bit for bit, and the line saying what ``auto`` picks on this machine.
+``--compare-llama-step`` (bf16, the engine's packed products as ``auto`` picks them): the decode steps through lit_rl's
+Llama step (``rollout.llama_decode``: fewer calls, q/k/v and gate/up stacked) against transformers' forward
+(``engine.llama_step.enabled = False``), timed alternately the same way, with the same bit-for-bit check.
 The process keeps freed memory as a run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves
 glibc's defaults, to see what that saves). The machine must be quiet (the script refuses a busy one like the
 other benchmarks; ``--force`` times anyway).
@@ -109,19 +113,34 @@ def seconds_per_step(engine, prompts, steps: int, autocast: bool, repeats: int) 
     return best
 
 
-def alternately(engine, prompts, steps: int, repeats: int, attribute: str) -> tuple[float, float]:
-    """bf16 seconds per decode step (best of ``repeats`` each) with ``engine.casts.<attribute>`` False and True,
-    timed alternately (False, True, True, False, ...) after a warm-up of each: (False's, True's). Leaves it True."""
+def alternately(engine, prompts, steps: int, repeats: int, attribute: str, owner=None) -> tuple[float, float]:
+    """bf16 seconds per decode step (best of ``repeats`` each) with ``owner.<attribute>`` (default
+    ``engine.casts``) False and True, timed alternately (False, True, True, False, ...) after a warm-up of each:
+    (False's, True's). Leaves it True."""
+    owner = engine.casts if owner is None else owner
     best = {False: float("inf"), True: float("inf")}
     for value in (False, True):  # warm-up (and the packed products' start-up check)
-        setattr(engine.casts, attribute, value)
+        setattr(owner, attribute, value)
         seconds_per_step(engine, prompts, steps, True, 1)
     for r in range(repeats):
         for value in (False, True) if r % 2 == 0 else (True, False):
-            setattr(engine.casts, attribute, value)
+            setattr(owner, attribute, value)
             best[value] = min(best[value], seconds_per_step(engine, prompts, steps, True, 1))
-    setattr(engine.casts, attribute, True)
+    setattr(owner, attribute, True)
     return best[False], best[True]
+
+
+def same_rollouts(engine, prompts, steps: int, owner, attribute: str) -> bool:
+    """Whether bf16 rollouts of ``prompts`` with ``owner.<attribute>`` False and True sample the same tokens and
+    log-probs bit for bit (same seeds). Leaves it True."""
+    out = {}
+    for value in (False, True):
+        setattr(owner, attribute, value)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out[value] = engine.generate(prompts, SamplingConfig(max_new_tokens=1 + steps), list(range(len(prompts))))
+    return torch.equal(out[False].response_ids, out[True].response_ids) and torch.equal(
+        out[False].rollout_logprobs, out[True].rollout_logprobs
+    )
 
 
 def compare_casts(engine, prompts, steps: int, repeats: int) -> tuple[float, float]:
@@ -136,15 +155,14 @@ def compare_packed(engine, prompts, steps: int, repeats: int) -> tuple[float, fl
     products (``true``), timed alternately, and whether both sample the same tokens and log-probs bit for bit:
     (casts alone, packed, same bits)."""
     old, new = alternately(engine, prompts, steps, repeats, "packed")
-    out = {}
-    for packed in (False, True):
-        engine.casts.packed = packed
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
-            out[packed] = engine.generate(prompts, SamplingConfig(max_new_tokens=1 + steps), list(range(len(prompts))))
-    same = torch.equal(out[False].response_ids, out[True].response_ids) and torch.equal(
-        out[False].rollout_logprobs, out[True].rollout_logprobs
-    )
-    return old, new, same
+    return old, new, same_rollouts(engine, prompts, steps, engine.casts, "packed")
+
+
+def compare_llama_step(engine, prompts, steps: int, repeats: int) -> tuple[float, float, bool]:
+    """bf16 seconds per decode step through transformers' forward and through lit_rl's Llama step, timed
+    alternately, and whether both sample the same tokens and log-probs bit for bit: (transformers', lit_rl's, same)."""
+    old, new = alternately(engine, prompts, steps, repeats, "enabled", engine.llama_step)
+    return old, new, same_rollouts(engine, prompts, steps, engine.llama_step, "enabled")
 
 
 def profile_step(engine, prompts, steps: int, autocast: bool, top: int) -> None:
@@ -192,6 +210,9 @@ def main():
     ap.add_argument(
         "--compare-packed", action="store_true", help="bf16: oneDNN-packed weights vs the casts alone, alternately"
     )
+    ap.add_argument(
+        "--compare-llama-step", action="store_true", help="bf16: lit_rl's Llama decode step vs transformers' forward"
+    )
     ap.add_argument("--fp32-gemm", default="auto", help="kernels.fp32_gemm for the float32 products, as a run's")
     ap.add_argument(
         "--glibc-malloc", action="store_true", help="leave glibc's malloc thresholds (a run keeps freed memory)"
@@ -214,7 +235,7 @@ def main():
     print(f"# STREAM-like bandwidth (c = a + s*b, float32, {threads} threads, best of 5): {bandwidth / 1e9:.1f} GB/s")
     gen = torch.Generator().manual_seed(0)
     context = args.context + args.steps / 2
-    rows, casts, packs = [], [], []
+    rows, casts, packs, steps_ab = [], [], [], []
     for name in dtypes:
         precision, _, bytes_per = DTYPES[name]
         peak = probe_flops(precision, threads)
@@ -232,6 +253,11 @@ def main():
                     old, step, same = compare_packed(engine, prompts, args.steps, args.repeats)
                 packs.append((b, old, step, same))
                 print(f"# bf16 batch {b}: casts alone {old * 1e3:.1f} ms, packed {step * 1e3:.1f} ms", flush=True)
+            elif args.compare_llama_step and autocast:
+                with kernels:
+                    old, step, same = compare_llama_step(engine, prompts, args.steps, args.repeats)
+                steps_ab.append((b, old, step, same))
+                print(f"# bf16 batch {b}: transformers' {old * 1e3:.1f} ms, lit_rl's {step * 1e3:.1f} ms", flush=True)
             else:
                 with kernels:
                     step = seconds_per_step(engine, prompts, args.steps, autocast, args.repeats)
@@ -265,6 +291,13 @@ def main():
         print("| batch | casts alone, ms / step | packed, ms / step | ratio | same tokens and log-probs |")
         print("|---|---|---|---|---|")
         for b, old, new, same in packs:
+            print(f"| {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x | {'yes' if same else 'NO'} |")
+
+    if steps_ab:
+        print(f"\n## bf16 decode steps, transformers' forward / lit_rl's Llama step, {threads} threads, alternately")
+        print("| batch | transformers', ms / step | lit_rl's, ms / step | ratio | same tokens and log-probs |")
+        print("|---|---|---|---|---|")
+        for b, old, new, same in steps_ab:
             print(f"| {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x | {'yes' if same else 'NO'} |")
 
 

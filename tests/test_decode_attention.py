@@ -157,6 +157,7 @@ def test_the_engine_runs_it_with_the_trainers_logprobs(tiny):
     model, tok = tiny
     prompts = [[5, 17, 100, 4], [7, 8], [9, 10, 11, 12, 13, 14]]  # different lengths: a left-padded batch
     engine = TorchEngine(model, tok.pad_token_id, [], decode_attention=True)
+    engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), seeds=[0])  # the Llama step's parity check, once
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         r = engine.generate(prompts, SamplingConfig(max_new_tokens=12), seeds=[0, 1, 2])
     calls = sum(e.count for e in prof.key_averages() if e.key == "lit_rl::decode_attention")

@@ -359,6 +359,7 @@ def test_single_query_attention_groups_decode_heads_and_samples_the_same(tiny, m
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             # no stop token; SDPA's path (the decode kernel off: tests/test_decode_attention.py); installs single_query
             engine = TorchEngine(model, tok.pad_token_id, [], decode_attention=False)
+            engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2), [0])  # the Llama step's parity check, once
             # .attention in the chain under ``sdpa`` (the trainer's attention_backward wrapper may sit above it, inert)
             served = ALL_ATTENTION_FUNCTIONS["sdpa"]
             assert served is single_query.attention or (

@@ -44,6 +44,7 @@ def test_packed_products_give_the_bits_of_the_cast_weights(tiny, cache, batch):
     model, tok = tiny
     packed_or_skip(model)
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id], packed_linear=True)
+    engine.llama_step.enabled = False  # one packed weight per layer (its step stacks q/k/v: tests/test_llama_decode.py)
     prompts = chat_prompts(tok, QUESTIONS[:batch])
     params = SamplingConfig(max_new_tokens=10, logprobs_top_k=3)
     ids = torch.tensor([p[-4:] for p in prompts])

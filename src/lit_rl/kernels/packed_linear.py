@@ -97,6 +97,29 @@ def check_bits(shapes: Counter, rows=CHECK_ROWS) -> list[str]:
     return differ
 
 
+def fused_differ(groups, rows=CHECK_ROWS) -> list[str]:
+    """The (group, rows) pairs at which one packed product of a group's weights stacked along the output dimension
+    (``WeightCasts.fused_linear``: a layer's q/k/v projections, its gate/up projections) gives other bits than the
+    group's separate packed products, on random bf16 operands (``"576x576+192x576+192x576, 33 rows"``); [] when all
+    match. ``groups``: tuples of (out_features, in_features, has a bias), one input size per group."""
+    differ = []
+    with torch.no_grad():
+        for i, group in enumerate(groups):
+            parts = [_operands(out_f, in_f, has_bias, max(rows), seed=i * 31 + j) for j, (out_f, in_f, has_bias) in
+                     enumerate(group)]  # fmt: skip
+            x = parts[0][2]
+            separate = [(pack(w), b) for w, b, _ in parts]
+            biases = [b for _, b, _ in parts]
+            stacked = pack(torch.cat([w for w, _, _ in parts]))
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            for m in rows:
+                one = linear(x[:m], stacked, bias)
+                if not torch.equal(one, torch.cat([linear(x[:m], w, b) for w, b in separate], dim=-1)):
+                    name = "+".join(f"{o}x{n}" for o, n, _ in group)
+                    differ.append(f"{name}, {m} rows")
+    return differ
+
+
 def measure(shapes: Counter, rows=MEASURE_ROWS, seconds: float = 0.005) -> tuple[float, float]:
     """(F.linear seconds, packed seconds): the best of repeated timings of each shape's bf16 product at each row
     count in ``rows``, weighted by how many layers have the shape."""

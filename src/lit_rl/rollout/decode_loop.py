@@ -28,6 +28,7 @@ from torch import Tensor
 from ..logprobs import position_ids_from_mask, process_logits
 from .kv_cache import keep_rows, merge_rows
 from .kv_continuation import KeptCaches, continued_prefill, shared_prompt_prefill
+from .llama_decode import decode_logits
 from .state_cache import is_hybrid
 from .types import Rollouts, SamplingConfig, left_pad
 
@@ -173,6 +174,11 @@ class DecodeLoop:
     def _cached_step(self) -> Tensor:
         """One cached decode step of the rows the cache holds (``input_ids`` [B, 1]); their logits [B, V]."""
         self.counts["decode_rows"] += int(self.input_ids.shape[0])
+        engine = self.engine
+        if engine.llama_step.ok(engine, engine.model):  # the same bits through fewer calls (``llama_decode``)
+            return decode_logits(
+                engine.model, engine.casts, self.input_ids, self.attention_mask, self.position_ids, self.cache
+            )
         out = self.engine.model(
             input_ids=self.input_ids,
             attention_mask=self.attention_mask,

@@ -28,6 +28,7 @@ from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
 from .kv_continuation import KeptCaches
+from .llama_decode import DecodeParity
 from .state_cache import float32_names, hybrid_cache, is_hybrid
 from .types import InFlightSwaps, Rollouts, SamplingConfig
 from .weight_casts import WeightCasts
@@ -246,6 +247,8 @@ class TorchEngine(InFlightSwaps):
         self.continue_kv = True
         # ``casts.enabled = False``: autocast's own per-step casts (a comparison's baseline)
         self.casts = WeightCasts(packed=packed_linear)
+        # a Llama model's cached decode steps through fewer calls, the same bits (``llama_step.enabled = False``: off)
+        self.llama_step = DecodeParity()
         decode_kernel.check_setting(decode_attention)
         self.decode_attention = decode_attention
         self._decode_dtypes: dict[tuple, tuple] = {}  # (threads, model) -> the dtypes the decode kernel serves

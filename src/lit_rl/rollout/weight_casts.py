@@ -61,13 +61,16 @@ class WeightCasts:
         self.made = self.packed_made = 0
         self._casts: dict[tuple[int, torch.dtype], tuple[Tensor, int, int, Tensor]] = {}
         self._packed: dict[int, tuple[Tensor, int, int, Tensor]] = {}
+        self._fused: dict[tuple, tuple[list[tuple[Tensor, int, int]], Tensor, Tensor | None]] = {}
         self.packing: dict[tuple, bool] = {}
+        self.fusing: dict[tuple, bool] = {}  # (threads, shapes of a group) -> stacked product's bits equal the parts'
         self._pack_threads: int | None = None  # inside a block with packed products on: the thread count they are for
 
     def clear(self) -> None:
         """Drop every cast and packed weight (the next use of each weight makes them again)."""
         self._casts.clear()
         self._packed.clear()
+        self._fused.clear()
 
     def cast(self, tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         """``tensor`` as autocast would hand it to a lower-precision op of dtype ``dtype``: ``tensor.to(dtype)`` for
@@ -121,6 +124,48 @@ class WeightCasts:
         self._packed[id(weight)] = (weight, weight.data_ptr(), weight._version, packed)
         self.packed_made += 1
         return packed
+
+    def fused_linear(self, x: Tensor, modules: tuple[torch.nn.Linear, ...]) -> list[Tensor] | None:
+        """The outputs of ``modules`` (linear layers that all read ``x``: a layer's q/k/v projections) from one packed
+        product of their bf16 weights stacked along the output dimension, split back per layer (views of one [..., sum
+        of out_features] bf16 tensor), the same bits as each layer's own packed product; None where that does not
+        apply: a layer's product would not run packed (``_packs``), a layer that is not a plain ``nn.Linear`` routed
+        here, some but not all with a bias, or ``kernels.packed_linear.fused_differ`` finds other bits for these
+        shapes at this thread count (checked once, printed when so). The stacked weight is made once and again when
+        any of its weights changes (as ``packed_weight``)."""
+        if self._pack_threads is None or not all(
+            type(m) is torch.nn.Linear and getattr(vars(m).get("forward"), "casts", None) is self for m in modules
+        ):
+            return None
+        params = [self.params(m) for m in modules]
+        if any(not self._packs(x, w, b) for w, b in params) or len({b is None for _, b in params}) > 1:
+            return None
+        shapes = tuple((m.out_features, m.in_features, m.bias is not None) for m in modules)
+        key = (self._pack_threads, shapes)
+        if key not in self.fusing:
+            differ = packed_linear.fused_differ([shapes])
+            self.fusing[key] = not differ
+            if differ:
+                print(f"lit_rl: stacked packed products off for {differ[0]} (other bits than the separate ones)")
+        if not self.fusing[key]:
+            return None
+        stacked, bias = self._stacked(modules, params)
+        out = packed_linear.linear(x.to(torch.bfloat16), stacked, bias)
+        return list(out.split([m.out_features for m in modules], dim=-1))
+
+    def _stacked(self, modules, params) -> tuple[Tensor, Tensor | None]:
+        """The packed stacked weight and the stacked bias of ``modules`` (``fused_linear``), made once per version."""
+        key = tuple(id(m.weight) for m in modules)
+        seen = [(m.weight, m.weight.data_ptr(), m.weight._version) for m in modules]
+        entry = self._fused.get(key)
+        if entry is not None and all(a[1:] == b[1:] for a, b in zip(entry[0], seen)):
+            return entry[1], entry[2]
+        with torch.no_grad():
+            stacked = packed_linear.pack(torch.cat([w for w, _ in params]))
+            bias = torch.cat([b for _, b in params]) if params[0][1] is not None else None
+        self._fused[key] = (seen, stacked, bias)
+        self.packed_made += 1
+        return stacked, bias
 
     def _packs(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         """Whether this product runs packed: on for this block at the current thread count, no batch-invariant

@@ -1,0 +1,182 @@
+"""The embedded engine's cached decode step on a Llama model without transformers' per-module plumbing, its sibling
+projections fused.
+
+A cached decode step feeds one token per row through every layer. transformers' ``LlamaForCausalLM`` forward does
+the arithmetic of that step through ~25 module calls a layer (each with its hooks, keyword plumbing and deprecation
+wrappers) and three separate products on the same input for the query, key and value projections (two for the gate
+and up projections). ``decode_logits`` runs the same operations in the same order, calling each norm's and
+projection's own forward and transformers' own rotary embedding, causal-mask builder and registered attention
+function, so the logits are the same bits; where the engine's products run from oneDNN's packed weights
+(``engine.packed_linear``), the q/k/v projections are one packed product of the three weights stacked and gate/up
+another (``WeightCasts.fused_linear``), where ``kernels.packed_linear.fused_differ`` found the stacked product's
+bits equal to the separate ones on the model's shapes.
+
+Measured on SmolLM2-135M (AMD EPYC with AVX512-BF16, 2 threads, ``benchmarks/decode_roofline.py``, the numbers in
+benchmarks/README.md): the per-step time falls most at small batches, where the plumbing is a larger part of it.
+
+Where it runs: the model is exactly transformers' ``LlamaForCausalLM`` of ``LlamaDecoderLayer`` s (``unsupported``
+says why not otherwise: another architecture, a subclass, a wrapper such as a LoRA adapter, a forward hook), not
+under ``kernels=batch_invariant`` (whose reference path is transformers' forward), and only after
+``DecodeParity.ok`` ran one decode step both ways on the model at the rollout's dtype, threads and packing and found
+the logits equal bit for bit (a transformers version whose Llama forward does something else falls back to it with a
+message). The engine's prefill, refills and re-prefills keep transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels import BatchInvariantMode
+
+_LLAMA = None
+
+
+def _llama():
+    global _LLAMA
+    if _LLAMA is None:
+        from transformers.models.llama import modeling_llama
+
+        _LLAMA = modeling_llama
+    return _LLAMA
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def unsupported(model: torch.nn.Module) -> str:
+    """ "" when ``decode_logits`` can run ``model``'s decode steps, else why not (the model's class, a layer of
+    another class, a forward hook: a hook would not run)."""
+    ll = _llama()
+    if type(model) is not ll.LlamaForCausalLM or type(model.model) is not ll.LlamaModel:
+        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    layers = list(model.model.layers)
+    for layer in layers:
+        kinds = (
+            (layer, ll.LlamaDecoderLayer),
+            (layer.self_attn, ll.LlamaAttention),
+            (layer.mlp, ll.LlamaMLP),
+            (layer.input_layernorm, ll.LlamaRMSNorm),
+            (layer.post_attention_layernorm, ll.LlamaRMSNorm),
+        )
+        for module, kind in kinds:
+            if type(module) is not kind:
+                return f"{type(module).__name__} where LlamaForCausalLM has {kind.__name__}"
+    if type(model.model.norm) is not ll.LlamaRMSNorm:
+        return f"final norm {type(model.model.norm).__name__}"
+    if any(_hooked(m) for m in model.modules()):
+        return "a module has a forward hook"
+    return ""
+
+
+def _call(module: torch.nn.Module, x: Tensor) -> Tensor:
+    """``module(x)`` without ``nn.Module.__call__``'s hook plumbing (``unsupported`` refused hooked models): the
+    instance's own forward where one is set (``WeightCasts.installed`` routes linear layers so), else its class's."""
+    own = vars(module).get("forward")
+    return own(x) if own is not None else type(module).forward(module, x)
+
+
+def decode_logits(model, casts, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+    """The logits [B, V] of one cached decode step of a ``LlamaForCausalLM`` (``unsupported`` is ""): input_ids
+    [B, 1] int64, attention_mask [B, L] (the context and the new position), position_ids [B, 1] int64, ``cache`` the
+    engine's ``DynamicCache`` (written in place, as transformers' forward writes it). ``casts``: the engine's
+    ``WeightCasts``, installed on ``model`` (its packed and fused products, where on). The same operations as
+    ``model(input_ids=..., attention_mask=..., position_ids=..., cache=cache, use_cache=True,
+    logits_to_keep=1).logits[:, -1]`` (transformers 5's modeling_llama), in the same order."""
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ll = _llama()
+    inner = model.model
+    hidden = inner.embed_tokens(input_ids)
+    mask = create_causal_mask(
+        config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache, position_ids=position_ids
+    )
+    cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, ll.eager_attention_forward)
+    for layer in inner.layers[: inner.config.num_hidden_layers]:
+        attn, mlp = layer.self_attn, layer.mlp
+        residual = hidden
+        x = ll.LlamaRMSNorm.forward(layer.input_layernorm, hidden)
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        qkv = casts.fused_linear(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+        if qkv is None:
+            qkv = [_call(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)
+        q, k = ll.apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.update(k, v, attn.layer_idx)
+        out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+        out = out.reshape(*x.shape[:-1], -1).contiguous()
+        hidden = residual + _call(attn.o_proj, out)
+        residual = hidden
+        x = ll.LlamaRMSNorm.forward(layer.post_attention_layernorm, hidden)
+        gate_up = casts.fused_linear(x, (mlp.gate_proj, mlp.up_proj))
+        gate, up = gate_up if gate_up is not None else [_call(m, x) for m in (mlp.gate_proj, mlp.up_proj)]
+        hidden = residual + _call(mlp.down_proj, mlp.act_fn(gate) * up)
+    hidden = ll.LlamaRMSNorm.forward(inner.norm, hidden)
+    return _call(model.lm_head, hidden[:, -1:, :])[:, -1]
+
+
+class DecodeParity:
+    """Whether ``decode_logits`` runs an engine's decode steps: ``ok(engine, model)`` asks ``unsupported`` once per
+    model and, per (model, dtype, autocast, threads, packing), runs one decode step of two short rows (one left-padded)
+    both ways from copies of one prefilled cache and compares the logits bit for bit; prints the outcome once (why
+    not, where it is off). Off under ``kernels=batch_invariant`` and where ``enabled`` is False."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._why: dict[int, str] = {}
+        self._checked: dict[tuple, bool] = {}
+
+    def ok(self, engine, model: torch.nn.Module) -> bool:
+        if not self.enabled or BatchInvariantMode._active is not None:
+            return False
+        why = self._why.get(id(model))
+        if why is None:
+            why = self._why[id(model)] = unsupported(model)
+            if why:
+                print(f"lit_rl: decode steps through transformers' forward ({why})", flush=True)
+        if why:
+            return False
+        device = next(model.parameters()).device.type
+        key = (
+            id(model),
+            next(model.parameters()).dtype,
+            torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None,
+            torch.get_num_threads(),
+            engine.casts._pack_threads,
+        )
+        if key not in self._checked:
+            same = self._parity(engine, model)
+            self._checked[key] = same
+            print(
+                "lit_rl: decode steps through lit_rl's Llama step (the same logits bits as transformers' forward, "
+                "checked)" if same else "lit_rl: decode steps through transformers' forward (lit_rl's Llama step "
+                "gave other logits bits on this model and settings)",
+                flush=True,
+            )  # fmt: skip
+        return self._checked[key]
+
+    @staticmethod
+    def _parity(engine, model) -> bool:
+        import copy
+
+        from ..logprobs import position_ids_from_mask
+
+        device = next(model.parameters()).device
+        vocab = model.config.vocab_size
+        ids = torch.tensor([[0, 5 % vocab, 7 % vocab], [3 % vocab, 11 % vocab, 2 % vocab]], device=device)
+        mask = torch.tensor([[0, 1, 1], [1, 1, 1]], device=device)
+        with torch.no_grad():
+            cache = engine._new_cache(8)
+            model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), cache=cache,
+                  use_cache=True, logits_to_keep=1)  # fmt: skip
+            step_ids = torch.tensor([[13 % vocab], [17 % vocab]], device=device)
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype, device=device)], dim=1)
+            positions = position_ids_from_mask(step_mask)[:, -1:]
+            other = copy.deepcopy(cache)
+            ref = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, cache=cache,
+                        use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
+            got = decode_logits(model, engine.casts, step_ids, step_mask, positions, other)
+        return bool(torch.equal(ref, got))
