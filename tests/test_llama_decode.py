@@ -52,6 +52,8 @@ def test_rollouts_equal_transformers_forward_bit_for_bit(tiny, cache, setting, c
         assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_logprobs, b.topk_logprobs)
     assert "through lit_rl's Llama step (the same logits bits" in capsys.readouterr().out
     assert all(engine.llama_step._checked.values())
+    if packed:  # the stacked q/k/v and gate/up products ran (their bits checked at every row count first)
+        assert len(engine.casts.fusing) == 2 and all(engine.casts.fusing.values())
 
 
 def test_stacked_products_are_the_separate_products(tiny, cache):
@@ -81,6 +83,25 @@ def test_stacked_products_are_the_separate_products(tiny, cache):
         assert casts.packed_made == made and all(torch.equal(p, q) for p, q in zip(again, parts))
 
 
+def test_a_stacked_product_follows_a_write_to_any_weight_or_bias(cache):
+    """Three linear layers with biases reading one input: after an in-place write to one bias (a version bump), and
+    after one to a weight, the stacked product is made again and equals each layer's own product."""
+    layers = torch.nn.ModuleList(torch.nn.Linear(64, n, bias=True) for n in (64, 32, 32))
+    if not packed_linear.resolve(True, layers)[0]:
+        pytest.skip("the packed products are off on this CPU")
+    casts = WeightCasts(packed=True)
+    x = torch.randn(4, 64)
+    with torch.no_grad(), lightning_autocast(), casts.installed(layers):
+        before = casts.fused_linear(x, tuple(layers))
+        layers[1].bias.add_(1.0)
+        after = casts.fused_linear(x, tuple(layers))
+        assert not torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
+        assert all(torch.equal(part, layer(x)) for part, layer in zip(after, layers))
+        layers[2].weight.mul_(2.0)
+        again = casts.fused_linear(x, tuple(layers))
+        assert torch.equal(again[2], layers[2](x)) and not torch.equal(again[2], after[2])
+
+
 def test_other_models_and_hooks_keep_transformers_forward(tiny, capsys):
     """A model of another class, or one with a forward hook, decodes through transformers' forward (the hook runs at
     every decode step) and says why once; under the batch-invariant kernels the step is not even checked."""
@@ -100,7 +121,17 @@ def test_other_models_and_hooks_keep_transformers_forward(tiny, capsys):
         handle.remove()
     steps = int(out.response_mask.sum(-1).max())
     assert len(calls) == steps  # the prefill and every decode step but the last token's
-    assert "transformers' forward (a module has a forward hook)" in capsys.readouterr().out
+    assert "transformers' forward (model.layers.0 has a forward hook)" in capsys.readouterr().out
+    # a hook registered after a rollout ran the short path: the next rollout asks again and runs it
+    engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=5), [1, 2])
+    assert "lit_rl's Llama step (the same logits bits" in capsys.readouterr().out
+    calls.clear()
+    handle = engine.model.model.layers[1].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        out = engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=5), [1, 2])
+    finally:
+        handle.remove()
+    assert len(calls) == int(out.response_mask.sum(-1).max())
     engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id], own_copy=True)
     with BatchInvariantMode(engine.model):
         engine.generate(chat_prompts(tok, QUESTIONS[:2]), SamplingConfig(max_new_tokens=4), [1, 2])

@@ -15,8 +15,10 @@ Measured on SmolLM2-135M (AMD EPYC with AVX512-BF16, 2 threads, ``benchmarks/dec
 benchmarks/README.md): the per-step time falls most at small batches, where the plumbing is a larger part of it.
 
 Where it runs: the model is exactly transformers' ``LlamaForCausalLM`` of ``LlamaDecoderLayer`` s (``unsupported``
-says why not otherwise: another architecture, a subclass, a wrapper such as a LoRA adapter, a forward hook), not
-under ``kernels=batch_invariant`` (whose reference path is transformers' forward), and only after
+says why not otherwise: another architecture, a subclass), with no forward hook and no instance ``forward`` on a
+module it bypasses at the rollout's start (``rerouted``; a linear layer of another class, such as a LoRA layer, runs
+its own forward, unstacked), not under ``kernels=batch_invariant`` (whose reference path is transformers' forward),
+and only after
 ``DecodeParity.ok`` ran one decode step both ways on the model at the rollout's dtype, threads and packing and found
 the logits equal bit for bit (a transformers version whose Llama forward does something else falls back to it with a
 message). The engine's prefill, refills and re-prefills keep transformers' forward.
@@ -45,9 +47,30 @@ def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+def rerouted(model: torch.nn.Module) -> str:
+    """ "" when nothing set on ``model`` since it was built would be skipped by ``decode_logits``, else what: a
+    forward hook (a module's or a global one), or an instance ``forward`` on a module it does not call through its
+    ``forward`` (the model, its layers, attention and MLP blocks and norms; a linear layer's own ``forward``, as
+    ``WeightCasts.installed`` sets, is called). Asked at every rollout (``DecodeParity.ok``)."""
+    if _global_hooks():
+        return "a global forward hook is registered"
+    for name, module in model.named_modules():
+        if _hooked(module):
+            return f"{name or 'the model'} has a forward hook"
+        if "forward" in vars(module) and not isinstance(module, torch.nn.Linear):
+            return f"{name or 'the model'} has its own forward set on the instance"
+    return ""
+
+
 def unsupported(model: torch.nn.Module) -> str:
-    """ "" when ``decode_logits`` can run ``model``'s decode steps, else why not (the model's class, a layer of
-    another class, a forward hook: a hook would not run)."""
+    """ "" when ``decode_logits`` can run ``model``'s decode steps by its classes, else why not (the model's
+    class, a layer of another class); ``rerouted`` says whether hooks or instance forwards set later are in the way."""
     ll = _llama()
     if type(model) is not ll.LlamaForCausalLM or type(model.model) is not ll.LlamaModel:
         return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
@@ -65,8 +88,6 @@ def unsupported(model: torch.nn.Module) -> str:
                 return f"{type(module).__name__} where LlamaForCausalLM has {kind.__name__}"
     if type(model.model.norm) is not ll.LlamaRMSNorm:
         return f"final norm {type(model.model.norm).__name__}"
-    if any(_hooked(m) for m in model.modules()):
-        return "a module has a forward hook"
     return ""
 
 
@@ -120,14 +141,27 @@ def decode_logits(model, casts, input_ids: Tensor, attention_mask: Tensor, posit
 
 class DecodeParity:
     """Whether ``decode_logits`` runs an engine's decode steps: ``ok(engine, model)`` asks ``unsupported`` once per
-    model and, per (model, dtype, autocast, threads, packing), runs one decode step of two short rows (one left-padded)
-    both ways from copies of one prefilled cache and compares the logits bit for bit; prints the outcome once (why
-    not, where it is off). Off under ``kernels=batch_invariant`` and where ``enabled`` is False."""
+    model and ``rerouted`` once per rollout (``begin``: the engine calls it as each rollout starts), and, per (model,
+    dtype, autocast, threads, packing), runs one decode step of two short rows (one left-padded) both ways from copies
+    of one prefilled cache and compares the logits bit for bit (an exception in lit_rl's step counts as a difference);
+    prints each new reason once (why not, where it is off). Off under ``kernels=batch_invariant`` and where
+    ``enabled`` is False (an attribute of this engine; a rollout process's engine has its own)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self._why: dict[int, str] = {}
         self._checked: dict[tuple, bool] = {}
+        self._said: set[str] = set()
+        self._now: str | None = None  # this rollout's ``rerouted`` answer (None: not asked yet)
+
+    def begin(self) -> None:
+        """A rollout starts: ``rerouted`` is asked again at its first decode step."""
+        self._now = None
+
+    def _say(self, why: str) -> None:
+        if why not in self._said:
+            self._said.add(why)
+            print(f"lit_rl: decode steps through transformers' forward ({why})", flush=True)
 
     def ok(self, engine, model: torch.nn.Module) -> bool:
         if not self.enabled or BatchInvariantMode._active is not None:
@@ -135,9 +169,12 @@ class DecodeParity:
         why = self._why.get(id(model))
         if why is None:
             why = self._why[id(model)] = unsupported(model)
-            if why:
-                print(f"lit_rl: decode steps through transformers' forward ({why})", flush=True)
+        if not why:
+            if self._now is None:
+                self._now = rerouted(model)
+            why = self._now
         if why:
+            self._say(why)
             return False
         device = next(model.parameters()).device.type
         key = (
@@ -178,5 +215,9 @@ class DecodeParity:
             other = copy.deepcopy(cache)
             ref = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, cache=cache,
                         use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip
-            got = decode_logits(model, engine.casts, step_ids, step_mask, positions, other)
+            try:
+                got = decode_logits(model, engine.casts, step_ids, step_mask, positions, other)
+            except Exception as err:  # noqa: BLE001  (anything it cannot run: transformers' forward instead)
+                print(f"lit_rl: lit_rl's Llama step failed on this model ({type(err).__name__}: {err})", flush=True)
+                return False
         return bool(torch.equal(ref, got))

@@ -387,6 +387,7 @@ class TorchEngine(InFlightSwaps):
         was_training = model.training
         model.eval()
         self._swaps = [0, 0.0]
+        self.llama_step.begin()
         try:
             with self.casts.installed(model), decode_kernel.active(self._decode_kernel(model)):
                 result = run(*args)

@@ -132,7 +132,7 @@ class WeightCasts:
         apply: a layer's product would not run packed (``_packs``), a layer that is not a plain ``nn.Linear`` routed
         here, some but not all with a bias, or ``kernels.packed_linear.fused_differ`` finds other bits for these
         shapes at this thread count (checked once, printed when so). The stacked weight is made once and again when
-        any of its weights changes (as ``packed_weight``)."""
+        any of its weights or biases changes (as ``packed_weight``)."""
         if self._pack_threads is None or not all(
             type(m) is torch.nn.Linear and getattr(vars(m).get("forward"), "casts", None) is self for m in modules
         ):
@@ -143,7 +143,7 @@ class WeightCasts:
         shapes = tuple((m.out_features, m.in_features, m.bias is not None) for m in modules)
         key = (self._pack_threads, shapes)
         if key not in self.fusing:
-            differ = packed_linear.fused_differ([shapes])
+            differ = packed_linear.fused_differ([shapes], rows=range(1, packed_linear.MAX_ROWS + 1))
             self.fusing[key] = not differ
             if differ:
                 print(f"lit_rl: stacked packed products off for {differ[0]} (other bits than the separate ones)")
@@ -154,9 +154,11 @@ class WeightCasts:
         return list(out.split([m.out_features for m in modules], dim=-1))
 
     def _stacked(self, modules, params) -> tuple[Tensor, Tensor | None]:
-        """The packed stacked weight and the stacked bias of ``modules`` (``fused_linear``), made once per version."""
+        """The packed stacked weight and the stacked bias of ``modules`` (``fused_linear``), made once and again when
+        any of their weights or biases changes (storage or version counter)."""
         key = tuple(id(m.weight) for m in modules)
-        seen = [(m.weight, m.weight.data_ptr(), m.weight._version) for m in modules]
+        tensors = [t for m in modules for t in (m.weight, m.bias) if t is not None]
+        seen = [(t, t.data_ptr(), t._version) for t in tensors]
         entry = self._fused.get(key)
         if entry is not None and all(a[1:] == b[1:] for a, b in zip(entry[0], seen)):
             return entry[1], entry[2]
