@@ -18,6 +18,16 @@ def smollm2():
     return load_policy(ModelConfig("HuggingFaceTB/SmolLM2-135M-Instruct"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _verifier_workers_stopped_at_the_end():
+    """The shared verifier pool stopped and its folder removed when the session ends: a test worker process of
+    pytest-xdist leaves without running ``atexit`` handlers, which left a ``lit_rl-verifiers-*`` folder per run."""
+    yield
+    from lit_rl.tasks.verifier_pool import close_shared_pool
+
+    close_shared_pool()
+
+
 @pytest.fixture(autouse=True)
 def _same_thread_count_for_every_test():
     """Every test starts at the suite's thread count and none leaks another to the tests after it: a run with

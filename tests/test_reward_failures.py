@@ -375,3 +375,28 @@ def test_a_worker_still_loading_another_keys_functions_is_not_sent_this_keys_cal
         assert step.status == "ok" and step.value[1:] == (None, 1.0, {"solved": True})
     finally:
         pool.close()
+
+
+def test_a_pool_leaves_no_folder_behind():
+    """The function files' folder is made at the first file and removed by ``close``, which makes none again (each
+    suite run left three empty ``lit_rl-verifiers-*`` folders in the temp directory, made by ``close`` itself); used
+    again, the pool makes a new one."""
+    from lit_rl.tasks.reward_functions import FunctionRef
+    from lit_rl.tasks.verifier_pool import VerifierPool
+
+    pool = VerifierPool(num_workers=1)
+    assert pool._folder is None
+    refs = [FunctionRef("format", batched=False)]
+    try:
+        pool.run("k", refs, [(0, ("q", "#### 7", {}), {})], timeout_s=10.0)
+        first = pool._folder
+        assert first is not None and os.listdir(first) == ["0.pkl"]
+    finally:
+        pool.close()
+    assert pool._folder is None and not os.path.exists(first)
+    try:
+        (outcome,) = pool.run("k", refs, [(0, ("q", "#### 7", {}), {})], timeout_s=10.0)
+        assert outcome.value == 1.0 and os.path.isdir(pool._folder) and pool._folder != first
+    finally:
+        pool.close()
+    assert pool._folder is None

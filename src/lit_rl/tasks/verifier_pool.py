@@ -259,7 +259,7 @@ class VerifierPool:
         self.num_workers = int(num_workers)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
-        self._folder = tempfile.mkdtemp(prefix="lit_rl-verifiers-")
+        self._folder: str | None = None  # the function files' folder, made at the first file, removed by ``close``
         self._files: dict[str, str] = {}
         self.replaced = 0  # workers killed and replaced so far (timeouts, crashes)
 
@@ -270,6 +270,8 @@ class VerifierPool:
 
     def _file_for(self, key: str, functions: list) -> str:
         if key not in self._files:
+            if self._folder is None:
+                self._folder = tempfile.mkdtemp(prefix="lit_rl-verifiers-")
             path = os.path.join(self._folder, f"{len(self._files)}.pkl")
             with open(path, "wb") as f:
                 pickle.dump(list(functions), f)
@@ -398,14 +400,16 @@ class VerifierPool:
         self._workers[self._workers.index(w)] = _Worker()
 
     def close(self) -> None:
-        """Stop every worker and remove the function files; the pool starts new workers if used again."""
+        """Stop every worker and remove the function files and their folder; the pool starts new workers (and a new
+        folder) if used again."""
         with self._lock:
             for w in self._workers:
                 w.stop()
             self._workers = []
             self._files = {}
-            shutil.rmtree(self._folder, ignore_errors=True)
-            self._folder = tempfile.mkdtemp(prefix="lit_rl-verifiers-")
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                self._folder = None
 
 
 _SHARED: dict[str, VerifierPool] = {}
@@ -420,7 +424,6 @@ def shared_pool(num_workers: int) -> VerifierPool:
         if pool is None or pool.num_workers != int(num_workers):
             if pool is not None:
                 pool.close()
-                shutil.rmtree(pool._folder, ignore_errors=True)
             pool = _SHARED["pool"] = VerifierPool(num_workers)
         return pool
 
@@ -431,4 +434,3 @@ def close_shared_pool() -> None:
     pool = _SHARED.pop("pool", None)
     if pool is not None:
         pool.close()
-        shutil.rmtree(pool._folder, ignore_errors=True)
