@@ -2,6 +2,7 @@
 
     python benchmarks/async_speedup.py              # SmolLM2-135M, 2 prompts x G=8 x 64 new tokens, 6 steps
     python benchmarks/async_speedup.py --model tiny --steps 2 --force   # a quick check that every setting runs
+    python benchmarks/async_speedup.py --keep runs/async   # each setting's run folder kept: its per-step tags
 
 The recipe itself (``lit_rl.run.train.run``, GRPO on the default task, bf16-mixed, no eval) runs the same steps
 (same prompts, same seeds) in each setting, one after the other in this process:
@@ -56,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -160,6 +162,12 @@ LONG_PROMPT = "Write every whole number from 1 to 300, in order, separated by co
 SHORT_PROMPT = "What is {a} + {b}? Reply with the number only."
 
 
+def setting_folder(name: str) -> str:
+    """A setting's run folder name under ``--keep``: its printed name in lower case, runs of other characters as "-"
+    ("async, process producer, 1+1" -> "async-process-producer-1-1")."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def skewed_task(prompts: int, where: Path) -> list[str]:
     """Overrides of a ``task=dataset`` run over a file of ``prompts`` rows written to ``where``: one asking for a long
     answer, ``prompts`` - 1 asking for one number (their sums as answers; the long one's answer is its last number)."""
@@ -205,6 +213,12 @@ def main():
         "'sync, 1 thread' always runs (the ratios' base) unless --no-sync-base",
     )
     ap.add_argument(
+        "--keep",
+        default=None,
+        help="keep each setting's run folder (its TensorBoard scalars, config and logs) under this folder, one per "
+        "setting named after it; refused if one of them exists already",
+    )
+    ap.add_argument(
         "--no-sync-base",
         action="store_true",
         help="with --only: leave out 'sync, 1 thread' (then only the partial settings' ratios are printed)",
@@ -213,10 +227,7 @@ def main():
     if args.layout == "skewed" and args.prompts < 2:
         ap.error("--layout skewed needs --prompts >= 2 (one long-answer prompt, the others short)")
     ensure_quiet(args.force)
-    tmp = Path(tempfile.mkdtemp(prefix="async_speedup-"))
-    task = skewed_task(args.prompts, tmp / "skewed.jsonl") if args.layout == "skewed" else []
     work = [
-        *task,
         f"model={args.model}",
         f"rollout.prompts_per_step={args.prompts}",
         f"rollout.group_size={args.group_size}",
@@ -264,11 +275,26 @@ def main():
         if unknown:
             ap.error(f"--only: unknown settings {sorted(unknown)}; choose among {list(settings)}")
         settings = {name: extra for name, extra in settings.items() if name in wanted}
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None:  # nothing kept before is overwritten: refused before any run
+        taken = [str(keep / n) for n in [*map(setting_folder, settings), "skewed.jsonl"] if (keep / n).exists()]
+        if taken:
+            ap.error(
+                f"--keep: {', '.join(taken)} already exist(s); a kept run is never overwritten: choose another folder"
+            )
+        keep.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="async_speedup-"))
+    where = keep if keep is not None else tmp
+    task = skewed_task(args.prompts, where / "skewed.jsonl") if args.layout == "skewed" else []
     results = {}
     try:
-        for i, (name, extra) in enumerate(settings.items()):
-            results[name] = measure([*work, *extra], tmp / str(i))
-            shutil.rmtree(tmp / str(i), ignore_errors=True)
+        for name, extra in settings.items():
+            out = where / setting_folder(name)
+            results[name] = measure([*task, *work, *extra], out)
+            if keep is None:
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                print(f"# {name}: run folder kept in {out}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n# {machine()}")

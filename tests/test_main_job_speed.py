@@ -93,3 +93,26 @@ def test_async_speedup_ratio_interval_with_one_step_a_side_or_missing_tokens():
             {"step_series": [5.0, 5.0], "token_series": []}, {"step_series": [1.0, 1.0], "token_series": [1.0, 1.0]},
             "tokens",
         )  # fmt: skip
+
+
+def test_async_speedup_keeps_run_folders_without_overwriting_one(tmp_path):
+    """``--keep``: one folder per setting, named after it; a folder already there is refused before any run (exit 2,
+    naming it), and left as it was."""
+    import subprocess
+
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    import async_speedup
+
+    assert async_speedup.setting_folder("async, process producer, 1+1") == "async-process-producer-1-1"
+    assert async_speedup.setting_folder("async, process, in flight (keep) + partial") == (
+        "async-process-in-flight-keep-partial"
+    )
+    mine = tmp_path / "sync-1-thread"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    done = subprocess.run(
+        [sys.executable, f"{ROOT}/benchmarks/async_speedup.py", "--force", "--keep", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2 and f"--keep: {mine} already exist(s)" in done.stderr
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
