@@ -18,10 +18,9 @@ Where it runs: the model is exactly transformers' ``LlamaForCausalLM`` of ``Llam
 says why not otherwise: another architecture, a subclass), with no forward hook and no instance ``forward`` on a
 module it bypasses at the rollout's start (``rerouted``; a linear layer of another class, such as a LoRA layer, runs
 its own forward, unstacked), not under ``kernels=batch_invariant`` (whose reference path is transformers' forward),
-and only after
-``DecodeParity.ok`` ran one decode step both ways on the model at the rollout's dtype, threads and packing and found
-the logits equal bit for bit (a transformers version whose Llama forward does something else falls back to it with a
-message). The engine's prefill, refills and re-prefills keep transformers' forward.
+and only after ``DecodeParity.ok`` ran one decode step both ways on the model at the rollout's dtype, threads and
+packing and found the logits equal bit for bit (a transformers version whose Llama forward does something else falls
+back to it with a message). The engine's prefill, refills and re-prefills keep transformers' forward.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def unsupported(model: torch.nn.Module) -> str:
 
 
 def _call(module: torch.nn.Module, x: Tensor) -> Tensor:
-    """``module(x)`` without ``nn.Module.__call__``'s hook plumbing (``unsupported`` refused hooked models): the
+    """``module(x)`` without ``nn.Module.__call__``'s hook plumbing (``rerouted`` refused hooked models): the
     instance's own forward where one is set (``WeightCasts.installed`` routes linear layers so), else its class's."""
     own = vars(module).get("forward")
     return own(x) if own is not None else type(module).forward(module, x)
@@ -140,8 +139,9 @@ def decode_logits(model, casts, input_ids: Tensor, attention_mask: Tensor, posit
 
 
 class DecodeParity:
-    """Whether ``decode_logits`` runs an engine's decode steps: ``ok(engine, model)`` asks ``unsupported`` once per
-    model and ``rerouted`` once per rollout (``begin``: the engine calls it as each rollout starts), and, per (model,
+    """Whether ``decode_logits`` runs an engine's decode steps: ``ok(engine, model)`` decides once per rollout
+    (``begin``: the engine calls it as each rollout starts; the answer is kept for the rollout's later decode
+    steps). It asks ``unsupported`` once per model and ``rerouted`` once per rollout, and, per (model,
     dtype, autocast, threads, packing), runs one decode step of two short rows (one left-padded) both ways from copies
     of one prefilled cache and compares the logits bit for bit (an exception in lit_rl's step counts as a difference);
     prints each new reason once (why not, where it is off). Off under ``kernels=batch_invariant`` and where
@@ -152,10 +152,10 @@ class DecodeParity:
         self._why: dict[int, str] = {}
         self._checked: dict[tuple, bool] = {}
         self._said: set[str] = set()
-        self._now: str | None = None  # this rollout's ``rerouted`` answer (None: not asked yet)
+        self._now: bool | None = None  # this rollout's answer (None: not decided yet)
 
     def begin(self) -> None:
-        """A rollout starts: ``rerouted`` is asked again at its first decode step."""
+        """A rollout starts: ``ok`` decides again at its first decode step."""
         self._now = None
 
     def _say(self, why: str) -> None:
@@ -164,15 +164,17 @@ class DecodeParity:
             print(f"lit_rl: decode steps through transformers' forward ({why})", flush=True)
 
     def ok(self, engine, model: torch.nn.Module) -> bool:
+        if self._now is None:
+            self._now = self._decide(engine, model)
+        return self._now
+
+    def _decide(self, engine, model: torch.nn.Module) -> bool:
         if not self.enabled or BatchInvariantMode._active is not None:
             return False
         why = self._why.get(id(model))
         if why is None:
             why = self._why[id(model)] = unsupported(model)
-        if not why:
-            if self._now is None:
-                self._now = rerouted(model)
-            why = self._now
+        why = why or rerouted(model)
         if why:
             self._say(why)
             return False
