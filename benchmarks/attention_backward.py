@@ -1,5 +1,6 @@
 """The trainer's attention backward: torch's CPU flash backward against the explicit-softmax float32 one
-(``kernels.attention_backward``), per shape and on the main job's update, side by side in one process.
+(``kernels.attention_backward``; lit_rl's compiled kernel where built, else torch's products: the first line says
+which), per shape and on the main job's update, side by side in one process.
 
     python benchmarks/attention_backward.py                       # SmolLM2-135M, bf16 autocast, the run's threads
     python benchmarks/attention_backward.py --lengths 32,64,128,256 --repeats 5
@@ -80,7 +81,8 @@ def main():
     print(f"# {keep_freed_memory()}")  # as a run's process does (``lit_rl.run.resolve``)
     policy, tok = load_policy(ModelConfig(args.model))
     shape = ab.head_shape(policy)
-    print(f"# heads {shape[0]} on {shape[1]} key/value heads of {shape[2]}; {torch.get_num_threads()} threads")
+    print(f"# heads {shape[0]} on {shape[1]} key/value heads of {shape[2]}; {torch.get_num_threads()} threads; "
+          f"explicit backward: {ab.implementation(policy)}")  # fmt: skip
     print("\n| L | flash backward / explicit (speed-up) | flash rel. error | explicit rel. error |\n|---|---|---|---|")
     lengths = tuple(int(x) for x in args.lengths.split(","))
     ratios = ab.measure(*shape, torch.bfloat16, lengths=lengths)

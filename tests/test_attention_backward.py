@@ -2,6 +2,8 @@
 (``kernels.attention_backward``): the gradients against float64 autograd for every mask transformers passes, the
 model's forward bits unchanged, the choice by Lq x Lk, the measured threshold cached, and the config checks."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,19 @@ from helpers import fast_config as cfg_for
 
 from lit_rl.config import ConfigError, validate
 from lit_rl.kernels import attention_backward as ab
-from lit_rl.kernels import kernel_mode
+from lit_rl.kernels import decode_attention, kernel_mode
 from lit_rl.logprobs import response_logprobs
+
+#: both implementations of the explicit backward: torch's batched products and lit_rl's compiled kernel (skipped only
+#: without a C++ toolchain; with one, a failed build fails these tests)
+PATHS = [
+    pytest.param(False, id="torch-ops"),
+    pytest.param(
+        True,
+        id="compiled",
+        marks=pytest.mark.skipif(bool(decode_attention.toolchain_missing()), reason="no C++ toolchain"),
+    ),
+]
 
 
 def reference_grads(q, k, v, go, mask, causal, scale):
@@ -31,7 +44,7 @@ def reference_grads(q, k, v, go, mask, causal, scale):
     return [t.grad for t in leaves]
 
 
-def operands(b=3, h=4, kvh=2, lq=5, lk=7, d=8, seed=0):
+def operands(b=3, h=4, kvh=2, lq=5, lk=7, d=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, lq, d, generator=gen)
     k, v = (torch.randn(b, kvh, lk, d, generator=gen) for _ in range(2))
@@ -52,32 +65,61 @@ def assert_close_to(grads, ref, tol=1e-5):
         assert ((g.double() - r).norm() / r.norm().clamp_min(1e-30)).item() < tol
 
 
+@pytest.mark.parametrize("compiled", PATHS)
 @pytest.mark.parametrize("lq,lk", [(6, 6), (3, 9)])
-def test_causal_grads_equal_float64_autograd(lq, lk):
+def test_causal_grads_equal_float64_autograd(lq, lk, compiled):
     q, k, v, go = operands(lq=lq, lk=lk)
     ref = reference_grads(q, k, v, go, None, True, 0.3)
-    assert_close_to(ab.explicit_grads(q, k, v, go, None, True, 0.3), ref)
+    assert_close_to(ab.explicit_grads(q, k, v, go, None, True, 0.3, compiled=compiled), ref)
 
 
-def test_padded_boolean_mask_grads_equal_float64_autograd_and_a_row_reading_nothing_gets_zero():
+@pytest.mark.parametrize("compiled", PATHS)
+def test_padded_boolean_mask_grads_equal_float64_autograd_and_a_row_reading_nothing_gets_zero(compiled):
     q, k, v, go = operands(lq=4, lk=9)
     mask = padded_mask(3, 4, 9, [0, 3, 2])
     mask[2, :, 0] = False  # the first query row of row 2 reads no key at all
-    ref = reference_grads(q, k, v, go, mask, False, 8**-0.5)
-    grads = ab.explicit_grads(q, k, v, go, mask, False, 8**-0.5)
+    ref = reference_grads(q, k, v, go, mask, False, 16**-0.5)
+    grads = ab.explicit_grads(q, k, v, go, mask, False, 16**-0.5, compiled=compiled)
     assert_close_to(grads, ref)
-    assert torch.equal(grads[0][2, :, 0], torch.zeros(4, 8))
+    assert torch.equal(grads[0][2, :, 0], torch.zeros(4, 16))
 
 
-def test_additive_mask_grads_equal_float64_autograd_and_chunks_do_not_change_them(monkeypatch):
+@pytest.mark.parametrize("compiled", PATHS)
+def test_additive_mask_grads_equal_float64_autograd_and_chunks_do_not_change_them(monkeypatch, compiled):
     q, k, v, go = operands(b=5)
     mask = torch.where(padded_mask(5, 5, 7, [0, 1, 2, 0, 3]), 0.0, torch.finfo(torch.float32).min)
     ref = reference_grads(q, k, v, go, mask, False, 0.25)
-    whole = ab.explicit_grads(q, k, v, go, mask, False, 0.25)
+    whole = ab.explicit_grads(q, k, v, go, mask, False, 0.25, compiled=compiled)
     assert_close_to(whole, ref)
-    monkeypatch.setattr(ab, "CHUNK_BYTES", 1)  # one batch row per chunk
-    for a, b in zip(ab.explicit_grads(q, k, v, go, mask, False, 0.25), whole):
+    monkeypatch.setattr(ab, "CHUNK_BYTES", 1)  # one batch row per chunk (torch's products)
+    for a, b in zip(ab.explicit_grads(q, k, v, go, mask, False, 0.25, compiled=compiled), whole):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(bool(decode_attention.toolchain_missing()), reason="no C++ toolchain")
+@pytest.mark.parametrize("dtypes", ["bf16", "float32", "bf16 with a float32 grad_out"])
+def test_compiled_kernel_over_several_row_blocks_in_every_dtype(dtypes):
+    """3 grouped heads x 200 query rows against 240 keys: 600 rows of 240 float32 scores (562 KiB) pass in three row
+    blocks of 256 KiB, dK and dV summed over them; bf16 operands are read exactly (the reference differentiates at
+    the same bf16 values), a float32 grad_out beside bf16 ones widens all to float32."""
+    q, k, v, go = operands(b=2, h=6, kvh=2, lq=200, lk=240, d=32, seed=3)
+    if dtypes.startswith("bf16"):
+        q, k, v = (t.bfloat16() for t in (q, k, v))
+        go = go if "float32 grad_out" in dtypes else go.bfloat16()
+    mask = padded_mask(2, 200, 240, [0, 17])
+    ref = reference_grads(q, k, v, go, mask, False, 32**-0.5)
+    grads = ab.explicit_grads(q, k, v, go, mask, False, 32**-0.5, compiled=True)
+    assert_close_to(grads, ref)
+
+
+def test_the_compiled_kernel_serves_what_it_can_read():
+    q, k, v, _ = operands(d=16)
+    toolchain = not decode_attention.toolchain_missing()
+    assert ab.compiled_serves(q, k, v) is toolchain
+    assert ab.compiled_serves(q.bfloat16(), k.bfloat16(), v.bfloat16()) is toolchain
+    q8, k8, v8, _ = operands(d=8)  # head_dim not a multiple of 16, float16: torch's products
+    assert not ab.compiled_serves(q8, k8, v8)
+    assert not ab.compiled_serves(q.half(), k.half(), v.half())
 
 
 def batch(tokenizer):
@@ -167,8 +209,10 @@ def test_resolve_measures_once_per_key_and_caches(tiny, tmp_path, monkeypatch):
     others[0] = 5.0  # a busy machine: measured, used, not cached
     threshold, why = ab.resolve("auto", model, torch.float16, cache=cache, timer=timer)
     assert threshold == 64 * 64 and "not cached" in why
-    ab.resolve("auto", model, torch.float16, cache=cache, timer=timer)
-    assert len(timed) == 4
+    threshold, why = ab.resolve("auto", model, torch.float16, cache=cache, timer=timer)
+    assert len(timed) == 3 and threshold == 64 * 64  # the next run in this process: not timed again
+    assert "not cached" in why and "kept from earlier in this process" in why
+    assert not any("|float16|" in key for key in json.loads(cache.read_text()))  # and still not in the file
     assert ab.resolve("flash", model, torch.float32, cache=cache, timer=timer)[0] == 0
     assert ab.resolve("explicit", model, torch.float32, cache=cache, timer=timer)[0] > 10**12
     with pytest.raises(ValueError, match="kernels.attention_backward='fast'"):
@@ -192,6 +236,14 @@ def test_kernel_mode_enters_and_leaves_the_explicit_backward(tiny, tmp_path, mon
         assert ab._threshold is None
     with kernel_mode("default", model, attention_backward="flash"):
         assert ab._threshold is None
+    with kernel_mode("batch_invariant", model, attention_backward="auto"):  # its own attention: auto is flash there
+        assert ab._threshold is None
+
+
+def test_auto_is_the_default_and_batch_invariant_kernels_accept_it():
+    assert cfg_for().kernels.attention_backward == "auto"
+    validate(cfg_for("kernels=batch_invariant"))
+    validate(cfg_for("kernels=batch_invariant", "kernels.attention_backward=auto"))
 
 
 @pytest.mark.parametrize(
@@ -200,7 +252,7 @@ def test_kernel_mode_enters_and_leaves_the_explicit_backward(tiny, tmp_path, mon
         (["kernels.attention_backward=fast"], "kernels.attention_backward"),
         (
             ["kernels=batch_invariant", "kernels.attention_backward=explicit"],
-            "attention_backward.*leave it at flash",
+            r"attention_backward.*leave it at auto \(flash under them\) or flash",
         ),
     ],
 )
@@ -227,16 +279,17 @@ def transformers_module(groups: int, causal: bool = True) -> torch.nn.Module:
     return module
 
 
+@pytest.mark.parametrize("d", [8, 16], ids=["torch-ops", "compiled where built"])
 @pytest.mark.parametrize(
     "case", ["causal, no mask, Lq < Lk", "per-head boolean", "2-D boolean", "3-D boolean", "additive needing grad"]
 )
-def test_the_wrapped_attention_gives_the_gradients_of_transformers_own(case):
+def test_the_wrapped_attention_gives_the_gradients_of_transformers_own(case, d):
     """Through ``attention`` (the explicit backward on) and through transformers' ``sdpa`` attention itself, on the
     same float32 inputs: the same outputs bit for bit and the same gradients (a mask that needs a gradient falls back
     to transformers' path). The first case is the continuation transformers cuts to a square causal block."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    b, h, kvh, lq, lk, d = 2, 4, 2, 5, 5, 8
+    b, h, kvh, lq, lk = 2, 4, 2, 5, 5
     if case.startswith("causal"):
         lk = 9
     gen = torch.Generator().manual_seed(1)

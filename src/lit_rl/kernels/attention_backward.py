@@ -68,7 +68,14 @@ def _grouped_mask(mask: Tensor, kv_heads: int, groups: int, lq: int, lk: int) ->
 
 
 def explicit_grads(
-    query: Tensor, key: Tensor, value: Tensor, grad_out: Tensor, mask: Tensor | None, causal: bool, scale: float
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    grad_out: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    compiled: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dQ, dK, dV) in float32 of attention ``softmax(scale * Q K^T + mask) V`` at the given values.
 
@@ -76,9 +83,15 @@ def explicit_grads(
     dtype). ``mask``: None, or a boolean (True: the key is read) or float additive mask that broadcasts as SDPA's
     does ([Lq, Lk], [H or 1, Lq, Lk], [B or 1, H or 1, Lq, >= Lk]); ``causal`` (with ``mask`` None): SDPA's
     ``is_causal``, query i reads keys up to i (aligned top-left; transformers cuts the keys to Lq first, the same
-    function). A query row that reads no key has output 0 and gradient 0 (the flash kernel's convention). Rows are
-    processed in chunks of at most ``CHUNK_BYTES`` of scores. Returns dQ [B, H, Lq, d], dK and dV [B, KVH, Lk, d].
-    Raises RuntimeError for a mask that does not broadcast so."""
+    function). A query row that reads no key has output 0 and gradient 0 (the flash kernel's convention).
+    ``compiled``: lit_rl's C++ kernel (``torch.ops.lit_rl.attention_backward``, ``_compiled_grads``) or torch's
+    batched products over rows in chunks of at most ``CHUNK_BYTES`` of scores; None: the kernel where
+    ``compiled_serves``. Returns dQ [B, H, Lq, d], dK and dV [B, KVH, Lk, d]. Raises RuntimeError for a mask that
+    does not broadcast so."""
+    if compiled is None:
+        compiled = compiled_serves(query, key, value)
+    if compiled:
+        return _compiled_grads(query, key, value, grad_out, mask, causal, scale)
     b, h, lq, d = query.shape
     kvh, lk = key.shape[1], key.shape[2]
     groups = h // kvh
@@ -92,6 +105,49 @@ def explicit_grads(
         sub = mask if mask is None or mask.shape[0] == 1 else mask[rows]
         grads.append(_chunk_grads(query[rows], key[rows], value[rows], grad_out[rows], sub, scale, groups))
     return tuple(torch.cat(parts) for parts in zip(*grads))
+
+
+def compiled_serves(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether lit_rl's compiled backward takes these operands: on the CPU, head_dim a multiple of 16, float32 or
+    bf16, and the kernels built (``decode_attention.build``: compiled on first use when a C++ toolchain is there)."""
+    if query.device.type != "cpu" or query.shape[-1] % 16:
+        return False
+    if any(t.dtype not in (torch.float32, torch.bfloat16) for t in (query, key, value)):
+        return False
+    from . import decode_attention
+
+    return decode_attention.build() == ""
+
+
+def _additive_mask(mask: Tensor, b: int, h: int, lq: int, lk: int) -> Tensor:
+    """``mask`` (boolean, True: read; or float additive; broadcasting as SDPA's, see ``explicit_grads``) as the
+    kernel's contiguous float32 [B or 1, H or 1, Lq, Lk] additive mask (-inf where a boolean one is False)."""
+    mask = mask[..., :lk]
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    rows = b if mask.shape[0] != 1 else 1
+    heads = h if mask.shape[1] != 1 else 1
+    mask = mask.expand(rows, heads, lq, lk)
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+    return mask.to(torch.float32).contiguous()
+
+
+def _compiled_grads(query, key, value, grad_out, mask, causal, scale):
+    """``explicit_grads`` by ``torch.ops.lit_rl.attention_backward`` (``csrc/attention_backward.cpp``): per
+    (batch row, key/value head), its grouped query rows' scores, softmax and the five products in float32 inside
+    the caches, rows in blocks of 256 KiB of scores. Operands of one dtype (float32 or bf16: widened exactly) go as
+    they are; mixed ones are widened to float32. Raises RuntimeError when the kernels cannot be built (why)."""
+    from . import decode_attention
+
+    why = decode_attention.build()
+    if why:
+        raise RuntimeError(f"the compiled attention backward is not available: {why}")
+    dtypes = {t.dtype for t in (query, key, value, grad_out)}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    q, k, v, go = (t.to(dtype).contiguous() for t in (query, key, value, grad_out))
+    b, h, lq, _ = q.shape
+    additive = _additive_mask(mask, b, h, lq, k.shape[2]) if mask is not None else None
+    return torch.ops.lit_rl.attention_backward(q, k, v, go, additive, bool(causal and mask is None), float(scale))
 
 
 def _chunk_grads(q, k, v, go, mask, scale, groups):
@@ -264,6 +320,11 @@ def threshold_from(ratios: dict) -> int:
     return best
 
 
+#: (cache file, key, timer) -> (ratios, why) of each timing this process took: a timing not written to the cache
+#: (other processes were busy) is not taken again by the next run in the same process
+_measured: dict = {}
+
+
 def _cache_file() -> Path:
     from ..models import cache_dir
 
@@ -283,6 +344,18 @@ def head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     return int(heads), int(kv_heads), int(head_dim)
 
 
+def implementation(model: torch.nn.Module) -> str:
+    """Which explicit backward serves ``model``'s attention: "compiled <build folder>" (lit_rl's kernel, built
+    for this CPU: a changed source is another folder, so ``auto`` times it again) or "torch's products" (head_dim
+    not a multiple of 16, or no C++ toolchain: ``decode_attention.build``'s reason)."""
+    from . import decode_attention
+
+    shape = head_shape(model)
+    if shape is not None and shape[2] % 16 == 0 and decode_attention.build() == "":
+        return f"compiled {decode_attention.build_dir().name}"
+    return "torch's products"
+
+
 def _serves(model: torch.nn.Module) -> bool:
     """Whether ``model`` runs its attention through transformers' ``sdpa`` on the CPU (what ``attention`` serves)."""
     params = next(iter(model.parameters()), None)
@@ -297,14 +370,16 @@ def resolve(
     dtype of its attention (bf16 under bf16-mixed autocast). ``flash``: 0. ``explicit``: unbounded. ``auto``:
     ``threshold_from`` the ratios ``timer`` (default ``measure``, 2-10 s) gives on the model's head shape at the
     current thread count, cached in ``<lit_rl cache>/attention_backward.json`` under the CPU model, torch
-    version, threads, dtype and head shape (delete it to measure again); a timing during which other processes
-    used more than a tenth of a core is not cached. Raises ValueError for another ``setting``."""
+    version, threads, dtype, head shape and implementation (delete it to measure again); a timing during which
+    other processes used more than a tenth of a core is not cached there, only kept for later runs in this process
+    (``_measured``). Raises ValueError for another ``setting``."""
     if setting not in CHOICES:
         raise ValueError(f"kernels.attention_backward={setting!r} is not allowed: choose one of {list(CHOICES)}")
     if setting == "flash":
         return 0, "kernels.attention_backward=flash"
     if setting == "explicit" and _serves(model):
-        return 1 << 62, "kernels.attention_backward=explicit: the explicit-softmax backward for every length"
+        why = f"the explicit-softmax backward ({implementation(model)}) for every length"
+        return 1 << 62, f"kernels.attention_backward=explicit: {why}"
     if not _serves(model):
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         return 0, (
@@ -316,20 +391,25 @@ def resolve(
         return 0, "kernels.attention_backward=auto: flash (the model's config gives no attention head shape)"
     from ..run.hardware import cpu_model, keep_if_alone, read_cache, timed_alone
 
+    impl = implementation(model)
     key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
-                    str(dtype).removeprefix("torch."), "heads={}/{}x{}".format(*shape)])  # fmt: skip
+                    str(dtype).removeprefix("torch."), "heads={}/{}x{}".format(*shape), impl])  # fmt: skip
     cache = _cache_file() if cache is None else cache
     cached = read_cache(cache)
     if key in cached:
         ratios, when = {int(k): v for k, v in cached[key]["ratios"].items()}, f"measured {cached[key]['measured']}"
+    elif (cache, key, timer) in _measured:  # timed on a busy machine earlier in this process (a sweep, the tests)
+        ratios, when = _measured[cache, key, timer]
+        when = f"{when}; kept from earlier in this process"
     else:
         ratios, others = timed_alone(timer, *shape, dtype)
         entry = {"ratios": ratios, "measured": time.strftime("%Y-%m-%d %H:%M")}
         when = keep_if_alone(cache, cached, key, entry, others, verb="measured")
+        _measured[cache, key, timer] = ratios, when
     threshold = threshold_from(ratios)
     shown = ", ".join(f"L={n}: {r:.2f}x" for n, r in sorted(ratios.items()))
     where = f"Lq x Lk <= {threshold} ({int(threshold**0.5)}^2)" if threshold else "no call (flash everywhere)"
     return (
         threshold,
-        f"kernels.attention_backward=auto: explicit backward for {where}; speed over flash {shown}; {when}",
+        f"kernels.attention_backward=auto: explicit backward ({impl}) for {where}; speed over flash {shown}; {when}",
     )

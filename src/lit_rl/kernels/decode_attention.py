@@ -44,6 +44,8 @@ from .attention_backward import head_shape
 from .fp32_gemm import _best_of
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+#: built into one extension: this kernel and the trainer's attention backward (``kernels.attention_backward``)
+SOURCES = (SOURCE, SOURCE.with_name("attention_backward.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 #: rows and context lengths ``measure`` times (a full and a small decode batch; a short and a long context)
 MEASURE = ((64, 64), (64, 256), (8, 128))
@@ -72,12 +74,13 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """Where the kernel is built: ``<lit_rl cache>/ext/decode_attention-<key>``, the key a hash of the source, the
-    flags, the CPU's instruction-set flags and torch's version (another machine or torch builds its own)."""
+    """Where the kernels are built: ``<lit_rl cache>/ext/decode_attention-<key>``, the key a hash of the sources
+    (``SOURCES``), the flags, the CPU's instruction-set flags and torch's version (another machine or torch builds
+    its own)."""
     from ..models import cache_dir
 
     key = hashlib.sha1(
-        "|".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_flags(), torch.__version__]).encode()
+        "|".join([*(path.read_text() for path in SOURCES), " ".join(FLAGS), _cpu_flags(), torch.__version__]).encode()
     ).hexdigest()[:12]
     return cache_dir() / "ext" / f"decode_attention-{key}"
 
@@ -116,9 +119,9 @@ def _wait_for_lock(lock: Path) -> None:
 
 
 def build(verbose: bool = False) -> str:
-    """Compile (first time: ~13 s on 2 cores, with a line saying so) and load the kernel; returns "" when
-    ``torch.ops.lit_rl.decode_attention`` is usable, else why not (``toolchain_missing``, a failed build: the
-    compiler's last line). Once per process."""
+    """Compile (first time: ~20 s on 2 cores, with a line saying so) and load the kernels of ``SOURCES``; returns ""
+    when ``torch.ops.lit_rl.decode_attention`` and ``torch.ops.lit_rl.attention_backward`` are usable, else why not
+    (``toolchain_missing``, a failed build: the compiler's last line). Once per process."""
     global _built
     if _built is not None:
         return _built
@@ -134,10 +137,12 @@ def build(verbose: bool = False) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     _wait_for_lock(directory / "lock")
     if not (directory / "lit_rl_decode_attention.so").exists():
-        print(f"lit_rl: compiling the decode attention kernel for this CPU (once, ~15 s) in {directory}", flush=True)
+        print(f"lit_rl: compiling lit_rl's attention kernels for this CPU (once, ~20 s) in {directory}",
+              flush=True)  # fmt: skip
     try:
-        load("lit_rl_decode_attention", [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-             build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
+        load("lit_rl_decode_attention", [str(path) for path in SOURCES], extra_cflags=list(FLAGS),
+             extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
+             verbose=verbose)  # fmt: skip
         _built = ""
     except (RuntimeError, OSError, ImportError) as err:  # a compiler or loader error: keep SDPA, say why
         last = (str(err).strip().splitlines() or [type(err).__name__])[-1]
