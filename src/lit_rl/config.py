@@ -188,7 +188,7 @@ def check_kernels(cfg: DictConfig) -> None:
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     fields = {"fp32_gemm": ("auto", FP32_GEMM_CHOICES), "linear_attention": ("auto", LINEAR_ATTENTION_CHOICES),
-              "attention_backward": ("flash", ATTENTION_BACKWARD_CHOICES)}  # fmt: skip
+              "attention_backward": ("auto", ATTENTION_BACKWARD_CHOICES)}  # fmt: skip
     value = {name: cfg.kernels.get(name, default) for name, (default, _) in fields.items()}
     for name, (_, allowed) in fields.items():
         _check(value[name] in allowed, f"kernels.{name}", value[name], f"choose one of {list(allowed)}")
@@ -200,8 +200,8 @@ def check_kernels(cfg: DictConfig) -> None:
         ("engine.packed_linear", packed, packed is True,
          f"{own} engine.packed_linear at auto (off under them) or false"),
         ("engine.decode_attention", decode, decode is True, f"{attn} engine.decode_attention at auto or false"),
-        ("kernels.attention_backward", value["attention_backward"], value["attention_backward"] != "flash",
-         f"{attn} it at flash"),
+        ("kernels.attention_backward", value["attention_backward"], value["attention_backward"] == "explicit",
+         f"{attn} it at auto (flash under them) or flash"),
     ):  # fmt: skip
         _check(not (kernels == "batch_invariant" and bad), field, got, leave)
     if kernels == "batch_invariant":

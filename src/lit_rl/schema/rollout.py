@@ -117,10 +117,11 @@ class KernelsConfig:
     #: (transformers' split: chunked full forwards, recurrent decode) | recurrent (the recurrent algorithm on every
     #: forward, the chunked one's backward: ``kernels.linear_attention``)
     linear_attention: str = "auto"
-    #: the trainer's attention backward on the CPU under kernels=default: flash (torch's) | explicit (a float32
-    #: explicit-softmax backward) | auto (explicit where measured faster, by Lq x Lk: ``kernels.attention_backward``);
-    #: the forward, and so the log-probs, are unchanged; kernels=batch_invariant: flash
-    attention_backward: str = "flash"
+    #: the trainer's attention backward on the CPU under kernels=default: auto (explicit where measured faster, by
+    #: Lq x Lk: ``kernels.attention_backward``) | flash (torch's) | explicit (a float32 explicit-softmax backward,
+    #: lit_rl's compiled kernel where built); the forward, and so the log-probs, are unchanged; kernels=batch_invariant:
+    #: flash
+    attention_backward: str = "auto"
 
 
 @dataclass
