@@ -82,7 +82,7 @@ def main():
     policy, tok = load_policy(ModelConfig(args.model))
     shape = ab.head_shape(policy)
     print(f"# heads {shape[0]} on {shape[1]} key/value heads of {shape[2]}; {torch.get_num_threads()} threads; "
-          f"explicit backward: {ab.implementation(policy)}")  # fmt: skip
+          f"explicit backward: {ab.implementation(policy, torch.bfloat16)}")  # fmt: skip
     print("\n| L | flash backward / explicit (speed-up) | flash rel. error | explicit rel. error |\n|---|---|---|---|")
     lengths = tuple(int(x) for x in args.lengths.split(","))
     ratios = ab.measure(*shape, torch.bfloat16, lengths=lengths)

@@ -112,6 +112,28 @@ def test_compiled_kernel_over_several_row_blocks_in_every_dtype(dtypes):
     assert_close_to(grads, ref)
 
 
+@pytest.mark.parametrize("compiled", PATHS)
+def test_no_query_rows_or_no_keys_give_zero_gradients(compiled):
+    """Lq = 0 (dK, dV were the kernel's uninitialised buffers) and Lk = 0 (its row blocks divided by zero): zeros,
+    as a row that reads no key gets."""
+    q, k, v, go = operands(lq=0, lk=5)
+    for g in ab.explicit_grads(q, k, v, go, None, False, 0.25, compiled=compiled):
+        assert not g.any()
+    if compiled:  # torch's products have no row to take a max over at Lk = 0
+        q, k, v, go = operands(lq=3, lk=0)
+        grads = ab.explicit_grads(q, k, v, go, None, False, 0.25, compiled=True)
+        assert [tuple(g.shape) for g in grads] == [(3, 4, 3, 16), (3, 2, 0, 16), (3, 2, 0, 16)]
+        assert not grads[0].any()
+
+
+def test_the_start_up_line_names_the_implementation_that_runs(tiny):
+    model, _ = tiny  # head_dim 32
+    built = not decode_attention.toolchain_missing()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert ab.implementation(model, dtype).startswith("compiled" if built else "torch's")
+    assert ab.implementation(model, torch.float16) == "torch's products"  # compiled_serves refuses float16
+
+
 def test_the_compiled_kernel_serves_what_it_can_read():
     q, k, v, _ = operands(d=16)
     toolchain = not decode_attention.toolchain_missing()

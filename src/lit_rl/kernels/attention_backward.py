@@ -344,14 +344,16 @@ def head_shape(model: torch.nn.Module) -> tuple[int, int, int] | None:
     return int(heads), int(kv_heads), int(head_dim)
 
 
-def implementation(model: torch.nn.Module) -> str:
-    """Which explicit backward serves ``model``'s attention: "compiled <build folder>" (lit_rl's kernel, built
-    for this CPU: a changed source is another folder, so ``auto`` times it again) or "torch's products" (head_dim
-    not a multiple of 16, or no C++ toolchain: ``decode_attention.build``'s reason)."""
+def implementation(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Which explicit backward serves ``model``'s attention computed in ``dtype``: "compiled <build folder>"
+    (lit_rl's kernel, built for this CPU: a changed source is another folder, so ``auto`` times it again) or
+    "torch's products" (head_dim not a multiple of 16, a dtype other than float32 / bf16, or no C++ toolchain:
+    ``decode_attention.build``'s reason), as ``compiled_serves`` decides per call."""
     from . import decode_attention
 
     shape = head_shape(model)
-    if shape is not None and shape[2] % 16 == 0 and decode_attention.build() == "":
+    readable = dtype in (torch.float32, torch.bfloat16)
+    if shape is not None and shape[2] % 16 == 0 and readable and decode_attention.build() == "":
         return f"compiled {decode_attention.build_dir().name}"
     return "torch's products"
 
@@ -378,7 +380,7 @@ def resolve(
     if setting == "flash":
         return 0, "kernels.attention_backward=flash"
     if setting == "explicit" and _serves(model):
-        why = f"the explicit-softmax backward ({implementation(model)}) for every length"
+        why = f"the explicit-softmax backward ({implementation(model, dtype)}) for every length"
         return 1 << 62, f"kernels.attention_backward=explicit: {why}"
     if not _serves(model):
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -391,7 +393,7 @@ def resolve(
         return 0, "kernels.attention_backward=auto: flash (the model's config gives no attention head shape)"
     from ..run.hardware import cpu_model, keep_if_alone, read_cache, timed_alone
 
-    impl = implementation(model)
+    impl = implementation(model, dtype)
     key = "|".join([cpu_model(), f"torch {torch.__version__}", f"threads={torch.get_num_threads()}",
                     str(dtype).removeprefix("torch."), "heads={}/{}x{}".format(*shape), impl])  # fmt: skip
     cache = _cache_file() if cache is None else cache

@@ -18,7 +18,8 @@ log-probs move by rounding, as between any two attention kernels; the default-ke
 trainer in benchmarks/README.md. Never under ``kernels=batch_invariant`` (its attention is its own).
 
 The kernel is compiled for the machine at hand (``-march=native``) with torch's C++ extension builder (ninja) on
-first use (``build``; about 13 s on 2 cores, once per CPU, torch and source: ``<lit_rl cache>/ext/``;
+first use (``build``, with ``csrc/attention_backward.cpp``; about 20 s on 2 cores, once per CPU, torch and source:
+``<lit_rl cache>/ext/``;
 ``scripts/setup.sh`` builds it). Without a C++ compiler ``auto`` is off with a message and ``true`` is refused at
 start-up (``schema.rollout``: ``toolchain_missing``).
 ``resolve`` decides for a model: ``auto`` times both kernels on the model's decode shapes (``measure``) and

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -262,6 +263,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
     ms[2] = m.stride(2);
   }
   auto f32 = q.options().dtype(at::kFloat);
+  if (q.size(2) == 0 || k.size(2) == 0) {  // no query rows, or no key to read: every gradient is 0
+    return {at::zeros(q.sizes(), f32), at::zeros(k.sizes(), f32), at::zeros(v.sizes(), f32)};
+  }
   auto dq = at::empty(q.sizes(), f32), dk = at::empty(k.sizes(), f32), dv = at::empty(v.sizes(), f32);
   const float sc = static_cast<float>(scale);
   if (dtype == at::kBFloat16) {
