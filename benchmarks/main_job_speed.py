@@ -18,8 +18,9 @@ Exactness, read from the same runs:
 - ``batch_invariant``: the sampled tokens and rewards must equal the base's. Their fingerprints, compared step by
   step bit for bit: ``rollout/reward_mean``, ``rollout/response_length_mean``, ``rollout/truncation_rate`` and
   ``perf/rollout_flops`` (a count of the generated tokens' work), where both sides log them. These runs use torch's
-  deterministic mode (``bit_identity.BOOTSTRAP``: without it the update's shared-prefix gather adds into the same
-  gradient rows from two threads in a varying order, so even two runs of one commit part after step 1); their
+  deterministic mode (``bit_identity.BOOTSTRAP``: without it the base commit's shared-prefix gather adds into the same
+  gradient rows from two threads in a varying order, so even two runs of one commit part after step 1; the working
+  tree gathers with ``index_select`` since 2026-12-05, one order); their
   times are printed but are not the timing the targets read.
 - ``default``: the engine-trainer gap ``train/logprob_abs_diff`` (mean over the steps) of each side, which must not
   grow.

@@ -256,3 +256,46 @@ def test_a_micro_batch_of_empty_responses_is_scored_and_updated(tiny, scored, al
         s_loss, s_grad, _, _ = run_update(module, empty, shared, 2)
         torch.testing.assert_close(s_loss, loss, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(s_grad, grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
+
+
+def test_the_shared_prompts_gradient_has_the_same_bits_at_every_backward(tiny):
+    """Each prompt's keys and values reach its rows through ``index_select``: the backward adds the rows' gradients
+    one after another. ``tensor[rows]``'s CPU backward added them from two threads in a varying order (16 rows on 2
+    prompts, keys of 2 x 80 positions x 32: the add is split across threads), so two updates of one batch differed
+    in their last bits, and two runs of the main job apart after step 1."""
+    policy, _ = tiny
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(5, 200, (2, 80), generator=gen).repeat_interleave(8, 0)
+    pmask = torch.ones_like(prompts)
+    rids = torch.randint(5, 200, (16, 6), generator=gen)
+    lengths = torch.randint(1, 7, (16,), generator=gen)  # sorted by length, the two prompts' rows interleave
+    rmask = (torch.arange(6)[None] < lengths[:, None]).long()
+    grads = set()
+    for _ in range(12):
+        policy.zero_grad()
+        s = response_logprobs(policy, prompts, pmask, rids, rmask, shared_prefix=True)
+        s.logprobs.sum().backward()
+        grads.add(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]).numpy().tobytes())
+    policy.zero_grad()
+    assert len(grads) == 1
+
+
+def test_a_continuation_cache_sums_each_prompts_rows_in_one_order():
+    """``state_cache.continuation_cache`` (the hybrid models' shared prefix) takes its rows by ``index_select`` too:
+    300 backwards of one gather, rows of two prompts interleaved, give one gradient."""
+    from transformers import DynamicCache
+
+    from lit_rl.rollout.state_cache import continuation_cache
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 1, 86, 32, generator=gen).requires_grad_()
+    rows = torch.arange(2).repeat_interleave(8)[torch.randperm(16, generator=gen)]
+    grad = torch.randn(16, 1, 86, 32, generator=gen)
+    seen = set()
+    for _ in range(300):
+        keys.grad = None
+        layer = continuation_cache(DynamicCache(ddp_cache_data=[(keys, keys.detach())]), rows).layers[0]
+        layer.keys.backward(grad)
+        seen.add(keys.grad.numpy().tobytes())
+    assert len(seen) == 1
+    torch.testing.assert_close(keys.grad, torch.zeros_like(keys).index_add_(0, rows, grad))

@@ -423,18 +423,18 @@ def _shared_prefix_hidden(
     prompt_ids/prompt_mask: [N, P] left-padded; response_ids/response_mask: [N, T] right-padded. The k distinct
     prompts (rows equal in ids and mask) run once, [k, P], with a KV cache (``transformers.DynamicCache``, as the
     embedded engine's prefill). The completions then run on top of it, sorted by length and cut into forwards of
-    similar length (``response_buckets``: a micro-batch of whole groups mixes short and long completions), each
-    with its rows' prompt keys/values taken by an index (its backward sums each prompt's key/value gradients
-    over the rows that read them), attention mask [prompt_mask; response_mask] and position ids that continue
-    each prompt's (``position_ids_from_mask`` of the whole row): the same keys, positions and causal order as
-    the one-forward path, so the same function of the weights (Prefix Grouper, Liu et al. 2025, arXiv
-    2506.05433). Gated DeltaNet hybrids (``state_cache.is_hybrid``): the prompts run with the engine's hybrid
-    cache layout and each completion continues its prompt's final conv and recurrent states as well as its keys
-    and values (``state_cache.continuation_cache``): the conv reads the prompt's last inputs, the recurrence starts
-    from the prompt's state (its value under ``kernels.linear_attention=recurrent`` is the one-forward path's bit
-    for bit; the chunked algorithm cuts its 64-token chunks elsewhere). The state that predicts response token 0
-    is the prompt's last position; token j > 0's is response position j - 1. States past a row's last response
-    token are 0.
+    similar length (``response_buckets``: a micro-batch of whole groups mixes short and long completions), each with
+    its rows' prompt keys/values taken by an index (``index_select``: its backward sums each prompt's key/value
+    gradients over the rows that read them one row after another, the same bits at every run; ``tensor[index]``'s
+    CPU backward adds from several threads in a varying order), attention mask [prompt_mask; response_mask] and
+    position ids that continue each prompt's (``position_ids_from_mask`` of the whole row): the same keys, positions
+    and causal order as the one-forward path, so the same function of the weights (Prefix Grouper, Liu et al. 2025,
+    arXiv 2506.05433). Gated DeltaNet hybrids (``state_cache.is_hybrid``): the prompts run with the engine's hybrid
+    cache layout and each completion continues its prompt's final conv and recurrent states as well as its keys and
+    values (``state_cache.continuation_cache``): the conv reads the prompt's last inputs, the recurrence starts from
+    the prompt's state (its value under ``kernels.linear_attention=recurrent`` is the one-forward path's bit for
+    bit; the chunked algorithm cuts its 64-token chunks elsewhere). The state that predicts response token 0 is the
+    prompt's last position; token j > 0's is response position j - 1. States past a row's last response token are 0.
     """
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -471,7 +471,9 @@ def _shared_prefix_hidden(
         start = end
         src = row_of[rows]
         bucket_cache = (
-            continuation_cache(cache, src) if hybrid else DynamicCache(ddp_cache_data=[(k[src], v[src]) for k, v in kv])
+            continuation_cache(cache, src)
+            if hybrid
+            else DynamicCache(ddp_cache_data=[(k.index_select(0, src), v.index_select(0, src)) for k, v in kv])
         )
         attention_mask = torch.cat([prompt_mask[rows].long(), response_mask[rows, :width].long()], dim=1)
         position_ids = position_ids_from_mask(attention_mask)[:, p:]
@@ -482,7 +484,7 @@ def _shared_prefix_hidden(
             cache=bucket_cache,
             use_cache=True,
         ).last_hidden_state
-        hidden = torch.cat([first[src], hidden[:, : width - 1]], dim=1)
+        hidden = torch.cat([first.index_select(0, src), hidden[:, : width - 1]], dim=1)
         parts.append(F.pad(hidden, (0, 0, 0, t - width)) if width < t else hidden[:, :t])
     return torch.cat(parts)[torch.argsort(order)]
 

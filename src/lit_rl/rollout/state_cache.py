@@ -90,14 +90,17 @@ def continuation_cache(prompt_cache: DynamicCache, rows: Tensor) -> DynamicCache
     ``hybrid_cache(model, DynamicLayer)``), row i continuing prompt ``rows[i]`` ([N] int64): attention layers get
     the prompts' keys and values at ``rows``, linear-attention layers a ``PrefixStateLayer`` of their final conv
     and recurrent states at ``rows``. Indexing is differentiable: the backward sums each prompt's gradients over
-    the rows that continue it."""
+    the rows that continue it, in the rows' order (``index_select``, whose CPU backward adds one row after another:
+    ``tensor[rows]``'s backward adds from two threads in a varying order, so two runs of one update differed in their
+    last bits)."""
     layers = []
     for layer in prompt_cache.layers:
         if isinstance(layer, LinearAttentionLayer):
-            layers.append(PrefixStateLayer(layer.conv_states[0][rows], layer.recurrent_states[0][rows]))
+            conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
+            layers.append(PrefixStateLayer(conv.index_select(0, rows), recurrent.index_select(0, rows)))
         else:
             new = DynamicLayer()
-            new.update(layer.keys[rows], layer.values[rows])
+            new.update(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
             layers.append(new)
     cache = DynamicCache()
     Cache.__init__(cache, layers=layers)
