@@ -259,10 +259,10 @@ def test_a_micro_batch_of_empty_responses_is_scored_and_updated(tiny, scored, al
 
 
 def test_the_shared_prompts_gradient_has_the_same_bits_at_every_backward(tiny):
-    """Each prompt's keys and values reach its rows through ``index_select``: the backward adds the rows' gradients
-    one after another. ``tensor[rows]``'s CPU backward added them from two threads in a varying order (16 rows on 2
-    prompts, keys of 2 x 80 positions x 32: the add is split across threads), so two updates of one batch differed
-    in their last bits, and two runs of the main job apart after step 1."""
+    """Each prompt's keys and values reach its rows through ``state_cache.gather_rows``: the backward adds the rows'
+    gradients one after another. ``tensor[rows]``'s CPU backward added them from two threads in a varying order (16
+    rows on 2 prompts, keys of 2 x 80 positions x 32: the add is split across threads), so two updates of one batch
+    differed in their last bits, and two runs of the main job apart after step 1."""
     policy, _ = tiny
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(5, 200, (2, 80), generator=gen).repeat_interleave(8, 0)
@@ -281,7 +281,7 @@ def test_the_shared_prompts_gradient_has_the_same_bits_at_every_backward(tiny):
 
 
 def test_a_continuation_cache_sums_each_prompts_rows_in_one_order():
-    """``state_cache.continuation_cache`` (the hybrid models' shared prefix) takes its rows by ``index_select`` too:
+    """``state_cache.continuation_cache`` (the hybrid models' shared prefix) takes its rows by ``gather_rows`` too:
     300 backwards of one gather, rows of two prompts interleaved, give one gradient."""
     from transformers import DynamicCache
 
@@ -299,3 +299,31 @@ def test_a_continuation_cache_sums_each_prompts_rows_in_one_order():
         seen.add(keys.grad.numpy().tobytes())
     assert len(seen) == 1
     torch.testing.assert_close(keys.grad, torch.zeros_like(keys).index_add_(0, rows, grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_gives_the_bits_of_torchs_deterministic_indexing(dtype):
+    """``gather_rows``'s backward equals ``x[rows]``'s under ``torch.use_deterministic_algorithms`` bit for bit (each
+    source's rows summed in order in x's dtype: what the batch-invariant runs compared against 752006f used), for
+    contiguous and strided gradients; ``index_select``'s backward sums bf16 rows otherwise."""
+    from lit_rl.rollout.state_cache import gather_rows
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 3, 40, 64, generator=gen).to(dtype).requires_grad_()
+    rows = torch.randint(0, 3, (16,), generator=gen)
+    grads = [torch.randn(16, 3, 40, 64, generator=gen).to(dtype)]
+    grads.append(grads[0].transpose(1, 2).contiguous().transpose(1, 2))
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        x.grad = None
+        x[rows].backward(grads[0])
+        want = x.grad.clone()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for grad in grads:
+        x.grad = None
+        out = gather_rows(x, rows)
+        assert torch.equal(out, x[rows])
+        out.backward(grad)
+        assert torch.equal(x.grad, want)

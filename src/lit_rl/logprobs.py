@@ -424,22 +424,22 @@ def _shared_prefix_hidden(
     prompts (rows equal in ids and mask) run once, [k, P], with a KV cache (``transformers.DynamicCache``, as the
     embedded engine's prefill). The completions then run on top of it, sorted by length and cut into forwards of
     similar length (``response_buckets``: a micro-batch of whole groups mixes short and long completions), each with
-    its rows' prompt keys/values taken by an index (``index_select``: its backward sums each prompt's key/value
-    gradients over the rows that read them one row after another, the same bits at every run; ``tensor[index]``'s
-    CPU backward adds from several threads in a varying order), attention mask [prompt_mask; response_mask] and
-    position ids that continue each prompt's (``position_ids_from_mask`` of the whole row): the same keys, positions
-    and causal order as the one-forward path, so the same function of the weights (Prefix Grouper, Liu et al. 2025,
-    arXiv 2506.05433). Gated DeltaNet hybrids (``state_cache.is_hybrid``): the prompts run with the engine's hybrid
-    cache layout and each completion continues its prompt's final conv and recurrent states as well as its keys and
-    values (``state_cache.continuation_cache``): the conv reads the prompt's last inputs, the recurrence starts from
-    the prompt's state (its value under ``kernels.linear_attention=recurrent`` is the one-forward path's bit for
-    bit; the chunked algorithm cuts its 64-token chunks elsewhere). The state that predicts response token 0 is the
-    prompt's last position; token j > 0's is response position j - 1. States past a row's last response token are 0.
+    its rows' prompt keys/values taken by an index (``state_cache.gather_rows``: its backward sums each prompt's
+    key/value gradients over the rows that read them one row after another, the same bits at every run), attention
+    mask [prompt_mask; response_mask] and position ids that continue each prompt's (``position_ids_from_mask`` of
+    the whole row): the same keys, positions and causal order as the one-forward path, so the same function of the
+    weights (Prefix Grouper, Liu et al. 2025, arXiv 2506.05433). Gated DeltaNet hybrids (``state_cache.is_hybrid``):
+    the prompts run with the engine's hybrid cache layout and each completion continues its prompt's final conv and
+    recurrent states as well as its keys and values (``state_cache.continuation_cache``): the conv reads the
+    prompt's last inputs, the recurrence starts from the prompt's state (its value under
+    ``kernels.linear_attention=recurrent`` is the one-forward path's bit for bit; the chunked algorithm cuts its
+    64-token chunks elsewhere). The state that predicts response token 0 is the prompt's last position; token j >
+    0's is response position j - 1. States past a row's last response token are 0.
     """
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    from .rollout.state_cache import continuation_cache, hybrid_cache, is_hybrid
+    from .rollout.state_cache import continuation_cache, gather_rows, hybrid_cache, is_hybrid
 
     p, t = prompt_ids.shape[1], response_ids.shape[1]
     keys = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
@@ -473,7 +473,7 @@ def _shared_prefix_hidden(
         bucket_cache = (
             continuation_cache(cache, src)
             if hybrid
-            else DynamicCache(ddp_cache_data=[(k.index_select(0, src), v.index_select(0, src)) for k, v in kv])
+            else DynamicCache(ddp_cache_data=[(gather_rows(k, src), gather_rows(v, src)) for k, v in kv])
         )
         attention_mask = torch.cat([prompt_mask[rows].long(), response_mask[rows, :width].long()], dim=1)
         position_ids = position_ids_from_mask(attention_mask)[:, p:]
@@ -484,7 +484,7 @@ def _shared_prefix_hidden(
             cache=bucket_cache,
             use_cache=True,
         ).last_hidden_state
-        hidden = torch.cat([first.index_select(0, src), hidden[:, : width - 1]], dim=1)
+        hidden = torch.cat([gather_rows(first, src), hidden[:, : width - 1]], dim=1)
         parts.append(F.pad(hidden, (0, 0, 0, t - width)) if width < t else hidden[:, :t])
     return torch.cat(parts)[torch.argsort(order)]
 

@@ -85,22 +85,57 @@ class PrefixStateLayer(LinearAttentionLayer):
         return recurrent_states
 
 
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, rows)`` whose backward sums each source row's gradients one row after another, in the
+    order of ``rows``, in ``x``'s dtype: the bits torch's deterministic ``x[rows]`` backward gives, at every run
+    (``gather_rows``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, rows: Tensor) -> Tensor:
+        sorted_rows, order = rows.sort(stable=True)
+        _, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+        rank = torch.empty_like(rows)  # how many earlier entries of ``rows`` name the same source row
+        rank[order] = torch.arange(len(rows), device=rows.device) - torch.repeat_interleave(
+            counts.cumsum(0) - counts, counts
+        )
+        ctx.save_for_backward(rows, rank)
+        ctx.shape = x.shape
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        rows, rank = ctx.saved_tensors
+        out = grad.new_zeros(ctx.shape)
+        for r in range(int(rank.max()) + 1 if len(rank) else 0):  # round r adds each source's r-th row: no repeats
+            sel = (rank == r).nonzero().squeeze(-1)
+            out.index_add_(0, rows[sel], grad[sel])
+        return out, None
+
+
+def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """``x[rows]`` (x [K, ...], rows [N] int64 in [0, K)): the same values, and a backward that sums each row of x's
+    gradients over the entries of ``rows`` naming it one after another in their order, in x's dtype. ``x[rows]``'s
+    CPU backward (``index_put_`` accumulating) adds them from several threads in a varying order when the rows of
+    two sources interleave: two runs of one update differed in their last bits (``index_select``'s backward is
+    ordered but sums bf16 rows otherwise than the deterministic ``x[rows]``, which batch-invariant runs compared
+    against 752006f reproduce). Cost: one ``index_add_`` per repeat of the most repeated source."""
+    return _GatherRows.apply(x, rows)
+
+
 def continuation_cache(prompt_cache: DynamicCache, rows: Tensor) -> DynamicCache:
     """A cache for a forward that continues the prompts of ``prompt_cache`` (filled by a prompt forward, e.g.
     ``hybrid_cache(model, DynamicLayer)``), row i continuing prompt ``rows[i]`` ([N] int64): attention layers get
     the prompts' keys and values at ``rows``, linear-attention layers a ``PrefixStateLayer`` of their final conv
     and recurrent states at ``rows``. Indexing is differentiable: the backward sums each prompt's gradients over
-    the rows that continue it, in the rows' order (``index_select``, whose CPU backward adds one row after another:
-    ``tensor[rows]``'s backward adds from two threads in a varying order, so two runs of one update differed in their
-    last bits)."""
+    the rows that continue it, one after another in the rows' order (``gather_rows``: the same bits at every run)."""
     layers = []
     for layer in prompt_cache.layers:
         if isinstance(layer, LinearAttentionLayer):
             conv, recurrent = layer.conv_states[0], layer.recurrent_states[0]
-            layers.append(PrefixStateLayer(conv.index_select(0, rows), recurrent.index_select(0, rows)))
+            layers.append(PrefixStateLayer(gather_rows(conv, rows), gather_rows(recurrent, rows)))
         else:
             new = DynamicLayer()
-            new.update(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+            new.update(gather_rows(layer.keys, rows), gather_rows(layer.values, rows))
             layers.append(new)
     cache = DynamicCache()
     Cache.__init__(cache, layers=layers)
