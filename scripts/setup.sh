@@ -27,4 +27,4 @@ fi
 # engine.decode_attention's CPU kernel, compiled once for this CPU and torch (<lit_rl cache>/ext); without a C++
 # compiler runs keep torch's SDPA (auto) and this says why
 "$VENV/bin/python" -c "from lit_rl.kernels import decode_attention as d; why = d.build()
-print('lit_rl: decode attention kernel: ' + (why or f'ready in {d.build_dir()}'))"
+print('lit_rl: attention kernels (the decode step, the trainer backward): ' + (why or f'ready in {d.build_dir()}'))"

@@ -274,7 +274,7 @@ def test_auto_is_the_default_and_batch_invariant_kernels_accept_it():
         (["kernels.attention_backward=fast"], "kernels.attention_backward"),
         (
             ["kernels=batch_invariant", "kernels.attention_backward=explicit"],
-            r"attention_backward.*leave it at auto \(flash under them\) or flash",
+            r"attention_backward.*leave it at auto \(which means flash there\) or flash",
         ),
     ],
 )

@@ -59,7 +59,7 @@ def test_reward_callables_are_named_for_the_workers_or_refused():
             reward_spec(bad)
 
 
-def test_train_from_python_with_a_list_of_rows_and_a_reward_callable_then_resume(tmp_path):
+def test_train_from_python_with_a_list_of_rows_and_a_reward_callable_then_resume(tmp_path, capsys):
     """The in-memory dataset is saved to <run>/data and read as task=dataset; the callable is recorded by name in
     config.yaml; the caller's config object is left as it was; the run continues from its folder alone."""
     cfg = train_config(compose_config(*FAST, "trainer.max_steps=2", "eval.num_examples=3"))
@@ -67,6 +67,7 @@ def test_train_from_python_with_a_list_of_rows_and_a_reward_callable_then_resume
     out = tmp_path / "run"
     result = lit_rl.train(cfg, out, reward_functions=["format", brevity], train_dataset=ROWS[:6], eval_dataset=ROWS[6:])
     assert cfg == before
+    assert f"lit_rl: run folder {out} (tensorboard --logdir {out})" in capsys.readouterr().out  # where to look
     assert result.out_dir == out and (result.policy_dir / "config.json").is_file()
     saved = OmegaConf.load(out / "config.yaml")
     assert saved.task.name == "dataset" and saved.task.path == str((out / "data").resolve())

@@ -201,7 +201,7 @@ def check_kernels(cfg: DictConfig) -> None:
          f"{own} engine.packed_linear at auto (off under them) or false"),
         ("engine.decode_attention", decode, decode is True, f"{attn} engine.decode_attention at auto or false"),
         ("kernels.attention_backward", value["attention_backward"], value["attention_backward"] == "explicit",
-         f"{attn} it at auto (flash under them) or flash"),
+         f"{attn} it at auto (which means flash there) or flash"),
     ):  # fmt: skip
         _check(not (kernels == "batch_invariant" and bad), field, got, leave)
     if kernels == "batch_invariant":

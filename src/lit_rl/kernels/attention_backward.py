@@ -399,7 +399,10 @@ def resolve(
     cache = _cache_file() if cache is None else cache
     cached = read_cache(cache)
     if key in cached:
-        ratios, when = {int(k): v for k, v in cached[key]["ratios"].items()}, f"measured {cached[key]['measured']}"
+        ratios, when = (
+            {int(k): v for k, v in cached[key]["ratios"].items()},
+            f"cached, measured {cached[key]['measured']}",
+        )
     elif (cache, key, timer) in _measured:  # timed on a busy machine earlier in this process (a sweep, the tests)
         ratios, when = _measured[cache, key, timer]
         when = f"{when}; kept from earlier in this process"

@@ -359,6 +359,8 @@ def prepare_output(cfg: DictConfig, out_dir, overrides, claims: list, run_log: R
                 f"(trainer.max_steps={max_steps}): nothing to continue; to train it further, give a "
                 f"larger trainer.max_steps (e.g. --resume {out} trainer.max_steps={finished_at + 10})"
             )
+    if lightning_rank() == 0:  # where its scalars, checkpoints and policy go: a new user looked for it
+        print(f"lit_rl: run folder {out} (tensorboard --logdir {out})", flush=True)
     if run_log is not None and lightning_rank() == 0:
         run_log.attach(out / RUN_LOG)
     elif run_log is not None:  # the other ranks' console only (they would hold their lines to the end)
