@@ -107,16 +107,19 @@ def explicit_grads(
     return tuple(torch.cat(parts) for parts in zip(*grads))
 
 
-def compiled_serves(query: Tensor, key: Tensor, value: Tensor) -> bool:
-    """Whether lit_rl's compiled backward takes these operands: on the CPU, head_dim a multiple of 16, float32 or
-    bf16, and the kernels built (``decode_attention.build``: compiled on first use when a C++ toolchain is there)."""
-    if query.device.type != "cpu" or query.shape[-1] % 16:
-        return False
-    if any(t.dtype not in (torch.float32, torch.bfloat16) for t in (query, key, value)):
+def _compiled_reads(head_dim: int, dtypes) -> bool:
+    """Whether the compiled backward reads a head_dim (a multiple of 16) in ``dtypes`` (float32 or bf16), the
+    kernels built (``decode_attention.build``: compiled on first use when a C++ toolchain is there)."""
+    if head_dim % 16 or any(dtype not in (torch.float32, torch.bfloat16) for dtype in dtypes):
         return False
     from . import decode_attention
 
     return decode_attention.build() == ""
+
+
+def compiled_serves(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether lit_rl's compiled backward takes these operands: on the CPU and ``_compiled_reads``."""
+    return query.device.type == "cpu" and _compiled_reads(query.shape[-1], (query.dtype, key.dtype, value.dtype))
 
 
 def _additive_mask(mask: Tensor, b: int, h: int, lq: int, lk: int) -> Tensor:
@@ -352,8 +355,7 @@ def implementation(model: torch.nn.Module, dtype: torch.dtype) -> str:
     from . import decode_attention
 
     shape = head_shape(model)
-    readable = dtype in (torch.float32, torch.bfloat16)
-    if shape is not None and shape[2] % 16 == 0 and readable and decode_attention.build() == "":
+    if shape is not None and _compiled_reads(shape[2], (dtype,)):
         return f"compiled {decode_attention.build_dir().name}"
     return "torch's products"
 
