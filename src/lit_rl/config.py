@@ -183,8 +183,8 @@ def check_choices(cfg: DictConfig) -> None:
 
 
 def check_kernels(cfg: DictConfig) -> None:
-    """``kernels`` and its options, ``engine.packed_linear`` and ``engine.decode_attention`` beside them; batch-
-    invariant kernels keep their own products and attention (no oneDNN), CPU only (``trainer.accelerator``)."""
+    """``kernels`` and its options, ``engine.packed_linear``, ``decode_attention``, ``fused_sampler`` beside them;
+    batch-invariant kernels keep their own products, attention and sampling, CPU only (``trainer.accelerator``)."""
     kernels = cfg.kernels.name
     _check(kernels in KERNELS, "kernels", kernels, f"choose one of {list(KERNELS)}")
     fields = {"fp32_gemm": ("auto", FP32_GEMM_CHOICES), "linear_attention": ("auto", LINEAR_ATTENTION_CHOICES),
@@ -193,13 +193,13 @@ def check_kernels(cfg: DictConfig) -> None:
     for name, (_, allowed) in fields.items():
         _check(value[name] in allowed, f"kernels.{name}", value[name], f"choose one of {list(allowed)}")
     own = "kernels=batch_invariant runs every product through its own blocked kernels: leave"
-    packed, decode = (cfg.engine.get(name, "auto") for name in ("packed_linear", "decode_attention"))
+    engine = {name: cfg.engine.get(name, "auto") for name in ("packed_linear", "decode_attention", "fused_sampler")}
     attn = "kernels=batch_invariant runs its own attention, forward and backward: leave"
+    samples = "kernels=batch_invariant samples with torch's calls, the bits it reproduces: leave"
     for field, got, bad, leave in (
         ("kernels.fp32_gemm", value["fp32_gemm"], value["fp32_gemm"] == "onednn", f"{own} kernels.fp32_gemm at aten"),
-        ("engine.packed_linear", packed, packed is True,
-         f"{own} engine.packed_linear at auto (off under them) or false"),
-        ("engine.decode_attention", decode, decode is True, f"{attn} engine.decode_attention at auto or false"),
+        *((f"engine.{name}", engine[name], engine[name] is True, f"{why} engine.{name} at auto (off there) or false")
+          for name, why in (("packed_linear", own), ("decode_attention", attn), ("fused_sampler", samples))),
         ("kernels.attention_backward", value["attention_backward"], value["attention_backward"] == "explicit",
          f"{attn} it at auto (which means flash there) or flash"),
     ):  # fmt: skip

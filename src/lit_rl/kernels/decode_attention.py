@@ -45,8 +45,11 @@ from .attention_backward import head_shape
 from .fp32_gemm import _best_of
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-#: built into one extension: this kernel and the trainer's attention backward (``kernels.attention_backward``)
-SOURCES = (SOURCE, SOURCE.with_name("attention_backward.cpp"))
+#: built into one extension: this kernel, the trainer's attention backward (``kernels.attention_backward``) and the
+#: decode step's sampler (``kernels.sampling``)
+SOURCES = (SOURCE, SOURCE.with_name("attention_backward.cpp"), SOURCE.with_name("sampling.cpp"))
+#: included by ``SOURCES`` (part of the build's key)
+HEADERS = (SOURCE.with_name("vec.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 #: rows and context lengths ``measure`` times (a full and a small decode batch; a short and a long context)
 MEASURE = ((64, 64), (64, 256), (8, 128))
@@ -76,12 +79,14 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     """Where the kernels are built: ``<lit_rl cache>/ext/decode_attention-<key>``, the key a hash of the sources
-    (``SOURCES``), the flags, the CPU's instruction-set flags and torch's version (another machine or torch builds
-    its own)."""
+    (``SOURCES``, ``HEADERS``), the flags, the CPU's instruction-set flags and torch's version (another machine or
+    torch builds its own)."""
     from ..models import cache_dir
 
     key = hashlib.sha1(
-        "|".join([*(path.read_text() for path in SOURCES), " ".join(FLAGS), _cpu_flags(), torch.__version__]).encode()
+        "|".join(
+            [*(path.read_text() for path in (*SOURCES, *HEADERS)), " ".join(FLAGS), _cpu_flags(), torch.__version__]
+        ).encode()
     ).hexdigest()[:12]
     return cache_dir() / "ext" / f"decode_attention-{key}"
 
@@ -138,7 +143,7 @@ def build(verbose: bool = False) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     _wait_for_lock(directory / "lock")
     if not (directory / "lit_rl_decode_attention.so").exists():
-        print(f"lit_rl: compiling lit_rl's attention kernels for this CPU (once, ~20 s) in {directory}",
+        print(f"lit_rl: compiling lit_rl's CPU kernels for this CPU (once, ~20 s) in {directory}",
               flush=True)  # fmt: skip
     try:
         load("lit_rl_decode_attention", [str(path) for path in SOURCES], extra_cflags=list(FLAGS),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..kernels import sampling as sampling_kernel
 from ..logprobs import position_ids_from_mask, process_logits
 from .kv_cache import keep_rows, merge_rows
 from .kv_continuation import KeptCaches, continued_prefill, shared_prompt_prefill
@@ -53,6 +54,9 @@ class DecodeLoop:
             raise ValueError(
                 f"temperature {params.temperature} + temperature_offset {engine.temperature_offset} must be > 0"
             )
+        # plain sampling (nothing that needs every log-prob) through ``kernels.sampling`` where the engine turns it on
+        plain = self.sampling and not self.noisy and not params.top_k and params.top_p >= 1.0 and not self.width
+        self.fused = plain and engine.fused_sampling()
         self.stop = torch.tensor(engine.stop_token_ids, device=self.device)
         # per row (N rows, S = max_new_tokens columns)
         self.prompts: list[list[int]] = []
@@ -280,22 +284,29 @@ class DecodeLoop:
         """Sample each live row's next token from ``logits`` [B, V] (its own generator; greedy at temperature 0)
         and record it, its log-prob and the top-k head at the row's position. Returns the tokens [B] int64."""
         active, params = self.active, self.params
-        if self.sampling:
-            if self.noisy:
-                from .torch_engine import add_logit_noise
+        if self.fused and sampling_kernel.serves(logits):
+            from .torch_engine import row_uniforms
 
-                noise = [self.noise_gens[int(row)] for row in active]
-                logits = add_logit_noise(logits, self.engine.logit_noise, noise)
-            logp = process_logits(logits, self.temperature, params.top_k, params.top_p)
-            from .torch_engine import sample_rows
-
-            next_tok = sample_rows(logp, [self.generators[int(row)] for row in active])
+            uniforms = row_uniforms([self.generators[int(row)] for row in active])
+            next_tok, chosen = sampling_kernel.sample(logits, uniforms, self.temperature)
         else:
-            logp = process_logits(logits, 1.0)
-            next_tok = logp.argmax(-1)
+            if self.sampling:
+                if self.noisy:
+                    from .torch_engine import add_logit_noise
+
+                    noise = [self.noise_gens[int(row)] for row in active]
+                    logits = add_logit_noise(logits, self.engine.logit_noise, noise)
+                logp = process_logits(logits, self.temperature, params.top_k, params.top_p)
+                from .torch_engine import sample_rows
+
+                next_tok = sample_rows(logp, [self.generators[int(row)] for row in active])
+            else:
+                logp = process_logits(logits, 1.0)
+                next_tok = logp.argmax(-1)
+            chosen = logp.gather(-1, next_tok[:, None]).squeeze(-1)
         cols = self.pos[active]
         self.tokens[active, cols] = next_tok.cpu()
-        self.logprobs[active, cols] = logp.gather(-1, next_tok[:, None]).squeeze(-1).cpu()
+        self.logprobs[active, cols] = chosen.cpu()
         self.mask[active, cols] = True
         if self.k:
             top = torch.topk(logp, self.k, dim=-1)

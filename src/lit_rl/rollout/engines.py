@@ -67,6 +67,7 @@ def build_torch_engine(
         temperature_offset=float(cfg.temperature_offset),
         packed_linear=cfg.packed_linear,
         decode_attention=cfg.decode_attention,
+        fused_sampler=cfg.fused_sampler,
     )
 
 

@@ -200,6 +200,7 @@ class ProcessEngine:
             "temperature_offset": e.temperature_offset,
             "packed_linear": e.casts.packed,
             "decode_attention": e.decode_attention,
+            "fused_sampler": e.fused_sampler,
             "in_flight": self.in_flight,
             "kv_on_update": self.kv_on_update,
         }

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from ..kernels import BatchInvariantMode, attention_kv_dtype, single_query
 from ..kernels import decode_attention as decode_kernel
+from ..kernels import sampling as sampling_kernel
 from ..models import merged_weights, peft_model
 from .decode_loop import DecodeLoop, PartialRollouts
 from .kv_cache import ReservedLayer, reserved_cache
@@ -124,13 +125,19 @@ def add_logit_noise(logits: Tensor, sigma: float, generators: list[torch.Generat
     return logits.float() + sigma * noise
 
 
+def row_uniforms(generators: list[torch.Generator], device=None) -> Tensor:
+    """One uniform in [0, 1) per row, row r's from ``generators[r]`` (float32 [B]): the draw ``sample_rows`` and
+    ``kernels.sampling.sample`` turn into row r's next token."""
+    return torch.stack([torch.rand((), generator=g, device=device) for g in generators])
+
+
 def sample_rows(logp: Tensor, generators: list[torch.Generator]) -> Tensor:
     """Draw one token per row of ``logp`` [B, V] (float32 log-probs) by inverse CDF.
 
     Each row uses one uniform from its own generator, so a row's token depends only on its own
     distribution and seed, not on the other rows in the batch. Returns [B] int64.
     """
-    u = torch.stack([torch.rand((), generator=g, device=logp.device) for g in generators])
+    u = row_uniforms(generators, logp.device)
     cdf = logp.exp().cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     idx = idx.clamp(max=logp.shape[-1] - 1)
@@ -174,6 +181,10 @@ class TorchEngine(InFlightSwaps):
             lit_rl's CPU kernel (``kernels.decode_attention``) where ``resolve`` turns it on for the model at the
             first rollout (auto: measured faster than SDPA, per dtype); never under batch-invariant kernels;
             ValueError naming the field for another value.
+        fused_sampler: ``engine.fused_sampler``, "auto" | True | False: plain sampling steps (no logit noise, top-k,
+            top-p or recorded top-k / tail) draw each row's token and its log-prob in one call of lit_rl's kernel
+            (``kernels.sampling``: the same distribution and uniforms, other last bits); auto where it builds, True
+            raises where it does not; never under batch-invariant kernels; ValueError for another value.
 
     With either dial on, ``rollout_logprobs`` and the recorded top-k head are those of the distribution
     actually sampled (noisy logits, temperature T + δ, then top-k/top-p on those), as a mismatched engine's
@@ -217,6 +228,7 @@ class TorchEngine(InFlightSwaps):
         keep_float32: tuple[str, ...] | None = None,
         packed_linear="auto",
         decode_attention="auto",
+        fused_sampler="auto",
     ):
         if not logit_noise >= 0:
             raise ValueError(f"logit_noise must be >= 0, got {logit_noise}")
@@ -251,6 +263,10 @@ class TorchEngine(InFlightSwaps):
         self.llama_step = DecodeParity()
         decode_kernel.check_setting(decode_attention)
         self.decode_attention = decode_attention
+        if fused_sampler not in ("auto", True, False):
+            raise ValueError(f"engine.fused_sampler must be auto, true or false, got {fused_sampler!r}")
+        self.fused_sampler = fused_sampler
+        self._fused_why: str | None = None  # None: not asked yet; "": the kernel runs; else why not
         self._decode_dtypes: dict[tuple, tuple] = {}  # (threads, model) -> the dtypes the decode kernel serves
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
         single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
@@ -401,6 +417,20 @@ class TorchEngine(InFlightSwaps):
         self.swap_totals[0] += self._swaps[0]
         self.swap_totals[1] += self._swaps[1]
         return result
+
+    def fused_sampling(self) -> bool:
+        """Whether this rollout's plain sampling steps run ``kernels.sampling.sample`` (``DecodeLoop`` asks): never
+        under batch-invariant kernels or with ``fused_sampler`` false; else where the kernel builds (asked once,
+        printed). Raises RuntimeError for ``fused_sampler`` true where it cannot be built."""
+        if self.fused_sampler is False or BatchInvariantMode._active is not None:
+            return False
+        if self._fused_why is None:
+            self._fused_why = why = sampling_kernel.available()
+            if why and self.fused_sampler is True:
+                raise RuntimeError(f"engine.fused_sampler=true, but lit_rl's sampling kernel is not there: {why}")
+            state = f"off ({why})" if why else "on (each decode step's tokens and log-probs in one kernel call)"
+            print(f"lit_rl: engine.fused_sampler={str(self.fused_sampler).lower()}: {state}", flush=True)
+        return not self._fused_why
 
     def _decode_kernel(self, model: torch.nn.Module) -> tuple:
         """The dtypes whose decode steps run lit_rl's decode attention kernel in this rollout: none under

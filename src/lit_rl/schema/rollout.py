@@ -44,6 +44,11 @@ class EngineConfig:
     #: it is measured faster than torch's SDPA on the model's heads, per dtype; true without the timing; never under
     #: kernels=batch_invariant. Embedded engine only (vLLM ignores it)
     decode_attention: Any = "auto"
+    #: auto | true | false: the embedded engine's plain sampling steps (no logit noise, top-k, top-p or recorded
+    #: top-k / tail) draw each row's token and log-prob in one call of lit_rl's kernel (``kernels.sampling``: the
+    #: same distribution and uniforms as torch's calls, other last bits); auto where it builds; never under
+    #: kernels=batch_invariant. Embedded engine only (vLLM ignores it)
+    fused_sampler: Any = "auto"
 
     def problems(self, run) -> Problems:
         """The mismatch dial's values it refuses (``schema.base``: ``config.validate`` raises ConfigError for the
@@ -52,14 +57,16 @@ class EngineConfig:
         (``config.check_vllm_engine``)."""
         sigma, delta = self.logit_noise, self.temperature_offset
         packed = self.packed_linear
-        for name, value in (("packed_linear", packed), ("decode_attention", self.decode_attention)):
+        built = (("decode_attention", self.decode_attention), ("fused_sampler", self.fused_sampler))
+        for name, value in (("packed_linear", packed), *built):
             allowed = value == "auto" or isinstance(value, bool)
             yield from rule(allowed, f"engine.{name}", value, "choose auto, true or false")
-        if self.decode_attention is True:  # the kernel is built at the first rollout: its toolchain checked now
-            from ..kernels.decode_attention import toolchain_missing
+        for name, value in built:  # the kernels are built at the first rollout: their toolchain checked now
+            if value is True:
+                from ..kernels.decode_attention import toolchain_missing
 
-            missing = toolchain_missing()
-            yield from rule(not missing, "engine.decode_attention", True, f"needs its C++ build: {missing}; use auto")
+                missing = toolchain_missing()
+                yield from rule(not missing, f"engine.{name}", True, f"needs its C++ build: {missing}; use auto")
         yield from rule(
             math.isfinite(sigma) and sigma >= 0, "engine.logit_noise", sigma, "must be finite and >= 0 (0 = off)"
         )
