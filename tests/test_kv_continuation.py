@@ -172,3 +172,54 @@ def engine_loop(engine, contexts):
     loop = DecodeLoop(engine, SamplingConfig(temperature=0.0, max_new_tokens=4))
     loop.add([list(c) for c in contexts], list(range(len(contexts))))
     return loop
+
+
+def test_common_prefix_is_fed_once_where_it_spares_enough():
+    """``common_prefix``: the shared ids less one id of the shortest context, where feeding them once spares at
+    least a quarter of the whole prefill and 256 positions; else 0."""
+    from lit_rl.rollout.kv_continuation import common_prefix
+
+    shared = tuple(range(100, 190))
+    four = [shared + tuple(range(10 * i, 10 * i + 10)) for i in range(4)]
+    assert common_prefix(four) == 90  # spares 3 x 90 = 270 of 400
+    assert common_prefix(four[:2]) == 0  # 90 of 200: under 256 positions
+    assert common_prefix(four[:1]) == 0
+    assert common_prefix([c[:91] for c in four] * 2) == 90  # one id of the shortest is left to feed
+    short = [shared[:40] + (i,) * 60 for i in range(16)]
+    assert common_prefix(short) == 40  # 15 x 40 = 600 of 1,600
+    assert common_prefix([(7,) + c for c in four] + [(8,) + four[0]]) == 0  # nothing shared at the start
+
+
+def test_shared_opening_prefilled_once_is_a_whole_prefill_bit_for_bit_under_batch_invariant(tiny):
+    """Twelve distinct chat prompts share the template's opening: it is prefilled once and every row's rest on top
+    (``common_prefix_prefill``), with the tokens and log-probs of one whole prefill, bit for bit, under batch-invariant
+    kernels; greedy under torch's kernels, the same tokens and log-probs within float32 rounding."""
+    from lit_rl.rollout import decode_loop
+
+    model, tok = tiny
+    questions = [f"What is {a} + {b}? Answer briefly." for a, b in zip(range(3, 15), range(40, 52))]
+    prompts = chat_prompts(tok, questions)
+    calls = []
+    real = decode_loop.common_prefix_prefill
+    decode_loop.common_prefix_prefill = lambda *a: calls.append(a[2]) or real(*a)
+    engine = TorchEngine(model, tok.pad_token_id, HALF_VOCAB)
+    try:
+        for mode, params in (
+            ("batch_invariant", SamplingConfig(max_new_tokens=6, temperature=1.0, logprobs_top_k=2)),
+            ("default", SamplingConfig(max_new_tokens=6, temperature=0.0)),
+        ):
+            out = {}
+            for sharing in (False, True):
+                engine.prefix_sharing = sharing
+                with kernel_mode(mode, model):
+                    out[sharing] = engine.generate(prompts, params, seeds=list(range(12)))
+            whole, shared = out[False], out[True]
+            assert torch.equal(whole.response_ids, shared.response_ids)
+            if mode == "batch_invariant":
+                assert torch.equal(whole.rollout_logprobs, shared.rollout_logprobs)
+                assert torch.equal(whole.topk_logprobs, shared.topk_logprobs)
+            else:
+                assert torch.allclose(whole.rollout_logprobs, shared.rollout_logprobs, atol=1e-5)
+    finally:
+        decode_loop.common_prefix_prefill = real
+    assert len(calls) == 2 and calls[0] >= 20  # the template's opening, once per rollout with sharing on

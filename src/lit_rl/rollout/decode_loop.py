@@ -28,7 +28,13 @@ from torch import Tensor
 from ..kernels import sampling as sampling_kernel
 from ..logprobs import position_ids_from_mask, process_logits
 from .kv_cache import keep_rows, merge_rows
-from .kv_continuation import KeptCaches, continued_prefill, shared_prompt_prefill
+from .kv_continuation import (
+    KeptCaches,
+    common_prefix,
+    common_prefix_prefill,
+    continued_prefill,
+    shared_prompt_prefill,
+)
 from .llama_decode import decode_logits
 from .state_cache import is_hybrid
 from .types import Rollouts, SamplingConfig, left_pad
@@ -264,17 +270,22 @@ class DecodeLoop:
         if dedupe:
             row_of = torch.tensor([distinct.setdefault(c, len(distinct)) for c in contexts], dtype=torch.long)
             contexts = list(distinct)
-        ids, mask = left_pad([list(c) for c in contexts], self.engine.pad_token_id)
-        ids, mask = ids.to(self.device), mask.long().to(self.device)
-        position_ids = position_ids_from_mask(mask)
-        self.counts["prefill_positions"] += ids.numel()
-        # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
-        cache = self.engine._new_cache(max(len(self.prompts[r]) for r in rows) + self.steps)
-        out = self.engine.model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
-            logits_to_keep=1,
-        )  # fmt: skip
-        logits = out.logits[:, -1]
+        prefix = common_prefix(contexts) if self.engine.prefix_sharing and not is_hybrid(self.engine.model) else 0
+        if prefix:  # a chat template's shared opening fed once (``kv_continuation.common_prefix_prefill``)
+            logits, cache, mask, position_ids, fed = common_prefix_prefill(self.engine, contexts, prefix, self.steps)
+            self.counts["prefill_positions"] += fed
+        else:
+            ids, mask = left_pad([list(c) for c in contexts], self.engine.pad_token_id)
+            ids, mask = ids.to(self.device), mask.long().to(self.device)
+            position_ids = position_ids_from_mask(mask)
+            self.counts["prefill_positions"] += ids.numel()
+            # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
+            cache = self.engine._new_cache(max(len(self.prompts[r]) for r in rows) + self.steps)
+            out = self.engine.model(
+                input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
+                logits_to_keep=1,
+            )  # fmt: skip
+            logits = out.logits[:, -1]
         if dedupe and len(distinct) < len(rows):
             cache.batch_select_indices(row_of.to(self.device))
             logits, mask, position_ids = logits[row_of], mask[row_of], position_ids[row_of]

@@ -137,6 +137,56 @@ def continued_prefill(engine, contexts: list[tuple[int, ...]], kept: list[KeptKV
     return out.logits[:, -1], cache, mask, position_ids
 
 
+#: ``common_prefix_prefill`` is used where it spares at least this share of a whole prefill's positions and at least
+#: ``PREFIX_MIN_POSITIONS`` of them: its extra forward (the shared ids as one row) costs about what a few hundred
+#: positions of a batched prefill do (8 prompts x 51 ids sharing 27, 189 spared: no faster on a 2-core AMD EPYC; 64
+#: prompts, 1,701 spared: 0.75 s against 1.3 s, benchmarks/README.md)
+PREFIX_MIN_SAVING = 0.25
+PREFIX_MIN_POSITIONS = 256
+
+
+def common_prefix(contexts: list[tuple[int, ...]]) -> int:
+    """How many leading ids every one of ``contexts`` (two or more) shares and ``common_prefix_prefill`` would feed
+    once: the longest common prefix, less one id of the shortest context (each row feeds at least its last id, whose
+    logits it needs), or 0 when that spares under ``PREFIX_MIN_SAVING`` of a whole left-padded prefill's positions
+    (B x the longest context) or fewer than ``PREFIX_MIN_POSITIONS``."""
+    if len(contexts) < 2:
+        return 0
+    first, n = contexts[0], min(len(c) for c in contexts) - 1
+    for c in contexts[1:]:
+        n = next((i for i in range(n) if c[i] != first[i]), n)
+    longest = max(len(c) for c in contexts)
+    saved = len(contexts) * longest - (n + len(contexts) * (longest - n))
+    worth = saved >= max(PREFIX_MIN_SAVING * len(contexts) * longest, PREFIX_MIN_POSITIONS)
+    return n if n > 0 and worth else 0
+
+
+def common_prefix_prefill(engine, contexts: list[tuple[int, ...]], prefix: int, steps: int):
+    """A new cache of ``contexts`` (distinct rows whose first ``prefix`` ids are the same, ``common_prefix``): the
+    shared ids prefilled once as one row, then every row's rest on top of their keys and values
+    (``continued_prefill``, one call; a row shorter than the longest re-feeds a few shared ids so its keys stay one
+    run). The first rollout of a batch of distinct prompts under one chat template (a system prompt, the template's
+    opening) feeds the template once, not once per row: 27 + 64 x 24 ids instead of 64 x 51 for SmolLM2's arithmetic
+    prompts. Under ``kernels=batch_invariant`` the keys, values and logits are those of a whole prefill bit for bit
+    (``shared_prompt_prefill``'s argument); under torch's kernels they differ by the rounding of other shapes.
+    Attention-only models.
+
+    Returns (last-position logits [B, V], the cache with room for ``steps`` more positions, attention mask
+    [B, L] int64, the fed ids' position ids [B, S] int64, positions fed with padding)."""
+    device = next(engine.model.parameters()).device
+    ids = torch.tensor([contexts[0][:prefix]], dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    cache = engine._new_cache(prefix)
+    engine.model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), cache=cache, use_cache=True,
+        logits_to_keep=1,
+    )  # fmt: skip
+    layers = [(layer.keys[0][:, :prefix], layer.values[0][:, :prefix]) for layer in cache.layers]
+    kept = KeptKV(tuple(contexts[0][:prefix]), layers, engine.version)
+    logits, cache, mask, position_ids = continued_prefill(engine, contexts, [kept] * len(contexts), steps)
+    return logits, cache, mask, position_ids, prefix + position_ids.numel()
+
+
 def shared_prompt_prefill(engine, contexts: list[tuple[int, ...]], prompt_lengths: list[int], steps: int):
     """A new cache of every row's ``context`` (prompt + the tokens it sampled so far; its first ``prompt_lengths``
     ids are its prompt) under the engine's current weights, each prompt prefilled once however many rows share it

@@ -266,6 +266,8 @@ class TorchEngine(InFlightSwaps):
         if fused_sampler not in ("auto", True, False):
             raise ValueError(f"engine.fused_sampler must be auto, true or false, got {fused_sampler!r}")
         self.fused_sampler = fused_sampler
+        # distinct prompts' shared opening (a chat template's) prefilled once (``kv_continuation.common_prefix``)
+        self.prefix_sharing = True
         self._fused_why: str | None = None  # None: not asked yet; "": the kernel runs; else why not
         self._decode_dtypes: dict[tuple, tuple] = {}  # (threads, model) -> the dtypes the decode kernel serves
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
