@@ -223,3 +223,22 @@ def test_shared_opening_prefilled_once_is_a_whole_prefill_bit_for_bit_under_batc
     finally:
         decode_loop.common_prefix_prefill = real
     assert len(calls) == 2 and calls[0] >= 20  # the template's opening, once per rollout with sharing on
+
+
+def test_common_prefix_prefill_counts_the_ids_it_feeds(tiny):
+    """One context of 100 ids and fifteen of 40 share their first 30: the shared ids once, then every row's last
+    min(len, 70) ids (the longest's rest is 70; a 40-id row re-feeds its whole context, padded to 70): 700 real ids
+    in 1,150 positions, where a whole prefill feeds the same 700 in 16 x 100 = 1,600."""
+    from lit_rl.rollout.kv_continuation import common_prefix, common_prefix_prefill
+
+    model, tok = tiny
+    shared = tuple(range(200, 230))
+    contexts = [shared + tuple(range(300, 370))] + [shared + tuple(range(400 + i, 410 + i)) for i in range(15)]
+    assert common_prefix(contexts) == 30
+    engine = TorchEngine(model, tok.pad_token_id, [])
+    with torch.no_grad():
+        logits, cache, mask, position_ids, fed = common_prefix_prefill(engine, contexts, 30, steps=4)
+    assert fed == {"tokens": 30 + 70 + 15 * 40, "positions": 30 + 16 * 70}
+    assert logits.shape == (16, model.config.vocab_size) and position_ids.shape == (16, 70)
+    assert mask.sum(-1).tolist() == [len(c) for c in contexts]
+    assert position_ids[:, -1].tolist() == [len(c) - 1 for c in contexts]

@@ -83,14 +83,24 @@ def test_same_uniforms_as_torchs_sampler_same_tokens():
     assert torch.equal(ids, ref)
 
 
-def test_a_row_with_nan_or_no_finite_logit_is_refused_by_row():
-    logits = torch.zeros(3, 40)
-    logits[1, 7] = float("nan")
-    with pytest.raises(ValueError, match="logits row 1 has a NaN"):
-        sampling.sample(logits, torch.zeros(3), 1.0)
+@pytest.mark.parametrize("vocab", [3, 40])  # +inf in the scalar tail (fewer entries than a vector) or a vector
+def test_a_row_with_nan_inf_or_no_finite_logit_is_refused_by_row(vocab):
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(3, vocab)
+        logits[1, vocab - 2] = bad
+        with pytest.raises(ValueError, match=r"logits row 1 has a NaN or \+inf, or no finite entry"):
+            sampling.sample(logits, torch.full((3,), 0.5), 1.0)
+    logits = torch.zeros(3, vocab)
     logits[1] = NEG_INF
     with pytest.raises(ValueError, match="logits row 1 .* no finite entry"):
         sampling.sample(logits, torch.zeros(3), 1.0)
+    big = torch.zeros(2, vocab, dtype=torch.bfloat16)
+    big[0, 1] = 3e38  # finite in bf16, +inf once divided by T = 0.5
+    with pytest.raises(ValueError, match="logits row 0"):
+        sampling.sample(big, torch.zeros(2), 0.5)
+    strided = torch.randn(4, 2 * vocab)[:, ::2]  # not one entry after another: copied, the same draw
+    assert torch.equal(sampling.sample(strided, torch.full((4,), 0.3), 1.0)[0],
+                       sampling.sample(strided.contiguous(), torch.full((4,), 0.3), 1.0)[0])  # fmt: skip
     with pytest.raises(RuntimeError, match="uniforms must be float32"):
         sampling.sample(torch.zeros(3, 40), torch.zeros(2), 1.0)
 

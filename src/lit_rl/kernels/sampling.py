@@ -54,16 +54,17 @@ def sample(logits: Tensor, uniforms: Tensor, temperature: float) -> tuple[Tensor
 
     logits: [B, V] bf16 or float32 on the CPU (``serves``); uniforms: [B] float32 in [0, 1), row r's draw;
     temperature > 0 (1.0 divides nothing). Returns (ids [B] int64, log-probs [B] float32 of those ids under
-    softmax(logits / T), nats). Raises ValueError naming the row for a row with a NaN or every entry −inf,
+    softmax(logits / T), nats). Raises ValueError naming the row for a row with a NaN or +inf or every entry −inf,
     RuntimeError where the kernel is not built (``available``'s reason) and for other shapes or dtypes (from the
     kernel, naming the operand).
     """
     why = available()
     if why:
         raise RuntimeError(f"lit_rl's sampling kernel is not built: {why}")
-    ids, logprobs = torch.ops.lit_rl.sample_next(logits.contiguous(), uniforms.float(), float(temperature))
+    rows = logits if logits.stride(-1) == 1 else logits.contiguous()  # any row stride; entries one after another
+    ids, logprobs = torch.ops.lit_rl.sample_next(rows, uniforms.float(), float(temperature))
     bad = ids < 0
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"logits row {row} has a NaN or no finite entry: nothing to sample")
+        raise ValueError(f"logits row {row} has a NaN or +inf, or no finite entry: nothing to sample")
     return ids, logprobs

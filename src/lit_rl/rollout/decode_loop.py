@@ -61,8 +61,8 @@ class DecodeLoop:
                 f"temperature {params.temperature} + temperature_offset {engine.temperature_offset} must be > 0"
             )
         # plain sampling (nothing that needs every log-prob) through ``kernels.sampling`` where the engine turns it on
-        plain = self.sampling and not self.noisy and not params.top_k and params.top_p >= 1.0 and not self.width
-        self.fused = plain and engine.fused_sampling()
+        self.plain = self.sampling and not self.noisy and not params.top_k and params.top_p >= 1.0 and not self.width
+        self.fed_tokens = 0  # real ids (no padding) the last ``_prefill_rows`` fed
         self.stop = torch.tensor(engine.stop_token_ids, device=self.device)
         # per row (N rows, S = max_new_tokens columns)
         self.prompts: list[list[int]] = []
@@ -246,7 +246,7 @@ class DecodeLoop:
             self.counts["prefill_positions"] += fed["positions"]
         else:
             logits, self.cache, self.attention_mask, self.position_ids = self._prefill_rows(rows, dedupe, contexts)
-            fed = {"tokens": sum(len(c) for c in (dict.fromkeys(contexts) if dedupe else contexts))}
+            fed = {"tokens": self.fed_tokens}
         if rebuild:
             totals = self.engine.recompute_totals
             totals["prefills"] += 1
@@ -273,12 +273,14 @@ class DecodeLoop:
         prefix = common_prefix(contexts) if self.engine.prefix_sharing and not is_hybrid(self.engine.model) else 0
         if prefix:  # a chat template's shared opening fed once (``kv_continuation.common_prefix_prefill``)
             logits, cache, mask, position_ids, fed = common_prefix_prefill(self.engine, contexts, prefix, self.steps)
-            self.counts["prefill_positions"] += fed
+            self.counts["prefill_positions"] += fed["positions"]
+            self.fed_tokens = fed["tokens"]
         else:
             ids, mask = left_pad([list(c) for c in contexts], self.engine.pad_token_id)
             ids, mask = ids.to(self.device), mask.long().to(self.device)
             position_ids = position_ids_from_mask(mask)
             self.counts["prefill_positions"] += ids.numel()
+            self.fed_tokens = int(mask.sum())
             # hybrid models (linear-attention layers) hold conv + recurrent states beside the reserved KV
             cache = self.engine._new_cache(max(len(self.prompts[r]) for r in rows) + self.steps)
             out = self.engine.model(
@@ -295,7 +297,7 @@ class DecodeLoop:
         """Sample each live row's next token from ``logits`` [B, V] (its own generator; greedy at temperature 0)
         and record it, its log-prob and the top-k head at the row's position. Returns the tokens [B] int64."""
         active, params = self.active, self.params
-        if self.fused and sampling_kernel.serves(logits):
+        if self.plain and sampling_kernel.serves(logits) and self.engine.fused_sampling():
             from .torch_engine import row_uniforms
 
             uniforms = row_uniforms([self.generators[int(row)] for row in active])

@@ -172,7 +172,8 @@ def common_prefix_prefill(engine, contexts: list[tuple[int, ...]], prefix: int, 
     Attention-only models.
 
     Returns (last-position logits [B, V], the cache with room for ``steps`` more positions, attention mask
-    [B, L] int64, the fed ids' position ids [B, S] int64, positions fed with padding)."""
+    [B, L] int64, the fed ids' position ids [B, S] int64, {"tokens": real ids fed, "positions": ids fed with
+    padding})."""
     device = next(engine.model.parameters()).device
     ids = torch.tensor([contexts[0][:prefix]], dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
@@ -184,7 +185,9 @@ def common_prefix_prefill(engine, contexts: list[tuple[int, ...]], prefix: int, 
     layers = [(layer.keys[0][:, :prefix], layer.values[0][:, :prefix]) for layer in cache.layers]
     kept = KeptKV(tuple(contexts[0][:prefix]), layers, engine.version)
     logits, cache, mask, position_ids = continued_prefill(engine, contexts, [kept] * len(contexts), steps)
-    return logits, cache, mask, position_ids, prefix + position_ids.numel()
+    width = position_ids.shape[1]  # each row fed its last min(len, width) ids
+    fed = {"tokens": prefix + sum(min(len(c), width) for c in contexts), "positions": prefix + position_ids.numel()}
+    return logits, cache, mask, position_ids, fed
 
 
 def shared_prompt_prefill(engine, contexts: list[tuple[int, ...]], prompt_lengths: list[int], steps: int):

@@ -31,14 +31,17 @@ inline vec load_logits(const c10::BFloat16* p) {
   return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 #elif defined(__AVX2__)
   return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+#elif defined(__AVX__)  // 8 lanes without AVX2's integer ops: each half's 16 bits moved up by an SSE unpack
+  const __m128i h = _mm_loadu_si128((const __m128i*)p), zero = _mm_setzero_si128();
+  return (vec)_mm256_set_m128(_mm_castsi128_ps(_mm_unpackhi_epi16(zero, h)), _mm_castsi128_ps(_mm_unpacklo_epi16(zero, h)));
 #else
   return (vec)_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i*)p)));
 #endif
 }
 
 // One row: x = logits / temperature (``scaled``), p = softmax(x); the first index whose running sum of exp(x - max)
-// reaches u * (the sum), skipping zero-probability entries, and its log-prob x - max - log(sum). A row with a NaN or
-// with every entry -inf gets id -1 (the caller raises).
+// reaches u * (the sum), skipping zero-probability entries, and its log-prob x - max - log(sum). A row with a NaN, a
+// +inf (after the division) or every entry -inf gets id -1 (the caller raises).
 template <typename T>
 void sample_row(const T* logits, int64_t V, bool scaled, float temperature, double u, float* e, double* sums,
                 int64_t* id, float* logprob) {
@@ -64,7 +67,7 @@ void sample_row(const T* logits, int64_t V, bool scaled, float temperature, doub
     bad = bad || x != x;
     m = std::max(m, x);
   }
-  if (bad || m == neg_inf) {
+  if (bad || !std::isfinite(m)) {
     *id = -1;
     *logprob = std::numeric_limits<float>::quiet_NaN();
     return;
@@ -113,6 +116,11 @@ void sample_row(const T* logits, int64_t V, bool scaled, float temperature, doub
   if (pick < 0) {  // u * total past the elementwise sum by a rounding: the last entry with probability
     for (int64_t k = V - 1; k >= 0 && pick < 0; --k)
       if (e[k] > 0.f) pick = k;
+  }
+  if (pick < 0) {  // unreachable for a finite max (its own entry has e = 1); kept so nothing reads logits[-1]
+    *id = -1;
+    *logprob = std::numeric_limits<float>::quiet_NaN();
+    return;
   }
   const float x = scaled ? static_cast<float>(logits[pick]) / temperature : static_cast<float>(logits[pick]);
   *id = pick;
