@@ -3,6 +3,7 @@
     python benchmarks/rollout_throughput.py            # SmolLM2-135M, 64 prompts x 64 new tokens
     python benchmarks/rollout_throughput.py --no-vllm  # without the vLLM rows
     python benchmarks/rollout_throughput.py --fixed-length  # no stop token: every row decodes 64 tokens
+    python benchmarks/rollout_throughput.py --no-vllm --compare-prefix-sharing  # the shared opening fed once or not
 
 vLLM (``engine=vllm``; here the CPU build) runs as lit_rl runs it: in-process, eager, weights pushed from the
 trainer's model, per-request seeds, log-probs of the sampled token returned; its start-up (once per run) is
@@ -20,6 +21,11 @@ with the run's options; generate with bf16 weights).
 
 Two scenarios: 64 distinct prompts, and the RL layout, 8 prompts x G = 8 samples each, where the engine
 prefills each prompt once and shares its KV cache across the group (generate prefills all 64 rows).
+
+``--compare-prefix-sharing``: also the run's engine with distinct prompts' shared opening prefilled once
+(``kv_continuation.common_prefix_prefill``, the default) and with every prompt prefilled whole
+(``engine.prefix_sharing = False``), alternately (off, on, on, off, ...), ``--repeats`` times each after a warm-up,
+per scenario: tokens/s of the best of each and their ratio.
 """
 
 from __future__ import annotations
@@ -127,6 +133,27 @@ def time_generate(model, tok, prompts, args):
     return best
 
 
+def compare_prefix_sharing(model, tok, prompts, args):
+    """Tokens/s of the run's engine (bf16 autocast) with ``prefix_sharing`` off and on, the same seeds, the best of
+    ``--repeats`` alternate timings each after a warm-up: {False: tokens/s, True: tokens/s}."""
+    from _common import grpo_module
+
+    eng = grpo_module(model, tok, args.new_tokens, args.group_size).engine
+    eng.stop_token_ids = stops(tok, args.fixed_length)
+    params, seeds = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens), list(range(len(prompts)))
+    best = {False: 0.0, True: 0.0}
+    for r in range(args.repeats + 1):  # round 0: the warm-ups
+        for value in (False, True) if r % 2 == 0 else (True, False):
+            eng.prefix_sharing = value
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                t = time.perf_counter()
+                out = eng.generate(prompts, params, seeds=seeds)  # the same seeds both ways: (nearly) the same tokens
+                dt = time.perf_counter() - t
+            if r:
+                best[value] = max(best[value], int(out.response_mask.sum()) / dt)
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=SMOLLM2_ID)
@@ -137,6 +164,9 @@ def main():
     ap.add_argument("--force", action="store_true", help="time even if other processes use the CPU")
     ap.add_argument("--no-vllm", action="store_true", help="leave out the vLLM rows")
     ap.add_argument("--fixed-length", action="store_true", help="no stop token: every row decodes --new-tokens")
+    ap.add_argument(
+        "--compare-prefix-sharing", action="store_true", help="the run's engine with the shared opening fed once or not"
+    )
     args = ap.parse_args()
     ensure_quiet(args.force)
     print(f"# {keep_freed_memory()}")  # as a run's process does (``lit_rl.run.resolve``)
@@ -196,6 +226,12 @@ def report(title, model, bf16, tok, prompts, args):
             f"vLLM (bf16 weights)/engine (bf16 autocast): {vbf / tps[('embedded engine', 'bf16 autocast')]:.2f}x"
         )
         print(f"ratio engine (bf16 autocast, the run's)/vLLM (bf16 weights): {engine_bf16 / vbf:.2f}x")
+    if args.compare_prefix_sharing:
+        both = compare_prefix_sharing(model, tok, prompts, args)
+        print(
+            f"the run's engine, every prompt prefilled whole / the shared opening once (alternately, best of "
+            f"{args.repeats}): {both[False]:.1f} / {both[True]:.1f} tokens/s = {both[True] / both[False]:.2f}x"
+        )
 
 
 if __name__ == "__main__":
