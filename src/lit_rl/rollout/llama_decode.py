@@ -97,6 +97,12 @@ def _call(module: torch.nn.Module, x: Tensor) -> Tensor:
     return own(x) if own is not None else type(module).forward(module, x)
 
 
+def _rotary(x: Tensor, cos: Tensor, sin_signed: Tensor, half: int) -> Tensor:
+    """transformers' ``(x * cos) + (rotate_half(x) * sin)``, the same bits, with ``sin_signed`` = sin with its first
+    half negated (``decode_logits``)."""
+    return (x * cos) + (torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed)
+
+
 def decode_logits(model, casts, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
     """The logits [B, V] of one cached decode step of a ``LlamaForCausalLM`` (``unsupported`` is ""): input_ids
     [B, 1] int64, attention_mask [B, L] (the context and the new position), position_ids [B, 1] int64, ``cache`` the
@@ -114,17 +120,26 @@ def decode_logits(model, casts, input_ids: Tensor, attention_mask: Tensor, posit
         config=inner.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=cache, position_ids=position_ids
     )
     cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb unsqueezes them, once a step
+    half = sin.shape[-1] // 2
+    # rotate_half(x) * sin = cat(-x2, x1) * sin = cat(x2, x1) * cat(-s1, s2) elementwise: (-a) * b and a * (-b) are
+    # the same float, so the sign goes into sin once a step and each layer's q and k take one cat, not a neg and a cat
+    sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner.config._attn_implementation, ll.eager_attention_forward)
     for layer in inner.layers[: inner.config.num_hidden_layers]:
         attn, mlp = layer.self_attn, layer.mlp
         residual = hidden
         x = ll.LlamaRMSNorm.forward(layer.input_layernorm, hidden)
         shape = (*x.shape[:-1], -1, attn.head_dim)
-        qkv = casts.fused_linear(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+        qkv = casts.fused_linear(x, (attn.q_proj, attn.k_proj, attn.v_proj), split=False)
         if qkv is None:
-            qkv = [_call(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-        q, k, v = (t.view(shape).transpose(1, 2) for t in qkv)
-        q, k = ll.apply_rotary_pos_emb(q, k, cos, sin)
+            q, k, v = (_call(m, x).view(shape).transpose(1, 2) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+            q, k = (_rotary(t, cos, sin_signed, half) for t in (q, k))
+        else:  # q and k side by side in one product: rotated together (elementwise, so the same bits)
+            heads = attn.q_proj.out_features // attn.head_dim
+            qk = attn.q_proj.out_features + attn.k_proj.out_features
+            qk_rotated = _rotary(qkv[..., :qk].view(shape).transpose(1, 2), cos, sin_signed, half)
+            q, k, v = qk_rotated[:, :heads], qk_rotated[:, heads:], qkv[..., qk:].view(shape).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
         out, _ = attend(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
         out = out.reshape(*x.shape[:-1], -1).contiguous()

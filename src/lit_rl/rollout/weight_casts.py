@@ -125,14 +125,14 @@ class WeightCasts:
         self.packed_made += 1
         return packed
 
-    def fused_linear(self, x: Tensor, modules: tuple[torch.nn.Linear, ...]) -> list[Tensor] | None:
+    def fused_linear(self, x: Tensor, modules: tuple[torch.nn.Linear, ...], split: bool = True):
         """The outputs of ``modules`` (linear layers that all read ``x``: a layer's q/k/v projections) from one packed
         product of their bf16 weights stacked along the output dimension, split back per layer (views of one [..., sum
         of out_features] bf16 tensor), the same bits as each layer's own packed product; None where that does not
         apply: a layer's product would not run packed (``_packs``), a layer that is not a plain ``nn.Linear`` routed
         here, some but not all with a bias, or ``kernels.packed_linear.fused_differ`` finds other bits for these
-        shapes at this thread count (checked once, printed when so). The stacked weight is made once and again when
-        any of its weights or biases changes (as ``packed_weight``)."""
+        shapes at this thread count (checked once, printed when so). ``split`` False: the one tensor, not split.
+        The stacked weight is made once and again when any of its weights or biases changes (as ``packed_weight``)."""
         if self._pack_threads is None or not all(
             type(m) is torch.nn.Linear and getattr(vars(m).get("forward"), "casts", None) is self for m in modules
         ):
@@ -151,7 +151,7 @@ class WeightCasts:
             return None
         stacked, bias = self._stacked(modules, params)
         out = packed_linear.linear(x.to(torch.bfloat16), stacked, bias)
-        return list(out.split([m.out_features for m in modules], dim=-1))
+        return list(out.split([m.out_features for m in modules], dim=-1)) if split else out
 
     def _stacked(self, modules, params) -> tuple[Tensor, Tensor | None]:
         """The packed stacked weight and the stacked bias of ``modules`` (``fused_linear``), made once and again when
