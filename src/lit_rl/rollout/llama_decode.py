@@ -5,11 +5,12 @@ A cached decode step feeds one token per row through every layer. transformers' 
 the arithmetic of that step through ~25 module calls a layer (each with its hooks, keyword plumbing and deprecation
 wrappers) and three separate products on the same input for the query, key and value projections (two for the gate
 and up projections). ``decode_logits`` runs the same operations in the same order, calling each norm's and
-projection's own forward and transformers' own rotary embedding, causal-mask builder and registered attention
-function, so the logits are the same bits; where the engine's products run from oneDNN's packed weights
-(``engine.packed_linear``), the q/k/v projections are one packed product of the three weights stacked and gate/up
-another (``WeightCasts.fused_linear``), where ``kernels.packed_linear.fused_differ`` found the stacked product's
-bits equal to the separate ones on the model's shapes.
+projection's own forward and transformers' own rotary embedding (its cos and sin; the rotation ``q * cos +
+rotate_half(q) * sin`` in 4 calls a layer instead of 16, the same float operations: ``_rotary``), causal-mask builder
+and registered attention function, so the logits are the same bits; where the engine's products run from oneDNN's
+packed weights (``engine.packed_linear``), the q/k/v projections are one packed product of the three weights stacked
+and gate/up another (``WeightCasts.fused_linear``), where ``kernels.packed_linear.fused_differ`` found the stacked
+product's bits equal to the separate ones on the model's shapes.
 
 Measured on SmolLM2-135M (AMD EPYC with AVX512-BF16, 2 threads, ``benchmarks/decode_roofline.py``, the numbers in
 benchmarks/README.md): the per-step time falls most at small batches, where the plumbing is a larger part of it.
