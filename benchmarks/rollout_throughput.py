@@ -24,8 +24,8 @@ prefills each prompt once and shares its KV cache across the group (generate pre
 
 ``--compare-prefix-sharing``: also the run's engine with distinct prompts' shared opening prefilled once
 (``kv_continuation.common_prefix_prefill``, the default) and with every prompt prefilled whole
-(``engine.prefix_sharing = False``), alternately (off, on, on, off, ...), ``--repeats`` times each after a warm-up,
-per scenario: tokens/s of the best of each and their ratio.
+(``engine.prefix_sharing = False``), alternately (off, on, on, off, ...), ``--repeats`` times each (at least 3)
+after a warm-up, per scenario where the engine shares an opening: tokens/s of the best of each and their ratio.
 """
 
 from __future__ import annotations
@@ -135,14 +135,14 @@ def time_generate(model, tok, prompts, args):
 
 def compare_prefix_sharing(model, tok, prompts, args):
     """Tokens/s of the run's engine (bf16 autocast) with ``prefix_sharing`` off and on, the same seeds, the best of
-    ``--repeats`` alternate timings each after a warm-up: {False: tokens/s, True: tokens/s}."""
+    ``--repeats`` (at least 3) alternate timings each after a warm-up: {False: tokens/s, True: tokens/s}."""
     from _common import grpo_module
 
     eng = grpo_module(model, tok, args.new_tokens, args.group_size).engine
     eng.stop_token_ids = stops(tok, args.fixed_length)
     params, seeds = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens), list(range(len(prompts)))
     best = {False: 0.0, True: 0.0}
-    for r in range(args.repeats + 1):  # round 0: the warm-ups
+    for r in range(max(args.repeats, 3) + 1):  # round 0: the warm-ups; at least 3 timings a side
         for value in (False, True) if r % 2 == 0 else (True, False):
             eng.prefix_sharing = value
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -227,11 +227,19 @@ def report(title, model, bf16, tok, prompts, args):
         )
         print(f"ratio engine (bf16 autocast, the run's)/vLLM (bf16 weights): {engine_bf16 / vbf:.2f}x")
     if args.compare_prefix_sharing:
-        both = compare_prefix_sharing(model, tok, prompts, args)
-        print(
-            f"the run's engine, every prompt prefilled whole / the shared opening once (alternately, best of "
-            f"{args.repeats}): {both[False]:.1f} / {both[True]:.1f} tokens/s = {both[True] / both[False]:.2f}x"
-        )
+        from lit_rl.rollout.kv_continuation import common_prefix
+
+        distinct = list(dict.fromkeys(tuple(p) for p in prompts))
+        if not common_prefix(distinct):
+            print("the run's engine, the shared opening once / every prompt whole: not compared (the engine does "
+                  "not share an opening here: too few positions spared, kv_continuation.common_prefix)")  # fmt: skip
+        else:
+            both = compare_prefix_sharing(model, tok, prompts, args)
+            print(
+                f"the run's engine, the shared opening once / every prompt whole (alternately, best of "
+                f"{max(args.repeats, 3)}): {both[True]:.1f} / {both[False]:.1f} tokens/s = "
+                f"{both[True] / both[False]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

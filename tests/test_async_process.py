@@ -191,7 +191,7 @@ def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
         ),
         (
             ["rollout.weight_update=in_flight", "engine=vllm", "rollout.partial=true"],
-            "rollout.partial=True is not allowed: carries unfinished sequences in the embedded engine's decode loop",
+            "rollout.partial=true is not allowed: carries unfinished sequences in the embedded engine's decode loop",
         ),
         (["rollout.weight_update=in_flight", "rollout.mode=lagged"], "is read by rollout.mode=async only"),
         (["rollout.producer=process", "rollout.mode=sync"], "rollout.producer='process' is not allowed: is read by"),
@@ -199,7 +199,7 @@ def test_tokens_are_staled_and_scored_by_the_version_that_sampled_them(tiny):
         # keep acts on a swap between decode steps: without in_flight there is none, so it would be dropped silently
         (["rollout.kv_on_update=keep"], "rollout.kv_on_update='keep' is not allowed: is read by rollout.mode=async wi"),
         (["rollout.kv_on_update=keep", "rollout.mode=lagged"], "(what an update between decode steps does with the"),
-        (["loss.drop_older_tokens=true"], "loss.drop_older_tokens=True is not allowed: leaves out the tokens written"),
+        (["loss.drop_older_tokens=true"], "loss.drop_older_tokens=true is not allowed: leaves out the tokens written"),
         (["loss.drop_older_tokens=true", "rollout.mode=sync"], "(rollout.mode=sync, rollout.weight_update=between_b"),
     ],
 )

@@ -150,10 +150,10 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
     [
         (
             ["engine.sleep_mode=true"],
-            r"engine.sleep_mode=True is not allowed: needs a CUDA device \(vLLM's CPU build "
+            r"engine.sleep_mode=true is not allowed: needs a CUDA device \(vLLM's CPU build "
             r"has no sleep mode and no CUDA graphs\); use auto or false",
         ),
-        (["engine.cuda_graphs=true"], r"engine.cuda_graphs=True is not allowed: needs a CUDA device"),
+        (["engine.cuda_graphs=true"], r"engine.cuda_graphs=true is not allowed: needs a CUDA device"),
         (["engine.sleep_mode=maybe"], r"engine.sleep_mode='maybe' is not allowed: choose auto, true or false"),
         (
             ["engine.tensor_parallel_size=2"],
@@ -173,7 +173,7 @@ def test_vllm_engine_without_vllm_says_how_to_install_it(monkeypatch):
         ),
         (
             ["trainer=ddp", "engine.in_process=false"],
-            r"engine.in_process=False is not allowed: engine=\w+ with trainer.strategy=ddp runs one in-process "
+            r"engine.in_process=false is not allowed: engine=\w+ with trainer.strategy=ddp runs one in-process "
             r"engine per rank \(vLLM's external_launcher over the training world\): needs engine.in_process=true",
         ),
         (
@@ -333,7 +333,7 @@ def test_gsm8k_without_path_offline_is_refused_at_once_naming_task_path(tmp_path
     res = subprocess.run(cmd + [f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 2, res.stderr
     assert (
-        "lit_rl: error: task.path=None is not allowed: task=gsm8k without task.path reads openai/gsm8k from the "
+        "lit_rl: error: task.path=null is not allowed: task=gsm8k without task.path reads openai/gsm8k from the "
         "Hugging Face hub, which is not reachable (HF_HUB_OFFLINE=1), and the local cache has no copy of it: set "
         "task.path to a local folder holding train.jsonl and test.jsonl" in res.stderr
     )

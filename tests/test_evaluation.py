@@ -128,10 +128,10 @@ def test_eval_only_evaluates_a_policy_folder_without_training(tmp_path, capsys):
     [
         ("eval.sets=[{name: main, task: {name: arithmetic}}]", r"eval.sets\[0\].name='main' is not allowed"),
         ("eval.sets=[{name: a, task: {name: arithmetic}},{name: a, task: {name: arithmetic}}]", "given twice"),
-        ("eval.sets=[{name: a}]", r"eval.sets\[0\].task=None is not allowed: must be a task config"),
+        ("eval.sets=[{name: a}]", r"eval.sets\[0\].task=null is not allowed: must be a task config"),
         ("eval.sets=[{name: a, task: {name: arithmetic}, split: test}]", "must be eval or train"),
         ("eval.sets=[{name: a, task: {name: arithmetic}, size: 3}]", "unknown keys"),
-        ("eval.only=true", "eval.only=True is not allowed: needs something to evaluate"),
+        ("eval.only=true", "eval.only=true is not allowed: needs something to evaluate"),
     ],
 )
 def test_eval_set_config_errors(override, message):

@@ -149,7 +149,7 @@ def test_a_bad_setting_is_refused_naming_the_field(value):
         (["engine.packed_linear=2"], r"engine.packed_linear=2 is not allowed: choose auto, true or false"),
         (
             ["kernels=batch_invariant", "engine.packed_linear=true"],
-            r"engine.packed_linear=True is not allowed: kernels=batch_invariant runs every product through its own",
+            r"engine.packed_linear=true is not allowed: kernels=batch_invariant runs every product through its own",
         ),
     ],
 )

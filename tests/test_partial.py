@@ -220,7 +220,7 @@ def test_bad_partial_calls_are_named(tiny, versions):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.partial=true"], "rollout.partial=True is not allowed: carries unfinished sequences"),
+        (["rollout.partial=true"], "rollout.partial=true is not allowed: carries unfinished sequences"),
         (["rollout.mode=async", "rollout.partial=true"], "rollout.weight_update=between_batches"),
     ],
 )

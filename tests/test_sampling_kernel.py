@@ -125,9 +125,13 @@ def test_engine_samples_through_the_kernel_with_torchs_draws(tiny, capsys):
         calls.clear()
         rollouts(engine, prompts, "auto", logprobs_top_k=2)  # needs every log-prob: torch's calls
         rollouts(engine, prompts, "auto", top_p=0.9)
+        rollouts(engine, prompts, "auto", top_p=0.9)
         with kernel_mode("batch_invariant", model):
             rollouts(engine, prompts, True)
         assert calls == []
+        out = capsys.readouterr().out
+        assert out.count("torch's sampling calls for rollouts with top-p (they need every log-prob)") == 1
+        assert "torch's sampling calls for rollouts with recorded top-k log-probs or tail samples" in out
     finally:
         sampling.sample = real
     assert torch.equal(on.response_ids, off.response_ids)
@@ -146,7 +150,7 @@ def test_engine_refuses_another_fused_sampler_value(tiny):
         (["engine.fused_sampler=yes"], r"engine.fused_sampler='yes' is not allowed: choose auto, true or false"),
         (
             ["kernels=batch_invariant", "engine.fused_sampler=true"],
-            r"engine.fused_sampler=True is not allowed: kernels=batch_invariant samples with torch's calls",
+            r"engine.fused_sampler=true is not allowed: kernels=batch_invariant samples with torch's calls",
         ),
     ],
 )

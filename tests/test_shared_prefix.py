@@ -216,7 +216,7 @@ def test_an_unsupported_family_is_refused_by_name_and_auto_turns_sharing_off():
         (["update.shared_prefix=maybe"], r"update.shared_prefix='maybe' is not allowed: choose auto, true or false"),
         (
             ["update.shared_prefix=true", "model.gradient_checkpointing=true"],
-            r"update.shared_prefix=True is not allowed: cannot be true with model.gradient_checkpointing=true",
+            r"update.shared_prefix=true is not allowed: cannot be true with model.gradient_checkpointing=true",
         ),
     ],
 )

@@ -199,7 +199,7 @@ def test_ctrl_c_mid_step_leaves_no_producer_thread(tmp_path):
         ),
         (  # a weight sync empties vLLM's prefix cache, which vLLM refuses while requests run: refused at start-up
             ["rollout.mode=async", "rollout.weight_update=in_flight", "engine=vllm", "engine.prefix_caching=true"],
-            "engine.prefix_caching=True is not allowed: cannot be emptied at an in-flight weight update",
+            "engine.prefix_caching=true is not allowed: cannot be emptied at an in-flight weight update",
         ),
     ],
 )

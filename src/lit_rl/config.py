@@ -30,6 +30,7 @@ Lightning's device count (``check_world_size``) and the model's own config (cont
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from pathlib import Path
 
@@ -96,8 +97,9 @@ class ConfigError(ValueError):
 
 
 def _check(ok: bool, field: str, value, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+    if not ok:  # true / false / null as written in YAML and on the command line, not Python's True / None
+        shown = json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+        raise ConfigError(f"{field}={shown} is not allowed: {allowed}")
 
 
 def _check_int(value, field: str, minimum: int, meaning: str = "") -> None:
@@ -204,14 +206,10 @@ def check_kernels(cfg: DictConfig) -> None:
          f"{attn} it at auto (which means flash there) or flash"),
     ):  # fmt: skip
         _check(not (kernels == "batch_invariant" and bad), field, got, leave)
-    if kernels == "batch_invariant":
-        _check(
-            cfg.trainer.get("accelerator", "cpu") in ("cpu", "auto"),
-            "kernels",
-            kernels,
-            f"batch-invariant kernels cover the CPU only (trainer.accelerator={cfg.trainer.get('accelerator')!r}); "
-            "on CUDA use Thinking Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1",
-        )
+    accelerator = cfg.trainer.get("accelerator", "cpu")
+    _check(kernels != "batch_invariant" or accelerator in ("cpu", "auto"), "kernels", kernels,
+           f"batch-invariant kernels cover the CPU only (trainer.accelerator={accelerator!r}); on CUDA use Thinking "
+           "Machines' batch_invariant_ops or vLLM's VLLM_BATCH_INVARIANT=1")  # fmt: skip
 
 
 def check_dtypes(cfg: DictConfig) -> None:

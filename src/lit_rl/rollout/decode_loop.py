@@ -61,7 +61,9 @@ class DecodeLoop:
                 f"temperature {params.temperature} + temperature_offset {engine.temperature_offset} must be > 0"
             )
         # plain sampling (nothing that needs every log-prob) through ``kernels.sampling`` where the engine turns it on
-        self.plain = self.sampling and not self.noisy and not params.top_k and params.top_p >= 1.0 and not self.width
+        needs = (("logit noise", self.noisy), ("top-k", params.top_k), ("top-p", params.top_p < 1.0),
+                 ("recorded top-k log-probs or tail samples", self.width))  # fmt: skip
+        self.needs_torch = " and ".join(name for name, on in needs if on)  # what needs every log-prob, if anything
         self.fed_tokens = 0  # real ids (no padding) the last ``_prefill_rows`` fed
         self.stop = torch.tensor(engine.stop_token_ids, device=self.device)
         # per row (N rows, S = max_new_tokens columns)
@@ -272,6 +274,10 @@ class DecodeLoop:
             contexts = list(distinct)
         prefix = common_prefix(contexts) if self.engine.prefix_sharing and not is_hybrid(self.engine.model) else 0
         if prefix:  # a chat template's shared opening fed once (``kv_continuation.common_prefix_prefill``)
+            if not self.engine.said_prefix:
+                self.engine.said_prefix = True
+                print(f"lit_rl: prefilling the {prefix} ids that {len(contexts)} distinct prompts open with once, "
+                      "each prompt's rest on top (said once)", flush=True)  # fmt: skip
             logits, cache, mask, position_ids, fed = common_prefix_prefill(self.engine, contexts, prefix, self.steps)
             self.counts["prefill_positions"] += fed["positions"]
             self.fed_tokens = fed["tokens"]
@@ -297,7 +303,7 @@ class DecodeLoop:
         """Sample each live row's next token from ``logits`` [B, V] (its own generator; greedy at temperature 0)
         and record it, its log-prob and the top-k head at the row's position. Returns the tokens [B] int64."""
         active, params = self.active, self.params
-        if self.plain and sampling_kernel.serves(logits) and self.engine.fused_sampling():
+        if self.sampling and sampling_kernel.serves(logits) and self.engine.fused_sampling(self.needs_torch):
             from .torch_engine import row_uniforms
 
             uniforms = row_uniforms([self.generators[int(row)] for row in active])

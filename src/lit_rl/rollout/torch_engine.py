@@ -268,7 +268,9 @@ class TorchEngine(InFlightSwaps):
         self.fused_sampler = fused_sampler
         # distinct prompts' shared opening (a chat template's) prefilled once (``kv_continuation.common_prefix``)
         self.prefix_sharing = True
+        self.said_prefix = False  # the shared-opening prefill said once
         self._fused_why: str | None = None  # None: not asked yet; "": the kernel runs; else why not
+        self._fused_said: set[str] = set()  # the sampling settings already said to keep torch's calls
         self._decode_dtypes: dict[tuple, tuple] = {}  # (threads, model) -> the dtypes the decode kernel serves
         self.kept: KeptCaches | None = None  # the KV kept inside ``kv_continuation``
         single_query.install()  # decode steps: a key/value head's query heads in one SDPA problem
@@ -420,11 +422,19 @@ class TorchEngine(InFlightSwaps):
         self.swap_totals[1] += self._swaps[1]
         return result
 
-    def fused_sampling(self) -> bool:
-        """Whether this rollout's plain sampling steps run ``kernels.sampling.sample`` (``DecodeLoop`` asks): never
-        under batch-invariant kernels or with ``fused_sampler`` false; else where the kernel builds (asked once,
-        printed). Raises RuntimeError for ``fused_sampler`` true where it cannot be built."""
+    def fused_sampling(self, needs_torch: str = "") -> bool:
+        """Whether this rollout's sampling steps run ``kernels.sampling.sample`` (``DecodeLoop`` asks at each step):
+        never under batch-invariant kernels or with ``fused_sampler`` false; not where ``needs_torch`` names what in
+        the rollout's sampling needs every log-prob (top-k, a recorded head...: printed once per reason); else where
+        the kernel builds (asked once, printed). Raises RuntimeError for ``fused_sampler`` true where it cannot be
+        built."""
         if self.fused_sampler is False or BatchInvariantMode._active is not None:
+            return False
+        if needs_torch:
+            if needs_torch not in self._fused_said:
+                self._fused_said.add(needs_torch)
+                print(f"lit_rl: engine.fused_sampler={str(self.fused_sampler).lower()}: torch's sampling calls for "
+                      f"rollouts with {needs_torch} (they need every log-prob)", flush=True)  # fmt: skip
             return False
         if self._fused_why is None:
             self._fused_why = why = sampling_kernel.available()
