@@ -157,3 +157,19 @@ def test_engine_refuses_another_fused_sampler_value(tiny):
 def test_config_refuses_a_fused_sampler_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose_config("model=tiny", "engine=torch", *overrides))
+
+
+def test_nan_logits_in_a_rollout_fall_back_to_torchs_calls_on_the_same_draws(tiny):
+    """A NaN logit (a diverged model) does not stop the rollout: that step runs torch's calls with the uniforms the
+    kernel was given, as a run without the kernel would (its NaN log-prob then makes a non-finite loss, whose update
+    is skipped and counted)."""
+    model, tok = tiny
+    prompts = chat_prompts(tok, ["What is 1 + 2?", "Hi"])
+    engine = TorchEngine(model, tok.pad_token_id, [tok.eos_token_id])
+    handle = model.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([7]), float("nan")))
+    try:
+        on, off = rollouts(engine, prompts, "auto"), rollouts(engine, prompts, False)
+    finally:
+        handle.remove()
+    assert torch.equal(on.response_ids, off.response_ids)
+    assert torch.isnan(on.rollout_logprobs[on.response_mask]).all()

@@ -303,12 +303,17 @@ class DecodeLoop:
         """Sample each live row's next token from ``logits`` [B, V] (its own generator; greedy at temperature 0)
         and record it, its log-prob and the top-k head at the row's position. Returns the tokens [B] int64."""
         active, params = self.active, self.params
+        gens = [self.generators[int(row)] for row in active] if self.sampling else []
+        next_tok = uniforms = None
         if self.sampling and sampling_kernel.serves(logits) and self.engine.fused_sampling(self.needs_torch):
             from .torch_engine import row_uniforms
 
-            uniforms = row_uniforms([self.generators[int(row)] for row in active])
-            next_tok, chosen = sampling_kernel.sample(logits, uniforms, self.temperature)
-        else:
+            uniforms = row_uniforms(gens)
+            try:
+                next_tok, chosen = sampling_kernel.sample(logits, uniforms, self.temperature)
+            except ValueError:  # a NaN or +inf logit: torch's calls on the same uniforms, as without the kernel
+                next_tok = None  # (a NaN log-prob then makes a non-finite loss, whose update is skipped and counted)
+        if next_tok is None:
             if self.sampling:
                 if self.noisy:
                     from .torch_engine import add_logit_noise
@@ -318,7 +323,7 @@ class DecodeLoop:
                 logp = process_logits(logits, self.temperature, params.top_k, params.top_p)
                 from .torch_engine import sample_rows
 
-                next_tok = sample_rows(logp, [self.generators[int(row)] for row in active])
+                next_tok = sample_rows(logp, gens, uniforms)
             else:
                 logp = process_logits(logits, 1.0)
                 next_tok = logp.argmax(-1)

@@ -131,13 +131,14 @@ def row_uniforms(generators: list[torch.Generator], device=None) -> Tensor:
     return torch.stack([torch.rand((), generator=g, device=device) for g in generators])
 
 
-def sample_rows(logp: Tensor, generators: list[torch.Generator]) -> Tensor:
+def sample_rows(logp: Tensor, generators: list[torch.Generator], uniforms: Tensor | None = None) -> Tensor:
     """Draw one token per row of ``logp`` [B, V] (float32 log-probs) by inverse CDF.
 
     Each row uses one uniform from its own generator, so a row's token depends only on its own
-    distribution and seed, not on the other rows in the batch. Returns [B] int64.
+    distribution and seed, not on the other rows in the batch; ``uniforms`` [B]: those already drawn
+    (``row_uniforms``), then none is drawn here. Returns [B] int64.
     """
-    u = row_uniforms(generators, logp.device)
+    u = row_uniforms(generators, logp.device) if uniforms is None else uniforms.to(logp.device)
     cdf = logp.exp().cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     idx = idx.clamp(max=logp.shape[-1] - 1)
