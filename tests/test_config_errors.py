@@ -99,6 +99,11 @@ def cfg_for(*overrides):
             ["kernels.fp32_gemm=mkl"],
             r"kernels.fp32_gemm='mkl' is not allowed: choose one of \['auto', 'aten', 'onednn'\]",
         ),
+        (["engine.fused_sampler=yes"], r"engine.fused_sampler='yes' is not allowed: choose auto, true or false"),
+        (
+            ["engine=torch", "kernels=batch_invariant", "engine.fused_sampler=true"],
+            r"engine.fused_sampler=true is not allowed: kernels=batch_invariant samples with torch's calls",
+        ),
         (
             ["engine=torch", "kernels=batch_invariant", "kernels.fp32_gemm=onednn"],
             r"kernels.fp32_gemm='onednn' is not allowed: kernels=batch_invariant runs every product through its own",

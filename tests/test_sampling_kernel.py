@@ -6,9 +6,8 @@ sampling, not under batch-invariant kernels)."""
 
 import pytest
 import torch
-from helpers import chat_prompts, compose_config
+from helpers import chat_prompts
 
-from lit_rl.config import ConfigError, validate
 from lit_rl.kernels import kernel_mode, sampling
 from lit_rl.logprobs import process_logits
 from lit_rl.rollout.torch_engine import TorchEngine, row_uniforms, sample_rows
@@ -142,21 +141,6 @@ def test_engine_refuses_another_fused_sampler_value(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="engine.fused_sampler must be auto, true or false, got 'yes'"):
         TorchEngine(model, tok.pad_token_id, [], fused_sampler="yes")
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        (["engine.fused_sampler=yes"], r"engine.fused_sampler='yes' is not allowed: choose auto, true or false"),
-        (
-            ["kernels=batch_invariant", "engine.fused_sampler=true"],
-            r"engine.fused_sampler=true is not allowed: kernels=batch_invariant samples with torch's calls",
-        ),
-    ],
-)
-def test_config_refuses_a_fused_sampler_it_cannot_run(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        validate(compose_config("model=tiny", "engine=torch", *overrides))
 
 
 def test_nan_logits_in_a_rollout_fall_back_to_torchs_calls_on_the_same_draws(tiny):

@@ -36,6 +36,12 @@ from torch import Tensor
 DTYPES = (torch.bfloat16, torch.float32)
 
 
+def check_setting(setting) -> None:
+    """Raise ValueError naming ``engine.fused_sampler`` for a value other than auto, true or false."""
+    if not (setting == "auto" or isinstance(setting, bool)):
+        raise ValueError(f"engine.fused_sampler must be auto, true or false, got {setting!r}")
+
+
 def available() -> str:
     """ "" when ``torch.ops.lit_rl.sample_next`` is usable (``decode_attention.build``: compiled on first use where a
     C++ toolchain is), else why not."""

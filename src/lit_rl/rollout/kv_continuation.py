@@ -27,6 +27,7 @@ re-prefills its episode (as engines without the session, e.g. vLLM, do).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -152,9 +153,7 @@ def common_prefix(contexts: list[tuple[int, ...]]) -> int:
     (B x the longest context) or fewer than ``PREFIX_MIN_POSITIONS``."""
     if len(contexts) < 2:
         return 0
-    first, n = contexts[0], min(len(c) for c in contexts) - 1
-    for c in contexts[1:]:
-        n = next((i for i in range(n) if c[i] != first[i]), n)
+    n = min(len(os.path.commonprefix(contexts)), min(len(c) for c in contexts) - 1)
     longest = max(len(c) for c in contexts)
     saved = len(contexts) * longest - (n + len(contexts) * (longest - n))
     worth = saved >= max(PREFIX_MIN_SAVING * len(contexts) * longest, PREFIX_MIN_POSITIONS)

@@ -264,8 +264,7 @@ class TorchEngine(InFlightSwaps):
         self.llama_step = DecodeParity()
         decode_kernel.check_setting(decode_attention)
         self.decode_attention = decode_attention
-        if fused_sampler not in ("auto", True, False):
-            raise ValueError(f"engine.fused_sampler must be auto, true or false, got {fused_sampler!r}")
+        sampling_kernel.check_setting(fused_sampler)
         self.fused_sampler = fused_sampler
         # distinct prompts' shared opening (a chat template's) prefilled once (``kv_continuation.common_prefix``)
         self.prefix_sharing = True
