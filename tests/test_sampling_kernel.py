@@ -8,12 +8,13 @@ import pytest
 import torch
 from helpers import chat_prompts
 
-from lit_rl.kernels import kernel_mode, sampling
+from lit_rl.kernels import decode_attention, kernel_mode, sampling
 from lit_rl.logprobs import process_logits
 from lit_rl.rollout.torch_engine import TorchEngine, row_uniforms, sample_rows
 from lit_rl.rollout.types import SamplingConfig
 
-pytestmark = pytest.mark.skipif(bool(sampling.available()), reason="lit_rl's kernels are not built here")
+# skipped only without a C++ toolchain: a build that fails where one is present fails these tests (sample raises)
+pytestmark = pytest.mark.skipif(bool(decode_attention.toolchain_missing()), reason="no C++ toolchain")
 
 NEG_INF = float("-inf")
 
